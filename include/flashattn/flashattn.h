@@ -1,0 +1,122 @@
+/*
+ * flashattn C ABI: exact, memory-efficient attention (FlashAttention) for training.
+ *
+ * This header is the stable contract that other languages bind to. It uses no C++ types, and no
+ * function declared here throws, aborts or exits: every failure comes back as a non-zero status,
+ * with a human-readable message from flashattn_last_error() (thread-local, valid until the next
+ * call on the same thread).
+ *
+ * Tensors are non-owning views. Logical shapes:
+ *   q, out, dout, dq : ndim 4, [B, Hq, Sq, D]
+ *   k, v, dk, dv     : ndim 4, [B, Hkv, Skv, D]      (Hkv divides Hq; query head h reads kv head
+ *                                                      h / (Hq / Hkv): GQA / MQA)
+ *   lse              : ndim 3, [B, Hq, Sq], always float32, natural log
+ * Strides are in elements, one per logical dimension, so [B,H,S,D] and [B,S,H,D] memory layouts
+ * (or any other) work without copies. The head_dim stride must be 1.
+ *
+ * Semantics: S = softmax_scale * Q K^T, masked; P = softmax(S) per row; O = P V;
+ * lse = log(sum_j exp(S_ij)). A row that sees no key gets O = 0, lse = -inf, zero gradients.
+ * Accumulation is float32 for float32/float16/bfloat16 inputs (float64 for float64 inputs).
+ * Results are deterministic: bitwise identical run to run and for any thread count.
+ */
+#ifndef FLASHATTN_FLASHATTN_H
+#define FLASHATTN_FLASHATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FLASHATTN_API __declspec(dllexport)
+#else
+#define FLASHATTN_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FLASHATTN_VERSION_MAJOR 0
+#define FLASHATTN_VERSION_MINOR 1
+#define FLASHATTN_VERSION_PATCH 0
+
+/* dtype codes */
+#define FLASHATTN_FLOAT32 0
+#define FLASHATTN_FLOAT16 1
+#define FLASHATTN_BFLOAT16 2
+#define FLASHATTN_FLOAT64 3 /* CPU only: for gradient checking in double precision */
+
+/* device codes: -1 is the CPU; n >= 0 is CUDA device n */
+#define FLASHATTN_CPU (-1)
+
+/* mask codes */
+#define FLASHATTN_MASK_NONE 0
+#define FLASHATTN_MASK_CAUSAL_TOP_LEFT 1     /* key j visible to query i when j <= i */
+#define FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT 2 /* key j visible to query i when j <= i + Skv - Sq */
+
+/* precision codes: how float32 inputs are multiplied on CUDA (ignored elsewhere) */
+#define FLASHATTN_PRECISION_FP32 0 /* default: as accurate as plain float32 arithmetic */
+#define FLASHATTN_PRECISION_TF32 1 /* opt-in: TF32 tensor cores, about 1e-3 relative error */
+
+/* status codes */
+#define FLASHATTN_OK 0
+#define FLASHATTN_ERROR_INVALID_ARGUMENT 1 /* bad shape, dtype, stride, pointer, aliasing, ... */
+#define FLASHATTN_ERROR_UNSUPPORTED 2      /* valid, but no backend in this build serves it */
+#define FLASHATTN_ERROR_BACKEND 3          /* a CUDA call or launch failed */
+#define FLASHATTN_ERROR_OUT_OF_MEMORY 4    /* workspace allocation failed */
+#define FLASHATTN_ERROR_INTERNAL 5         /* a bug: please report the message */
+
+typedef struct {
+  void* data;
+  int32_t dtype;
+  int32_t device;
+  int32_t ndim;
+  int64_t shape[4];
+  int64_t stride[4];
+} flashattn_tensor;
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(flashattn_options) as the caller knows it: the struct grows
+                           compatibly by appending fields; fields past struct_size take defaults */
+  float softmax_scale;  /* 0 means 1/sqrt(D) */
+  int32_t mask;         /* FLASHATTN_MASK_* */
+  void* stream;         /* CUDA stream (cudaStream_t); NULL = the default stream */
+  /* ---- end of version 1 (FLASHATTN_OPTIONS_V1_SIZE) ---- */
+  int32_t num_threads; /* CPU worker threads; 0 = all hardware threads. Results do not depend on it */
+  int32_t precision;   /* FLASHATTN_PRECISION_*; 0 = fp32-accurate */
+} flashattn_options;
+
+#define FLASHATTN_OPTIONS_V1_SIZE 24u
+
+/* Fills *opts with defaults (struct_size = sizeof, everything else 0 / NULL). */
+FLASHATTN_API void flashattn_options_init(flashattn_options* opts);
+
+/* Forward: out [B,Hq,Sq,D] (dtype of q), lse [B,Hq,Sq] float32. opts may be NULL (defaults). */
+FLASHATTN_API int flashattn_forward(const flashattn_tensor* q, const flashattn_tensor* k,
+                                    const flashattn_tensor* v, const flashattn_tensor* out,
+                                    const flashattn_tensor* lse, const flashattn_options* opts);
+
+/* Backward: from dout, out and lse (as returned by the forward, same options) computes dq, dk, dv.
+ * dk and dv are summed over the query heads sharing a kv head. Outputs are overwritten. */
+FLASHATTN_API int flashattn_backward(const flashattn_tensor* q, const flashattn_tensor* k,
+                                     const flashattn_tensor* v, const flashattn_tensor* out,
+                                     const flashattn_tensor* dout, const flashattn_tensor* lse,
+                                     const flashattn_tensor* dq, const flashattn_tensor* dk,
+                                     const flashattn_tensor* dv, const flashattn_options* opts);
+
+/* The message of the last failed call on this thread; "" after a successful call. Never NULL. */
+FLASHATTN_API const char* flashattn_last_error(void);
+
+/* Static name of a status code ("ok", "invalid argument", ...). Never NULL. */
+FLASHATTN_API const char* flashattn_status_string(int status);
+
+/* "major.minor.patch" of the library actually loaded. */
+FLASHATTN_API const char* flashattn_version(void);
+
+/* 1 when this build has the CUDA backend and at least one CUDA device is usable, else 0. */
+FLASHATTN_API int flashattn_cuda_available(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLASHATTN_FLASHATTN_H */

@@ -1,0 +1,101 @@
+// flashattn C++ API: exact, memory-efficient attention (FlashAttention) for training.
+//
+// The same semantics as the C ABI in flashattn.h (read its header comment for shapes, layouts and
+// masks); here tensors are views, options a struct with defaults, and errors exceptions whose
+// messages name the argument and the offending values. Nothing is written to any output before
+// every argument has been validated.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "flashattn/flashattn.h"
+
+namespace flashattn {
+
+enum class DType : int32_t {
+  Float32 = FLASHATTN_FLOAT32,
+  Float16 = FLASHATTN_FLOAT16,
+  BFloat16 = FLASHATTN_BFLOAT16,
+  Float64 = FLASHATTN_FLOAT64,  // CPU only
+};
+
+enum class Mask : int32_t {
+  None = FLASHATTN_MASK_NONE,
+  CausalTopLeft = FLASHATTN_MASK_CAUSAL_TOP_LEFT,          // j <= i
+  CausalBottomRight = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT,  // j <= i + Skv - Sq
+};
+
+enum class Precision : int32_t {
+  Fp32 = FLASHATTN_PRECISION_FP32,  // as accurate as plain float32 arithmetic (default)
+  Tf32 = FLASHATTN_PRECISION_TF32,  // TF32 tensor cores on CUDA, ~1e-3 relative error
+};
+
+enum class Status : int {
+  Ok = FLASHATTN_OK,
+  InvalidArgument = FLASHATTN_ERROR_INVALID_ARGUMENT,
+  Unsupported = FLASHATTN_ERROR_UNSUPPORTED,
+  Backend = FLASHATTN_ERROR_BACKEND,
+  OutOfMemory = FLASHATTN_ERROR_OUT_OF_MEMORY,
+  Internal = FLASHATTN_ERROR_INTERNAL,
+};
+
+constexpr int32_t kCpu = FLASHATTN_CPU;
+
+// Every failure is a flashattn::Error; status() tells the kind.
+class FLASHATTN_API Error : public std::runtime_error {
+ public:
+  Error(Status status, const std::string& message);
+  Status status() const noexcept { return status_; }
+
+ private:
+  Status status_;
+};
+
+// A non-owning view of a strided tensor (strides in elements, one per dimension).
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::Float32;
+  int32_t device = kCpu;
+  int32_t ndim = 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  // Contiguous views in the library's logical order.
+  static Tensor contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2, int64_t d3,
+                           int32_t device = kCpu);
+  static Tensor contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2,
+                           int32_t device = kCpu);
+  // [B, H, S, D] logical view of memory laid out as [B, S, H, D] (FlashAttention's layout).
+  static Tensor bshd(void* data, DType dtype, int64_t b, int64_t h, int64_t s, int64_t d,
+                     int32_t device = kCpu);
+};
+
+struct Options {
+  float softmax_scale = 0.0f;  // 0 means 1/sqrt(D)
+  Mask mask = Mask::None;
+  void* stream = nullptr;      // cudaStream_t; nullptr = default stream
+  int32_t num_threads = 0;     // CPU threads; 0 = all hardware threads
+  Precision precision = Precision::Fp32;
+};
+
+// out [B,Hq,Sq,D], lse [B,Hq,Sq] float32.
+FLASHATTN_API void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                           const Tensor& lse, const Options& options = {});
+
+// dq, dk, dv from dout, out and lse; options must match the forward's.
+FLASHATTN_API void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                            const Tensor& dout, const Tensor& lse, const Tensor& dq,
+                            const Tensor& dk, const Tensor& dv, const Options& options = {});
+
+// Bytes per element of a dtype.
+FLASHATTN_API int64_t dtype_size(DType dtype);
+FLASHATTN_API const char* dtype_name(DType dtype);
+FLASHATTN_API const char* mask_name(Mask mask);
+
+// Build and run-time facts for `flashattn info`: backends, CPU features, kernels.
+FLASHATTN_API std::string build_info();
+FLASHATTN_API bool cuda_available();
+
+}  // namespace flashattn

@@ -1,0 +1,115 @@
+// The C++ API: validate, build params, hand them to exactly one backend.
+#include <sstream>
+
+#include "core/backend.hpp"
+#include "core/validate.hpp"
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn {
+
+Error::Error(Status status, const std::string& message)
+    : std::runtime_error(message), status_(status) {}
+
+int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return 4;
+    case DType::Float16: return 2;
+    case DType::BFloat16: return 2;
+    case DType::Float64: return 8;
+  }
+  return 1;  // unknown codes are rejected by validation before sizes matter
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return "float32";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float64: return "float64";
+  }
+  return "unknown";
+}
+
+const char* mask_name(Mask mask) {
+  switch (mask) {
+    case Mask::None: return "none";
+    case Mask::CausalTopLeft: return "causal_top_left";
+    case Mask::CausalBottomRight: return "causal_bottom_right";
+  }
+  return "unknown";
+}
+
+Tensor Tensor::contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2, int64_t d3,
+                          int32_t device) {
+  Tensor t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = 4;
+  int64_t s[4] = {d0, d1, d2, d3};
+  int64_t st = 1;
+  for (int i = 3; i >= 0; --i) {
+    t.shape[i] = s[i];
+    t.stride[i] = st;
+    st *= s[i];
+  }
+  return t;
+}
+
+Tensor Tensor::contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2,
+                          int32_t device) {
+  Tensor t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = 3;
+  t.shape[0] = d0;
+  t.shape[1] = d1;
+  t.shape[2] = d2;
+  t.stride[2] = 1;
+  t.stride[1] = d2;
+  t.stride[0] = d1 * d2;
+  return t;
+}
+
+Tensor Tensor::bshd(void* data, DType dtype, int64_t b, int64_t h, int64_t s, int64_t d,
+                    int32_t device) {
+  Tensor t = contiguous(data, dtype, b, h, s, d, device);
+  t.stride[3] = 1;
+  t.stride[1] = d;
+  t.stride[2] = h * d;
+  t.stride[0] = s * h * d;
+  return t;
+}
+
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+             const Tensor& lse, const Options& options) {
+  ForwardParams p = make_forward_params(q, k, v, out, lse, options);
+  if (p.exec.device < 0)
+    cpu::forward(p);
+  else
+    cuda::forward(p);
+}
+
+void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+              const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+              const Tensor& dv, const Options& options) {
+  BackwardParams p = make_backward_params(q, k, v, out, dout, lse, dq, dk, dv, options);
+  if (p.exec.device < 0)
+    cpu::backward(p);
+  else
+    cuda::backward(p);
+}
+
+bool cuda_available() { return cuda::available(); }
+
+std::string build_info() {
+  std::ostringstream os;
+  os << "flashattn " << FLASHATTN_VERSION_MAJOR << "." << FLASHATTN_VERSION_MINOR << "."
+     << FLASHATTN_VERSION_PATCH << "\n";
+  os << "cpu backend: " << cpu::describe() << "\n";
+  os << "cuda backend: " << cuda::describe() << "\n";
+  return os.str();
+}
+
+}  // namespace flashattn

@@ -1,0 +1,26 @@
+// The interface every backend implements. api.cpp validates, builds the params and calls exactly
+// one backend; a backend reports problems it cannot serve by throwing Error(Status::Unsupported).
+#pragma once
+
+#include <string>
+
+#include "core/params.hpp"
+
+namespace flashattn {
+namespace cpu {
+void forward(const ForwardParams& p);
+void backward(const BackwardParams& p);
+std::string describe();  // ISA chosen at run time, threads, kernels
+}  // namespace cpu
+
+namespace cuda {
+bool built();      // false when the library was built without CUDA
+bool available();  // built() and a device is usable
+void forward(const ForwardParams& p);
+void backward(const BackwardParams& p);
+std::string describe();
+// Checks that ptr is memory of CUDA device `device` (cudaPointerGetAttributes); throws
+// Error(InvalidArgument) naming `what` otherwise.
+void check_device_pointer(const void* ptr, int32_t device, const char* what);
+}  // namespace cuda
+}  // namespace flashattn

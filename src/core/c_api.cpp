@@ -1,0 +1,137 @@
+// The C ABI: a thin, exception-proof shell over the C++ API. Nothing escapes as an exception;
+// every failure becomes a status code plus a thread-local message.
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "flashattn/flashattn.h"
+#include "flashattn/flashattn.hpp"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int set_error(int status, const std::string& msg) {
+  try {
+    g_last_error = msg;
+  } catch (...) {
+    // Out of memory while storing the message: keep the status, lose the text.
+  }
+  return status;
+}
+
+template <class F>
+int guarded(F&& f) {
+  try {
+    f();
+    g_last_error.clear();
+    return FLASHATTN_OK;
+  } catch (const flashattn::Error& e) {
+    return set_error(static_cast<int>(e.status()), e.what());
+  } catch (const std::bad_alloc&) {
+    return set_error(FLASHATTN_ERROR_OUT_OF_MEMORY, "out of host memory");
+  } catch (const std::exception& e) {
+    return set_error(FLASHATTN_ERROR_INTERNAL, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return set_error(FLASHATTN_ERROR_INTERNAL, "internal error: unknown exception");
+  }
+}
+
+flashattn::Tensor to_tensor(const flashattn_tensor* t, const char* name) {
+  if (t == nullptr)
+    throw flashattn::Error(flashattn::Status::InvalidArgument,
+                           std::string(name) + " is NULL (a flashattn_tensor pointer is required)");
+  flashattn::Tensor r;
+  r.data = t->data;
+  r.dtype = static_cast<flashattn::DType>(t->dtype);
+  r.device = t->device;
+  r.ndim = t->ndim;
+  if (t->ndim < 0 || t->ndim > 4)
+    throw flashattn::Error(flashattn::Status::InvalidArgument,
+                           std::string(name) + ".ndim = " + std::to_string(t->ndim) +
+                               ", expected " + (std::strcmp(name, "lse") == 0 ? "3" : "4"));
+  for (int i = 0; i < 4; ++i) {
+    r.shape[i] = i < t->ndim ? t->shape[i] : 0;
+    r.stride[i] = i < t->ndim ? t->stride[i] : 0;
+  }
+  return r;
+}
+
+flashattn::Options to_options(const flashattn_options* o) {
+  flashattn::Options r;
+  if (o == nullptr) return r;
+  if (o->struct_size < FLASHATTN_OPTIONS_V1_SIZE)
+    throw flashattn::Error(flashattn::Status::InvalidArgument,
+                           "opts->struct_size = " + std::to_string(o->struct_size) +
+                               " is too small (at least " +
+                               std::to_string(FLASHATTN_OPTIONS_V1_SIZE) +
+                               "; set it to sizeof(flashattn_options) or call "
+                               "flashattn_options_init)");
+  // Read only the fields the caller's struct has: newer fields keep their defaults.
+  auto has = [&](size_t offset, size_t size) { return o->struct_size >= offset + size; };
+  r.softmax_scale = o->softmax_scale;
+  r.mask = static_cast<flashattn::Mask>(o->mask);
+  r.stream = o->stream;
+  if (has(offsetof(flashattn_options, num_threads), sizeof(int32_t))) r.num_threads = o->num_threads;
+  if (has(offsetof(flashattn_options, precision), sizeof(int32_t)))
+    r.precision = static_cast<flashattn::Precision>(o->precision);
+  return r;
+}
+
+}  // namespace
+
+extern "C" {
+
+void flashattn_options_init(flashattn_options* opts) {
+  if (opts == nullptr) return;
+  std::memset(opts, 0, sizeof(*opts));
+  opts->struct_size = sizeof(flashattn_options);
+}
+
+int flashattn_forward(const flashattn_tensor* q, const flashattn_tensor* k,
+                      const flashattn_tensor* v, const flashattn_tensor* out,
+                      const flashattn_tensor* lse, const flashattn_options* opts) {
+  return guarded([&] {
+    flashattn::forward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
+                       to_tensor(out, "out"), to_tensor(lse, "lse"), to_options(opts));
+  });
+}
+
+int flashattn_backward(const flashattn_tensor* q, const flashattn_tensor* k,
+                       const flashattn_tensor* v, const flashattn_tensor* out,
+                       const flashattn_tensor* dout, const flashattn_tensor* lse,
+                       const flashattn_tensor* dq, const flashattn_tensor* dk,
+                       const flashattn_tensor* dv, const flashattn_options* opts) {
+  return guarded([&] {
+    flashattn::backward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
+                        to_tensor(out, "out"), to_tensor(dout, "dout"), to_tensor(lse, "lse"),
+                        to_tensor(dq, "dq"), to_tensor(dk, "dk"), to_tensor(dv, "dv"),
+                        to_options(opts));
+  });
+}
+
+const char* flashattn_last_error(void) { return g_last_error.c_str(); }
+
+const char* flashattn_status_string(int status) {
+  switch (status) {
+    case FLASHATTN_OK: return "ok";
+    case FLASHATTN_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case FLASHATTN_ERROR_UNSUPPORTED: return "unsupported";
+    case FLASHATTN_ERROR_BACKEND: return "backend error";
+    case FLASHATTN_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case FLASHATTN_ERROR_INTERNAL: return "internal error";
+    default: return "unknown status";
+  }
+}
+
+const char* flashattn_version(void) { return "0.1.0"; }
+
+int flashattn_cuda_available(void) {
+  try {
+    return flashattn::cuda_available() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,342 @@
+#include "core/validate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "core/backend.hpp"
+
+namespace flashattn {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+[[noreturn]] void fail(const std::string& msg) { throw Error(Status::InvalidArgument, msg); }
+
+struct Named {
+  const Tensor* t;
+  const char* name;
+};
+
+bool valid_dtype(DType d) {
+  auto c = static_cast<int32_t>(d);
+  return c >= FLASHATTN_FLOAT32 && c <= FLASHATTN_FLOAT64;
+}
+
+std::string dtype_str(DType d) {
+  return valid_dtype(d) ? dtype_name(d) : "code " + std::to_string(static_cast<int32_t>(d));
+}
+
+std::string device_str(int32_t dev) { return dev < 0 ? "cpu" : "cuda:" + std::to_string(dev); }
+
+// Basic facts of one tensor: ndim, positive shape, non-negative strides, unit head_dim stride,
+// index arithmetic that fits in int64, pointer present and aligned.
+void check_tensor(const Named& n, int32_t want_ndim) {
+  const Tensor& t = *n.t;
+  if (t.ndim != want_ndim)
+    fail(std::string(n.name) + ".ndim = " + std::to_string(t.ndim) + ", expected " +
+         std::to_string(want_ndim) + (want_ndim == 4 ? " ([B, H, S, D])" : " ([B, H, Sq])"));
+  if (t.data == nullptr) fail(std::string(n.name) + ".data is NULL");
+  if (!valid_dtype(t.dtype))
+    fail(std::string(n.name) + ".dtype = " + dtype_str(t.dtype) +
+         " is not a flashattn dtype (0 float32, 1 float16, 2 bfloat16, 3 float64)");
+  if (t.device < -1)
+    fail(std::string(n.name) + ".device = " + std::to_string(t.device) +
+         " is invalid (-1 for the CPU, n >= 0 for CUDA device n)");
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] <= 0)
+      fail(std::string(n.name) + ".shape = " + format_dims(t.shape, t.ndim) +
+           " has a zero-size or negative dimension " + std::to_string(i));
+    if (t.stride[i] < 0)
+      fail(std::string(n.name) + ".stride = " + format_dims(t.stride, t.ndim) +
+           " has a negative stride in dimension " + std::to_string(i) +
+           " (negative strides are not supported)");
+  }
+  if (want_ndim == 4 && t.shape[3] > 1 && t.stride[3] != 1)
+    fail(std::string(n.name) + ".stride[3] (head_dim) = " + std::to_string(t.stride[3]) +
+         ", must be 1 (the head dimension must be contiguous); stride = " +
+         format_dims(t.stride, t.ndim));
+  // Element count and the largest byte offset must fit in int64 (and every product on the way).
+  int64_t elems = 1, max_off = 0;
+  const int64_t es = dtype_size(t.dtype);
+  for (int i = 0; i < t.ndim; ++i) {
+    int64_t term = 0;
+    if (__builtin_mul_overflow(elems, t.shape[i], &elems) ||
+        __builtin_mul_overflow(t.shape[i] - 1, t.stride[i], &term) ||
+        __builtin_add_overflow(max_off, term, &max_off))
+      fail(std::string(n.name) + " with shape " + format_dims(t.shape, t.ndim) + " and stride " +
+           format_dims(t.stride, t.ndim) + " is too large: its index arithmetic overflows int64");
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(max_off + 1, es, &bytes) ||
+      __builtin_add_overflow(bytes, static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data) & 0xffff), &bytes))
+    fail(std::string(n.name) + " with shape " + format_dims(t.shape, t.ndim) + " and stride " +
+         format_dims(t.stride, t.ndim) + " is too large: its byte extent overflows int64");
+  if (reinterpret_cast<uintptr_t>(t.data) % static_cast<uintptr_t>(es) != 0) {
+    std::ostringstream os;
+    os << n.name << ".data = " << t.data << " is not aligned to its element size (" << es
+       << " bytes for " << dtype_name(t.dtype) << ")";
+    fail(os.str());
+  }
+}
+
+void expect_dim(const Named& n, int dim, int64_t want, const char* what, const Named& ref,
+                int ref_dim) {
+  if (n.t->shape[dim] != want)
+    fail(std::string(n.name) + ".shape[" + std::to_string(dim) + "] (" + what + ") = " +
+         std::to_string(n.t->shape[dim]) + " does not match " + ref.name + ".shape[" +
+         std::to_string(ref_dim) + "] = " + std::to_string(want) + " (" + n.name + ".shape = " +
+         format_dims(n.t->shape, n.t->ndim) + ", " + ref.name + ".shape = " +
+         format_dims(ref.t->shape, ref.t->ndim) + ")");
+}
+
+void expect_same_shape(const Named& n, const Named& ref) {
+  static const char* what4[] = {"batch", "heads", "seq", "head_dim"};
+  for (int i = 0; i < ref.t->ndim; ++i) expect_dim(n, i, ref.t->shape[i], what4[i], ref, i);
+}
+
+// Byte interval [lo, hi) touched by a tensor.
+struct Span {
+  uintptr_t lo, hi;
+};
+Span span_of(const Tensor& t) {
+  int64_t max_off = 0;
+  for (int i = 0; i < t.ndim; ++i) max_off += (t.shape[i] - 1) * t.stride[i];
+  auto lo = reinterpret_cast<uintptr_t>(t.data);
+  return {lo, lo + static_cast<uintptr_t>((max_off + 1) * dtype_size(t.dtype))};
+}
+
+// Dimensions of size > 1 sorted by stride, ascending.
+std::vector<int> live_dims(const Tensor& t) {
+  std::vector<int> dims;
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 1) dims.push_back(i);
+  std::sort(dims.begin(), dims.end(), [&](int a, int b) { return t.stride[a] < t.stride[b]; });
+  return dims;
+}
+
+// True when the strides are "nested": each stride is larger than the span of all dims with
+// smaller strides. That proves that no two indices share an element.
+bool nested_strides(const Tensor& t) {
+  int64_t extent = 0;  // max offset reachable by the dims seen so far
+  for (int d : live_dims(t)) {
+    if (t.stride[d] <= extent) return false;
+    extent += (t.shape[d] - 1) * t.stride[d];
+  }
+  return true;
+}
+
+// Can `delta` (elements) be written as sum c_i * stride_i with |c_i| < shape_i? For nested
+// strides each dim, from the largest down, has at most two candidate digits, so this search is
+// exact and tiny. Used to tell interleaved views of one buffer (packed qkv / dqkv) apart from
+// real aliasing.
+bool reachable(const Tensor& t, const std::vector<int>& dims, int idx, int64_t delta) {
+  if (idx < 0) return delta == 0;
+  int d = dims[idx];
+  int64_t s = t.stride[d], n = t.shape[d];
+  int64_t rest = 0;
+  for (int i = 0; i < idx; ++i) rest += (t.shape[dims[i]] - 1) * t.stride[dims[i]];
+  // c in (-n, n) with |delta - c*s| <= rest
+  int64_t c0 = delta >= 0 ? delta / s : -((-delta) / s);
+  for (int64_t c = c0 - 1; c <= c0 + 1; ++c) {
+    if (c <= -n || c >= n) continue;
+    int64_t r = delta - c * s;
+    if (r > rest || r < -rest) continue;
+    if (reachable(t, dims, idx - 1, r)) return true;
+  }
+  return false;
+}
+
+// Do two tensors share at least one element? Exact when both have the same dtype, shape and
+// (nested) strides; conservative (interval overlap) otherwise.
+bool share_memory(const Tensor& a, const Tensor& b) {
+  Span sa = span_of(a), sb = span_of(b);
+  if (sa.hi <= sb.lo || sb.hi <= sa.lo) return false;
+  bool same_layout = a.dtype == b.dtype && a.ndim == b.ndim && nested_strides(a);
+  for (int i = 0; same_layout && i < a.ndim; ++i)
+    same_layout = a.shape[i] == b.shape[i] && a.stride[i] == b.stride[i];
+  if (!same_layout) return true;
+  auto diff = static_cast<int64_t>(sb.lo - sa.lo);  // two's complement difference
+  int64_t es = dtype_size(a.dtype);
+  if (diff % es != 0) return true;
+  std::vector<int> dims = live_dims(a);
+  return reachable(a, dims, static_cast<int>(dims.size()) - 1, diff / es);
+}
+
+void check_outputs(const std::vector<Named>& inputs, const std::vector<Named>& outputs) {
+  for (const Named& o : outputs)
+    if (!nested_strides(*o.t))
+      fail(std::string(o.name) + " has overlapping strides: shape " +
+           format_dims(o.t->shape, o.t->ndim) + ", stride " + format_dims(o.t->stride, o.t->ndim) +
+           " (an output must not write one element twice)");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (const Named& in : inputs)
+      if (share_memory(*outputs[i].t, *in.t))
+        fail(std::string("output ") + outputs[i].name + " aliases input " + in.name +
+             " (they share memory); outputs must not overlap inputs");
+    for (size_t j = i + 1; j < outputs.size(); ++j)
+      if (share_memory(*outputs[i].t, *outputs[j].t))
+        fail(std::string("outputs ") + outputs[i].name + " and " + outputs[j].name +
+             " overlap in memory");
+  }
+}
+
+void check_devices(const std::vector<Named>& all) {
+  const Named& first = all.front();
+  for (const Named& n : all)
+    if (n.t->device != first.t->device)
+      fail(std::string("tensors are on different devices: ") + first.name + " is on " +
+           device_str(first.t->device) + " but " + n.name + " is on " + device_str(n.t->device));
+  int32_t dev = first.t->device;
+  if (dev >= 0) {
+    if (!cuda::built())
+      throw Error(Status::Unsupported, std::string(first.name) + ".device = " +
+                                           std::to_string(dev) +
+                                           " (CUDA) but this build of flashattn has no CUDA backend");
+    for (const Named& n : all) cuda::check_device_pointer(n.t->data, dev, n.name);
+  } else if (cuda::available()) {
+    for (const Named& n : all) cuda::check_device_pointer(n.t->data, -1, n.name);
+  }
+}
+
+struct Common {
+  Shape shape;
+  Numerics num;
+  Exec exec;
+};
+
+Common check_common(const Named& q, const Named& k, const Named& v, const Named& lse,
+                    const std::vector<Named>& same_as_q, const Options& o) {
+  for (const Named& n : {q, k, v}) check_tensor(n, 4);
+  check_tensor(lse, 3);
+  for (const Named& n : same_as_q) check_tensor(n, 4);
+
+  // dtypes
+  for (const Named& n : {k, v})
+    if (n.t->dtype != q.t->dtype)
+      fail(std::string("expected q, k and v to have the same dtype, but got q.dtype: ") +
+           dtype_name(q.t->dtype) + ", " + n.name + ".dtype: " + dtype_name(n.t->dtype));
+  for (const Named& n : same_as_q)
+    if (n.t->dtype != q.t->dtype)
+      fail(std::string(n.name) + ".dtype = " + dtype_name(n.t->dtype) + " must equal q.dtype = " +
+           dtype_name(q.t->dtype));
+  if (lse.t->dtype != DType::Float32)
+    fail(std::string(lse.name) + ".dtype = " + dtype_name(lse.t->dtype) +
+         ", expected float32 (the log-sum-exp is always float32)");
+
+  // shapes
+  const int64_t B = q.t->shape[0], Hq = q.t->shape[1], Sq = q.t->shape[2], D = q.t->shape[3];
+  const int64_t Hkv = k.t->shape[1], Skv = k.t->shape[2];
+  expect_dim(k, 0, B, "batch", q, 0);
+  expect_dim(k, 3, D, "head_dim", q, 3);
+  expect_same_shape(v, k);
+  if (Hq % Hkv != 0)
+    fail("k.shape[1] (kv heads) = " + std::to_string(Hkv) + " does not divide q.shape[1] (query heads) = " +
+         std::to_string(Hq) + " (GQA needs Hq to be a multiple of Hkv)");
+  for (const Named& n : same_as_q) {
+    if (std::strcmp(n.name, "dk") == 0 || std::strcmp(n.name, "dv") == 0)
+      expect_same_shape(n, k);
+    else
+      expect_same_shape(n, q);
+  }
+  expect_dim(lse, 0, B, "batch", q, 0);
+  expect_dim(lse, 1, Hq, "heads", q, 1);
+  expect_dim(lse, 2, Sq, "seq_q", q, 2);
+  if (D > kMaxHeadDim)
+    throw Error(Status::Unsupported, "q.shape[3] (head_dim) = " + std::to_string(D) +
+                                         " is not supported (head_dim must be 1.." +
+                                         std::to_string(kMaxHeadDim) + ")");
+
+  // options
+  auto mask = static_cast<int32_t>(o.mask);
+  if (mask < FLASHATTN_MASK_NONE || mask > FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT)
+    fail("options.mask = " + std::to_string(mask) +
+         " is unknown (0 none, 1 causal top-left, 2 causal bottom-right)");
+  auto prec = static_cast<int32_t>(o.precision);
+  if (prec != FLASHATTN_PRECISION_FP32 && prec != FLASHATTN_PRECISION_TF32)
+    fail("options.precision = " + std::to_string(prec) + " is unknown (0 fp32, 1 tf32)");
+  if (!std::isfinite(o.softmax_scale)) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
+    fail(os.str());
+  }
+  if (o.num_threads < 0)
+    fail("options.num_threads = " + std::to_string(o.num_threads) +
+         " is negative (0 means all hardware threads)");
+
+  std::vector<Named> all = {q, k, v, lse};
+  all.insert(all.end(), same_as_q.begin(), same_as_q.end());
+  check_devices(all);
+  if (q.t->dtype == DType::Float64 && q.t->device >= 0)
+    throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
+                                         device_str(q.t->device) + ")");
+
+  Common c{};
+  c.shape = Shape{B, Hq, Hkv, Sq, Skv, D};
+  float scale = o.softmax_scale != 0.0f ? o.softmax_scale
+                                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision};
+  int32_t threads = o.num_threads;
+  if (threads == 0) threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  c.exec = Exec{q.t->device, o.stream, threads};
+  return c;
+}
+
+template <class P>
+P in4(const Tensor& t) {
+  return P{t.data, t.stride[0], t.stride[1], t.stride[2]};
+}
+
+}  // namespace
+
+std::string format_dims(const int64_t* dims, int32_t ndim) {
+  std::string s = "[";
+  for (int i = 0; i < ndim && i < 4; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ForwardParams make_forward_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& lse, const Options& options) {
+  Named nq{&q, "q"}, nk{&k, "k"}, nv{&v, "v"}, no{&out, "out"}, nl{&lse, "lse"};
+  Common c = check_common(nq, nk, nv, nl, {no}, options);
+  check_outputs({nq, nk, nv}, {no, nl});
+  ForwardParams p{};
+  p.shape = c.shape;
+  p.num = c.num;
+  p.exec = c.exec;
+  p.q = in4<In4>(q);
+  p.k = in4<In4>(k);
+  p.v = in4<In4>(v);
+  p.out = in4<Out4>(out);
+  p.lse = OutLse{static_cast<float*>(lse.data), lse.stride[0], lse.stride[1], lse.stride[2]};
+  return p;
+}
+
+BackwardParams make_backward_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& out, const Tensor& dout, const Tensor& lse,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                    const Options& options) {
+  Named nq{&q, "q"}, nk{&k, "k"}, nv{&v, "v"}, no{&out, "out"}, ndo{&dout, "dout"},
+      nl{&lse, "lse"}, ndq{&dq, "dq"}, ndk{&dk, "dk"}, ndv{&dv, "dv"};
+  Common c = check_common(nq, nk, nv, nl, {no, ndo, ndq, ndk, ndv}, options);
+  check_outputs({nq, nk, nv, no, ndo, nl}, {ndq, ndk, ndv});
+  BackwardParams p{};
+  p.shape = c.shape;
+  p.num = c.num;
+  p.exec = c.exec;
+  p.q = in4<In4>(q);
+  p.k = in4<In4>(k);
+  p.v = in4<In4>(v);
+  p.out = in4<In4>(out);
+  p.dout = in4<In4>(dout);
+  p.lse = InLse{static_cast<const float*>(lse.data), lse.stride[0], lse.stride[1], lse.stride[2]};
+  p.dq = in4<Out4>(dq);
+  p.dk = in4<Out4>(dk);
+  p.dv = in4<Out4>(dv);
+  return p;
+}
+
+}  // namespace flashattn

@@ -1,0 +1,23 @@
+// Hard validation of every public call, before anything is written.
+//
+// Turns user tensors and options into the params a backend trusts; every failure is an Error whose
+// message names the argument and the values, e.g.
+//   "k.shape[3] (head_dim) = 64 does not match q.shape[3] = 128".
+#pragma once
+
+#include "core/params.hpp"
+
+namespace flashattn {
+
+ForwardParams make_forward_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& lse, const Options& options);
+
+BackwardParams make_backward_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& out, const Tensor& dout, const Tensor& lse,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                    const Options& options);
+
+// "[2, 8, 128, 64]"
+std::string format_dims(const int64_t* dims, int32_t ndim);
+
+}  // namespace flashattn

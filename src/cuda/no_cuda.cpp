@@ -1,0 +1,22 @@
+// The CUDA backend's stand-in for builds without CUDA (FLASHATTN_CUDA=OFF or no nvcc).
+#include "core/backend.hpp"
+
+namespace flashattn::cuda {
+
+namespace {
+[[noreturn]] void not_built() {
+  throw Error(Status::Unsupported, "this build of flashattn has no CUDA backend");
+}
+}  // namespace
+
+bool built() { return false; }
+bool available() { return false; }
+void forward(const ForwardParams&) { not_built(); }
+void backward(const BackwardParams&) { not_built(); }
+std::string describe() { return "not built"; }
+void check_device_pointer(const void*, int32_t device, const char* what) {
+  if (device >= 0) not_built();
+  (void)what;
+}
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,177 @@
+#include "testing/problem.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+
+#include "core/half.hpp"
+
+namespace flashattn::testing {
+
+std::string ProblemConfig::describe() const {
+  std::ostringstream os;
+  os << "B=" << batch << " Hq=" << heads_q << " Hkv=" << heads_kv << " Sq=" << seq_q
+     << " Skv=" << seq_kv << " D=" << head_dim << " mask=" << mask_name(mask)
+     << " dtype=" << dtype_name(dtype) << " layout=" << layout_name(layout) << " seed=" << seed;
+  return os.str();
+}
+
+float ProblemConfig::scale() const {
+  return softmax_scale != 0.0f ? softmax_scale
+                               : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+double forward_flops(const ProblemConfig& c) {
+  double f = 4.0 * c.batch * c.heads_q * static_cast<double>(c.seq_q) * c.seq_kv * c.head_dim;
+  return c.mask == Mask::None ? f : f / 2;
+}
+double backward_flops(const ProblemConfig& c) { return 2.5 * forward_flops(c); }
+
+const char* layout_name(Layout l) { return l == Layout::BHSD ? "bhsd" : "bshd"; }
+
+int64_t HostTensor::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < view.ndim; ++i) n *= view.shape[i];
+  return n;
+}
+
+namespace {
+
+HostTensor make4(DType dt, Layout layout, int64_t b, int64_t h, int64_t s, int64_t d) {
+  HostTensor t;
+  t.bytes.resize(static_cast<size_t>(b * h * s * d * dtype_size(dt)));
+  t.view = layout == Layout::BHSD ? Tensor::contiguous(t.bytes.data(), dt, b, h, s, d)
+                                  : Tensor::bshd(t.bytes.data(), dt, b, h, s, d);
+  return t;
+}
+
+int64_t offset_of(const Tensor& t, const int64_t* idx) {
+  int64_t off = 0;
+  for (int i = 0; i < t.ndim; ++i) off += idx[i] * t.stride[i];
+  return off;
+}
+
+// Visit every element in logical (row-major) order.
+template <class F>
+void for_each_index(const Tensor& t, F&& f) {
+  int64_t idx[4] = {0, 0, 0, 0};
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+  for (int64_t lin = 0; lin < n; ++lin) {
+    int64_t r = lin;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      idx[i] = r % t.shape[i];
+      r /= t.shape[i];
+    }
+    f(lin, offset_of(t, idx));
+  }
+}
+
+void fill_normal(HostTensor& t, std::mt19937_64& rng) {
+  // Box-Muller on our own uniform draws: identical streams on every platform.
+  auto uniform = [&] { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
+  for_each_index(t.view, [&](int64_t, int64_t off) {
+    double u1 = uniform(), u2 = uniform();
+    double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+    store_element(t.view.data, t.view.dtype, off, z);
+  });
+}
+
+}  // namespace
+
+double load_element(const void* base, DType dtype, int64_t off) {
+  switch (dtype) {
+    case DType::Float32: return static_cast<const float*>(base)[off];
+    case DType::Float64: return static_cast<const double*>(base)[off];
+    case DType::Float16: return fp16_to_float(static_cast<const uint16_t*>(base)[off]);
+    case DType::BFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[off]);
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+void store_element(void* base, DType dtype, int64_t off, double value) {
+  switch (dtype) {
+    case DType::Float32: static_cast<float*>(base)[off] = static_cast<float>(value); break;
+    case DType::Float64: static_cast<double*>(base)[off] = value; break;
+    case DType::Float16:
+      static_cast<uint16_t*>(base)[off] = float_to_fp16(static_cast<float>(value));
+      break;
+    case DType::BFloat16:
+      static_cast<uint16_t*>(base)[off] = float_to_bf16(static_cast<float>(value));
+      break;
+  }
+}
+
+Problem::Problem(const ProblemConfig& c) : cfg(c) {
+  const DType dt = c.dtype;
+  q = make4(dt, c.layout, c.batch, c.heads_q, c.seq_q, c.head_dim);
+  k = make4(dt, c.layout, c.batch, c.heads_kv, c.seq_kv, c.head_dim);
+  v = make4(dt, c.layout, c.batch, c.heads_kv, c.seq_kv, c.head_dim);
+  dout = make4(dt, c.layout, c.batch, c.heads_q, c.seq_q, c.head_dim);
+  out = make4(dt, c.layout, c.batch, c.heads_q, c.seq_q, c.head_dim);
+  dq = make4(dt, c.layout, c.batch, c.heads_q, c.seq_q, c.head_dim);
+  dk = make4(dt, c.layout, c.batch, c.heads_kv, c.seq_kv, c.head_dim);
+  dv = make4(dt, c.layout, c.batch, c.heads_kv, c.seq_kv, c.head_dim);
+  lse.bytes.resize(static_cast<size_t>(c.batch * c.heads_q * c.seq_q * 4));
+  lse.view = Tensor::contiguous(lse.bytes.data(), DType::Float32, c.batch, c.heads_q, c.seq_q);
+  std::mt19937_64 rng(c.seed * 0x9E3779B97F4A7C15ull + 12345);
+  fill_normal(q, rng);
+  fill_normal(k, rng);
+  fill_normal(v, rng);
+  fill_normal(dout, rng);
+  poison_outputs();
+}
+
+void Problem::poison_outputs() {
+  for (HostTensor* t : {&out, &lse, &dq, &dk, &dv})
+    for_each_index(t->view, [&](int64_t, int64_t off) {
+      store_element(t->view.data, t->view.dtype, off, std::numeric_limits<double>::quiet_NaN());
+    });
+}
+
+std::vector<double> Problem::to_double(const HostTensor& t) const {
+  std::vector<double> r(static_cast<size_t>(t.numel()));
+  for_each_index(t.view, [&](int64_t lin, int64_t off) {
+    r[static_cast<size_t>(lin)] = load_element(t.view.data, t.view.dtype, off);
+  });
+  return r;
+}
+
+Tensor rebind(const Tensor& like, void* data, int32_t device) {
+  Tensor t = like;
+  t.data = data;
+  t.device = device;
+  return t;
+}
+
+std::string ErrorStats::str() const {
+  std::ostringstream os;
+  os << "max_abs=" << max_abs << " rel=" << rel << " max|ref|=" << max_ref << " nan=" << nan
+     << " n=" << count;
+  return os.str();
+}
+
+ErrorStats compare(const std::vector<double>& got, const std::vector<double>& ref) {
+  ErrorStats e;
+  e.count = static_cast<int64_t>(got.size());
+  if (got.size() != ref.size()) {
+    e.nan = e.count > 0 ? e.count : 1;
+    return e;
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], r = ref[i];
+    if (std::isinf(r) && g == r) continue;  // -inf LSE of a fully masked row
+    if (!std::isfinite(g) || !std::isfinite(r)) {
+      ++e.nan;
+      continue;
+    }
+    e.max_abs = std::max(e.max_abs, std::fabs(g - r));
+    e.max_ref = std::max(e.max_ref, std::fabs(r));
+  }
+  e.rel = e.max_abs / std::max(e.max_ref, 1e-30);
+  return e;
+}
+
+}  // namespace flashattn::testing

@@ -1,0 +1,72 @@
+// One problem generator and one FLOP formula, shared by the tests, the benchmarks and the CLI.
+//
+// A Problem owns host buffers for every tensor of a forward + backward call, stored in the chosen
+// dtype and memory layout, with inputs drawn from N(0, 1) by a seeded generator (never zeros: they
+// hide unwritten outputs), and outputs poisoned with NaN so a missed element cannot pass.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.hpp"
+
+namespace flashattn::testing {
+
+enum class Layout { BHSD, BSHD };  // memory order of q/k/v/out/dout/dq/dk/dv
+
+struct ProblemConfig {
+  int64_t batch = 1, heads_q = 1, heads_kv = 1, seq_q = 1, seq_kv = 1, head_dim = 64;
+  Mask mask = Mask::None;
+  DType dtype = DType::Float32;
+  Layout layout = Layout::BHSD;
+  float softmax_scale = 0.0f;  // 0 = 1/sqrt(D)
+  uint64_t seed = 0;
+  std::string describe() const;
+  float scale() const;  // resolved
+};
+
+// FLOPs counted the usual way: forward 4*B*H*Sq*Skv*D (two matmuls), halved when causal
+// (an approximation for Sq != Skv, as every peer reports it); backward 2.5x the forward.
+double forward_flops(const ProblemConfig& c);
+double backward_flops(const ProblemConfig& c);
+
+const char* layout_name(Layout l);
+
+// A host buffer and its view.
+struct HostTensor {
+  std::vector<unsigned char> bytes;
+  Tensor view;
+  int64_t numel() const;
+};
+
+struct Problem {
+  explicit Problem(const ProblemConfig& cfg);
+  ProblemConfig cfg;
+  HostTensor q, k, v, dout;         // inputs, random
+  HostTensor out, lse, dq, dk, dv;  // outputs, poisoned with NaN
+
+  void poison_outputs();
+  // Logical [B,H,S,D] (or [B,H,Sq] for lse) contiguous copy in double.
+  std::vector<double> to_double(const HostTensor& t) const;
+};
+
+// A view with the same shape/strides/dtype as `like` over other memory (e.g. a device copy).
+Tensor rebind(const Tensor& like, void* data, int32_t device);
+
+// Read/write one element of any dtype as double.
+double load_element(const void* base, DType dtype, int64_t offset);
+void store_element(void* base, DType dtype, int64_t offset, double value);
+
+// Errors of `got` against `ref` (same length). -inf matches -inf; any NaN is counted.
+struct ErrorStats {
+  double max_abs = 0;   // max |got - ref|
+  double max_ref = 0;   // max |ref|
+  double rel = 0;       // max_abs / max(max_ref, tiny)
+  int64_t nan = 0;      // NaN (or unexpected inf) elements in got
+  int64_t count = 0;
+  std::string str() const;
+};
+ErrorStats compare(const std::vector<double>& got, const std::vector<double>& ref);
+
+}  // namespace flashattn::testing

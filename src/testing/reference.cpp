@@ -1,0 +1,128 @@
+#include "testing/reference.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "core/mask.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+// Row-major matrix helpers for one head: explicit and slow on purpose.
+struct HeadView {
+  const double* q;
+  const double* k;
+  const double* v;
+  int64_t sq, skv, d;
+};
+
+// S = scale * q k^T with masked entries -inf; P = softmax(S) rowwise (rows with no visible key: 0).
+void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, std::vector<double>& P,
+                      std::vector<double>& lse) {
+  P.assign(h.sq * h.skv, 0.0);
+  lse.assign(h.sq, -std::numeric_limits<double>::infinity());
+  std::vector<double> S(h.skv);
+  for (int64_t i = 0; i < h.sq; ++i) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t j = 0; j < h.skv; ++j) {
+      if (!rule.visible(i, j)) {
+        S[j] = -std::numeric_limits<double>::infinity();
+        continue;
+      }
+      double acc = 0;
+      for (int64_t x = 0; x < h.d; ++x) acc += h.q[i * h.d + x] * h.k[j * h.d + x];
+      S[j] = scale * acc;
+      m = std::max(m, S[j]);
+    }
+    if (m == -std::numeric_limits<double>::infinity()) continue;  // no visible key
+    double sum = 0;
+    for (int64_t j = 0; j < h.skv; ++j) sum += rule.visible(i, j) ? std::exp(S[j] - m) : 0.0;
+    lse[i] = m + std::log(sum);
+    for (int64_t j = 0; j < h.skv; ++j)
+      P[i * h.skv + j] = rule.visible(i, j) ? std::exp(S[j] - lse[i]) : 0.0;
+  }
+}
+
+}  // namespace
+
+RefForward reference_forward(const RefShape& s, const std::vector<double>& q,
+                             const std::vector<double>& k, const std::vector<double>& v,
+                             double scale, Mask mask) {
+  RefForward r;
+  r.out.assign(s.batch * s.heads_q * s.seq_q * s.head_dim, 0.0);
+  r.lse.assign(s.batch * s.heads_q * s.seq_q, 0.0);
+  const MaskRule rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
+  const int64_t group = s.heads_q / s.heads_kv, D = s.head_dim;
+  std::vector<double> P, lse;
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.heads_q; ++h) {
+      const int64_t qo = (b * s.heads_q + h) * s.seq_q * D;
+      const int64_t ko = (b * s.heads_kv + h / group) * s.seq_kv * D;
+      HeadView hv{&q[qo], &k[ko], &v[ko], s.seq_q, s.seq_kv, D};
+      scores_and_probs(hv, scale, rule, P, lse);
+      for (int64_t i = 0; i < s.seq_q; ++i) {
+        r.lse[(b * s.heads_q + h) * s.seq_q + i] = lse[i];
+        for (int64_t x = 0; x < D; ++x) {
+          double acc = 0;
+          for (int64_t j = 0; j < s.seq_kv; ++j) acc += P[i * s.seq_kv + j] * hv.v[j * D + x];
+          r.out[qo + i * D + x] = acc;
+        }
+      }
+    }
+  return r;
+}
+
+RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
+                               const std::vector<double>& k, const std::vector<double>& v,
+                               const std::vector<double>& dout, double scale, Mask mask) {
+  RefBackward r;
+  r.dq.assign(q.size(), 0.0);
+  r.dk.assign(k.size(), 0.0);
+  r.dv.assign(v.size(), 0.0);
+  const MaskRule rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
+  const int64_t group = s.heads_q / s.heads_kv, D = s.head_dim, Sq = s.seq_q, Skv = s.seq_kv;
+  std::vector<double> P, lse, dP(Sq * Skv), dS(Sq * Skv);
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.heads_q; ++h) {
+      const int64_t qo = (b * s.heads_q + h) * Sq * D;
+      const int64_t ko = (b * s.heads_kv + h / group) * Skv * D;
+      HeadView hv{&q[qo], &k[ko], &v[ko], Sq, Skv, D};
+      scores_and_probs(hv, scale, rule, P, lse);
+      const double* dO = &dout[qo];
+      // dV += P^T dO ; dP = dO V^T
+      for (int64_t j = 0; j < Skv; ++j)
+        for (int64_t x = 0; x < D; ++x) {
+          double acc = 0;
+          for (int64_t i = 0; i < Sq; ++i) acc += P[i * Skv + j] * dO[i * D + x];
+          r.dv[ko + j * D + x] += acc;
+        }
+      for (int64_t i = 0; i < Sq; ++i)
+        for (int64_t j = 0; j < Skv; ++j) {
+          double acc = 0;
+          for (int64_t x = 0; x < D; ++x) acc += dO[i * D + x] * hv.v[j * D + x];
+          dP[i * Skv + j] = acc;
+        }
+      // dS = P * (dP - rowsum(P * dP))   (the softmax Jacobian, written out)
+      for (int64_t i = 0; i < Sq; ++i) {
+        double rs = 0;
+        for (int64_t j = 0; j < Skv; ++j) rs += P[i * Skv + j] * dP[i * Skv + j];
+        for (int64_t j = 0; j < Skv; ++j) dS[i * Skv + j] = P[i * Skv + j] * (dP[i * Skv + j] - rs);
+      }
+      // dQ = scale * dS K ; dK += scale * dS^T Q
+      for (int64_t i = 0; i < Sq; ++i)
+        for (int64_t x = 0; x < D; ++x) {
+          double acc = 0;
+          for (int64_t j = 0; j < Skv; ++j) acc += dS[i * Skv + j] * hv.k[j * D + x];
+          r.dq[qo + i * D + x] = scale * acc;
+        }
+      for (int64_t j = 0; j < Skv; ++j)
+        for (int64_t x = 0; x < D; ++x) {
+          double acc = 0;
+          for (int64_t i = 0; i < Sq; ++i) acc += dS[i * Skv + j] * hv.q[i * D + x];
+          r.dk[ko + j * D + x] += scale * acc;
+        }
+    }
+  return r;
+}
+
+}  // namespace flashattn::testing
