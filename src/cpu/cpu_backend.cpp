@@ -1,6 +1,161 @@
+// The CPU backend's driver: picks the kernel set for this machine once (select_kernel), runs the
+// kernels on the shared thread pool and owns their scratch memory.
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "core/backend.hpp"
+#include "cpu/kernels.hpp"
+#include "cpu/thread_pool.hpp"
+
 namespace flashattn::cpu {
-void forward(const ForwardParams&) { throw Error(Status::Unsupported, "cpu forward: not yet"); }
-void backward(const BackwardParams&) { throw Error(Status::Unsupported, "cpu backward: not yet"); }
-std::string describe() { return "placeholder"; }
+namespace {
+
+bool supported(const KernelSet& k) {
+#if defined(FLASHATTN_CPU_X86)
+  __builtin_cpu_init();
+  if (&k == &avx512::kernels)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  if (&k == &avx2::kernels) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return &k == &generic::kernels;
+}
+
+// Candidates, best first.
+std::vector<const KernelSet*> candidates() {
+  std::vector<const KernelSet*> all;
+#if defined(FLASHATTN_CPU_X86)
+  all.push_back(&avx512::kernels);
+  all.push_back(&avx2::kernels);
+#endif
+  all.push_back(&generic::kernels);
+  return all;
+}
+
+// The one place that decides which kernels serve this process. FLASHATTN_CPU_ISA (avx512, avx2,
+// generic) asks for a specific set, e.g. to test every path on one machine; a set the CPU cannot
+// run is never chosen.
+const KernelSet& pick_kernel() {
+  const char* want = std::getenv("FLASHATTN_CPU_ISA");
+  if (want && *want) {
+    for (const KernelSet* k : candidates())
+      if (std::strcmp(k->name, want) == 0 && supported(*k)) return *k;
+  }
+  for (const KernelSet* k : candidates())
+    if (supported(*k)) return *k;
+  return generic::kernels;
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { ::operator delete(p, std::align_val_t(64)); }
+};
+using Buffer = std::unique_ptr<void, AlignedFree>;
+
+Buffer allocate(size_t bytes) {
+  void* p = ::operator new(bytes == 0 ? 64 : bytes, std::align_val_t(64), std::nothrow);
+  if (!p)
+    throw Error(Status::OutOfMemory,
+                "cpu backend: cannot allocate " + std::to_string(bytes) + " bytes of scratch");
+  return Buffer(p);
+}
+
+// Per-thread scratch survives between calls (guarded by the pool lock) so small problems do not
+// pay for fresh pages every time.
+struct ScratchCache {
+  std::vector<Buffer> bufs;
+  std::vector<size_t> sizes;
+};
+ScratchCache& scratch_cache() {
+  static ScratchCache c;
+  return c;
+}
+
+class PoolParallel final : public Parallel {
+ public:
+  PoolParallel(ThreadPool& pool) : pool_(pool) {}
+
+  void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
+    ScratchCache& sc = scratch_cache();
+    const size_t n = static_cast<size_t>(pool_.threads());
+    if (sc.bufs.size() < n) {
+      sc.bufs.resize(n);
+      sc.sizes.resize(n, 0);
+    }
+    std::vector<void*> ptrs(n, nullptr);
+    for (size_t t = 0; t < n; ++t) {
+      if (scratch_bytes > 0 && sc.sizes[t] < scratch_bytes) {
+        sc.bufs[t].reset();
+        sc.sizes[t] = 0;
+        sc.bufs[t] = allocate(scratch_bytes);
+        sc.sizes[t] = scratch_bytes;
+      }
+      ptrs[t] = sc.bufs[t].get();
+    }
+    Job job{fn, ctx, ptrs.data()};
+    pool_.run(num_tasks, &trampoline, &job);
+  }
+
+  void* alloc(size_t bytes) override {
+    owned_.push_back(allocate(bytes));
+    return owned_.back().get();
+  }
+
+ private:
+  struct Job {
+    TaskFn fn;
+    const void* ctx;
+    void* const* scratch;
+  };
+  static void trampoline(const void* j, int64_t task, int thread) {
+    const Job& job = *static_cast<const Job*>(j);
+    job.fn(job.ctx, task, job.scratch[thread]);
+  }
+
+  ThreadPool& pool_;
+  std::vector<Buffer> owned_;
+};
+
+}  // namespace
+
+const KernelSet& select_kernel() {
+  static const KernelSet& k = pick_kernel();
+  return k;
+}
+
+void forward(const ForwardParams& p) {
+  const KernelSet& k = select_kernel();
+  std::unique_lock<std::mutex> lock;
+  ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
+  PoolParallel par(pool);
+  k.forward(p, par);
+}
+
+void backward(const BackwardParams& p) {
+  const KernelSet& k = select_kernel();
+  std::unique_lock<std::mutex> lock;
+  ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
+  PoolParallel par(pool);
+  k.backward(p, par);
+}
+
+std::string describe() {
+  const KernelSet& k = select_kernel();
+  std::ostringstream os;
+  os << "isa " << k.name << " (" << k.vector_bytes * 8 << "-bit vectors; built:";
+  for (const KernelSet* c : candidates()) os << " " << c->name << (supported(*c) ? "" : "(no cpu)");
+  os << "), tiles " << k.block_q << " queries x " << k.block_kv
+     << " keys, kernels: forward (online softmax), backward (D preprocess, dQ pass, dK/dV pass), "
+        "hardware threads "
+     << std::thread::hardware_concurrency();
+  return os.str();
+}
+
 }  // namespace flashattn::cpu

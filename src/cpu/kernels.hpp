@@ -1,0 +1,45 @@
+// Interface between the CPU backend's driver (cpu_backend.cpp, baseline ISA) and its kernels
+// (kernels_impl.hpp, compiled once per instruction set into its own namespace).
+//
+// Only plain structs and function pointers cross this boundary: the kernel translation units are
+// built with -mavx512f / -mavx2 and must not emit out-of-line copies of inline functions that a
+// baseline caller could end up linked against.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/params.hpp"
+
+namespace flashattn::cpu {
+
+// Provided by the driver: parallel execution with per-thread scratch, and call-scoped buffers.
+class Parallel {
+ public:
+  using TaskFn = void (*)(const void* ctx, int64_t task, void* scratch);
+  // Runs fn(ctx, task, scratch) for task in [0, num_tasks); scratch is 64-byte aligned,
+  // scratch_bytes long, private to the running thread, and uninitialised.
+  virtual void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) = 0;
+  // 64-byte aligned memory that lives until the backend call returns.
+  virtual void* alloc(size_t bytes) = 0;
+
+ protected:
+  ~Parallel() = default;
+};
+
+struct KernelSet {
+  const char* name;       // "avx512", "avx2", "generic"
+  int vector_bytes;       // SIMD register width the kernels were built for
+  int block_q, block_kv;  // float32 tile sizes (rows of Q, rows of K/V)
+  void (*forward)(const ForwardParams& p, Parallel& par);
+  void (*backward)(const BackwardParams& p, Parallel& par);
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FLASHATTN_CPU_X86 1
+namespace avx512 { extern const KernelSet kernels; }
+namespace avx2 { extern const KernelSet kernels; }
+#endif
+namespace generic { extern const KernelSet kernels; }
+
+}  // namespace flashattn::cpu

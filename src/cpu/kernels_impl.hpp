@@ -1,0 +1,723 @@
+// The CPU attention kernels: FlashAttention forward (tiled online softmax) and the seed's split
+// backward (D preprocess, dQ over query blocks, dK/dV over key blocks). docs/ALGORITHM.md
+// ("CPU backend") has the pseudocode and the work model.
+//
+// This file is compiled once per instruction set by kernels_<isa>.cpp, which defines
+//   FLASHATTN_CPU_ISA        the namespace (avx512, avx2, generic)
+//   FLASHATTN_CPU_VEC_BYTES  the SIMD width the GCC vector types use (64, 32, 16)
+// and the compiler flags of that instruction set. Everything here has internal linkage except the
+// KernelSet at the bottom: an out-of-line copy of an inline function compiled with -mavx512f
+// must never be shared with (and picked by) a baseline caller. For the same reason no std::
+// templates are used below, and libm is reached through __builtin_ functions.
+//
+// Numerics. Scores are kept in log2 units: the softmax scale is pre-multiplied by log2(e) into
+// the packed Q (forward, dQ pass) or K^T (dK/dV pass), so every exponential is an exp2 and LSE is
+// converted to natural log once per row. float16/bfloat16/float32 tiles are converted to float32
+// when packed and accumulate in float32; float64 computes in double throughout.
+//
+// Determinism. Every output element is produced by exactly one task, and the sequence of
+// floating-point operations a task performs depends only on the problem shape (tile sizes are
+// compile-time constants of the instruction set), never on the thread count or the schedule.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/kernels.hpp"
+
+#ifndef FLASHATTN_CPU_ISA
+#error "define FLASHATTN_CPU_ISA and FLASHATTN_CPU_VEC_BYTES before including kernels_impl.hpp"
+#endif
+
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
+namespace {
+
+constexpr int kVecBytes = FLASHATTN_CPU_VEC_BYTES;
+
+// ---- SIMD vocabulary (GCC vector extensions) --------------------------------------------------
+typedef float vf __attribute__((vector_size(kVecBytes)));
+typedef double vd __attribute__((vector_size(kVecBytes)));
+typedef int32_t vi32 __attribute__((vector_size(kVecBytes)));
+typedef uint32_t vu32 __attribute__((vector_size(kVecBytes)));
+typedef int64_t vi64 __attribute__((vector_size(kVecBytes)));
+
+template <class T> struct Simd;
+template <> struct Simd<float> {
+  using V = vf;
+  static constexpr int W = kVecBytes / 4;
+};
+template <> struct Simd<double> {
+  using V = vd;
+  static constexpr int W = kVecBytes / 8;
+};
+
+template <class V, class T>
+inline V vload(const T* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class V, class T>
+inline void vstore(T* p, V v) {
+  __builtin_memcpy(p, &v, sizeof v);
+}
+// x - 0 == x for every x (including -0), so the compiler folds this into a plain broadcast.
+template <class V, class T>
+inline V vbroadcast(T s) {
+  return s - V{};
+}
+template <class V>
+inline V vmax(V a, V b) {
+  return a > b ? a : b;
+}
+
+template <class T>
+inline T smin(T a, T b) {
+  return a < b ? a : b;
+}
+template <class T>
+inline T smax(T a, T b) {
+  return a > b ? a : b;
+}
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+constexpr double kLog2e = 1.44269504088896340736;
+constexpr double kLn2 = 0.69314718055994530942;
+
+// exp2 for float32 vectors: 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5], and 2^f from its
+// degree-7 Taylor polynomial (truncation error 5e-9 relative, below half an ulp; Horner adds about
+// one ulp). Inputs below -126 (including -inf, the masked scores) give exactly 0, so a masked
+// element never contributes; NaN propagates.
+inline vf exp2v(vf x) {
+  const vf lo = vbroadcast<vf>(-126.0f), hi = vbroadcast<vf>(127.0f);
+  vf xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  // Adding 1.5 * 2^23 rounds to the nearest integer, which then sits in the low mantissa bits.
+  const vf magic = vbroadcast<vf>(12582912.0f);
+  vf t = xc + magic;
+  vf n = t - magic;
+  vf f = xc - n;
+  vu32 tb;
+  __builtin_memcpy(&tb, &t, sizeof tb);
+  vu32 sb = (tb << 23) + vbroadcast<vu32>(127u << 23);  // (n + 127) << 23, n in [-126, 127]
+  vf s;
+  __builtin_memcpy(&s, &sb, sizeof s);
+  // (ln 2)^k / k!
+  vf p = vbroadcast<vf>(1.5252733804059840e-5f);
+  p = p * f + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  vf r = p * s;
+  return x < lo ? vf{} : r;
+}
+
+// float64: a plain libm exp2 per lane (the float64 path serves gradient checks, not speed).
+inline vd exp2v(vd x) {
+  vd r;
+  for (int i = 0; i < Simd<double>::W; ++i) r[i] = __builtin_exp2(x[i]);
+  return r;
+}
+
+// ---- storage types ----------------------------------------------------------------------------
+struct F16 {
+  uint16_t bits;
+};
+struct BF16 {
+  uint16_t bits;
+};
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+}
+
+// Conversions with the same rounding as core/half.hpp (round to nearest even, NaN stays NaN,
+// overflow gives inf), repeated here so that this translation unit stays self-contained.
+inline float to_float(BF16 h) { return bits_f32(static_cast<uint32_t>(h.bits) << 16); }
+inline float to_float(F16 h) {
+  uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  uint32_t e = (h.bits >> 10) & 0x1fu, m = h.bits & 0x3ffu;
+  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    float f = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
+    return sign ? -f : f;
+  }
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+inline BF16 to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BF16{static_cast<uint16_t>(u >> 16)};
+}
+inline F16 to_f16(float f) {
+  uint32_t u = f32_bits(f);
+  uint32_t sign = (u >> 16) & 0x8000u, au = u & 0x7fffffffu;
+  if (au > 0x7f800000u) return F16{static_cast<uint16_t>(sign | 0x7e00u)};
+  if (au >= 0x477ff000u) return F16{static_cast<uint16_t>(sign | 0x7c00u)};
+  if (au < 0x38800000u) {  // half subnormal or zero: round(|f| * 2^24) to nearest even
+    float a = bits_f32(au) * 16777216.0f;
+    uint32_t m = static_cast<uint32_t>(a);
+    float rem = a - static_cast<float>(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return F16{static_cast<uint16_t>(sign | m)};
+  }
+  uint32_t h = (((au >> 23) - 112u) << 10) | ((au >> 13) & 0x3ffu);
+  uint32_t r = au & 0x1fffu;
+  if (r > 0x1000u || (r == 0x1000u && (h & 1u))) ++h;
+  return F16{static_cast<uint16_t>(sign | h)};
+}
+
+// Load one stored element as the compute type C; store a computed value.
+template <class C> inline C load_as(const float* p) { return static_cast<C>(*p); }
+template <class C> inline C load_as(const double* p) { return static_cast<C>(*p); }
+template <class C> inline C load_as(const F16* p) { return static_cast<C>(to_float(*p)); }
+template <class C> inline C load_as(const BF16* p) { return static_cast<C>(to_float(*p)); }
+template <class C> inline void store_as(float* p, C v) { *p = static_cast<float>(v); }
+template <class C> inline void store_as(double* p, C v) { *p = static_cast<double>(v); }
+template <class C> inline void store_as(F16* p, C v) { *p = to_f16(static_cast<float>(v)); }
+template <class C> inline void store_as(BF16* p, C v) { *p = to_bf16(static_cast<float>(v)); }
+
+// The compute type of a storage type.
+template <class S> struct ComputeOf { using type = float; };
+template <> struct ComputeOf<double> { using type = double; };
+
+// ---- tiles ------------------------------------------------------------------------------------
+// Tile sizes: BQ query rows x BK keys per step. Both are multiples of every vector width. The
+// working set of one step (docs/ALGORITHM.md, work model) is sized for a 1-2 MiB L2 per core.
+constexpr int64_t BQ = 64;
+constexpr int64_t BK = 128;
+
+// Register blocking of the micro-kernel: MR rows x NR vectors of accumulators, chosen so that
+// MR*NR accumulators + NR B-vectors + 1 broadcast fit the register file (32 zmm with AVX-512,
+// 16 ymm/xmm otherwise) with enough independent FMA chains to hide latency.
+#if FLASHATTN_CPU_VEC_BYTES >= 64
+constexpr int MR = 6, NR = 4;
+#else
+constexpr int MR = 6, NR = 2;
+#endif
+
+// C[m][n*W + l] (+)= sum_k A[m*ars + k*acs] * B[k*ldb + n*W + l] for m < mr, n < nr.
+// A is read one scalar at a time (broadcast), so any strides work and transposed operands
+// (P^T, dS^T) need no explicit transpose; B rows are contiguous and padded to whole vectors.
+template <class T, int mr, int nr, bool ACC>
+void micro_kernel(int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, T* C,
+                  int64_t ldc) {
+  using V = typename Simd<T>::V;
+  constexpr int W = Simd<T>::W;
+  V acc[mr][nr];
+#pragma GCC unroll 8
+  for (int m = 0; m < mr; ++m)
+#pragma GCC unroll 8
+    for (int n = 0; n < nr; ++n) acc[m][n] = ACC ? vload<V>(C + m * ldc + n * W) : V{};
+  const T* a[mr];
+#pragma GCC unroll 8
+  for (int m = 0; m < mr; ++m) a[m] = A + m * ars;
+  for (int64_t k = 0; k < K; ++k) {
+    V b[nr];
+#pragma GCC unroll 8
+    for (int n = 0; n < nr; ++n) b[n] = vload<V>(B + k * ldb + n * W);
+#pragma GCC unroll 8
+    for (int m = 0; m < mr; ++m) {
+      V av = vbroadcast<V>(a[m][k * acs]);
+#pragma GCC unroll 8
+      for (int n = 0; n < nr; ++n) acc[m][n] += av * b[n];
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < mr; ++m)
+#pragma GCC unroll 8
+    for (int n = 0; n < nr; ++n) vstore(C + m * ldc + n * W, acc[m][n]);
+}
+
+template <class T, bool ACC>
+using MicroFn = void (*)(int64_t, const T*, int64_t, int64_t, const T*, int64_t, T*, int64_t);
+
+template <class T, bool ACC, int... I>
+struct MicroTable {
+  static constexpr MicroFn<T, ACC> table[sizeof...(I)] = {
+      &micro_kernel<T, I / NR + 1, I % NR + 1, ACC>...};
+};
+template <class T, bool ACC, int N, int... I>
+struct MakeTable : MakeTable<T, ACC, N - 1, N - 1, I...> {};
+template <class T, bool ACC, int... I>
+struct MakeTable<T, ACC, 0, I...> {
+  using type = MicroTable<T, ACC, I...>;
+};
+
+// C[M x NV*W] (+)= A[M x K] * B[K x NV*W] by micro-kernel tiles. The B panel of NR vectors is
+// reused across all row blocks, so it stays in L1 while A streams.
+template <class T, bool ACC>
+void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs, const T* B,
+          int64_t ldb, T* C, int64_t ldc) {
+  constexpr int W = Simd<T>::W;
+  const auto& table = MakeTable<T, ACC, MR * NR>::type::table;
+  for (int64_t n0 = 0; n0 < NV; n0 += NR) {
+    const int nr = static_cast<int>(smin<int64_t>(NR, NV - n0));
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int mr = static_cast<int>(smin<int64_t>(MR, M - m0));
+      table[(mr - 1) * NR + (nr - 1)](K, A + m0 * ars, ars, acs, B + n0 * W, ldb,
+                                      C + m0 * ldc + n0 * W, ldc);
+    }
+  }
+}
+
+// Row r of a [B,H,S,D] operand.
+template <class S>
+inline const S* row_ptr(const In4& t, int64_t b, int64_t h, int64_t s) {
+  return static_cast<const S*>(t.ptr) + b * t.sb + h * t.sh + s * t.ss;
+}
+template <class S>
+inline S* row_ptr(const Out4& t, int64_t b, int64_t h, int64_t s) {
+  return static_cast<S*>(t.ptr) + b * t.sb + h * t.sh + s * t.ss;
+}
+
+// dst[r*ld + d] = mul * src(row0 + r)[d] for r < n, d < D; zero for d in [D, ld) and for rows
+// [n, rows_padded) so that B-operand reads of whole vectors see zeros.
+template <class S, class C>
+void pack_rows(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C mul,
+               C* dst, int64_t ld, int64_t rows_padded) {
+  for (int64_t r = 0; r < n; ++r) {
+    const S* src = row_ptr<S>(t, b, h, row0 + r);
+    C* o = dst + r * ld;
+    for (int64_t d = 0; d < D; ++d) o[d] = load_as<C>(src + d) * mul;
+    for (int64_t d = D; d < ld; ++d) o[d] = C(0);
+  }
+  for (int64_t r = n; r < rows_padded; ++r)
+    for (int64_t d = 0; d < ld; ++d) dst[r * ld + d] = C(0);
+}
+
+// dst[d*ld + r] = mul * src(row0 + r)[d] for d < D, r < n; zero for r in [n, ld).
+template <class S, class C>
+void pack_transposed(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
+                     C mul, C* dst, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    const S* src = row_ptr<S>(t, b, h, row0 + r);
+    for (int64_t d = 0; d < D; ++d) dst[d * ld + r] = load_as<C>(src + d) * mul;
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = n; r < ld; ++r) dst[d * ld + r] = C(0);
+}
+
+// The mask rule of core/mask.hpp, restated here (see the file comment on inline functions).
+struct Mask2 {
+  bool causal;
+  int64_t offset;  // key j visible to query i iff !causal || j <= i + offset
+  int64_t visible_end(int64_t i, int64_t skv) const {
+    if (!causal) return skv;
+    return smax<int64_t>(0, smin<int64_t>(skv, i + offset + 1));
+  }
+  int64_t first_row(int64_t j, int64_t sq) const {
+    if (!causal) return 0;
+    return smax<int64_t>(0, smin<int64_t>(sq, j - offset));
+  }
+};
+inline Mask2 mask_of(const Shape& s, const Numerics& n) {
+  const int32_t m = static_cast<int32_t>(n.mask);
+  return Mask2{m != 0, m == 2 ? s.seq_kv - s.seq_q : 0};
+}
+
+template <class C>
+inline C neg_inf() {
+  return -__builtin_inf();
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+// One task = one (batch, query head, query block). S is computed transposed (S^T = K Q^T, keys
+// in rows, queries across vector lanes) so the row maximum, row sum and rescale factors of the
+// online softmax are plain vector operations without horizontal reductions, and P^T is exactly
+// the broadcast operand O += P V wants.
+template <class S>
+struct Forward {
+  using C = typename ComputeOf<S>::type;
+  using V = typename Simd<C>::V;
+  static constexpr int W = Simd<C>::W;
+
+  struct Layout {  // offsets into the per-thread scratch, in elements of C
+    int64_t Dp, qt, kt, vt, st, o, m, l, total;
+  };
+  static Layout layout(int64_t D) {
+    Layout L;
+    L.Dp = round_up(D, W);
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      int64_t at = off;
+      off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));  // keep every buffer 64B aligned
+      return at;
+    };
+    L.qt = take(L.Dp * BQ);
+    L.kt = take(BK * L.Dp);
+    L.vt = take(BK * L.Dp);
+    L.st = take(BK * BQ);
+    L.o = take(BQ * L.Dp);
+    L.m = take(BQ);
+    L.l = take(BQ);
+    L.total = off;
+    return L;
+  }
+
+  static void task(const void* ctx, int64_t task, void* scratch) {
+    const ForwardParams& p = *static_cast<const ForwardParams*>(ctx);
+    const Shape& sh = p.shape;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
+    // Causal blocks late in the sequence cost the most: hand them out first.
+    const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
+    const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+    const int64_t hk = h / (sh.heads_q / sh.heads_kv);
+    const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+    const Mask2 mask = mask_of(sh, p.num);
+    const Layout L = layout(D);
+    const int64_t Dp = L.Dp;
+    C* base = static_cast<C*>(scratch);
+    C *QT = base + L.qt, *Kt = base + L.kt, *Vt = base + L.vt, *ST = base + L.st, *O = base + L.o;
+    C *mrow = base + L.m, *lrow = base + L.l;
+
+    pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale) * C(kLog2e), QT, BQ);
+    for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
+    for (int64_t c = 0; c < BQ; ++c) {
+      mrow[c] = neg_inf<C>();
+      lrow[c] = C(0);
+    }
+
+    const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
+    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+      const int64_t nk = smin(BK, kend - j0);
+      pack_rows<S, C>(p.k, b, hk, j0, nk, D, C(1), Kt, Dp, nk);
+      pack_rows<S, C>(p.v, b, hk, j0, nk, D, C(1), Vt, Dp, nk);
+      gemm<C, false>(nk, BQ / W, D, Kt, Dp, 1, QT, BQ, ST, BQ);
+      // Only blocks crossing the diagonal need per-element masking: key j is hidden from the
+      // block's columns c with i0 + c < j - offset.
+      if (mask.causal && j0 + nk - 1 > i0 + mask.offset) {
+        for (int64_t r = 0; r < nk; ++r) {
+          const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
+          for (int64_t c = 0; c < cmin; ++c) ST[r * BQ + c] = neg_inf<C>();
+        }
+      }
+      online_softmax(ST, nk, mrow, lrow, O, Dp);
+      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vt, Dp, O, Dp);
+    }
+
+    // Epilogue: O / l and LSE = (m + log2 l) * ln 2; rows with no visible key: O = 0, LSE = -inf.
+    float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
+    for (int64_t c = 0; c < nq; ++c) {
+      S* out = row_ptr<S>(p.out, b, h, i0 + c);
+      const C l = lrow[c];
+      if (l > C(0)) {
+        const C inv = C(1) / l;
+        for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, O[c * Dp + d] * inv);
+        const double v = (static_cast<double>(mrow[c]) + __builtin_log2(static_cast<double>(l))) * kLn2;
+        lse[(i0 + c) * p.lse.ss] = static_cast<float>(v);
+      } else {
+        for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, C(0));
+        lse[(i0 + c) * p.lse.ss] = -__builtin_inff();
+      }
+    }
+  }
+
+  // ST [nk x BQ] holds scores (log2 units) on entry and P^T = exp2(S - m_new) on exit; the
+  // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new).
+  static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
+    alignas(64) C alpha[BQ];
+    for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+      V mold = vload<V>(mrow + c0);
+      V mnew = mold;
+      for (int64_t r = 0; r < nk; ++r) mnew = vmax(mnew, vload<V>(ST + r * BQ + c0));
+      // A column that has seen only masked keys keeps m = -inf; subtracting 0 instead keeps
+      // exp2(-inf - m) = 0 rather than NaN.
+      const V ninf = vbroadcast<V>(neg_inf<C>());
+      V muse = mnew == ninf ? V{} : mnew;
+      V a = exp2v(mold - muse);
+      V sum = V{};
+      for (int64_t r = 0; r < nk; ++r) {
+        V e = exp2v(vload<V>(ST + r * BQ + c0) - muse);
+        vstore(ST + r * BQ + c0, e);
+        sum += e;
+      }
+      vstore(lrow + c0, vload<V>(lrow + c0) * a + sum);
+      vstore(mrow + c0, mnew);
+      vstore(alpha + c0, a);
+    }
+    for (int64_t c = 0; c < BQ; ++c) {
+      const V a = vbroadcast<V>(alpha[c]);
+      for (int64_t d = 0; d < Dp; d += W) vstore(O + c * Dp + d, vload<V>(O + c * Dp + d) * a);
+    }
+  }
+
+  static void run(const ForwardParams& p, Parallel& par) {
+    const Shape& sh = p.shape;
+    const int64_t nqb = (sh.seq_q + BQ - 1) / BQ;
+    const Layout L = layout(sh.head_dim);
+    par.run(nqb * sh.batch * sh.heads_q, static_cast<size_t>(L.total) * sizeof(C), &task, &p);
+  }
+};
+
+// ---- backward ---------------------------------------------------------------------------------
+template <class S>
+struct Backward {
+  using C = typename ComputeOf<S>::type;
+  using V = typename Simd<C>::V;
+  static constexpr int W = Simd<C>::W;
+
+  struct Ctx {
+    const BackwardParams* p;
+    C* delta;  // D = rowsum(dO * O), [B, Hq, Sq] contiguous
+  };
+
+  // D preprocess: one task per (batch, query head).
+  static void delta_task(const void* vctx, int64_t task, void*) {
+    const Ctx& ctx = *static_cast<const Ctx*>(vctx);
+    const BackwardParams& p = *ctx.p;
+    const Shape& sh = p.shape;
+    const int64_t b = task / sh.heads_q, h = task % sh.heads_q;
+    C* dst = ctx.delta + task * sh.seq_q;
+    for (int64_t i = 0; i < sh.seq_q; ++i) {
+      const S* o = row_ptr<S>(p.out, b, h, i);
+      const S* g = row_ptr<S>(p.dout, b, h, i);
+      C acc = C(0);
+      for (int64_t d = 0; d < sh.head_dim; ++d) acc += load_as<C>(o + d) * load_as<C>(g + d);
+      dst[i] = acc;
+    }
+  }
+
+  // LSE of row i in log2 units; a row without visible keys (LSE = -inf) becomes +inf so that
+  // P = exp2(s - lse) = 0 instead of inf or NaN.
+  static C lse2_of(const BackwardParams& p, int64_t b, int64_t h, int64_t i) {
+    const float v = p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss];
+    if (v == -__builtin_inff()) return static_cast<C>(__builtin_inf());
+    return static_cast<C>(v) * C(kLog2e);
+  }
+
+  // ---- dQ pass: one task = one (batch, query head, query block); keys stream through. ----
+  struct DqLayout {
+    int64_t Dp, qt, dot, kt, vt, st, dpt, dq, lse2, dlt, total;
+  };
+  static DqLayout dq_layout(int64_t D) {
+    DqLayout L;
+    L.Dp = round_up(D, W);
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      int64_t at = off;
+      off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));
+      return at;
+    };
+    L.qt = take(L.Dp * BQ);
+    L.dot = take(L.Dp * BQ);
+    L.kt = take(BK * L.Dp);
+    L.vt = take(BK * L.Dp);
+    L.st = take(BK * BQ);
+    L.dpt = take(BK * BQ);
+    L.dq = take(BQ * L.Dp);
+    L.lse2 = take(BQ);
+    L.dlt = take(BQ);
+    L.total = off;
+    return L;
+  }
+
+  static void dq_task(const Ctx& ctx, int64_t task, void* scratch) {
+    const BackwardParams& p = *ctx.p;
+    const Shape& sh = p.shape;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
+    const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
+    const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+    const int64_t hk = h / (sh.heads_q / sh.heads_kv);
+    const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+    const Mask2 mask = mask_of(sh, p.num);
+    const DqLayout L = dq_layout(D);
+    const int64_t Dp = L.Dp;
+    C* base = static_cast<C*>(scratch);
+    C *QT = base + L.qt, *dOT = base + L.dot, *Kt = base + L.kt, *Vt = base + L.vt;
+    C *ST = base + L.st, *dPT = base + L.dpt, *dQ = base + L.dq, *lse2 = base + L.lse2;
+    C* dlt = base + L.dlt;
+
+    pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale) * C(kLog2e), QT, BQ);
+    pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), dOT, BQ);
+    for (int64_t c = 0; c < BQ; ++c) {
+      // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
+      lse2[c] = c < nq ? lse2_of(p, b, h, i0 + c) : static_cast<C>(__builtin_inf());
+      dlt[c] = c < nq ? ctx.delta[bh * Sq + i0 + c] : C(0);
+    }
+    for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
+
+    const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
+    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+      const int64_t nk = smin(BK, kend - j0);
+      pack_rows<S, C>(p.k, b, hk, j0, nk, D, C(1), Kt, Dp, nk);
+      pack_rows<S, C>(p.v, b, hk, j0, nk, D, C(1), Vt, Dp, nk);
+      gemm<C, false>(nk, BQ / W, D, Kt, Dp, 1, QT, BQ, ST, BQ);    // S^T = K Q^T
+      gemm<C, false>(nk, BQ / W, D, Vt, Dp, 1, dOT, BQ, dPT, BQ);  // dP^T = V dO^T
+      const bool diag = mask.causal && j0 + nk - 1 > i0 + mask.offset;
+      for (int64_t r = 0; r < nk; ++r) {
+        if (diag) {
+          const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
+          for (int64_t c = 0; c < cmin; ++c) ST[r * BQ + c] = neg_inf<C>();
+        }
+        for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+          V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
+          V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
+          vstore(ST + r * BQ + c0, ds);
+        }
+      }
+      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kt, Dp, dQ, Dp);  // dQ += dS K
+    }
+    const C scale = static_cast<C>(p.num.scale);
+    for (int64_t c = 0; c < nq; ++c) {
+      S* dst = row_ptr<S>(p.dq, b, h, i0 + c);
+      for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * scale);
+    }
+  }
+
+  // ---- dK/dV pass: one task = one (batch, kv head, key block); every query head of the kv
+  // group and every query block that sees the keys stream through, so dK and dV are summed over
+  // the group inside one task, in a fixed order, without atomics. ----
+  struct DkvLayout {
+    int64_t Dp, kt, vt, q, dout, s, dp, dk, dv, lse2, dlt, total;
+  };
+  static DkvLayout dkv_layout(int64_t D) {
+    DkvLayout L;
+    L.Dp = round_up(D, W);
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      int64_t at = off;
+      off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));
+      return at;
+    };
+    L.kt = take(L.Dp * BK);
+    L.vt = take(L.Dp * BK);
+    L.q = take(BQ * L.Dp);
+    L.dout = take(BQ * L.Dp);
+    L.s = take(BQ * BK);
+    L.dp = take(BQ * BK);
+    L.dk = take(BK * L.Dp);
+    L.dv = take(BK * L.Dp);
+    L.lse2 = take(BQ);
+    L.dlt = take(BQ);
+    L.total = off;
+    return L;
+  }
+
+  static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
+    const BackwardParams& p = *ctx.p;
+    const Shape& sh = p.shape;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t BHk = sh.batch * sh.heads_kv, group = sh.heads_q / sh.heads_kv;
+    // Causal: early key blocks are seen by the most queries: hand them out first.
+    const int64_t kb = task / BHk, bhk = task % BHk;
+    const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
+    const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
+    const Mask2 mask = mask_of(sh, p.num);
+    const DkvLayout L = dkv_layout(D);
+    const int64_t Dp = L.Dp;
+    C* base = static_cast<C*>(scratch);
+    C *KT = base + L.kt, *VT = base + L.vt, *Qt = base + L.q, *dOt = base + L.dout;
+    C *Sb = base + L.s, *dP = base + L.dp, *dK = base + L.dk, *dV = base + L.dv;
+    C *lse2 = base + L.lse2, *dlt = base + L.dlt;
+
+    pack_transposed<S, C>(p.k, b, hk, j0, nk, D, static_cast<C>(p.num.scale) * C(kLog2e), KT, BK);
+    pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), VT, BK);
+    for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
+
+    const int64_t istart = mask.first_row(j0, Sq);
+    // Rows before this one do not see the block's last key: they need per-element masking.
+    const int64_t ifull = mask.first_row(j0 + nk - 1, Sq);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = hk * group + g;
+      const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
+      for (int64_t i0 = istart; i0 < Sq; i0 += BQ) {
+        const int64_t nq = smin(BQ, Sq - i0);
+        pack_rows<S, C>(p.q, b, h, i0, nq, D, C(1), Qt, Dp, nq);
+        pack_rows<S, C>(p.dout, b, h, i0, nq, D, C(1), dOt, Dp, nq);
+        for (int64_t r = 0; r < nq; ++r) {
+          lse2[r] = lse2_of(p, b, h, i0 + r);
+          dlt[r] = delta[i0 + r];
+        }
+        gemm<C, false>(nq, BK / W, D, Qt, Dp, 1, KT, BK, Sb, BK);   // S = Q K^T
+        gemm<C, false>(nq, BK / W, D, dOt, Dp, 1, VT, BK, dP, BK);  // dP = dO V^T
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t i = i0 + r;
+          if (mask.causal && i < ifull) {
+            // key j0 + c visible iff c <= i + offset - j0
+            const int64_t cend = smax<int64_t>(0, smin<int64_t>(BK, i + mask.offset - j0 + 1));
+            for (int64_t c = cend; c < BK; ++c) Sb[r * BK + c] = neg_inf<C>();
+          }
+          const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
+          for (int64_t c0 = 0; c0 < BK; c0 += W) {
+            V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
+            vstore(Sb + r * BK + c0, pv);
+            vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
+          }
+        }
+        gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOt, Dp, dV, Dp);  // dV += P^T dO
+        gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qt, Dp, dK, Dp);   // dK += dS^T Q
+      }
+    }
+    const C scale = static_cast<C>(p.num.scale);
+    for (int64_t r = 0; r < nk; ++r) {
+      S* dk = row_ptr<S>(p.dk, b, hk, j0 + r);
+      S* dv = row_ptr<S>(p.dv, b, hk, j0 + r);
+      for (int64_t d = 0; d < D; ++d) {
+        store_as<C>(dk + d, dK[r * Dp + d] * scale);
+        store_as<C>(dv + d, dV[r * Dp + d]);
+      }
+    }
+  }
+
+  // dQ and dK/dV tasks share one parallel run: the dK/dV tasks (the larger ones) come first.
+  struct MainCtx {
+    Ctx ctx;
+    int64_t n_dkv;
+  };
+  static void main_task(const void* vctx, int64_t task, void* scratch) {
+    const MainCtx& m = *static_cast<const MainCtx*>(vctx);
+    if (task < m.n_dkv)
+      dkv_task(m.ctx, task, scratch);
+    else
+      dq_task(m.ctx, task - m.n_dkv, scratch);
+  }
+
+  static void run(const BackwardParams& p, Parallel& par) {
+    const Shape& sh = p.shape;
+    Ctx ctx{&p, static_cast<C*>(par.alloc(static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q) *
+                                           sizeof(C)))};
+    par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
+    const int64_t nqb = (sh.seq_q + BQ - 1) / BQ, nkb = (sh.seq_kv + BK - 1) / BK;
+    MainCtx m{ctx, nkb * sh.batch * sh.heads_kv};
+    const int64_t n_dq = nqb * sh.batch * sh.heads_q;
+    const int64_t bytes = smax(dq_layout(sh.head_dim).total, dkv_layout(sh.head_dim).total);
+    par.run(m.n_dkv + n_dq, static_cast<size_t>(bytes) * sizeof(C), &main_task, &m);
+  }
+};
+
+template <template <class> class K, class P>
+void dispatch_dtype(const P& p, Parallel& par) {
+  switch (p.num.dtype) {
+    case DType::Float32: K<float>::run(p, par); break;
+    case DType::Float16: K<F16>::run(p, par); break;
+    case DType::BFloat16: K<BF16>::run(p, par); break;
+    case DType::Float64: K<double>::run(p, par); break;
+  }
+}
+
+void forward_entry(const ForwardParams& p, Parallel& par) { dispatch_dtype<Forward>(p, par); }
+void backward_entry(const BackwardParams& p, Parallel& par) { dispatch_dtype<Backward>(p, par); }
+
+#define FLASHATTN_STR2(x) #x
+#define FLASHATTN_STR(x) FLASHATTN_STR2(x)
+
+}  // namespace
+
+extern const KernelSet kernels;
+const KernelSet kernels = {FLASHATTN_STR(FLASHATTN_CPU_ISA), kVecBytes, static_cast<int>(BQ),
+                           static_cast<int>(BK), &forward_entry, &backward_entry};
+
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA
