@@ -54,7 +54,7 @@ class FLASHATTN_API Error : public std::runtime_error {
 };
 
 // A non-owning view of a strided tensor (strides in elements, one per dimension).
-struct Tensor {
+struct FLASHATTN_API Tensor {
   void* data = nullptr;
   DType dtype = DType::Float32;
   int32_t device = kCpu;
