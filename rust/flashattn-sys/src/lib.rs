@@ -1,0 +1,119 @@
+//! Raw declarations of the flashattn C ABI, written by hand from `include/flashattn/flashattn.h`.
+//!
+//! Nothing here is safe to call without reading the header's contract; the `flashattn` crate wraps
+//! it. The struct layouts and every `#define` are compared with the C compiler's view of the header
+//! by `tests/layout.rs`, so a change to the header that is not mirrored here fails `cargo test`.
+//!
+//! Names follow the C header exactly so that its documentation applies word for word.
+#![no_std]
+#![allow(non_camel_case_types)]
+
+use core::ffi::{c_char, c_int, c_void};
+
+pub const FLASHATTN_VERSION_MAJOR: c_int = 0;
+pub const FLASHATTN_VERSION_MINOR: c_int = 1;
+pub const FLASHATTN_VERSION_PATCH: c_int = 0;
+
+// dtype codes
+pub const FLASHATTN_FLOAT32: i32 = 0;
+pub const FLASHATTN_FLOAT16: i32 = 1;
+pub const FLASHATTN_BFLOAT16: i32 = 2;
+/// CPU only: for gradient checking in double precision.
+pub const FLASHATTN_FLOAT64: i32 = 3;
+
+/// Device code of the CPU; n >= 0 is CUDA device n.
+pub const FLASHATTN_CPU: i32 = -1;
+
+// mask codes
+pub const FLASHATTN_MASK_NONE: i32 = 0;
+/// Key j visible to query i when j <= i.
+pub const FLASHATTN_MASK_CAUSAL_TOP_LEFT: i32 = 1;
+/// Key j visible to query i when j <= i + Skv - Sq.
+pub const FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT: i32 = 2;
+
+// precision codes: how float32 inputs are multiplied on CUDA (ignored elsewhere)
+pub const FLASHATTN_PRECISION_FP32: i32 = 0;
+pub const FLASHATTN_PRECISION_TF32: i32 = 1;
+
+// status codes
+pub const FLASHATTN_OK: c_int = 0;
+pub const FLASHATTN_ERROR_INVALID_ARGUMENT: c_int = 1;
+pub const FLASHATTN_ERROR_UNSUPPORTED: c_int = 2;
+pub const FLASHATTN_ERROR_BACKEND: c_int = 3;
+pub const FLASHATTN_ERROR_OUT_OF_MEMORY: c_int = 4;
+pub const FLASHATTN_ERROR_INTERNAL: c_int = 5;
+
+/// A non-owning tensor view. Shapes and strides are in elements, one per logical dimension.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct flashattn_tensor {
+    pub data: *mut c_void,
+    pub dtype: i32,
+    pub device: i32,
+    pub ndim: i32,
+    pub shape: [i64; 4],
+    pub stride: [i64; 4],
+}
+
+/// Call options. `struct_size` tells the library which fields the caller knows; fill it with
+/// `flashattn_options_init` or `size_of::<flashattn_options>()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct flashattn_options {
+    pub struct_size: u32,
+    /// 0 means 1/sqrt(D).
+    pub softmax_scale: f32,
+    /// `FLASHATTN_MASK_*`.
+    pub mask: i32,
+    /// CUDA stream (cudaStream_t); null = the default stream.
+    pub stream: *mut c_void,
+    // ---- end of version 1 (FLASHATTN_OPTIONS_V1_SIZE) ----
+    /// CPU worker threads; 0 = all hardware threads. Results do not depend on it.
+    pub num_threads: i32,
+    /// `FLASHATTN_PRECISION_*`; 0 = fp32-accurate.
+    pub precision: i32,
+}
+
+/// Size of the version 1 `flashattn_options` (up to and including `stream`).
+pub const FLASHATTN_OPTIONS_V1_SIZE: u32 = 24;
+
+extern "C" {
+    /// Fills `*opts` with defaults (struct_size = sizeof, everything else 0 / NULL).
+    pub fn flashattn_options_init(opts: *mut flashattn_options);
+
+    /// Forward: out [B,Hq,Sq,D] (dtype of q), lse [B,Hq,Sq] float32. `opts` may be null.
+    pub fn flashattn_forward(
+        q: *const flashattn_tensor,
+        k: *const flashattn_tensor,
+        v: *const flashattn_tensor,
+        out: *const flashattn_tensor,
+        lse: *const flashattn_tensor,
+        opts: *const flashattn_options,
+    ) -> c_int;
+
+    /// Backward: from dout, out and lse computes dq, dk, dv (dk, dv summed over a kv group).
+    pub fn flashattn_backward(
+        q: *const flashattn_tensor,
+        k: *const flashattn_tensor,
+        v: *const flashattn_tensor,
+        out: *const flashattn_tensor,
+        dout: *const flashattn_tensor,
+        lse: *const flashattn_tensor,
+        dq: *const flashattn_tensor,
+        dk: *const flashattn_tensor,
+        dv: *const flashattn_tensor,
+        opts: *const flashattn_options,
+    ) -> c_int;
+
+    /// Message of the last failed call on this thread; "" after a successful call. Never null.
+    pub fn flashattn_last_error() -> *const c_char;
+
+    /// Static name of a status code. Never null.
+    pub fn flashattn_status_string(status: c_int) -> *const c_char;
+
+    /// "major.minor.patch" of the library actually loaded.
+    pub fn flashattn_version() -> *const c_char;
+
+    /// 1 when this build has the CUDA backend and a usable CUDA device, else 0.
+    pub fn flashattn_cuda_available() -> c_int;
+}

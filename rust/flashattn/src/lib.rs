@@ -1,0 +1,114 @@
+//! Safe Rust API for flashattn: exact, memory-efficient attention (FlashAttention), forward and
+//! backward, over the library's C ABI.
+//!
+//! Tensors are borrowed views ([`Tensor`] for inputs, [`TensorMut`] for outputs) with a logical
+//! shape and per-dimension strides in elements, so the `[B, H, S, D]` and `[B, S, H, D]` memory
+//! layouts both work without copies:
+//!
+//! - q, out, dout, dq: logical `[B, Hq, Sq, D]`; k, v, dk, dv: `[B, Hkv, Skv, D]`, where Hkv
+//!   divides Hq (query head h reads kv head h / (Hq / Hkv)); lse: `[B, Hq, Sq]`, always f32.
+//! - Element types: `f32`, `f64` (CPU only), [`F16`], [`Bf16`].
+//!
+//! This crate checks only that each slice covers its view; every other check (shapes agreeing,
+//! head_dim stride 1, dtypes, devices, ...) is the library's, and its message comes back in
+//! [`Error`].
+//!
+//! ```
+//! use flashattn::{forward, backward, Mask, Options, Tensor, TensorMut};
+//! let (b, h, s, d) = (1, 2, 5, 8);
+//! let q = vec![0.1f32; b * h * s * d];
+//! let k = vec![0.2f32; b * h * s * d];
+//! let v = vec![0.3f32; b * h * s * d];
+//! let mut out = vec![0f32; b * h * s * d];
+//! let mut lse = vec![0f32; b * h * s];
+//! let opts = Options { mask: Mask::CausalBottomRight, ..Options::default() };
+//! let (qt, kt, vt) = (
+//!     Tensor::bhsd(&q, [b, h, s, d])?,
+//!     Tensor::bhsd(&k, [b, h, s, d])?,
+//!     Tensor::bhsd(&v, [b, h, s, d])?,
+//! );
+//! let mut ot = TensorMut::bhsd(&mut out, [b, h, s, d])?;
+//! let mut lt = TensorMut::contiguous(&mut lse, &[b, h, s])?;
+//! forward(&qt, &kt, &vt, &mut ot, &mut lt, &opts)?;
+//!
+//! let dout = vec![1f32; b * h * s * d];
+//! let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+//! backward(
+//!     &qt, &kt, &vt, &ot.as_tensor(), &Tensor::bhsd(&dout, [b, h, s, d])?, &lt.as_tensor(),
+//!     &mut TensorMut::bhsd(&mut dq, [b, h, s, d])?,
+//!     &mut TensorMut::bhsd(&mut dk, [b, h, s, d])?,
+//!     &mut TensorMut::bhsd(&mut dv, [b, h, s, d])?,
+//!     &opts,
+//! )?;
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod error;
+mod half;
+mod options;
+pub mod reference;
+mod tensor;
+
+use core::ffi::CStr;
+
+pub use error::{status_string, Error, ErrorKind};
+pub use flashattn_sys as sys;
+pub use half::{Bf16, F16};
+pub use options::{CudaStream, Mask, Options, Precision};
+pub use tensor::{DType, Device, Element, Tensor, TensorMut};
+
+/// Attention forward: `out = softmax(scale * q k^T, masked) v` and the natural-log `lse` of each
+/// row. Outputs are overwritten; on error nothing is written.
+pub fn forward<T: Element>(
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut TensorMut<'_, f32>,
+    options: &Options,
+) -> Result<(), Error> {
+    let opts = options.raw()?;
+    let (q, k, v, out, lse) = (q.raw(), k.raw(), v.raw(), out.raw(), lse.raw());
+    // SAFETY: every view covers memory valid for its lifetime (checked slices or an unsafe
+    // constructor's promise); outputs are exclusively borrowed; the structs outlive the call.
+    let status = unsafe { sys::flashattn_forward(&q, &k, &v, &out, &lse, &opts) };
+    Error::check(status)
+}
+
+/// Attention backward: from `dout` and the forward's `out` and `lse` (same options), computes
+/// `dq`, `dk` and `dv` (dk and dv summed over the query heads sharing a kv head). Outputs are
+/// overwritten; on error nothing is written.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    dout: &Tensor<'_, T>,
+    lse: &Tensor<'_, f32>,
+    dq: &mut TensorMut<'_, T>,
+    dk: &mut TensorMut<'_, T>,
+    dv: &mut TensorMut<'_, T>,
+    options: &Options,
+) -> Result<(), Error> {
+    let opts = options.raw()?;
+    let (q, k, v, out, dout, lse) = (q.raw(), k.raw(), v.raw(), out.raw(), dout.raw(), lse.raw());
+    let (dq, dk, dv) = (dq.raw(), dk.raw(), dv.raw());
+    // SAFETY: as in forward.
+    let status =
+        unsafe { sys::flashattn_backward(&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, &opts) };
+    Error::check(status)
+}
+
+/// "major.minor.patch" of the library actually loaded.
+pub fn version() -> &'static str {
+    // SAFETY: a static string owned by the library, never null.
+    unsafe { CStr::from_ptr(sys::flashattn_version()) }.to_str().unwrap_or("?")
+}
+
+/// Whether this build of the library has the CUDA backend and a usable CUDA device.
+pub fn cuda_available() -> bool {
+    // SAFETY: no arguments; never fails.
+    unsafe { sys::flashattn_cuda_available() != 0 }
+}
