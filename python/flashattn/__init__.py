@@ -1,0 +1,44 @@
+"""flashattn: exact, memory-efficient attention (FlashAttention) for training.
+
+Low-level functions over any DLPack tensor, in the library's logical [B, H, S, D] order:
+
+    out, lse = flashattn.forward(q, k, v, mask="causal_bottom_right")
+    dq, dk, dv = flashattn.backward(dout, q, k, v, out, lse, mask="causal_bottom_right")
+
+PyTorch (imported on first use, so NumPy-only users need no torch):
+
+    flashattn.torch.attention(q, k, v, mask=...)          # differentiable, torch.compile-able
+    from flashattn import flash_attn_func                  # FlashAttention 2's API and layouts
+"""
+
+from ._api import MASKS, PRECISIONS, backward, build_info, cuda_available, forward
+from ._ext import version as _lib_version
+
+__version__ = _lib_version()
+
+__all__ = [
+    "forward",
+    "backward",
+    "MASKS",
+    "PRECISIONS",
+    "cuda_available",
+    "build_info",
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+]
+
+_FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func")
+
+
+def __getattr__(name):
+    # Lazy so that `import flashattn` never imports PyTorch.
+    if name in _FLASH_ATTN_NAMES:
+        from . import flash_attn_interface
+
+        return getattr(flash_attn_interface, name)
+    if name in ("torch", "flash_attn_interface"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,326 @@
+"""Low-level functions over any DLPack tensor, in the library's logical [B, H, S, D] order.
+
+The extension (_ext) only converts DLPack tensors into views and calls the C ABI. This module
+decides everything that depends on the caller's framework: how outputs are allocated (with the
+input's own framework, so the caller gets its kind of tensor back), which CUDA stream the kernels
+are queued on, and how arguments given as Python values map to the ABI's codes.
+"""
+
+import sys
+
+import numpy as np
+
+from . import _ext
+
+__all__ = ["forward", "backward", "MASKS", "PRECISIONS", "cuda_available", "build_info"]
+
+MASKS = {
+    "none": _ext.MASK_NONE,
+    "causal_top_left": _ext.MASK_CAUSAL_TOP_LEFT,  # key j visible to query i when j <= i
+    "causal_bottom_right": _ext.MASK_CAUSAL_BOTTOM_RIGHT,  # when j <= i + Skv - Sq
+}
+PRECISIONS = {
+    "fp32": _ext.PRECISION_FP32,  # as accurate as plain float32 arithmetic (default)
+    "tf32": _ext.PRECISION_TF32,  # CUDA float32 only: TF32 tensor cores, ~1e-3 relative error
+}
+
+_DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def cuda_available():
+    """True when this build has the CUDA backend and a CUDA device is usable."""
+    return _ext.cuda_available()
+
+
+def build_info():
+    """Backends, CPU features and kernels of the loaded libflashattn."""
+    return _ext.build_info()
+
+
+# ---- argument codes -----------------------------------------------------------------------------
+
+
+def mask_code(mask):
+    if isinstance(mask, str) and mask in MASKS:
+        return MASKS[mask]
+    raise ValueError(
+        f"mask = {mask!r} is unknown; expected one of "
+        + ", ".join(repr(m) for m in MASKS)
+    )
+
+
+def precision_code(precision):
+    if isinstance(precision, str) and precision in PRECISIONS:
+        return PRECISIONS[precision]
+    raise ValueError(
+        f"precision = {precision!r} is unknown; expected one of "
+        + ", ".join(repr(p) for p in PRECISIONS)
+    )
+
+
+def scale_value(softmax_scale):
+    """None -> 0.0, which the library reads as 1/sqrt(head_dim)."""
+    if softmax_scale is None:
+        return 0.0
+    scale = float(softmax_scale)
+    if scale == 0.0:
+        # 0 is the ABI's "default" marker: passing it through would silently mean 1/sqrt(D).
+        raise ValueError("softmax_scale = 0 is not supported (None means 1/sqrt(head_dim))")
+    return scale
+
+
+def threads_value(num_threads):
+    if num_threads is None:
+        return 0
+    n = int(num_threads)
+    if n < 0:
+        raise ValueError(f"num_threads = {n} is negative (None or 0 means all hardware threads)")
+    return n
+
+
+# ---- frameworks ---------------------------------------------------------------------------------
+
+
+def _module_if_loaded(name):
+    # Only frameworks the caller already imported can own its tensors: never import one here.
+    return sys.modules.get(name)
+
+
+def framework(x, name="tensor"):
+    """'torch', 'numpy', 'cupy', 'jax' or 'dlpack' (any other object with __dlpack__)."""
+    torch = _module_if_loaded("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    cupy = _module_if_loaded("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    jax = _module_if_loaded("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return "jax"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return "dlpack"
+    raise TypeError(
+        f"{name}: expected a tensor that supports DLPack (NumPy, PyTorch, CuPy, JAX, ...), "
+        f"got {type(x).__module__}.{type(x).__qualname__}"
+    )
+
+
+def _ndim(x):
+    nd = getattr(x, "ndim", None)
+    return nd if nd is not None else len(x.shape)
+
+
+def _is_cuda(x, fw):
+    if fw == "torch":
+        return x.is_cuda
+    if fw == "numpy":
+        return False
+    if fw == "cupy":
+        return True
+    dev_type, _ = x.__dlpack_device__()
+    return dev_type in _DLPACK_CUDA
+
+
+class _Launch:
+    """Where and how one call runs: the stream, and how outputs are allocated and returned.
+
+    Outputs are allocated by the framework that owns q (numpy.empty_like, torch.empty_like,
+    cupy.empty_like), laid out like the tensor they mirror. JAX arrays are immutable and a bare
+    DLPack producer has no allocator we know, so for those the outputs are allocated by a
+    "host" framework (NumPy on the CPU; CuPy, else PyTorch, on CUDA) over a zero-copy DLPack
+    view of the input, and JAX callers get JAX arrays back.
+    """
+
+    def __init__(self, q):
+        self.fw = framework(q, "q")
+        self.cuda = _is_cuda(q, self.fw)
+        self.stream = 0  # NULL: the legacy default stream
+        self.host = self.fw
+        if self.fw == "torch":
+            if self.cuda:
+                import torch
+
+                # Queue the kernels behind whatever PyTorch queued on its current stream.
+                self.stream = torch.cuda.current_stream(q.device).cuda_stream
+        elif self.fw == "cupy":
+            import cupy
+
+            self.stream = cupy.cuda.get_current_stream().ptr
+        elif self.fw in ("jax", "dlpack"):
+            if not self.cuda:
+                self.host = "numpy"
+            elif _try_import("cupy"):
+                self.host = "cupy"
+            elif _try_import("torch"):
+                self.host = "torch"
+            else:
+                raise TypeError(
+                    "flashattn needs CuPy or PyTorch to allocate CUDA outputs for "
+                    f"{type(q).__module__}.{type(q).__qualname__} inputs"
+                )
+
+    def arg(self, x):
+        """An input as handed to the extension."""
+        if self.fw == "torch" and x.requires_grad:
+            # torch's __dlpack__ refuses tensors that require grad; the kernels record no
+            # autograd history anyway (flashattn.torch provides the differentiable versions).
+            return x.detach()
+        if self.fw == "jax":
+            x.block_until_ready()  # JAX dispatches asynchronously, on the CPU too
+        return x
+
+    def view(self, x):
+        if self.host == self.fw:
+            return x
+        if self.host == "numpy":
+            return np.from_dlpack(self.arg(x))
+        if self.host == "cupy":
+            import cupy
+
+            return cupy.from_dlpack(self.arg(x))
+        import torch
+
+        return torch.from_dlpack(self.arg(x))
+
+    def empty_like(self, x):
+        """An output with x's shape, dtype and device, laid out like x where possible."""
+        x = self.view(x)
+        if self.host == "torch":
+            import torch
+
+            return torch.empty_like(x, memory_format=torch.preserve_format)
+        if self.host == "numpy":
+            return np.empty_like(x, order="K")
+        import cupy
+
+        with x.device:
+            return cupy.empty_like(x, order="K")
+
+    def empty_lse(self, q):
+        """float32 [B, H, Sq] on q's device."""
+        q = self.view(q)
+        shape = tuple(q.shape[:3])
+        if self.host == "torch":
+            import torch
+
+            return torch.empty(shape, dtype=torch.float32, device=q.device)
+        if self.host == "numpy":
+            return np.empty(shape, dtype=np.float32)
+        import cupy
+
+        with q.device:
+            return cupy.empty(shape, dtype=cupy.float32)
+
+    def result(self, x, allocated):
+        """Hands an allocated output back as the caller's kind of tensor."""
+        if not allocated or self.fw != "jax":
+            return x
+        import jax
+
+        if self.cuda:
+            # JAX reads the buffer on its own stream: the kernels must be done by then.
+            if self.host == "cupy":
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
+            else:
+                import torch
+
+                torch.cuda.synchronize(x.device)
+        return jax.dlpack.from_dlpack(x)
+
+    def check_output(self, x, name):
+        if x is None:
+            return
+        if framework(x, name) == "jax":
+            raise TypeError(
+                f"{name}: JAX arrays are immutable and cannot be written in place; "
+                f"omit {name}= and use the returned array"
+            )
+
+
+def _try_import(name):
+    try:
+        __import__(name)
+        return True
+    except ImportError:
+        return False
+
+
+def _check_ndim(x, name, want):
+    nd = _ndim(x)
+    if nd != want:
+        layout = "[B, H, S, D]" if want == 4 else "[B, H, Sq]"
+        raise ValueError(f"{name}.ndim = {nd}, expected {want} ({layout})")
+
+
+# ---- public functions ---------------------------------------------------------------------------
+
+
+def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
+            precision="fp32", num_threads=None):
+    """Attention forward in the logical [B, H, S, D] order: returns (out, lse).
+
+    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Skv, D] with Hkv dividing Hq (GQA: query head h reads kv
+    head h // (Hq // Hkv)); any strides with a unit head_dim stride, so a [B, S, H, D] tensor
+    passed as ``x.transpose(1, 2)`` (or numpy's ``x.transpose(0, 2, 1, 3)``) needs no copy.
+    Any DLPack tensor works (NumPy, PyTorch CPU/CUDA, CuPy, JAX); outputs come back as the same
+    kind of tensor, on the same device.
+
+    softmax_scale: None means 1/sqrt(D). mask: "none", "causal_top_left" (key j visible to
+    query i when j <= i) or "causal_bottom_right" (j <= i + Skv - Sq, FlashAttention's causal).
+    out: [B, Hq, Sq, D] like q (allocated, laid out like q, when None); lse: [B, Hq, Sq] float32,
+    the natural log of each row's softmax denominator (-inf for a row that sees no key).
+    precision: "fp32" (default) or "tf32" (CUDA float32 only). num_threads: CPU threads
+    (None: all hardware threads; results do not depend on it).
+
+    Runs on PyTorch's current CUDA stream for torch CUDA tensors (CuPy's current stream for
+    CuPy arrays). Raises ValueError for invalid arguments, TypeError for unsupported or
+    mismatched dtypes, NotImplementedError for valid calls this build cannot serve, RuntimeError
+    for backend failures; messages are the library's.
+    """
+    launch = _Launch(q)
+    _check_ndim(launch.view(q), "q", 4)
+    launch.check_output(out, "out")
+    launch.check_output(lse, "lse")
+    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    prec, nthreads = precision_code(precision), threads_value(num_threads)
+    out_alloc, lse_alloc = out is None, lse is None
+    if out_alloc:
+        out = launch.empty_like(q)
+    if lse_alloc:
+        lse = launch.empty_lse(q)
+    _ext.forward(launch.arg(q), launch.arg(k), launch.arg(v), launch.arg(out), launch.arg(lse),
+                 scale, mask_c, prec, nthreads, launch.stream)
+    return launch.result(out, out_alloc), launch.result(lse, lse_alloc)
+
+
+def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=None, dk=None,
+             dv=None, precision="fp32", num_threads=None):
+    """Attention backward: returns (dq, dk, dv) from dout, the forward's inputs and its (out, lse).
+
+    Shapes as in forward(); dq is laid out like q, dk like k, dv like v when allocated. dk and dv
+    are summed over the query heads that share a kv head (GQA). softmax_scale, mask and precision
+    must be the forward's. Outputs may be non-overlapping interleaved views of one buffer (e.g. the
+    q, k and v slices of a packed gradient); they must not overlap the inputs.
+    """
+    launch = _Launch(q)
+    _check_ndim(launch.view(q), "q", 4)
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+        launch.check_output(x, name)
+    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    prec, nthreads = precision_code(precision), threads_value(num_threads)
+    allocated = (dq is None, dk is None, dv is None)
+    if dq is None:
+        dq = launch.empty_like(q)
+    if dk is None:
+        dk = launch.empty_like(k)
+    if dv is None:
+        dv = launch.empty_like(v)
+    a = launch.arg
+    _ext.backward(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv),
+                  scale, mask_c, prec, nthreads, launch.stream)
+    return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))

@@ -1,0 +1,276 @@
+"""PyTorch integration: differentiable attention, as custom ops that work under torch.compile.
+
+    import flashattn.torch as fat
+    out = fat.attention(q, k, v, mask="causal_bottom_right")       # [B, H, S, D]
+    out.sum().backward()
+
+Two ways in, the same kernels:
+
+- ``attention(...)`` goes through the torch.library custom ops ``flashattn::fwd`` and
+  ``flashattn::bwd`` (with fake implementations for tracing and a registered autograd formula),
+  so torch.compile keeps them as opaque nodes in the graph instead of breaking it.
+- ``FlashAttnFunction`` is a plain torch.autograd.Function calling the extension directly (eager
+  only, no dispatcher on the way).
+
+The packed ops ``flashattn::qkvpacked_fwd/bwd`` and ``flashattn::kvpacked_fwd/bwd`` back the
+FlashAttention-compatible functions (flashattn.flash_attn_interface): their backward writes the
+gradients of q, k and v straight into one packed buffer laid out like the packed input.
+
+The log-sum-exp output is marked non-differentiable (requires_grad=False, as in FlashAttention):
+gradients flow to q, k and v through out only.
+"""
+
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _api, _ext
+
+__all__ = ["attention", "FlashAttnFunction"]
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _threads(t: Tensor, num_threads: int) -> int:
+    # On the CPU, follow torch's own thread setting unless told otherwise, so that flashattn and
+    # torch's operators share the cores the same way.
+    if num_threads == 0 and not t.is_cuda:
+        return torch.get_num_threads()
+    return num_threads
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    # The library reads any strides but needs a contiguous head dimension; autograd hands out
+    # gradients such as expanded scalars whose last stride is 0.
+    return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
+
+
+def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads):
+    _ext.forward(q.detach(), k.detach(), v.detach(), out, lse, scale, mask, precision,
+                 _threads(q, num_threads), _stream(q))
+
+
+def _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, mask, precision, num_threads):
+    _ext.backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                  dq, dk, dv, scale, mask, precision, _threads(q, num_threads), _stream(q))
+
+
+def _lse_like(q: Tensor, bhs) -> Tensor:
+    return torch.empty(bhs, dtype=torch.float32, device=q.device)
+
+
+# ---- [B, H, S, D] ops ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashattn::fwd", mutates_args=())
+def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, mask: int, precision: int,
+         num_threads: int) -> Tuple[Tensor, Tensor]:
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    out = torch.empty_like(q)
+    lse = _lse_like(q, q.shape[:3])
+    _call_fwd(q, k, v, out, lse, softmax_scale, mask, precision, num_threads)
+    return out, lse
+
+
+@_fwd.register_fake
+def _(q, k, v, softmax_scale, mask, precision, num_threads):
+    return torch.empty_like(q), _lse_like(q, q.shape[:3])
+
+
+@torch.library.custom_op("flashattn::bwd", mutates_args=())
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+         softmax_scale: float, mask: int, precision: int,
+         num_threads: int) -> Tuple[Tensor, Tensor, Tensor]:
+    dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads)
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, scale, mask, precision, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (scale, mask, precision, num_threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+# ---- packed FlashAttention layouts: qkv [B, S, 3, H, D], kv [B, S, 2, Hkv, D] ---------------------
+
+
+def _bshd(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)  # [B, S, H, D] memory -> logical [B, H, S, D] view, no copy
+
+
+def _empty_bshd_like(t: Tensor, b, s, h, d) -> Tensor:
+    return torch.empty((b, s, h, d), dtype=t.dtype, device=t.device)
+
+
+@torch.library.custom_op("flashattn::qkvpacked_fwd", mutates_args=())
+def _qkvpacked_fwd(qkv: Tensor, softmax_scale: float, mask: int, precision: int,
+                   num_threads: int) -> Tuple[Tensor, Tensor]:
+    qkv = _unit_last(qkv)
+    b, s, _, h, d = qkv.shape
+    out = _empty_bshd_like(qkv, b, s, h, d)
+    lse = _lse_like(qkv, (b, h, s))
+    _call_fwd(_bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]), _bshd(out), lse,
+              softmax_scale, mask, precision, num_threads)
+    return out, lse
+
+
+@_qkvpacked_fwd.register_fake
+def _(qkv, softmax_scale, mask, precision, num_threads):
+    b, s, _, h, d = qkv.shape
+    return _empty_bshd_like(qkv, b, s, h, d), _lse_like(qkv, (b, h, s))
+
+
+@torch.library.custom_op("flashattn::qkvpacked_bwd", mutates_args=())
+def _qkvpacked_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+                   mask: int, precision: int, num_threads: int) -> Tensor:
+    dout, qkv = _unit_last(dout), _unit_last(qkv)
+    dqkv = torch.empty_like(qkv)
+    # dq, dk and dv are interleaved, non-overlapping views of the one packed buffer.
+    _call_bwd(_bshd(dout), _bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]),
+              _bshd(out), lse, _bshd(dqkv[:, :, 0]), _bshd(dqkv[:, :, 1]), _bshd(dqkv[:, :, 2]),
+              softmax_scale, mask, precision, num_threads)
+    return dqkv
+
+
+@_qkvpacked_bwd.register_fake
+def _(dout, qkv, out, lse, softmax_scale, mask, precision, num_threads):
+    return torch.empty_like(qkv)
+
+
+def _qkvpacked_setup(ctx, inputs, output):
+    qkv, scale, mask, precision, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.args = (scale, mask, precision, num_threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _qkvpacked_backward(ctx, dout, dlse):
+    qkv, out, lse = ctx.saved_tensors
+    dqkv = torch.ops.flashattn.qkvpacked_bwd(dout, qkv, out, lse, *ctx.args)
+    return dqkv, None, None, None, None
+
+
+_qkvpacked_fwd.register_autograd(_qkvpacked_backward, setup_context=_qkvpacked_setup)
+
+
+@torch.library.custom_op("flashattn::kvpacked_fwd", mutates_args=())
+def _kvpacked_fwd(q: Tensor, kv: Tensor, softmax_scale: float, mask: int, precision: int,
+                  num_threads: int) -> Tuple[Tensor, Tensor]:
+    q, kv = _unit_last(q), _unit_last(kv)
+    b, s, h, d = q.shape
+    out = _empty_bshd_like(q, b, s, h, d)
+    lse = _lse_like(q, (b, h, s))
+    _call_fwd(_bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
+              softmax_scale, mask, precision, num_threads)
+    return out, lse
+
+
+@_kvpacked_fwd.register_fake
+def _(q, kv, softmax_scale, mask, precision, num_threads):
+    b, s, h, d = q.shape
+    return _empty_bshd_like(q, b, s, h, d), _lse_like(q, (b, h, s))
+
+
+@torch.library.custom_op("flashattn::kvpacked_bwd", mutates_args=())
+def _kvpacked_bwd(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor,
+                  softmax_scale: float, mask: int, precision: int,
+                  num_threads: int) -> Tuple[Tensor, Tensor]:
+    dout, q, kv = _unit_last(dout), _unit_last(q), _unit_last(kv)
+    dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+    _call_bwd(_bshd(dout), _bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
+              _bshd(dq), _bshd(dkv[:, :, 0]), _bshd(dkv[:, :, 1]),
+              softmax_scale, mask, precision, num_threads)
+    return dq, dkv
+
+
+@_kvpacked_bwd.register_fake
+def _(dout, q, kv, out, lse, softmax_scale, mask, precision, num_threads):
+    return torch.empty_like(q), torch.empty_like(kv)
+
+
+def _kvpacked_setup(ctx, inputs, output):
+    q, kv, scale, mask, precision, num_threads = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, out, lse)
+    ctx.args = (scale, mask, precision, num_threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _kvpacked_backward(ctx, dout, dlse):
+    q, kv, out, lse = ctx.saved_tensors
+    dq, dkv = torch.ops.flashattn.kvpacked_bwd(dout, q, kv, out, lse, *ctx.args)
+    return dq, dkv, None, None, None, None
+
+
+_kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setup)
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+
+def _codes(softmax_scale, mask, precision, num_threads):
+    return (_api.scale_value(softmax_scale), _api.mask_code(mask),
+            _api.precision_code(precision), _api.threads_value(num_threads))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none",
+              precision="fp32", num_threads=None, return_lse=False):
+    """Differentiable attention on [B, H, S, D] tensors (any strides, e.g. ``x.transpose(1, 2)``
+    of a [B, S, H, D] tensor): returns out, or (out, lse) when return_lse.
+
+    Arguments as flashattn.forward. Gradients flow to q, k and v (not through lse). Works under
+    torch.compile (custom ops with fake implementations) and on CPU and CUDA tensors; on the CPU
+    it uses torch.get_num_threads() threads unless num_threads is given.
+    """
+    out, lse = torch.ops.flashattn.fwd(q, k, v, *_codes(softmax_scale, mask, precision,
+                                                        num_threads))
+    return (out, lse) if return_lse else out
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """torch.autograd.Function over the extension (eager mode; use attention() under
+    torch.compile). apply(q, k, v, softmax_scale=None, mask="none", precision="fp32",
+    num_threads=None) -> (out, lse), [B, H, S, D] tensors; lse is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale=None, mask="none", precision="fp32",
+                num_threads=None):
+        args = _codes(softmax_scale, mask, precision, num_threads)
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        out = torch.empty_like(q)
+        lse = _lse_like(q, q.shape[:3])
+        _call_fwd(q, k, v, out, lse, *args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = _unit_last(dout)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, *ctx.args)
+        return dq, dk, dv, None, None, None, None

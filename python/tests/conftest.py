@@ -1,0 +1,47 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # reference.py
+
+# Tolerances on max|got - ref| / max|ref| per tensor, the C++ grid test's (tests/test_cpu_grid.cpp
+# explains each): the reference sees exactly the rounded inputs the kernel sees, so what is left is
+# float32 accumulation (float32) or the rounding of each output to the storage type (fp16/bf16).
+# lse is float32 for every dtype. That also bounds float64 gradients: the backward recomputes
+# P = exp(S - lse) from the float32 lse the API hands over, so P carries a relative error of about
+# |lse| * 2^-24 (~1e-7); test_numpy.py checks separately that, given that lse, the float64
+# backward is exact to 1e-12.
+TOL = {
+    "float64": dict(out=1e-10, lse=2e-7, grad=2e-6),
+    "float32": dict(out=2e-5, lse=2e-5, grad=2e-5),
+    "float16": dict(out=2e-3, lse=2e-5, grad=2e-3),
+    "bfloat16": dict(out=1e-2, lse=2e-5, grad=1e-2),
+}
+
+
+def rel_error(got, ref):
+    """max|got - ref| / max|ref| over finite reference entries; -inf must match exactly and no
+    NaN may appear anywhere."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert not np.isnan(got).any(), "NaN in output"
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), fin), "non-finite entries differ from the reference"
+    assert (got[~fin] == ref[~fin]).all(), "infinite entries differ from the reference"
+    if not fin.any():
+        return 0.0
+    scale = max(np.abs(ref[fin]).max(), 1e-30)
+    return float(np.abs(got[fin] - ref[fin]).max() / scale)
+
+
+def assert_close(name, got, ref, tol):
+    err = rel_error(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.3e} > tolerance {tol:.1e}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
