@@ -34,6 +34,9 @@ struct Cudart {
 }
 
 impl Cudart {
+    // The transmutes turn dlsym's pointers into the CUDA runtime's C signatures, spelled out in
+    // the struct's field types.
+    #[allow(clippy::missing_transmute_annotations)]
     fn load() -> Option<Cudart> {
         let mut names: Vec<String> = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
             .iter()
