@@ -211,7 +211,7 @@ fn cuda_device_pointers_on_a_stream() {
     }
     .unwrap();
     let dev_out = rt.upload(&vec![0f32; 64]);
-    let dev_lse = rt.upload(&vec![0f32; 8]);
+    let dev_lse = rt.upload(&[0f32; 8]);
     let e = unsafe {
         forward(
             &t,
