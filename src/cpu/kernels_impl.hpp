@@ -194,13 +194,21 @@ template <> struct ComputeOf<double> { using type = double; };
 // ---- tiles ------------------------------------------------------------------------------------
 // Tile sizes: BQ query rows x BK keys per step. Both are multiples of every vector width. The
 // working set of one step (docs/ALGORITHM.md, work model) is sized for a 1-2 MiB L2 per core.
-constexpr int64_t BQ = 64;
-constexpr int64_t BK = 128;
+#ifndef FLASHATTN_CPU_BQ
+#define FLASHATTN_CPU_BQ 64
+#endif
+#ifndef FLASHATTN_CPU_BK
+#define FLASHATTN_CPU_BK 128
+#endif
+constexpr int64_t BQ = FLASHATTN_CPU_BQ;
+constexpr int64_t BK = FLASHATTN_CPU_BK;
 
 // Register blocking of the micro-kernel: MR rows x NR vectors of accumulators, chosen so that
 // MR*NR accumulators + NR B-vectors + 1 broadcast fit the register file (32 zmm with AVX-512,
 // 16 ymm/xmm otherwise) with enough independent FMA chains to hide latency.
-#if FLASHATTN_CPU_VEC_BYTES >= 64
+#if defined(FLASHATTN_CPU_MR)
+constexpr int MR = FLASHATTN_CPU_MR, NR = FLASHATTN_CPU_NR;
+#elif FLASHATTN_CPU_VEC_BYTES >= 64
 constexpr int MR = 6, NR = 4;
 #else
 constexpr int MR = 6, NR = 2;
@@ -294,6 +302,27 @@ void pack_rows(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int6
   }
   for (int64_t r = n; r < rows_padded; ++r)
     for (int64_t d = 0; d < ld; ++d) dst[r * ld + d] = C(0);
+}
+
+// A block of rows used as a matrix operand: its pointer and row stride.
+template <class C>
+struct Rows {
+  const C* ptr;
+  int64_t ld;
+};
+
+// Rows [row0, row0 + n) of an operand as a compute-type matrix. When the operand is stored in the
+// compute type it is used in place (no copy); when whole-vector reads past column D are needed
+// (B operands) that also requires D to be a multiple of the vector width. Otherwise the rows are
+// converted into dst with row stride Dp, zero-padded.
+template <class S, class C>
+Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
+                int64_t Dp, bool vector_reads, C* dst) {
+  if constexpr (__is_same(S, C)) {
+    if (!vector_reads || D == Dp) return {row_ptr<S>(t, b, h, row0), t.ss};
+  }
+  pack_rows<S, C>(t, b, h, row0, n, D, C(1), dst, Dp, n);
+  return {dst, Dp};
 }
 
 // dst[d*ld + r] = mul * src(row0 + r)[d] for d < D, r < n; zero for r in [n, ld).
@@ -392,9 +421,9 @@ struct Forward {
     const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
-      pack_rows<S, C>(p.k, b, hk, j0, nk, D, C(1), Kt, Dp, nk);
-      pack_rows<S, C>(p.v, b, hk, j0, nk, D, C(1), Vt, Dp, nk);
-      gemm<C, false>(nk, BQ / W, D, Kt, Dp, 1, QT, BQ, ST, BQ);
+      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, Dp, false, Kt);
+      const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, Dp, true, Vt);
+      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, BQ, ST, BQ);
       // Only blocks crossing the diagonal need per-element masking: key j is hidden from the
       // block's columns c with i0 + c < j - offset.
       if (mask.causal && j0 + nk - 1 > i0 + mask.offset) {
@@ -404,7 +433,7 @@ struct Forward {
         }
       }
       online_softmax(ST, nk, mrow, lrow, O, Dp);
-      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vt, Dp, O, Dp);
+      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vr.ptr, Vr.ld, O, Dp);
     }
 
     // Epilogue: O / l and LSE = (m + log2 l) * ln 2; rows with no visible key: O = 0, LSE = -inf.
@@ -552,10 +581,10 @@ struct Backward {
     const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
-      pack_rows<S, C>(p.k, b, hk, j0, nk, D, C(1), Kt, Dp, nk);
-      pack_rows<S, C>(p.v, b, hk, j0, nk, D, C(1), Vt, Dp, nk);
-      gemm<C, false>(nk, BQ / W, D, Kt, Dp, 1, QT, BQ, ST, BQ);    // S^T = K Q^T
-      gemm<C, false>(nk, BQ / W, D, Vt, Dp, 1, dOT, BQ, dPT, BQ);  // dP^T = V dO^T
+      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, Dp, true, Kt);
+      const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, Dp, false, Vt);
+      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, BQ, ST, BQ);      // S^T = K Q^T
+      gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, BQ, dPT, BQ);  // dP^T = V dO^T
       const bool diag = mask.causal && j0 + nk - 1 > i0 + mask.offset;
       for (int64_t r = 0; r < nk; ++r) {
         if (diag) {
@@ -568,7 +597,7 @@ struct Backward {
           vstore(ST + r * BQ + c0, ds);
         }
       }
-      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kt, Dp, dQ, Dp);  // dQ += dS K
+      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, K.ptr, K.ld, dQ, Dp);  // dQ += dS K
     }
     const C scale = static_cast<C>(p.num.scale);
     for (int64_t c = 0; c < nq; ++c) {
@@ -635,14 +664,14 @@ struct Backward {
       const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
       for (int64_t i0 = istart; i0 < Sq; i0 += BQ) {
         const int64_t nq = smin(BQ, Sq - i0);
-        pack_rows<S, C>(p.q, b, h, i0, nq, D, C(1), Qt, Dp, nq);
-        pack_rows<S, C>(p.dout, b, h, i0, nq, D, C(1), dOt, Dp, nq);
+        const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, Dp, true, Qt);
+        const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, Dp, true, dOt);
         for (int64_t r = 0; r < nq; ++r) {
           lse2[r] = lse2_of(p, b, h, i0 + r);
           dlt[r] = delta[i0 + r];
         }
-        gemm<C, false>(nq, BK / W, D, Qt, Dp, 1, KT, BK, Sb, BK);   // S = Q K^T
-        gemm<C, false>(nq, BK / W, D, dOt, Dp, 1, VT, BK, dP, BK);  // dP = dO V^T
+        gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, BK, Sb, BK);    // S = Q K^T
+        gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, BK, dP, BK);  // dP = dO V^T
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
           if (mask.causal && i < ifull) {
@@ -657,8 +686,8 @@ struct Backward {
             vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
           }
         }
-        gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOt, Dp, dV, Dp);  // dV += P^T dO
-        gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qt, Dp, dK, Dp);   // dK += dS^T Q
+        gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dO.ptr, dO.ld, dV, Dp);  // dV += P^T dO
+        gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Q.ptr, Q.ld, dK, Dp);    // dK += dS^T Q
       }
     }
     const C scale = static_cast<C>(p.num.scale);

@@ -1,0 +1,210 @@
+// CPU benchmark: median time and GFLOP/s of forward, backward and forward+backward, next to a
+// large float32 GEMM (OpenBLAS cblas_sgemm) measured in the same run on the same threads.
+//
+//   flashattn-bench-cpu [--batch 1] [--heads 8] [--heads-kv H] [--seq 2048] [--seq-kv S]
+//                       [--dim 128] [--mask none,causal] [--dtype float32] [--layout bhsd]
+//                       [--threads 0] [--reps 5] [--gemm 4096]
+//
+// FLOPs follow src/testing/problem.hpp (forward 4*B*H*Sq*Skv*D, halved when causal; backward
+// 2.5x forward); inputs come from testing::Problem.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashattn/flashattn.hpp"
+#include "testing/problem.hpp"
+
+#if defined(FLASHATTN_BENCH_OPENBLAS)
+#include <cblas.h>
+#endif
+
+using namespace flashattn;
+using flashattn::testing::Layout;
+using flashattn::testing::Problem;
+using flashattn::testing::ProblemConfig;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Median (and fastest) wall time of `reps` runs after one warm-up run. On a shared machine the
+// fastest run is the better estimate of what the code can do; the median is what is reported.
+struct Timing {
+  double median, min;
+};
+Timing time_s(int reps, const std::function<void()>& f) {
+  f();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    double t0 = now_s();
+    f();
+    t.push_back(now_s() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t[0]};
+}
+
+[[noreturn]] void usage(const char* msg) {
+  if (msg) std::fprintf(stderr, "error: %s\n\n", msg);
+  std::fprintf(stderr,
+               "usage: flashattn-bench-cpu [options]\n"
+               "  --batch N       batch size (1)\n"
+               "  --heads N       query heads (8)\n"
+               "  --heads-kv N    key/value heads (= heads)\n"
+               "  --seq N         query length (2048)\n"
+               "  --seq-kv N      key/value length (= seq)\n"
+               "  --dim N         head dim (128)\n"
+               "  --mask LIST     comma-separated: none, causal (top-left), causal_br (none,causal)\n"
+               "  --dtype T       float32, float16, bfloat16, float64 (float32)\n"
+               "  --layout L      bhsd or bshd (bhsd)\n"
+               "  --threads N     CPU threads, 0 = all hardware threads (0)\n"
+               "  --reps N        timed repetitions per measurement; the median is reported (5)\n"
+               "  --gemm N        size of the square sgemm reference, 0 = skip (4096)\n");
+  std::exit(msg ? 2 : 0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ProblemConfig base;
+  base.batch = 1;
+  base.heads_q = 8;
+  base.heads_kv = 0;
+  base.seq_q = 2048;
+  base.seq_kv = 0;
+  base.head_dim = 128;
+  std::string masks = "none,causal";
+  int threads = 0, reps = 5, gemm_n = 4096;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") usage(nullptr);
+    if (i + 1 >= argc) usage(("missing value for " + a).c_str());
+    std::string v = argv[++i];
+    auto num = [&] {
+      char* end = nullptr;
+      long long x = std::strtoll(v.c_str(), &end, 10);
+      if (!end || *end || x < 0) usage((a + ": not a non-negative integer: " + v).c_str());
+      return static_cast<int64_t>(x);
+    };
+    if (a == "--batch") base.batch = num();
+    else if (a == "--heads") base.heads_q = num();
+    else if (a == "--heads-kv") base.heads_kv = num();
+    else if (a == "--seq") base.seq_q = num();
+    else if (a == "--seq-kv") base.seq_kv = num();
+    else if (a == "--dim") base.head_dim = num();
+    else if (a == "--mask") masks = v;
+    else if (a == "--threads") threads = static_cast<int>(num());
+    else if (a == "--reps") reps = std::max(1, static_cast<int>(num()));
+    else if (a == "--gemm") gemm_n = static_cast<int>(num());
+    else if (a == "--layout") {
+      if (v == "bhsd") base.layout = Layout::BHSD;
+      else if (v == "bshd") base.layout = Layout::BSHD;
+      else usage(("unknown layout " + v).c_str());
+    } else if (a == "--dtype") {
+      if (v == "float32") base.dtype = DType::Float32;
+      else if (v == "float16") base.dtype = DType::Float16;
+      else if (v == "bfloat16") base.dtype = DType::BFloat16;
+      else if (v == "float64") base.dtype = DType::Float64;
+      else usage(("unknown dtype " + v).c_str());
+    } else {
+      usage(("unknown option " + a).c_str());
+    }
+  }
+  if (base.heads_kv == 0) base.heads_kv = base.heads_q;
+  if (base.seq_kv == 0) base.seq_kv = base.seq_q;
+  if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  std::printf("%s", build_info().c_str());
+  std::printf("threads %d, reps %d (median)\n", threads, reps);
+
+  // ---- the GEMM yardstick ----
+  double gemm_gflops = 0;
+#if defined(FLASHATTN_BENCH_OPENBLAS)
+  if (gemm_n > 0) {
+    openblas_set_num_threads(threads);
+    const char* ct = std::getenv("OPENBLAS_CORETYPE");
+    const size_t n = static_cast<size_t>(gemm_n);
+    std::vector<float> A(n * n), B(n * n), C(n * n);
+    for (size_t i = 0; i < n * n; ++i) {
+      A[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+      B[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
+    }
+    Timing tg = time_s(std::max(3, reps / 2), [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, gemm_n, gemm_n, gemm_n, 1.0f,
+                  A.data(), gemm_n, B.data(), gemm_n, 0.0f, C.data(), gemm_n);
+    });
+    gemm_gflops = 2.0 * n * n * n / tg.median * 1e-9;
+    std::printf("sgemm %dx%dx%d (%s, OPENBLAS_CORETYPE=%s, %d threads): median %.1f ms, "
+                "%.1f GFLOP/s (fastest %.1f GFLOP/s)\n",
+                gemm_n, gemm_n, gemm_n, openblas_get_config(), ct ? ct : "(unset)", threads,
+                tg.median * 1e3, gemm_gflops, 2.0 * n * n * n / tg.min * 1e-9);
+  }
+#else
+  (void)gemm_n;
+  std::printf("sgemm comparison skipped: built without OpenBLAS (install libopenblas-dev)\n");
+#endif
+
+  std::printf("\n%-10s %-10s %10s %10s %9s %10s\n", "mask", "pass", "median ms", "GFLOP/s",
+              "vs sgemm", "fastest ms");
+  std::stringstream ms(masks);
+  std::string mname;
+  int bad = 0;
+  while (std::getline(ms, mname, ',')) {
+    ProblemConfig c = base;
+    if (mname == "none") c.mask = Mask::None;
+    else if (mname == "causal") c.mask = Mask::CausalTopLeft;
+    else if (mname == "causal_br") c.mask = Mask::CausalBottomRight;
+    else usage(("unknown mask " + mname).c_str());
+    Problem p(c);
+    Options o;
+    o.mask = c.mask;
+    o.num_threads = threads;
+    auto fwd = [&] { forward(p.q.view, p.k.view, p.v.view, p.out.view, p.lse.view, o); };
+    auto bwd = [&] {
+      backward(p.q.view, p.k.view, p.v.view, p.out.view, p.dout.view, p.lse.view, p.dq.view,
+               p.dk.view, p.dv.view, o);
+    };
+    const Timing tf = time_s(reps, fwd);
+    const Timing tb = time_s(reps, bwd);
+    const Timing tfb = time_s(reps, [&] {
+      fwd();
+      bwd();
+    });
+    // A benchmark of garbage is worthless: every output must be finite.
+    for (auto* t : {&p.out, &p.dq, &p.dk, &p.dv}) {
+      auto d = p.to_double(*t);
+      for (double x : d)
+        if (!std::isfinite(x)) {
+          ++bad;
+          break;
+        }
+    }
+    const double ff = testing::forward_flops(c), fb = testing::backward_flops(c);
+    std::printf("# %s\n", c.describe().c_str());
+    auto row = [&](const char* pass, Timing t, double flops) {
+      double g = flops / t.median * 1e-9;
+      char rel[32] = "-";
+      if (gemm_gflops > 0) std::snprintf(rel, sizeof rel, "%.1f%%", 100.0 * g / gemm_gflops);
+      std::printf("%-10s %-10s %10.2f %10.1f %9s %10.2f\n", mname.c_str(), pass, t.median * 1e3,
+                  g, rel, t.min * 1e3);
+    };
+    row("forward", tf, ff);
+    row("backward", tb, fb);
+    row("fwd+bwd", tfb, ff + fb);
+  }
+  if (bad) {
+    std::fprintf(stderr, "error: %d outputs contained non-finite values\n", bad);
+    return 1;
+  }
+  return 0;
+}
