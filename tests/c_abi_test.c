@@ -1,0 +1,272 @@
+/*
+ * The C ABI driven from C (compiled as C99, pedantic): flashattn.h must be a valid C header, and a
+ * forward + backward through it must agree with a naive attention written here in plain C.
+ * Exit status 0 on success; every failed check prints a line and makes it 1.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "flashattn/flashattn.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                        \
+  do {                                                          \
+    if (!(cond)) {                                              \
+      ++failures;                                               \
+      fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                             \
+      fputc('\n', stderr);                                      \
+    }                                                           \
+  } while (0)
+
+enum { B = 2, HQ = 4, HKV = 2, SQ = 6, SKV = 5, D = 8 };
+#define NQ (B * HQ * SQ * D)
+#define NK (B * HKV * SKV * D)
+#define NL (B * HQ * SQ)
+
+static float q[NQ], k[NK], v[NK], out[NQ], dout[NQ], dq[NQ], dk[NK], dv[NK], lse[NL];
+
+static flashattn_tensor view4(float* data, int64_t h, int64_t s) {
+  flashattn_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.dtype = FLASHATTN_FLOAT32;
+  t.device = FLASHATTN_CPU;
+  t.ndim = 4;
+  t.shape[0] = B;
+  t.shape[1] = h;
+  t.shape[2] = s;
+  t.shape[3] = D;
+  t.stride[3] = 1;
+  t.stride[2] = D;
+  t.stride[1] = s * D;
+  t.stride[0] = h * s * D;
+  return t;
+}
+
+static flashattn_tensor view_lse(float* data) {
+  flashattn_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.dtype = FLASHATTN_FLOAT32;
+  t.device = FLASHATTN_CPU;
+  t.ndim = 3;
+  t.shape[0] = B;
+  t.shape[1] = HQ;
+  t.shape[2] = SQ;
+  t.stride[2] = 1;
+  t.stride[1] = SQ;
+  t.stride[0] = HQ * SQ;
+  return t;
+}
+
+/* Deterministic inputs in [-1.5, 1.5). */
+static void fill(float* x, int n, unsigned seed) {
+  unsigned s = seed;
+  int i;
+  for (i = 0; i < n; ++i) {
+    s = s * 1664525u + 1013904223u;
+    x[i] = (float)((double)(s >> 8) / 16777216.0 * 3.0 - 1.5);
+  }
+}
+
+static void poison(void) {
+  int i;
+  for (i = 0; i < NQ; ++i) out[i] = dq[i] = NAN;
+  for (i = 0; i < NK; ++i) dk[i] = dv[i] = NAN;
+  for (i = 0; i < NL; ++i) lse[i] = NAN;
+}
+
+static int visible(int mask, int i, int j) {
+  if (mask == FLASHATTN_MASK_CAUSAL_TOP_LEFT) return j <= i;
+  if (mask == FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT) return j <= i + SKV - SQ;
+  return 1;
+}
+
+/* Naive attention in double with explicit P: forward and the gradients of sum(out * dout). */
+static double r_out[NQ], r_lse[NL], r_dq[NQ], r_dk[NK], r_dv[NK];
+
+static void naive(int mask, double scale) {
+  int b, h, i, j, x;
+  memset(r_dk, 0, sizeof r_dk);
+  memset(r_dv, 0, sizeof r_dv);
+  for (b = 0; b < B; ++b)
+    for (h = 0; h < HQ; ++h) {
+      const int hk = h / (HQ / HKV);
+      const float* Q = q + (b * HQ + h) * SQ * D;
+      const float* K = k + (b * HKV + hk) * SKV * D;
+      const float* V = v + (b * HKV + hk) * SKV * D;
+      const float* dO = dout + (b * HQ + h) * SQ * D;
+      double P[SQ][SKV], dP[SQ][SKV];
+      for (i = 0; i < SQ; ++i) {
+        double m = -INFINITY, sum = 0, rowdot = 0;
+        double s[SKV];
+        const int row = (b * HQ + h) * SQ + i;
+        for (j = 0; j < SKV; ++j) {
+          double acc = 0;
+          for (x = 0; x < D; ++x) acc += (double)Q[i * D + x] * K[j * D + x];
+          s[j] = visible(mask, i, j) ? scale * acc : -INFINITY;
+          if (s[j] > m) m = s[j];
+        }
+        for (j = 0; j < SKV; ++j) sum += visible(mask, i, j) ? exp(s[j] - m) : 0.0;
+        r_lse[row] = sum > 0 ? m + log(sum) : -INFINITY;
+        for (j = 0; j < SKV; ++j) P[i][j] = sum > 0 && visible(mask, i, j) ? exp(s[j] - m) / sum : 0.0;
+        for (x = 0; x < D; ++x) {
+          double acc = 0;
+          for (j = 0; j < SKV; ++j) acc += P[i][j] * V[j * D + x];
+          r_out[row * D + x] = acc;
+        }
+        for (j = 0; j < SKV; ++j) {
+          double acc = 0;
+          for (x = 0; x < D; ++x) acc += (double)dO[i * D + x] * V[j * D + x];
+          dP[i][j] = acc;
+          rowdot += P[i][j] * acc;
+        }
+        for (j = 0; j < SKV; ++j) dP[i][j] = P[i][j] * (dP[i][j] - rowdot); /* now dS */
+        for (x = 0; x < D; ++x) {
+          double acc = 0;
+          for (j = 0; j < SKV; ++j) acc += dP[i][j] * K[j * D + x];
+          r_dq[row * D + x] = scale * acc;
+        }
+      }
+      for (j = 0; j < SKV; ++j)
+        for (x = 0; x < D; ++x) {
+          double a_k = 0, a_v = 0;
+          for (i = 0; i < SQ; ++i) {
+            a_k += dP[i][j] * Q[i * D + x];
+            a_v += P[i][j] * dO[i * D + x];
+          }
+          r_dk[((b * HKV + hk) * SKV + j) * D + x] += scale * a_k;
+          r_dv[((b * HKV + hk) * SKV + j) * D + x] += a_v;
+        }
+    }
+}
+
+/* max |got - ref| / max |ref| over finite refs; -inf must match -inf; NaN fails. */
+static double rel_err(const float* got, const double* ref, int n, const char* name) {
+  double max_abs = 0, max_ref = 0;
+  int i;
+  for (i = 0; i < n; ++i) {
+    if (isinf(ref[i])) {
+      CHECK(got[i] == ref[i], "%s[%d] = %g, expected %g", name, i, got[i], ref[i]);
+      continue;
+    }
+    CHECK(isfinite(got[i]), "%s[%d] = %g is not finite", name, i, got[i]);
+    if (fabs(got[i] - ref[i]) > max_abs) max_abs = fabs(got[i] - ref[i]);
+    if (fabs(ref[i]) > max_ref) max_ref = fabs(ref[i]);
+  }
+  return max_abs / (max_ref > 0 ? max_ref : 1);
+}
+
+int main(void) {
+  const flashattn_tensor tq = view4(q, HQ, SQ), tk = view4(k, HKV, SKV), tv = view4(v, HKV, SKV);
+  const flashattn_tensor tout = view4(out, HQ, SQ), tdout = view4(dout, HQ, SQ);
+  const flashattn_tensor tdq = view4(dq, HQ, SQ), tdk = view4(dk, HKV, SKV), tdv = view4(dv, HKV, SKV);
+  const flashattn_tensor tlse = view_lse(lse);
+  flashattn_options opts;
+  int masks[] = {FLASHATTN_MASK_NONE, FLASHATTN_MASK_CAUSAL_TOP_LEFT, FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT};
+  int m, st, i;
+
+  fill(q, NQ, 1);
+  fill(k, NK, 2);
+  fill(v, NK, 3);
+  fill(dout, NQ, 4);
+
+  /* options_init: struct_size = sizeof, everything else zero / NULL */
+  memset(&opts, 0x5a, sizeof opts);
+  flashattn_options_init(&opts);
+  CHECK(opts.struct_size == sizeof(flashattn_options), "struct_size = %u", opts.struct_size);
+  CHECK(opts.softmax_scale == 0.0f && opts.mask == 0 && opts.stream == NULL &&
+            opts.num_threads == 0 && opts.precision == 0,
+        "options_init left a non-default field");
+
+  for (m = 0; m < 3; ++m) {
+    double e;
+    poison();
+    flashattn_options_init(&opts);
+    opts.mask = masks[m];
+    opts.softmax_scale = m == 1 ? 0.25f : 0.0f;
+    st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+    CHECK(st == FLASHATTN_OK, "forward mask %d: %s: %s", masks[m], flashattn_status_string(st),
+          flashattn_last_error());
+    CHECK(strcmp(flashattn_last_error(), "") == 0, "last_error after success: '%s'",
+          flashattn_last_error());
+    st = flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, &opts);
+    CHECK(st == FLASHATTN_OK, "backward mask %d: %s: %s", masks[m], flashattn_status_string(st),
+          flashattn_last_error());
+    naive(masks[m], m == 1 ? (double)0.25f : (double)(float)(1.0 / sqrt((double)D)));
+    /* float32 accumulation over at most 8 terms per sum: errors are ~1e-7 relative */
+    e = rel_err(out, r_out, NQ, "out");
+    CHECK(e < 1e-5, "mask %d: out relative error %g", masks[m], e);
+    e = rel_err(lse, r_lse, NL, "lse");
+    CHECK(e < 1e-5, "mask %d: lse relative error %g", masks[m], e);
+    e = rel_err(dq, r_dq, NQ, "dq");
+    CHECK(e < 1e-5, "mask %d: dq relative error %g", masks[m], e);
+    e = rel_err(dk, r_dk, NK, "dk");
+    CHECK(e < 1e-5, "mask %d: dk relative error %g", masks[m], e);
+    e = rel_err(dv, r_dv, NK, "dv");
+    CHECK(e < 1e-5, "mask %d: dv relative error %g", masks[m], e);
+  }
+  /* bottom-right with Sq = 6 > Skv = 5: row 0 of every head sees no key */
+  for (i = 0; i < B * HQ; ++i) {
+    CHECK(isinf(lse[i * SQ]) && lse[i * SQ] < 0, "lse of masked row = %g", lse[i * SQ]);
+    CHECK(out[i * SQ * D] == 0.0f && dq[i * SQ * D] == 0.0f, "masked row not zero");
+  }
+
+  /* NULL options: the defaults (no mask, 1/sqrt(D)) */
+  poison();
+  st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, NULL);
+  CHECK(st == FLASHATTN_OK, "forward with NULL opts: %s", flashattn_last_error());
+  naive(FLASHATTN_MASK_NONE, (double)(float)(1.0 / sqrt((double)D)));
+  CHECK(rel_err(out, r_out, NQ, "out") < 1e-5, "NULL opts: out differs from mask none");
+
+  /* failures: a status, a message naming the argument, nothing written */
+  poison();
+  flashattn_options_init(&opts);
+  opts.mask = 3;
+  st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "unknown mask: status %d", st);
+  CHECK(strstr(flashattn_last_error(), "options.mask = 3") != NULL, "message: '%s'",
+        flashattn_last_error());
+  for (i = 0; i < NQ; ++i) CHECK(isnan(out[i]), "out[%d] written by a failed call", i);
+
+  st = flashattn_forward(NULL, &tk, &tv, &tout, &tlse, NULL);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "NULL q: status %d", st);
+  CHECK(strstr(flashattn_last_error(), "q is NULL") != NULL, "message: '%s'", flashattn_last_error());
+
+  flashattn_options_init(&opts);
+  opts.struct_size = 8;
+  st = flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, &opts);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "struct_size 8: status %d", st);
+  CHECK(strstr(flashattn_last_error(), "struct_size = 8") != NULL, "message: '%s'",
+        flashattn_last_error());
+
+  {
+    flashattn_tensor bad = tk;
+    bad.shape[3] = 4;
+    st = flashattn_forward(&tq, &bad, &tv, &tout, &tlse, NULL);
+    CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "k head_dim 4: status %d", st);
+    CHECK(strstr(flashattn_last_error(), "k.shape[3] (head_dim) = 4") != NULL, "message: '%s'",
+          flashattn_last_error());
+  }
+
+  /* success clears the message again */
+  st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, NULL);
+  CHECK(st == FLASHATTN_OK && flashattn_last_error()[0] == '\0', "last_error not cleared: '%s'",
+        flashattn_last_error());
+
+  CHECK(strcmp(flashattn_status_string(FLASHATTN_OK), "ok") == 0, "status string 0");
+  CHECK(strcmp(flashattn_status_string(FLASHATTN_ERROR_INVALID_ARGUMENT), "invalid argument") == 0,
+        "status string 1");
+  CHECK(strcmp(flashattn_status_string(FLASHATTN_ERROR_UNSUPPORTED), "unsupported") == 0,
+        "status string 2");
+  CHECK(strcmp(flashattn_status_string(99), "unknown status") == 0, "status string 99");
+  CHECK(flashattn_version() != NULL && strchr(flashattn_version(), '.') != NULL, "version");
+
+  if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
+  else printf("c_abi_test: all checks passed\n");
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,255 @@
+// The C ABI seen from C++: what only the C entry points can get wrong (NULL tensor pointers, the
+// options' struct_size versioning, NULL options, the thread-local last error, status strings).
+// tests/c_abi_test.c drives the same ABI from a C compiler.
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+
+#include "flashattn/flashattn.h"
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+flashattn_tensor to_c(const Tensor& t) {
+  flashattn_tensor c{};
+  c.data = t.data;
+  c.dtype = static_cast<int32_t>(t.dtype);
+  c.device = t.device;
+  c.ndim = t.ndim;
+  for (int i = 0; i < 4; ++i) {
+    c.shape[i] = t.shape[i];
+    c.stride[i] = t.stride[i];
+  }
+  return c;
+}
+
+ProblemConfig small_config() {
+  ProblemConfig c;
+  c.batch = 2;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.seq_q = 9;
+  c.seq_kv = 6;
+  c.head_dim = 16;
+  c.seed = 41;
+  return c;
+}
+
+class CApi : public ::testing::Test {
+ protected:
+  CApi() : p(small_config()) { bind(); }
+  void bind() {
+    q = to_c(p.q.view);
+    k = to_c(p.k.view);
+    v = to_c(p.v.view);
+    out = to_c(p.out.view);
+    lse = to_c(p.lse.view);
+    dout = to_c(p.dout.view);
+    dq = to_c(p.dq.view);
+    dk = to_c(p.dk.view);
+    dv = to_c(p.dv.view);
+  }
+  int fwd(const flashattn_options* o) { return flashattn_forward(&q, &k, &v, &out, &lse, o); }
+  int bwd(const flashattn_options* o) {
+    return flashattn_backward(&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, o);
+  }
+  // forward + backward from freshly poisoned outputs; the bytes of every buffer.
+  Snapshot run(const flashattn_options* o) {
+    p.poison_outputs();
+    EXPECT_EQ(fwd(o), FLASHATTN_OK) << flashattn_last_error();
+    EXPECT_EQ(bwd(o), FLASHATTN_OK) << flashattn_last_error();
+    return snapshot(p);
+  }
+  Problem p;
+  flashattn_tensor q, k, v, out, lse, dout, dq, dk, dv;
+};
+
+bool contains(const char* hay, const std::string& needle) {
+  return std::string(hay).find(needle) != std::string::npos;
+}
+
+TEST_F(CApi, NullTensorPointers) {
+  const Snapshot before = snapshot(p);
+  const flashattn_tensor* f[] = {&q, &k, &v, &out, &lse};
+  const char* fn[] = {"q", "k", "v", "out", "lse"};
+  for (int i = 0; i < 5; ++i) {
+    const flashattn_tensor* a[5];
+    for (int j = 0; j < 5; ++j) a[j] = j == i ? nullptr : f[j];
+    EXPECT_EQ(flashattn_forward(a[0], a[1], a[2], a[3], a[4], nullptr),
+              FLASHATTN_ERROR_INVALID_ARGUMENT);
+    EXPECT_TRUE(contains(flashattn_last_error(), std::string(fn[i]) + " is NULL"))
+        << flashattn_last_error();
+  }
+  const flashattn_tensor* b[] = {&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv};
+  const char* bn[] = {"q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv"};
+  for (int i = 0; i < 9; ++i) {
+    const flashattn_tensor* a[9];
+    for (int j = 0; j < 9; ++j) a[j] = j == i ? nullptr : b[j];
+    EXPECT_EQ(flashattn_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], nullptr),
+              FLASHATTN_ERROR_INVALID_ARGUMENT);
+    EXPECT_TRUE(contains(flashattn_last_error(), std::string(bn[i]) + " is NULL"))
+        << flashattn_last_error();
+  }
+  EXPECT_TRUE(snapshot(p) == before);
+}
+
+TEST_F(CApi, NdimOutOfRange) {
+  const Snapshot before = snapshot(p);
+  q.ndim = 5;
+  EXPECT_EQ(fwd(nullptr), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "q.ndim = 5, expected 4")) << flashattn_last_error();
+  bind();
+  lse.ndim = -1;
+  EXPECT_EQ(bwd(nullptr), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "lse.ndim = -1, expected 3"))
+      << flashattn_last_error();
+  bind();
+  dv.ndim = 1000;
+  EXPECT_EQ(bwd(nullptr), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "dv.ndim = 1000, expected 4"))
+      << flashattn_last_error();
+  EXPECT_TRUE(snapshot(p) == before);
+}
+
+TEST_F(CApi, StructSizeTooSmall) {
+  const Snapshot before = snapshot(p);
+  for (uint32_t size : {0u, 4u, 16u, FLASHATTN_OPTIONS_V1_SIZE - 1}) {
+    flashattn_options o;
+    flashattn_options_init(&o);
+    o.struct_size = size;
+    EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+    EXPECT_TRUE(contains(flashattn_last_error(),
+                         "opts->struct_size = " + std::to_string(size) + " is too small"))
+        << flashattn_last_error();
+    EXPECT_TRUE(contains(flashattn_last_error(), "at least 24")) << flashattn_last_error();
+    EXPECT_EQ(bwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  }
+  EXPECT_TRUE(snapshot(p) == before);
+}
+
+// A caller compiled against version 1 of the header passes a 24-byte struct: the library must
+// read nothing past it and use defaults for the newer fields.
+TEST_F(CApi, Version1OptionsIgnoreNewerFields) {
+  static_assert(offsetof(flashattn_options, num_threads) == FLASHATTN_OPTIONS_V1_SIZE,
+                "version 1 of flashattn_options is 24 bytes");
+  flashattn_options full;
+  flashattn_options_init(&full);
+  full.mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+  const Snapshot want = run(&full);
+
+  // Exactly 24 bytes on the heap: a read past them is a heap-buffer-overflow under ASan.
+  auto* v1 = static_cast<flashattn_options*>(std::malloc(FLASHATTN_OPTIONS_V1_SIZE));
+  ASSERT_NE(v1, nullptr);
+  std::memset(v1, 0, FLASHATTN_OPTIONS_V1_SIZE);
+  v1->struct_size = FLASHATTN_OPTIONS_V1_SIZE;
+  v1->mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+  EXPECT_TRUE(run(v1) == want);
+  std::free(v1);
+
+  // Garbage in the newer fields is ignored when struct_size says they are absent...
+  flashattn_options old = full;
+  old.struct_size = FLASHATTN_OPTIONS_V1_SIZE;
+  old.num_threads = -7;
+  old.precision = 99;
+  EXPECT_TRUE(run(&old) == want);
+  // ...and read when it says they are present.
+  old.struct_size = sizeof(flashattn_options);
+  EXPECT_EQ(fwd(&old), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "options.precision = 99"))
+      << flashattn_last_error();
+  old.precision = FLASHATTN_PRECISION_FP32;
+  EXPECT_EQ(fwd(&old), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "options.num_threads = -7"))
+      << flashattn_last_error();
+}
+
+TEST_F(CApi, NullOptionsMeanDefaults) {
+  flashattn_options o;
+  flashattn_options_init(&o);
+  const Snapshot want = run(&o);
+  EXPECT_TRUE(run(nullptr) == want);
+  // And the defaults are not causal: a causal run differs.
+  o.mask = FLASHATTN_MASK_CAUSAL_TOP_LEFT;
+  EXPECT_FALSE(run(&o) == want);
+}
+
+TEST_F(CApi, OptionsInit) {
+  flashattn_options o;
+  std::memset(&o, 0xAB, sizeof o);
+  flashattn_options_init(&o);
+  EXPECT_EQ(o.struct_size, sizeof(flashattn_options));
+  EXPECT_EQ(o.softmax_scale, 0.0f);
+  EXPECT_EQ(o.mask, FLASHATTN_MASK_NONE);
+  EXPECT_EQ(o.stream, nullptr);
+  EXPECT_EQ(o.num_threads, 0);
+  EXPECT_EQ(o.precision, FLASHATTN_PRECISION_FP32);
+  flashattn_options_init(nullptr);  // must not crash
+}
+
+TEST_F(CApi, LastErrorIsSetClearedAndThreadLocal) {
+  flashattn_options o;
+  flashattn_options_init(&o);
+  o.mask = 7;
+  EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  const std::string msg = flashattn_last_error();
+  EXPECT_TRUE(contains(msg.c_str(), "options.mask = 7")) << msg;
+
+  // Another thread has its own (empty) message and its failures do not touch ours.
+  std::string other_before, other_after;
+  std::thread th([&] {
+    other_before = flashattn_last_error();
+    flashattn_options bad;
+    flashattn_options_init(&bad);
+    bad.softmax_scale = std::numeric_limits<float>::infinity();
+    flashattn_forward(&q, &k, &v, &out, &lse, &bad);
+    other_after = flashattn_last_error();
+  });
+  th.join();
+  EXPECT_EQ(other_before, "");
+  EXPECT_TRUE(contains(other_after.c_str(), "softmax_scale")) << other_after;
+  EXPECT_EQ(std::string(flashattn_last_error()), msg);
+
+  o.mask = FLASHATTN_MASK_NONE;
+  EXPECT_EQ(fwd(&o), FLASHATTN_OK) << flashattn_last_error();
+  EXPECT_STREQ(flashattn_last_error(), "");
+}
+
+TEST(CApiStatic, StatusStringsAndVersion) {
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_OK), "ok");
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_INVALID_ARGUMENT), "invalid argument");
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_UNSUPPORTED), "unsupported");
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_BACKEND), "backend error");
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_OUT_OF_MEMORY), "out of memory");
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_INTERNAL), "internal error");
+  EXPECT_STREQ(flashattn_status_string(-1), "unknown status");
+  EXPECT_STREQ(flashattn_status_string(12345), "unknown status");
+  const std::string want = std::to_string(FLASHATTN_VERSION_MAJOR) + "." +
+                           std::to_string(FLASHATTN_VERSION_MINOR) + "." +
+                           std::to_string(FLASHATTN_VERSION_PATCH);
+  EXPECT_EQ(std::string(flashattn_version()), want);
+  const int avail = flashattn_cuda_available();
+  EXPECT_TRUE(avail == 0 || avail == 1);
+  EXPECT_EQ(avail == 1, cuda_available());
+}
+
+// A failure inside the library never escapes as an exception through the C ABI; the C++ status
+// travels as the C status (here: a CUDA tensor in a build or machine without a usable GPU).
+TEST_F(CApi, ErrorsBecomeStatusCodes) {
+  if (flashattn_cuda_available()) GTEST_SKIP() << "a CUDA device is available";
+  for (flashattn_tensor* t : {&q, &k, &v, &out, &lse}) t->device = 0;
+  const Snapshot before = snapshot(p);
+  const int st = fwd(nullptr);
+  EXPECT_NE(st, FLASHATTN_OK);
+  EXPECT_NE(st, FLASHATTN_ERROR_INTERNAL) << flashattn_last_error();
+  EXPECT_STRNE(flashattn_last_error(), "");
+  EXPECT_TRUE(snapshot(p) == before);
+}
+
+}  // namespace
+}  // namespace flashattn::test

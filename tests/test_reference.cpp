@@ -1,0 +1,206 @@
+// The float64 reference is the yardstick of every backend, so it is not trusted on faith:
+//  * its forward is compared with an independent, textbook computation written here (own mask
+//    predicate, own log-sum-exp), and
+//  * its gradients dQ, dK, dV of L = sum(out * dout) are compared with central finite differences
+//    of its own forward.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+struct RefCase {
+  int64_t b, hq, hkv, sq, skv, d;
+  Mask mask;
+  double scale;  // 0 = 1/sqrt(d)
+  const char* name;
+};
+
+// Small on purpose: finite differences cost two forwards per input element.
+const RefCase kCases[] = {
+    {1, 1, 1, 4, 5, 3, Mask::None, 0, "plain"},
+    {1, 1, 1, 6, 3, 2, Mask::None, 0.9, "none_sq_gt_skv"},
+    {2, 4, 2, 3, 4, 2, Mask::CausalTopLeft, 0, "gqa_top_left"},
+    {1, 2, 1, 3, 6, 3, Mask::CausalTopLeft, 0.7, "top_left_unseen_keys"},
+    {1, 3, 1, 5, 3, 4, Mask::CausalBottomRight, 0, "mqa_bottom_right_masked_rows"},
+    {2, 2, 2, 4, 4, 3, Mask::CausalBottomRight, 1.3, "bottom_right_square"},
+    {1, 4, 2, 3, 7, 2, Mask::CausalBottomRight, 0, "gqa_bottom_right_sq_lt_skv"},
+};
+
+std::string case_name(const ::testing::TestParamInfo<RefCase>& info) { return info.param.name; }
+
+bool visible(Mask m, int64_t i, int64_t j, int64_t sq, int64_t skv) {
+  switch (m) {
+    case Mask::None: return true;
+    case Mask::CausalTopLeft: return j <= i;
+    case Mask::CausalBottomRight: return j - (skv - sq) <= i;
+  }
+  return false;
+}
+
+struct Inputs {
+  testing::RefShape s;
+  std::vector<double> q, k, v, dout;
+  double scale;
+  Mask mask;
+};
+
+Inputs make_inputs(const RefCase& c, uint64_t seed) {
+  ProblemConfig cfg;
+  cfg.batch = c.b;
+  cfg.heads_q = c.hq;
+  cfg.heads_kv = c.hkv;
+  cfg.seq_q = c.sq;
+  cfg.seq_kv = c.skv;
+  cfg.head_dim = c.d;
+  cfg.dtype = DType::Float64;
+  cfg.seed = seed;
+  Problem p(cfg);
+  Inputs in{ref_shape(cfg), p.to_double(p.q), p.to_double(p.k), p.to_double(p.v),
+            p.to_double(p.dout), c.scale != 0 ? c.scale : 1.0 / std::sqrt(double(c.d)), c.mask};
+  return in;
+}
+
+// Textbook attention, independent of reference.cpp and core/mask.hpp.
+testing::RefForward textbook_forward(const Inputs& in) {
+  const auto& s = in.s;
+  testing::RefForward r;
+  r.out.assign(in.q.size(), 0.0);
+  r.lse.assign(s.batch * s.heads_q * s.seq_q, 0.0);
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.heads_q; ++h) {
+      const int64_t hk = h * s.heads_kv / s.heads_q;  // == h / (Hq / Hkv)
+      for (int64_t i = 0; i < s.seq_q; ++i) {
+        std::vector<double> sc;
+        std::vector<int64_t> idx;
+        for (int64_t j = 0; j < s.seq_kv; ++j) {
+          if (!visible(in.mask, i, j, s.seq_q, s.seq_kv)) continue;
+          double dot = 0;
+          for (int64_t x = 0; x < s.head_dim; ++x)
+            dot += in.q[((b * s.heads_q + h) * s.seq_q + i) * s.head_dim + x] *
+                   in.k[((b * s.heads_kv + hk) * s.seq_kv + j) * s.head_dim + x];
+          sc.push_back(in.scale * dot);
+          idx.push_back(j);
+        }
+        const int64_t row = (b * s.heads_q + h) * s.seq_q + i;
+        if (sc.empty()) {
+          r.lse[row] = -std::numeric_limits<double>::infinity();
+          continue;
+        }
+        const double m = *std::max_element(sc.begin(), sc.end());
+        double z = 0;
+        for (double x : sc) z += std::exp(x - m);
+        r.lse[row] = m + std::log(z);
+        for (size_t t = 0; t < sc.size(); ++t) {
+          const double pr = std::exp(sc[t] - m) / z;
+          for (int64_t x = 0; x < s.head_dim; ++x)
+            r.out[row * s.head_dim + x] +=
+                pr * in.v[((b * s.heads_kv + hk) * s.seq_kv + idx[t]) * s.head_dim + x];
+        }
+      }
+    }
+  return r;
+}
+
+double loss(const Inputs& in) {
+  auto f = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask);
+  double l = 0;
+  for (size_t i = 0; i < f.out.size(); ++i) l += f.out[i] * in.dout[i];
+  return l;
+}
+
+class ReferenceCheck : public ::testing::TestWithParam<RefCase> {};
+
+TEST_P(ReferenceCheck, ForwardMatchesTextbook) {
+  const Inputs in = make_inputs(GetParam(), 11);
+  const auto got = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask);
+  const auto want = textbook_forward(in);
+  ASSERT_EQ(got.out.size(), want.out.size());
+  ASSERT_EQ(got.lse.size(), want.lse.size());
+  for (size_t i = 0; i < want.out.size(); ++i)
+    EXPECT_NEAR(got.out[i], want.out[i], 1e-13) << "out[" << i << "]";
+  for (size_t i = 0; i < want.lse.size(); ++i) {
+    if (std::isinf(want.lse[i])) {
+      EXPECT_EQ(got.lse[i], want.lse[i]) << "lse[" << i << "] of a fully masked row";
+    } else {
+      EXPECT_NEAR(got.lse[i], want.lse[i], 1e-13) << "lse[" << i << "]";
+    }
+  }
+}
+
+// dX of L = sum(out * dout) by central differences, h = 1e-5: the truncation error is
+// O(h^2 * |L'''|) ~ 1e-10 and the cancellation error O(eps * |L| / h) ~ 1e-11 for these O(1)
+// inputs, so 1e-7 relative to max|grad| leaves a wide margin while any real mistake (a missing
+// scale, a wrong GQA sum, a masked entry leaking) is O(1).
+TEST_P(ReferenceCheck, GradientsMatchFiniteDifferences) {
+  Inputs in = make_inputs(GetParam(), 23);
+  const auto g = testing::reference_backward(in.s, in.q, in.k, in.v, in.dout, in.scale, in.mask);
+  const double h = 1e-5;
+  struct Item {
+    std::vector<double>* x;
+    const std::vector<double>* grad;
+    const char* name;
+  };
+  for (const Item& it : {Item{&in.q, &g.dq, "dq"}, Item{&in.k, &g.dk, "dk"},
+                         Item{&in.v, &g.dv, "dv"}}) {
+    ASSERT_EQ(it.x->size(), it.grad->size()) << it.name;
+    double max_grad = 0;
+    for (double v : *it.grad) max_grad = std::max(max_grad, std::fabs(v));
+    ASSERT_GT(max_grad, 1e-3) << it.name << " is (nearly) all zero: the check would be vacuous";
+    for (size_t i = 0; i < it.x->size(); ++i) {
+      const double x0 = (*it.x)[i];
+      (*it.x)[i] = x0 + h;
+      const double lp = loss(in);
+      (*it.x)[i] = x0 - h;
+      const double lm = loss(in);
+      (*it.x)[i] = x0;
+      const double fd = (lp - lm) / (2 * h);
+      EXPECT_NEAR((*it.grad)[i], fd, 1e-7 * max_grad) << it.name << "[" << i << "]";
+    }
+  }
+}
+
+// Rows that see no key: out 0, lse -inf, dq 0; keys that no row sees: dk = dv = 0. Exactly.
+TEST_P(ReferenceCheck, MaskedRowsAndKeysAreExactZeros) {
+  const RefCase& c = GetParam();
+  const Inputs in = make_inputs(c, 5);
+  const auto f = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask);
+  const auto g = testing::reference_backward(in.s, in.q, in.k, in.v, in.dout, in.scale, in.mask);
+  for (int64_t bh = 0; bh < c.b * c.hq; ++bh)
+    for (int64_t i = 0; i < c.sq; ++i) {
+      bool any = false;
+      for (int64_t j = 0; j < c.skv; ++j) any |= visible(c.mask, i, j, c.sq, c.skv);
+      const int64_t row = bh * c.sq + i;
+      if (any) {
+        EXPECT_TRUE(std::isfinite(f.lse[row])) << "row " << row;
+        continue;
+      }
+      EXPECT_EQ(f.lse[row], -std::numeric_limits<double>::infinity()) << "row " << row;
+      for (int64_t x = 0; x < c.d; ++x) {
+        EXPECT_EQ(f.out[row * c.d + x], 0.0) << "row " << row;
+        EXPECT_EQ(g.dq[row * c.d + x], 0.0) << "row " << row;
+      }
+    }
+  for (int64_t bh = 0; bh < c.b * c.hkv; ++bh)
+    for (int64_t j = 0; j < c.skv; ++j) {
+      bool any = false;
+      for (int64_t i = 0; i < c.sq; ++i) any |= visible(c.mask, i, j, c.sq, c.skv);
+      if (any) continue;
+      for (int64_t x = 0; x < c.d; ++x) {
+        EXPECT_EQ(g.dk[(bh * c.skv + j) * c.d + x], 0.0) << "key " << j;
+        EXPECT_EQ(g.dv[(bh * c.skv + j) * c.d + x], 0.0) << "key " << j;
+      }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Small, ReferenceCheck, ::testing::ValuesIn(kCases), case_name);
+
+}  // namespace
+}  // namespace flashattn::test
