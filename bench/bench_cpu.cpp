@@ -37,23 +37,6 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Median (and fastest) wall time of `reps` runs after one warm-up run. On a shared machine the
-// fastest run is the better estimate of what the code can do; the median is what is reported.
-struct Timing {
-  double median, min;
-};
-Timing time_s(int reps, const std::function<void()>& f) {
-  f();
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    double t0 = now_s();
-    f();
-    t.push_back(now_s() - t0);
-  }
-  std::sort(t.begin(), t.end());
-  return {t[t.size() / 2], t[0]};
-}
-
 [[noreturn]] void usage(const char* msg) {
   if (msg) std::fprintf(stderr, "error: %s\n\n", msg);
   std::fprintf(stderr,
@@ -68,7 +51,7 @@ Timing time_s(int reps, const std::function<void()>& f) {
                "  --dtype T       float32, float16, bfloat16, float64 (float32)\n"
                "  --layout L      bhsd or bshd (bhsd)\n"
                "  --threads N     CPU threads, 0 = all hardware threads (0)\n"
-               "  --reps N        timed repetitions per measurement; the median is reported (5)\n"
+               "  --reps N        repetitions; each runs sgemm, forward, backward, fwd+bwd once (5)\n"
                "  --gemm N        size of the square sgemm reference, 0 = skip (4096)\n");
   std::exit(msg ? 2 : 0);
 }
@@ -128,33 +111,38 @@ int main(int argc, char** argv) {
   std::printf("threads %d, reps %d (median)\n", threads, reps);
 
   // ---- the GEMM yardstick ----
-  double gemm_gflops = 0;
+  // The sgemm runs interleaved with the attention passes (one of each per repetition), so on a
+  // shared machine both see the same interference; "vs sgemm" is the median over repetitions of
+  // the ratio within one repetition.
+  std::function<void()> gemm;
+  double gemm_flops = 0;
 #if defined(FLASHATTN_BENCH_OPENBLAS)
+  std::vector<float> A, B, C;
   if (gemm_n > 0) {
     openblas_set_num_threads(threads);
     const char* ct = std::getenv("OPENBLAS_CORETYPE");
     const size_t n = static_cast<size_t>(gemm_n);
-    std::vector<float> A(n * n), B(n * n), C(n * n);
+    A.resize(n * n);
+    B.resize(n * n);
+    C.resize(n * n);
     for (size_t i = 0; i < n * n; ++i) {
       A[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
       B[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
     }
-    Timing tg = time_s(std::max(3, reps / 2), [&] {
+    gemm = [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, gemm_n, gemm_n, gemm_n, 1.0f,
                   A.data(), gemm_n, B.data(), gemm_n, 0.0f, C.data(), gemm_n);
-    });
-    gemm_gflops = 2.0 * n * n * n / tg.median * 1e-9;
-    std::printf("sgemm %dx%dx%d (%s, OPENBLAS_CORETYPE=%s, %d threads): median %.1f ms, "
-                "%.1f GFLOP/s (fastest %.1f GFLOP/s)\n",
-                gemm_n, gemm_n, gemm_n, openblas_get_config(), ct ? ct : "(unset)", threads,
-                tg.median * 1e3, gemm_gflops, 2.0 * n * n * n / tg.min * 1e-9);
+    };
+    gemm_flops = 2.0 * n * n * n;
+    std::printf("sgemm %dx%dx%d row-major (%s, OPENBLAS_CORETYPE=%s, %d threads)\n", gemm_n,
+                gemm_n, gemm_n, openblas_get_config(), ct ? ct : "(unset)", threads);
   }
 #else
   (void)gemm_n;
   std::printf("sgemm comparison skipped: built without OpenBLAS (install libopenblas-dev)\n");
 #endif
 
-  std::printf("\n%-10s %-10s %10s %10s %9s %10s\n", "mask", "pass", "median ms", "GFLOP/s",
+  std::printf("\n%-8s %-9s %10s %10s %9s %10s\n", "mask", "pass", "median ms", "GFLOP/s",
               "vs sgemm", "fastest ms");
   std::stringstream ms(masks);
   std::string mname;
@@ -174,12 +162,33 @@ int main(int argc, char** argv) {
       backward(p.q.view, p.k.view, p.v.view, p.out.view, p.dout.view, p.lse.view, p.dq.view,
                p.dk.view, p.dv.view, o);
     };
-    const Timing tf = time_s(reps, fwd);
-    const Timing tb = time_s(reps, bwd);
-    const Timing tfb = time_s(reps, [&] {
+    auto both = [&] {
       fwd();
       bwd();
-    });
+    };
+    const double ff = testing::forward_flops(c), fb = testing::backward_flops(c);
+    struct Pass {
+      const char* name;
+      std::function<void()> fn;
+      double flops;
+      std::vector<double> t;
+    };
+    Pass passes[] = {{"forward", fwd, ff, {}}, {"backward", bwd, fb, {}}, {"fwd+bwd", both, ff + fb, {}}};
+    std::vector<double> tg;
+    if (gemm) gemm();  // warm-up
+    both();
+    for (int r = 0; r < reps; ++r) {
+      if (gemm) {
+        double t0 = now_s();
+        gemm();
+        tg.push_back(now_s() - t0);
+      }
+      for (Pass& ps : passes) {
+        double t0 = now_s();
+        ps.fn();
+        ps.t.push_back(now_s() - t0);
+      }
+    }
     // A benchmark of garbage is worthless: every output must be finite.
     for (auto* t : {&p.out, &p.dq, &p.dk, &p.dv}) {
       auto d = p.to_double(*t);
@@ -189,18 +198,26 @@ int main(int argc, char** argv) {
           break;
         }
     }
-    const double ff = testing::forward_flops(c), fb = testing::backward_flops(c);
-    std::printf("# %s\n", c.describe().c_str());
-    auto row = [&](const char* pass, Timing t, double flops) {
-      double g = flops / t.median * 1e-9;
-      char rel[32] = "-";
-      if (gemm_gflops > 0) std::snprintf(rel, sizeof rel, "%.1f%%", 100.0 * g / gemm_gflops);
-      std::printf("%-10s %-10s %10.2f %10.1f %9s %10.2f\n", mname.c_str(), pass, t.median * 1e3,
-                  g, rel, t.min * 1e3);
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
     };
-    row("forward", tf, ff);
-    row("backward", tb, fb);
-    row("fwd+bwd", tfb, ff + fb);
+    std::printf("# %s\n", c.describe().c_str());
+    if (gemm)
+      std::printf("%-8s %-9s %10.2f %10.1f %9s %10.2f\n", mname.c_str(), "sgemm", median(tg) * 1e3,
+                  gemm_flops / median(tg) * 1e-9, "100%",
+                  *std::min_element(tg.begin(), tg.end()) * 1e3);
+    for (Pass& ps : passes) {
+      char rel[32] = "-";
+      if (gemm) {
+        std::vector<double> ratio;
+        for (int r = 0; r < reps; ++r) ratio.push_back((ps.flops / ps.t[r]) / (gemm_flops / tg[r]));
+        std::snprintf(rel, sizeof rel, "%.1f%%", 100.0 * median(ratio));
+      }
+      const double tm = median(ps.t);
+      std::printf("%-8s %-9s %10.2f %10.1f %9s %10.2f\n", mname.c_str(), ps.name, tm * 1e3,
+                  ps.flops / tm * 1e-9, rel, *std::min_element(ps.t.begin(), ps.t.end()) * 1e3);
+    }
   }
   if (bad) {
     std::fprintf(stderr, "error: %d outputs contained non-finite values\n", bad);

@@ -262,19 +262,30 @@ struct MakeTable<T, ACC, 0, I...> {
   using type = MicroTable<T, ACC, I...>;
 };
 
-// C[M x NV*W] (+)= A[M x K] * B[K x NV*W] by micro-kernel tiles. The B panel of NR vectors is
-// reused across all row blocks, so it stays in L1 while A streams.
+// C[M x NV*W] (+)= A[M x K] * B[K x NV*W] by micro-kernel tiles. K is split into slices of KC so
+// that the B panel (KC x NR vectors = 32 KiB with 4 zmm) stays in a 48 KiB L1 while the row blocks
+// sweep it; only D = 256 products are split (a KC of 64 measured no better for D = 128).
+#ifndef FLASHATTN_CPU_KC
+#define FLASHATTN_CPU_KC 128
+#endif
+constexpr int64_t KC = FLASHATTN_CPU_KC;
+
 template <class T, bool ACC>
 void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs, const T* B,
           int64_t ldb, T* C, int64_t ldc) {
   constexpr int W = Simd<T>::W;
-  const auto& table = MakeTable<T, ACC, MR * NR>::type::table;
-  for (int64_t n0 = 0; n0 < NV; n0 += NR) {
-    const int nr = static_cast<int>(smin<int64_t>(NR, NV - n0));
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int mr = static_cast<int>(smin<int64_t>(MR, M - m0));
-      table[(mr - 1) * NR + (nr - 1)](K, A + m0 * ars, ars, acs, B + n0 * W, ldb,
-                                      C + m0 * ldc + n0 * W, ldc);
+  const auto& first = MakeTable<T, ACC, MR * NR>::type::table;
+  const auto& rest = MakeTable<T, true, MR * NR>::type::table;
+  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += KC) {
+    const int64_t kc = smin(KC, K - k0);
+    const auto& table = k0 == 0 ? first : rest;
+    for (int64_t n0 = 0; n0 < NV; n0 += NR) {
+      const int nr = static_cast<int>(smin<int64_t>(NR, NV - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = static_cast<int>(smin<int64_t>(MR, M - m0));
+        table[(mr - 1) * NR + (nr - 1)](kc, A + m0 * ars + k0 * acs, ars, acs, B + k0 * ldb + n0 * W,
+                                        ldb, C + m0 * ldc + n0 * W, ldc);
+      }
     }
   }
 }
@@ -318,9 +329,11 @@ struct Rows {
 template <class S, class C>
 Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
                 int64_t Dp, bool vector_reads, C* dst) {
+#ifndef FLASHATTN_CPU_NO_DIRECT
   if constexpr (__is_same(S, C)) {
     if (!vector_reads || D == Dp) return {row_ptr<S>(t, b, h, row0), t.ss};
   }
+#endif
   pack_rows<S, C>(t, b, h, row0, n, D, C(1), dst, Dp, n);
   return {dst, Dp};
 }
