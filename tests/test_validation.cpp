@@ -650,5 +650,62 @@ TEST(LegitimateLayouts, BroadcastInputs) {
   check_against_reference(q, k, v, out, lse, dout, dq, dk, dv, Mask::None);
 }
 
+// Every tensor padded in every dimension (row, head and batch gaps; lse every third float): the
+// kernels must write exactly the elements of each output view and leave the gaps alone.
+TEST(LegitimateLayouts, PaddedViewsWriteOnlyTheirElements) {
+  const int64_t B = 2, Hq = 4, Hkv = 2, Sq = 33, Skv = 47, D = 24;
+  const float sentinel = 12345.0f;
+  struct Padded {
+    std::vector<float> buf;
+    Tensor view;
+  };
+  auto make4 = [&](int64_t h, int64_t s) {
+    Padded p;
+    const int64_t ss = D + 8, sh = s * ss + 16, sb = h * sh + 32;
+    p.buf.assign(static_cast<size_t>(B * sb), sentinel);
+    p.view = Tensor::contiguous(p.buf.data(), DType::Float32, B, h, s, D);
+    p.view.stride[0] = sb;
+    p.view.stride[1] = sh;
+    p.view.stride[2] = ss;
+    return p;
+  };
+  Padded q = make4(Hq, Sq), k = make4(Hkv, Skv), v = make4(Hkv, Skv), dout = make4(Hq, Sq),
+         out = make4(Hq, Sq), dq = make4(Hq, Sq), dk = make4(Hkv, Skv), dv = make4(Hkv, Skv);
+  Padded lse;
+  lse.buf.assign(static_cast<size_t>(B * (Hq * (Sq * 3 + 5) + 7)), sentinel);
+  lse.view = Tensor::contiguous(lse.buf.data(), DType::Float32, B, Hq, Sq);
+  lse.view.stride[2] = 3;
+  lse.view.stride[1] = Sq * 3 + 5;
+  lse.view.stride[0] = Hq * (Sq * 3 + 5) + 7;
+  fill(q.view, 21);
+  fill(k.view, 22);
+  fill(v.view, 23);
+  fill(dout.view, 24);
+  // Poison the elements of the outputs (not their gaps) so unwritten elements show up as NaN.
+  for (Padded* o : {&out, &dq, &dk, &dv})
+    for (int64_t a = 0; a < o->view.shape[0]; ++a)
+      for (int64_t b = 0; b < o->view.shape[1]; ++b)
+        for (int64_t c = 0; c < o->view.shape[2]; ++c)
+          for (int64_t d = 0; d < D; ++d)
+            o->buf[a * o->view.stride[0] + b * o->view.stride[1] + c * o->view.stride[2] + d] =
+                std::numeric_limits<float>::quiet_NaN();
+  check_against_reference(q.view, k.view, v.view, out.view, lse.view, dout.view, dq.view, dk.view,
+                          dv.view, Mask::CausalBottomRight);
+  // Count sentinels: each buffer must still hold exactly (size - elements of the view) of them.
+  auto count = [&](const Padded& p) {
+    int64_t n = 0;
+    for (float x : p.buf) n += x == sentinel;
+    return n;
+  };
+  const char* names[] = {"out", "dq", "dk", "dv", "lse"};
+  const Padded* outs[] = {&out, &dq, &dk, &dv, &lse};
+  for (int i = 0; i < 5; ++i) {
+    int64_t elems = 1;
+    for (int d = 0; d < outs[i]->view.ndim; ++d) elems *= outs[i]->view.shape[d];
+    EXPECT_EQ(count(*outs[i]), static_cast<int64_t>(outs[i]->buf.size()) - elems)
+        << names[i] << ": a gap between elements was overwritten";
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::test
