@@ -164,11 +164,11 @@ class _Launch:
 
     def arg(self, x):
         """An input as handed to the extension."""
-        if self.fw == "torch" and x.requires_grad:
+        if self.fw == "torch" and getattr(x, "requires_grad", False):
             # torch's __dlpack__ refuses tensors that require grad; the kernels record no
             # autograd history anyway (flashattn.torch provides the differentiable versions).
             return x.detach()
-        if self.fw == "jax":
+        if self.fw == "jax" and hasattr(x, "block_until_ready"):
             x.block_until_ready()  # JAX dispatches asynchronously, on the CPU too
         return x
 

@@ -33,7 +33,9 @@ def rel_error(got, ref):
     assert (got[~fin] == ref[~fin]).all(), "infinite entries differ from the reference"
     if not fin.any():
         return 0.0
-    scale = max(np.abs(ref[fin]).max(), 1e-30)
+    # Floor of 1 on the scale (inputs are N(0, 1), so outputs and gradients are O(1)): some exact
+    # gradients are 0 (a single visible key), leaving only rounding noise of the O(1) terms.
+    scale = max(np.abs(ref[fin]).max(), 1.0)
     return float(np.abs(got[fin] - ref[fin]).max() / scale)
 
 

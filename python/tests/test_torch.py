@@ -1,0 +1,284 @@
+"""flashattn with PyTorch tensors (CPU, and CUDA where available) against PyTorch's attention in
+float64 with autograd: the low-level functions, flashattn.torch.attention (custom ops, also
+under torch.compile), FlashAttnFunction, gradcheck, bfloat16, streams and errors."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashattn  # noqa: E402
+import flashattn.torch as fat  # noqa: E402
+from conftest import TOL  # noqa: E402
+from torch_helpers import (  # noqa: E402
+    DEVICES, DTYPE_NAMES, HAS_CUDA, MASKS, attention_ref, rel_err, skip_unsupported)
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+# (B, Hq, Hkv, Sq, Skv, D)
+SHAPES = [
+    (1, 1, 1, 1, 1, 8),
+    (2, 4, 2, 17, 33, 64),
+    (1, 6, 1, 97, 64, 40),
+    (2, 2, 2, 70, 9, 128),
+    (1, 8, 4, 128, 255, 111),
+]
+
+
+def make(shape, dtype, device, layout, gen):
+    b, h, s, d = shape
+    if layout == "bhsd":
+        return torch.randn(b, h, s, d, generator=gen, dtype=torch.float64).to(device, dtype)
+    x = torch.randn(b, s, h, d, generator=gen, dtype=torch.float64).to(device, dtype)
+    return x.transpose(1, 2)
+
+
+def problem(cfg, dtype, device, layout="bhsd", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hkv, sq, skv, d = cfg
+    return (make((b, hq, sq, d), dtype, device, layout, gen),
+            make((b, hkv, skv, d), dtype, device, layout, gen),
+            make((b, hkv, skv, d), dtype, device, layout, gen),
+            make((b, hq, sq, d), dtype, device, layout, gen))
+
+
+def tolerance(dtype, device, naive_err, kind):
+    """The C++ suite's tolerance on the CPU. On CUDA (float32 via split TF32 products, and the
+    low-precision kernels), FlashAttention's criterion: at most twice the error of plain attention
+    computed by PyTorch in the same dtype (naive_err), with the CPU tolerance as a floor."""
+    tol = TOL[DTYPE_NAMES[dtype]][kind]
+    if device == "cuda":
+        tol = max(tol, 2 * naive_err)
+    return tol
+
+
+def reference_and_naive(q, k, v, dout, scale, mask):
+    """float64 reference (out, lse, dq, dk, dv) by autograd, and the naive same-dtype errors."""
+    res = {}
+    for name, dt in (("ref", torch.float64), ("naive", q.dtype)):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        with _no_tf32():
+            out, lse = attention_ref(qq, kk, vv, scale, mask, dtype=dt)
+            out.backward(dout.to(dt))
+        res[name] = (out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad)
+    errs = [rel_err(n, r) for n, r in zip(res["naive"], res["ref"])]
+    return res["ref"], errs
+
+
+class _no_tf32:
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *a):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def check(outs, ref, naive_errs, dtype, device):
+    names = ("out", "lse", "dq", "dk", "dv")
+    kinds = ("out", "lse", "grad", "grad", "grad")
+    for name, kind, got, r, ne in zip(names, kinds, outs, ref, naive_errs):
+        err = rel_err(got, r)
+        tol = tolerance(dtype, device, ne, kind)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e} (naive {ne:.1e})"
+
+
+# ---- low-level functions on torch tensors -------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: "x".join(map(str, c)))
+def test_low_level(cfg, device, dtype, mask, layout):
+    skip_unsupported(device, dtype)
+    q, k, v, dout = problem(cfg, dtype, device, layout)
+    out, lse = flashattn.forward(q, k, v, mask=mask)
+    assert isinstance(out, torch.Tensor) and out.device == q.device and out.dtype == dtype
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3] and lse.device == q.device
+    assert out.stride() == torch.empty_like(q).stride()  # laid out like q
+    dq, dk, dv = flashattn.backward(dout, q, k, v, out, lse, mask=mask)
+    for g, x in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == x.shape and g.dtype == dtype and g.device == x.device
+    ref, naive = reference_and_naive(q, k, v, dout, None, mask)
+    check((out, lse, dq, dk, dv), ref, naive, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_level_given_outputs_and_requires_grad_inputs(device):
+    q, k, v, dout = problem((2, 4, 2, 33, 40, 32), torch.float32, device)
+    q.requires_grad_()
+    out = torch.full_like(q, float("nan")).requires_grad_(False)
+    lse = torch.full(q.shape[:3], float("nan"), device=device)
+    r_out, r_lse = flashattn.forward(q, k, v, out=out, lse=lse, mask="causal_bottom_right")
+    assert r_out is out and r_lse is lse and not out.requires_grad
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    r = flashattn.backward(dout, q, k, v, out, lse, mask="causal_bottom_right",
+                           dq=grads[0], dk=grads[1], dv=grads[2])
+    assert all(a is b for a, b in zip(r, grads))
+    ref, naive = reference_and_naive(q, k, v, dout, None, "causal_bottom_right")
+    check((out, lse, *grads), ref, naive, torch.float32, device)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and flashattn's CUDA backend")
+def test_cuda_runs_on_torchs_current_stream():
+    """Inputs produced on a side stream and consumed right away: only correct if flashattn's
+    kernels are queued on that same stream (PyTorch's current stream)."""
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # keep the stream busy so a wrong stream would race
+        q, k, v, dout = problem((4, 8, 8, 512, 512, 64), torch.float32, "cuda")
+        q, k, v = q * 1.0, k * 1.0, v * 1.0  # produced by kernels on s
+        out, lse = flashattn.forward(q, k, v)
+        dq, dk, dv = flashattn.backward(dout, q, k, v, out, lse)
+    s.synchronize()
+    ref, naive = reference_and_naive(q, k, v, dout, None, "none")
+    check((out, lse, dq, dk, dv), ref, naive, torch.float32, "cuda")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and flashattn's CUDA backend")
+def test_cuda_tf32_precision():
+    q, k, v, dout = problem((2, 4, 4, 256, 256, 64), torch.float32, "cuda")
+    out, lse = flashattn.forward(q, k, v, precision="tf32")
+    dq, dk, dv = flashattn.backward(dout, q, k, v, out, lse, precision="tf32")
+    ref, _ = reference_and_naive(q, k, v, dout, None, "none")
+    for name, got, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref):
+        err = rel_err(got, r)
+        assert err <= 2e-2, f"{name}: tf32 relative error {err:.3e}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and flashattn's CUDA backend")
+def test_cuda_errors():
+    q = torch.randn(1, 2, 8, 16, device="cuda")
+    with pytest.raises(TypeError, match=r"float64 is supported on the CPU only"):
+        x = q.double()
+        flashattn.forward(x, x, x)
+    with pytest.raises(ValueError, match=r"different devices"):
+        flashattn.forward(q, q.cpu(), q)
+
+
+def test_torch_errors():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(TypeError, match=r"q\.dtype = int64 is not supported"):
+        flashattn.forward(q.long(), q, q)
+    with pytest.raises(TypeError, match=r"k\.dtype: float16"):
+        flashattn.forward(q, q.half(), q)
+    with pytest.raises(ValueError, match=r"k\.shape\[3\] \(head_dim\) = 8"):
+        fat.attention(q, q[..., :8], q)
+    with pytest.raises(ValueError, match=r"mask = 'causal' is unknown"):
+        fat.attention(q, q, q, mask="causal")
+    with pytest.raises(ValueError, match=r"output out aliases input q"):
+        flashattn.forward(q, q.clone(), q.clone(), out=q)
+
+
+# ---- differentiable: custom op and autograd.Function --------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["custom_op", "function"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd(impl, device, mask):
+    dtype = torch.float32
+    q, k, v, dout = problem((2, 6, 2, 45, 38, 64), dtype, device, "bshd", seed=3)
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    if impl == "custom_op":
+        out, lse = fat.attention(qq, kk, vv, mask=mask, return_lse=True)
+    else:
+        out, lse = fat.FlashAttnFunction.apply(qq, kk, vv, None, mask)
+    assert out.requires_grad and not lse.requires_grad
+    out.backward(dout)
+    ref, naive = reference_and_naive(q, k, v, dout, None, mask)
+    check((out.detach(), lse, qq.grad, kk.grad, vv.grad), ref, naive, dtype, device)
+
+
+@pytest.mark.parametrize("impl", ["custom_op", "function"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("cfg", [(1, 2, 2, 5, 7, 4), (2, 4, 2, 6, 3, 8), (1, 3, 1, 9, 9, 3)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_gradcheck_float64_cpu(impl, mask, cfg):
+    q, k, v, _ = problem(cfg, torch.float64, "cpu", "bshd", seed=5)
+    inputs = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    if impl == "custom_op":
+        fn = lambda q, k, v: fat.attention(q, k, v, mask=mask, softmax_scale=0.8)  # noqa: E731
+    else:
+        fn = lambda q, k, v: fat.FlashAttnFunction.apply(q, k, v, 0.8, mask)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_opcheck_custom_ops():
+    """torch.library.opcheck: schema, fake (meta) implementations, autograd registration."""
+    q, k, v, dout = problem((1, 4, 2, 9, 11, 16), torch.float32, "cpu", "bshd")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    args = (0.0, 2, 0, 0)
+    torch.library.opcheck(torch.ops.flashattn.fwd.default, (q, k, v, *args))
+    out, lse = torch.ops.flashattn.fwd(q, k, v, *args)
+    torch.library.opcheck(torch.ops.flashattn.bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *args))
+    qkv = torch.randn(2, 7, 3, 4, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashattn.qkvpacked_fwd.default, (qkv, *args))
+    kv = torch.randn(2, 5, 2, 2, 16, requires_grad=True)
+    qb = torch.randn(2, 7, 4, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashattn.kvpacked_fwd.default, (qb, kv, *args))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile(device, backend):
+    if backend == "inductor" and device == "cpu" and not _has_cxx():
+        pytest.skip("inductor on the CPU needs a C++ compiler")
+    torch._dynamo.reset()
+    q, k, v, dout = problem((2, 4, 2, 40, 52, 32), torch.float32, device, "bshd", seed=7)
+
+    def f(q, k, v):
+        out = fat.attention(q * 1.5, k, v, mask="causal_bottom_right")
+        return torch.sin(out) * 2
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    runs = []
+    for fn in (f, compiled):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        y = fn(qq, kk, vv)
+        y.backward(dout)
+        runs.append((y.detach(), qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _has_cxx():
+    import shutil
+    return shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+def test_cpu_uses_torch_thread_count_and_is_deterministic():
+    q, k, v, dout = problem((2, 4, 2, 130, 140, 64), torch.float32, "cpu", "bshd")
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            out = fat.attention(qq, kk, vv, mask="causal_top_left")
+            out.backward(dout)
+            results.append([out.detach(), qq.grad, kk.grad, vv.grad])
+    finally:
+        torch.set_num_threads(saved)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_sdpa_agrees_with_the_reference():
+    """The float64 reference above is PyTorch's own attention: cross-check it against
+    F.scaled_dot_product_attention for all three masks (rows that see a key)."""
+    import torch.nn.functional as F
+    q, k, v, _ = problem((2, 4, 2, 12, 20, 16), torch.float64, "cpu")
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for mask, kw in (("none", {}), ("causal_top_left", {"is_causal": True})):
+        ours, _ = attention_ref(q, k, v, None, mask)
+        theirs = F.scaled_dot_product_attention(q, kr, vr, **kw)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)  # float32 scale
+    from torch.nn.attention.bias import causal_lower_right
+    ours, _ = attention_ref(q, k, v, None, "causal_bottom_right")
+    theirs = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal_lower_right(12, 20))
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,82 @@
+"""Shared pieces of the PyTorch tests: devices, dtypes, the float64 autograd reference."""
+
+import pytest
+import torch
+
+import flashattn
+
+MASKS = ("none", "causal_top_left", "causal_bottom_right")
+DTYPE_NAMES = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+
+HAS_CUDA = torch.cuda.is_available() and flashattn.cuda_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def cuda_supports(dtype):
+    """Whether this build's CUDA backend serves `dtype` (float32 first; fp16/bf16 later)."""
+    if not HAS_CUDA:
+        return False
+    x = torch.zeros(1, 1, 1, 8, dtype=dtype, device="cuda")
+    try:
+        flashattn.forward(x, x, x)
+        return True
+    except NotImplementedError:
+        return False
+
+
+def skip_unsupported(device, dtype):
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 is CPU-only")
+    if device == "cuda" and not cuda_supports(dtype):
+        pytest.skip(f"the CUDA backend of this build has no {dtype} kernels yet")
+
+
+def visible(sq, skv, mask, device):
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(skv, device=device)[None, :]
+    if mask == "none":
+        return torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if mask == "causal_top_left":
+        return j <= i
+    return j <= i + skv - sq
+
+
+def abi_scale(scale, d):
+    # The C ABI carries the softmax scale as float32 (see reference.py).
+    return float(torch.tensor(d ** -0.5 if scale is None else scale, dtype=torch.float32))
+
+
+def attention_ref(q, k, v, scale=None, mask="none", dtype=torch.float64):
+    """Plain attention in `dtype` on [B, H, S, D] tensors, differentiable by autograd; GQA by
+    repeating kv heads; rows that see no key give 0 (not NaN). float64 is the yardstick; the same
+    code in a low precision is the 'naive' baseline of FlashAttention's test criterion."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = abi_scale(scale, q.shape[-1]) * (q @ k.transpose(-1, -2))
+    vis = visible(q.shape[2], k.shape[2], mask, q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    dead = ~vis.any(dim=-1)[:, None]
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead | ~vis, 0.0)
+    lse = torch.logsumexp(s, dim=-1)
+    return p @ v, lse
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    assert not torch.isnan(got).any(), "NaN in output"
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), fin), "non-finite entries differ from the reference"
+    assert torch.equal(got[~fin], ref[~fin])
+    if not fin.any():
+        return 0.0
+    # Floor of 1 on the scale (inputs are N(0, 1), so outputs and gradients are O(1)): some exact
+    # gradients are 0 (a single visible key), leaving only rounding noise of the O(1) terms.
+
+    return ((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1.0)).item()
