@@ -192,7 +192,7 @@ template <class S> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
 // ---- tiles ------------------------------------------------------------------------------------
-// Tile sizes: BQ query rows x BK keys per step. Both are multiples of every vector width. The
+// Tile sizes: BQ query rows x BK keys per step. Both are multiples of every panel width. The
 // working set of one step (docs/ALGORITHM.md, work model) is sized for a 1-2 MiB L2 per core.
 #ifndef FLASHATTN_CPU_BQ
 #define FLASHATTN_CPU_BQ 64
@@ -214,14 +214,32 @@ constexpr int MR = 6, NR = 4;
 constexpr int MR = 6, NR = 2;
 #endif
 
-// C[m][n*W + l] (+)= sum_k A[m*ars + k*acs] * B[k*ldb + n*W + l] for m < mr, n < nr.
+// B operands are stored panel-major: the columns are cut into panels of PW = NR vectors, and each
+// panel is contiguous (row k of panel p at ptr + p * bps + k * PW). The micro-kernel then streams
+// one contiguous block, which the prefetchers follow and which cannot thrash an L1 set the way
+// rows 512 bytes apart do (measured: O += P V from row-major V ran at 2/3 of the rate of S = K Q^T).
+template <class T>
+constexpr int64_t panel_width() {
+  return NR * Simd<T>::W;
+}
+static_assert(BQ % panel_width<float>() == 0 && BK % panel_width<float>() == 0 &&
+                  BQ % panel_width<double>() == 0 && BK % panel_width<double>() == 0,
+              "tiles must hold whole panels");
+
+template <class T>
+struct Panels {
+  const T* ptr;
+  int64_t bps;  // elements between consecutive panels
+};
+
+// C[m][n*W + l] (+)= sum_k A[m*ars + k*acs] * B[k*PW + n*W + l] for m < mr, n < nr.
 // A is read one scalar at a time (broadcast), so any strides work and transposed operands
-// (P^T, dS^T) need no explicit transpose; B rows are contiguous and padded to whole vectors.
+// (P^T, dS^T) need no explicit transpose.
 template <class T, int mr, int nr, bool ACC>
-void micro_kernel(int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, int64_t ldb, T* C,
-                  int64_t ldc) {
+void micro_kernel(int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, T* C, int64_t ldc) {
   using V = typename Simd<T>::V;
   constexpr int W = Simd<T>::W;
+  constexpr int64_t PW = panel_width<T>();
   V acc[mr][nr];
 #pragma GCC unroll 8
   for (int m = 0; m < mr; ++m)
@@ -233,7 +251,7 @@ void micro_kernel(int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, i
   for (int64_t k = 0; k < K; ++k) {
     V b[nr];
 #pragma GCC unroll 8
-    for (int n = 0; n < nr; ++n) b[n] = vload<V>(B + k * ldb + n * W);
+    for (int n = 0; n < nr; ++n) b[n] = vload<V>(B + k * PW + n * W);
 #pragma GCC unroll 8
     for (int m = 0; m < mr; ++m) {
       V av = vbroadcast<V>(a[m][k * acs]);
@@ -247,12 +265,12 @@ void micro_kernel(int64_t K, const T* A, int64_t ars, int64_t acs, const T* B, i
     for (int n = 0; n < nr; ++n) vstore(C + m * ldc + n * W, acc[m][n]);
 }
 
-template <class T, bool ACC>
-using MicroFn = void (*)(int64_t, const T*, int64_t, int64_t, const T*, int64_t, T*, int64_t);
+template <class T>
+using MicroFn = void (*)(int64_t, const T*, int64_t, int64_t, const T*, T*, int64_t);
 
 template <class T, bool ACC, int... I>
 struct MicroTable {
-  static constexpr MicroFn<T, ACC> table[sizeof...(I)] = {
+  static constexpr MicroFn<T> table[sizeof...(I)] = {
       &micro_kernel<T, I / NR + 1, I % NR + 1, ACC>...};
 };
 template <class T, bool ACC, int N, int... I>
@@ -263,17 +281,18 @@ struct MakeTable<T, ACC, 0, I...> {
 };
 
 // C[M x NV*W] (+)= A[M x K] * B[K x NV*W] by micro-kernel tiles. K is split into slices of KC so
-// that the B panel (KC x NR vectors = 32 KiB with 4 zmm) stays in a 48 KiB L1 while the row blocks
-// sweep it; only D = 256 products are split (a KC of 64 measured no better for D = 128).
+// that one B panel slice (KC x PW: 32 KiB for float32 with AVX-512) stays in a 48 KiB L1 while the
+// row blocks sweep it; only D = 256 products are split.
 #ifndef FLASHATTN_CPU_KC
 #define FLASHATTN_CPU_KC 128
 #endif
 constexpr int64_t KC = FLASHATTN_CPU_KC;
 
 template <class T, bool ACC>
-void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs, const T* B,
-          int64_t ldb, T* C, int64_t ldc) {
+void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs, Panels<T> B,
+          T* C, int64_t ldc) {
   constexpr int W = Simd<T>::W;
+  constexpr int64_t PW = panel_width<T>();
   const auto& first = MakeTable<T, ACC, MR * NR>::type::table;
   const auto& rest = MakeTable<T, true, MR * NR>::type::table;
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += KC) {
@@ -281,10 +300,11 @@ void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs
     const auto& table = k0 == 0 ? first : rest;
     for (int64_t n0 = 0; n0 < NV; n0 += NR) {
       const int nr = static_cast<int>(smin<int64_t>(NR, NV - n0));
+      const T* Bp = B.ptr + (n0 / NR) * B.bps + k0 * PW;
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = static_cast<int>(smin<int64_t>(MR, M - m0));
-        table[(mr - 1) * NR + (nr - 1)](kc, A + m0 * ars + k0 * acs, ars, acs, B + k0 * ldb + n0 * W,
-                                        ldb, C + m0 * ldc + n0 * W, ldc);
+        table[(mr - 1) * NR + (nr - 1)](kc, A + m0 * ars + k0 * acs, ars, acs, Bp,
+                                        C + m0 * ldc + n0 * W, ldc);
       }
     }
   }
@@ -300,54 +320,70 @@ inline S* row_ptr(const Out4& t, int64_t b, int64_t h, int64_t s) {
   return static_cast<S*>(t.ptr) + b * t.sb + h * t.sh + s * t.ss;
 }
 
-// dst[r*ld + d] = mul * src(row0 + r)[d] for r < n, d < D; zero for d in [D, ld) and for rows
-// [n, rows_padded) so that B-operand reads of whole vectors see zeros.
-template <class S, class C>
-void pack_rows(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C mul,
-               C* dst, int64_t ld, int64_t rows_padded) {
-  for (int64_t r = 0; r < n; ++r) {
-    const S* src = row_ptr<S>(t, b, h, row0 + r);
-    C* o = dst + r * ld;
-    for (int64_t d = 0; d < D; ++d) o[d] = load_as<C>(src + d) * mul;
-    for (int64_t d = D; d < ld; ++d) o[d] = C(0);
-  }
-  for (int64_t r = n; r < rows_padded; ++r)
-    for (int64_t d = 0; d < ld; ++d) dst[r * ld + d] = C(0);
-}
-
-// A block of rows used as a matrix operand: its pointer and row stride.
+// A block of rows used as a broadcast (A) operand: its pointer and row stride.
 template <class C>
 struct Rows {
   const C* ptr;
   int64_t ld;
 };
 
-// Rows [row0, row0 + n) of an operand as a compute-type matrix. When the operand is stored in the
-// compute type it is used in place (no copy); when whole-vector reads past column D are needed
-// (B operands) that also requires D to be a multiple of the vector width. Otherwise the rows are
-// converted into dst with row stride Dp, zero-padded.
+// Rows [row0, row0 + n) of an operand as an A operand (only columns < D are read). An operand
+// stored in the compute type is used in place; others are converted into dst (row stride D).
 template <class S, class C>
-Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
-                int64_t Dp, bool vector_reads, C* dst) {
-#ifndef FLASHATTN_CPU_NO_DIRECT
+Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C* dst) {
   if constexpr (__is_same(S, C)) {
-    if (!vector_reads || D == Dp) return {row_ptr<S>(t, b, h, row0), t.ss};
+    (void)n;
+    (void)dst;
+    return {row_ptr<S>(t, b, h, row0), t.ss};
+  } else {
+    for (int64_t r = 0; r < n; ++r) {
+      const S* src = row_ptr<S>(t, b, h, row0 + r);
+      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = load_as<C>(src + d);
+    }
+    return {dst, D};
   }
-#endif
-  pack_rows<S, C>(t, b, h, row0, n, D, C(1), dst, Dp, n);
-  return {dst, Dp};
 }
 
-// dst[d*ld + r] = mul * src(row0 + r)[d] for d < D, r < n; zero for r in [n, ld).
+// Columns of a panel-major B operand made from D, rounded up to whole panels.
+template <class C>
+inline int64_t panel_cols(int64_t D) {
+  return round_up(D, panel_width<C>());
+}
+
+// Rows [row0, row0 + n) of an operand (n x D) as a panel-major B operand; columns past D are 0.
 template <class S, class C>
-void pack_transposed(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
-                     C mul, C* dst, int64_t ld) {
+Panels<C> pack_panels(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
+                      C* dst) {
+  constexpr int64_t PW = panel_width<C>();
+  const int64_t np = panel_cols<C>(D) / PW;
   for (int64_t r = 0; r < n; ++r) {
     const S* src = row_ptr<S>(t, b, h, row0 + r);
-    for (int64_t d = 0; d < D; ++d) dst[d * ld + r] = load_as<C>(src + d) * mul;
+    for (int64_t p = 0; p < np; ++p) {
+      C* o = dst + p * n * PW + r * PW;
+      const int64_t w = smin(PW, D - p * PW);
+      for (int64_t c = 0; c < w; ++c) o[c] = load_as<C>(src + p * PW + c);
+      for (int64_t c = w; c < PW; ++c) o[c] = C(0);
+    }
   }
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t r = n; r < ld; ++r) dst[d * ld + r] = C(0);
+  return {dst, n * PW};
+}
+
+// The transpose of rows [row0, row0 + n) times mul (D x ncols, ncols a multiple of PW) as a
+// panel-major B operand; columns past n are 0.
+template <class S, class C>
+Panels<C> pack_transposed(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
+                          C mul, C* dst, int64_t ncols) {
+  constexpr int64_t PW = panel_width<C>();
+  for (int64_t r = 0; r < n; ++r) {
+    const S* src = row_ptr<S>(t, b, h, row0 + r);
+    C* o = dst + (r / PW) * D * PW + r % PW;
+    for (int64_t d = 0; d < D; ++d) o[d * PW] = load_as<C>(src + d) * mul;
+  }
+  for (int64_t r = n; r < ncols; ++r) {
+    C* o = dst + (r / PW) * D * PW + r % PW;
+    for (int64_t d = 0; d < D; ++d) o[d * PW] = C(0);
+  }
+  return {dst, D * PW};
 }
 
 // The mask rule of core/mask.hpp, restated here (see the file comment on inline functions).
@@ -373,6 +409,19 @@ inline C neg_inf() {
   return -__builtin_inf();
 }
 
+// Carves 64-byte aligned buffers out of one scratch block; `bytes()` sizes the block.
+template <class C>
+struct Carve {
+  C* base;
+  int64_t off = 0;
+  C* take(int64_t n) {
+    C* p = base ? base + off : nullptr;
+    off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));
+    return p;
+  }
+  size_t bytes() const { return static_cast<size_t>(off) * sizeof(C); }
+};
+
 // ---- forward ----------------------------------------------------------------------------------
 // One task = one (batch, query head, query block). S is computed transposed (S^T = K Q^T, keys
 // in rows, queries across vector lanes) so the row maximum, row sum and rescale factors of the
@@ -384,33 +433,26 @@ struct Forward {
   using V = typename Simd<C>::V;
   static constexpr int W = Simd<C>::W;
 
-  struct Layout {  // offsets into the per-thread scratch, in elements of C
-    int64_t Dp, qt, kt, vt, st, o, m, l, total;
+  struct Tiles {
+    C *qt, *krows, *vp, *st, *o, *m, *l;
   };
-  static Layout layout(int64_t D) {
-    Layout L;
-    L.Dp = round_up(D, W);
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      int64_t at = off;
-      off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));  // keep every buffer 64B aligned
-      return at;
-    };
-    L.qt = take(L.Dp * BQ);
-    L.kt = take(BK * L.Dp);
-    L.vt = take(BK * L.Dp);
-    L.st = take(BK * BQ);
-    L.o = take(BQ * L.Dp);
-    L.m = take(BQ);
-    L.l = take(BQ);
-    L.total = off;
-    return L;
+  static Tiles carve(Carve<C>& cv, int64_t D) {
+    const int64_t Dp = round_up(D, W);
+    Tiles t;
+    t.qt = cv.take(D * BQ);
+    t.krows = cv.take(BK * D);
+    t.vp = cv.take(BK * panel_cols<C>(D));
+    t.st = cv.take(BK * BQ);
+    t.o = cv.take(BQ * Dp);
+    t.m = cv.take(BQ);
+    t.l = cv.take(BQ);
+    return t;
   }
 
   static void task(const void* ctx, int64_t task, void* scratch) {
     const ForwardParams& p = *static_cast<const ForwardParams*>(ctx);
     const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
     const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
     // Causal blocks late in the sequence cost the most: hand them out first.
     const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
@@ -418,13 +460,12 @@ struct Forward {
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
     const Mask2 mask = mask_of(sh, p.num);
-    const Layout L = layout(D);
-    const int64_t Dp = L.Dp;
-    C* base = static_cast<C*>(scratch);
-    C *QT = base + L.qt, *Kt = base + L.kt, *Vt = base + L.vt, *ST = base + L.st, *O = base + L.o;
-    C *mrow = base + L.m, *lrow = base + L.l;
+    Carve<C> cv{static_cast<C*>(scratch)};
+    const Tiles t = carve(cv, D);
+    C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
 
-    pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale) * C(kLog2e), QT, BQ);
+    const Panels<C> QT =
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
     for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
@@ -434,9 +475,9 @@ struct Forward {
     const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
-      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, Dp, false, Kt);
-      const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, Dp, true, Vt);
-      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, BQ, ST, BQ);
+      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
+      const Panels<C> Vp = pack_panels<S, C>(p.v, b, hk, j0, nk, D, t.vp);
+      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
       // Only blocks crossing the diagonal need per-element masking: key j is hidden from the
       // block's columns c with i0 + c < j - offset.
       if (mask.causal && j0 + nk - 1 > i0 + mask.offset) {
@@ -446,7 +487,7 @@ struct Forward {
         }
       }
       online_softmax(ST, nk, mrow, lrow, O, Dp);
-      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vr.ptr, Vr.ld, O, Dp);
+      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
     }
 
     // Epilogue: O / l and LSE = (m + log2 l) * ln 2; rows with no visible key: O = 0, LSE = -inf.
@@ -457,7 +498,8 @@ struct Forward {
       if (l > C(0)) {
         const C inv = C(1) / l;
         for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, O[c * Dp + d] * inv);
-        const double v = (static_cast<double>(mrow[c]) + __builtin_log2(static_cast<double>(l))) * kLn2;
+        const double v =
+            (static_cast<double>(mrow[c]) + __builtin_log2(static_cast<double>(l))) * kLn2;
         lse[(i0 + c) * p.lse.ss] = static_cast<float>(v);
       } else {
         for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, C(0));
@@ -498,8 +540,9 @@ struct Forward {
   static void run(const ForwardParams& p, Parallel& par) {
     const Shape& sh = p.shape;
     const int64_t nqb = (sh.seq_q + BQ - 1) / BQ;
-    const Layout L = layout(sh.head_dim);
-    par.run(nqb * sh.batch * sh.heads_q, static_cast<size_t>(L.total) * sizeof(C), &task, &p);
+    Carve<C> cv{nullptr};
+    carve(cv, sh.head_dim);
+    par.run(nqb * sh.batch * sh.heads_q, cv.bytes(), &task, &p);
   }
 };
 
@@ -536,54 +579,46 @@ struct Backward {
   static C lse2_of(const BackwardParams& p, int64_t b, int64_t h, int64_t i) {
     const float v = p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss];
     if (v == -__builtin_inff()) return static_cast<C>(__builtin_inf());
-    return static_cast<C>(v) * C(kLog2e);
+    return static_cast<C>(v) * static_cast<C>(kLog2e);
   }
 
   // ---- dQ pass: one task = one (batch, query head, query block); keys stream through. ----
-  struct DqLayout {
-    int64_t Dp, qt, dot, kt, vt, st, dpt, dq, lse2, dlt, total;
+  struct DqTiles {
+    C *qt, *dot, *krows, *kp, *vrows, *st, *dpt, *dq, *lse2, *dlt;
   };
-  static DqLayout dq_layout(int64_t D) {
-    DqLayout L;
-    L.Dp = round_up(D, W);
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      int64_t at = off;
-      off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));
-      return at;
-    };
-    L.qt = take(L.Dp * BQ);
-    L.dot = take(L.Dp * BQ);
-    L.kt = take(BK * L.Dp);
-    L.vt = take(BK * L.Dp);
-    L.st = take(BK * BQ);
-    L.dpt = take(BK * BQ);
-    L.dq = take(BQ * L.Dp);
-    L.lse2 = take(BQ);
-    L.dlt = take(BQ);
-    L.total = off;
-    return L;
+  static DqTiles dq_carve(Carve<C>& cv, int64_t D) {
+    const int64_t Dp = round_up(D, W);
+    DqTiles t;
+    t.qt = cv.take(D * BQ);
+    t.dot = cv.take(D * BQ);
+    t.krows = cv.take(BK * D);
+    t.kp = cv.take(BK * panel_cols<C>(D));
+    t.vrows = cv.take(BK * D);
+    t.st = cv.take(BK * BQ);
+    t.dpt = cv.take(BK * BQ);
+    t.dq = cv.take(BQ * Dp);
+    t.lse2 = cv.take(BQ);
+    t.dlt = cv.take(BQ);
+    return t;
   }
 
   static void dq_task(const Ctx& ctx, int64_t task, void* scratch) {
     const BackwardParams& p = *ctx.p;
     const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
     const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
     const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
     const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
     const Mask2 mask = mask_of(sh, p.num);
-    const DqLayout L = dq_layout(D);
-    const int64_t Dp = L.Dp;
-    C* base = static_cast<C*>(scratch);
-    C *QT = base + L.qt, *dOT = base + L.dot, *Kt = base + L.kt, *Vt = base + L.vt;
-    C *ST = base + L.st, *dPT = base + L.dpt, *dQ = base + L.dq, *lse2 = base + L.lse2;
-    C* dlt = base + L.dlt;
+    Carve<C> cv{static_cast<C*>(scratch)};
+    const DqTiles t = dq_carve(cv, D);
+    C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
-    pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale) * C(kLog2e), QT, BQ);
-    pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), dOT, BQ);
+    const Panels<C> QT =
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+    const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
     for (int64_t c = 0; c < BQ; ++c) {
       // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
       lse2[c] = c < nq ? lse2_of(p, b, h, i0 + c) : static_cast<C>(__builtin_inf());
@@ -594,10 +629,11 @@ struct Backward {
     const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
-      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, Dp, true, Kt);
-      const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, Dp, false, Vt);
-      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, BQ, ST, BQ);      // S^T = K Q^T
-      gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, BQ, dPT, BQ);  // dP^T = V dO^T
+      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
+      const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, t.vrows);
+      const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
+      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
+      gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
       const bool diag = mask.causal && j0 + nk - 1 > i0 + mask.offset;
       for (int64_t r = 0; r < nk; ++r) {
         if (diag) {
@@ -610,7 +646,7 @@ struct Backward {
           vstore(ST + r * BQ + c0, ds);
         }
       }
-      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, K.ptr, K.ld, dQ, Dp);  // dQ += dS K
+      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
     }
     const C scale = static_cast<C>(p.num.scale);
     for (int64_t c = 0; c < nq; ++c) {
@@ -622,51 +658,44 @@ struct Backward {
   // ---- dK/dV pass: one task = one (batch, kv head, key block); every query head of the kv
   // group and every query block that sees the keys stream through, so dK and dV are summed over
   // the group inside one task, in a fixed order, without atomics. ----
-  struct DkvLayout {
-    int64_t Dp, kt, vt, q, dout, s, dp, dk, dv, lse2, dlt, total;
+  struct DkvTiles {
+    C *kt, *vt, *qrows, *qp, *dorows, *dop, *s, *dp, *dk, *dv, *lse2, *dlt;
   };
-  static DkvLayout dkv_layout(int64_t D) {
-    DkvLayout L;
-    L.Dp = round_up(D, W);
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      int64_t at = off;
-      off += round_up(n, 64 / static_cast<int64_t>(sizeof(C)));
-      return at;
-    };
-    L.kt = take(L.Dp * BK);
-    L.vt = take(L.Dp * BK);
-    L.q = take(BQ * L.Dp);
-    L.dout = take(BQ * L.Dp);
-    L.s = take(BQ * BK);
-    L.dp = take(BQ * BK);
-    L.dk = take(BK * L.Dp);
-    L.dv = take(BK * L.Dp);
-    L.lse2 = take(BQ);
-    L.dlt = take(BQ);
-    L.total = off;
-    return L;
+  static DkvTiles dkv_carve(Carve<C>& cv, int64_t D) {
+    const int64_t Dp = round_up(D, W);
+    DkvTiles t;
+    t.kt = cv.take(D * BK);
+    t.vt = cv.take(D * BK);
+    t.qrows = cv.take(BQ * D);
+    t.qp = cv.take(BQ * panel_cols<C>(D));
+    t.dorows = cv.take(BQ * D);
+    t.dop = cv.take(BQ * panel_cols<C>(D));
+    t.s = cv.take(BQ * BK);
+    t.dp = cv.take(BQ * BK);
+    t.dk = cv.take(BK * Dp);
+    t.dv = cv.take(BK * Dp);
+    t.lse2 = cv.take(BQ);
+    t.dlt = cv.take(BQ);
+    return t;
   }
 
   static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
     const BackwardParams& p = *ctx.p;
     const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
     const int64_t BHk = sh.batch * sh.heads_kv, group = sh.heads_q / sh.heads_kv;
     // Causal: early key blocks are seen by the most queries: hand them out first.
     const int64_t kb = task / BHk, bhk = task % BHk;
     const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
     const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
     const Mask2 mask = mask_of(sh, p.num);
-    const DkvLayout L = dkv_layout(D);
-    const int64_t Dp = L.Dp;
-    C* base = static_cast<C*>(scratch);
-    C *KT = base + L.kt, *VT = base + L.vt, *Qt = base + L.q, *dOt = base + L.dout;
-    C *Sb = base + L.s, *dP = base + L.dp, *dK = base + L.dk, *dV = base + L.dv;
-    C *lse2 = base + L.lse2, *dlt = base + L.dlt;
+    Carve<C> cv{static_cast<C*>(scratch)};
+    const DkvTiles t = dkv_carve(cv, D);
+    C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
-    pack_transposed<S, C>(p.k, b, hk, j0, nk, D, static_cast<C>(p.num.scale) * C(kLog2e), KT, BK);
-    pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), VT, BK);
+    const Panels<C> KT =
+        pack_transposed<S, C>(p.k, b, hk, j0, nk, D, static_cast<C>(p.num.scale * kLog2e), t.kt, BK);
+    const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
     for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
     const int64_t istart = mask.first_row(j0, Sq);
@@ -677,14 +706,16 @@ struct Backward {
       const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
       for (int64_t i0 = istart; i0 < Sq; i0 += BQ) {
         const int64_t nq = smin(BQ, Sq - i0);
-        const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, Dp, true, Qt);
-        const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, Dp, true, dOt);
+        const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, t.qrows);
+        const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, t.dorows);
+        const Panels<C> Qp = pack_panels<S, C>(p.q, b, h, i0, nq, D, t.qp);
+        const Panels<C> dOp = pack_panels<S, C>(p.dout, b, h, i0, nq, D, t.dop);
         for (int64_t r = 0; r < nq; ++r) {
           lse2[r] = lse2_of(p, b, h, i0 + r);
           dlt[r] = delta[i0 + r];
         }
-        gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, BK, Sb, BK);    // S = Q K^T
-        gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, BK, dP, BK);  // dP = dO V^T
+        gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
+        gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
           if (mask.causal && i < ifull) {
@@ -699,8 +730,8 @@ struct Backward {
             vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
           }
         }
-        gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dO.ptr, dO.ld, dV, Dp);  // dV += P^T dO
-        gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Q.ptr, Q.ld, dK, Dp);    // dK += dS^T Q
+        gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
+        gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
       }
     }
     const C scale = static_cast<C>(p.num.scale);
@@ -735,8 +766,10 @@ struct Backward {
     const int64_t nqb = (sh.seq_q + BQ - 1) / BQ, nkb = (sh.seq_kv + BK - 1) / BK;
     MainCtx m{ctx, nkb * sh.batch * sh.heads_kv};
     const int64_t n_dq = nqb * sh.batch * sh.heads_q;
-    const int64_t bytes = smax(dq_layout(sh.head_dim).total, dkv_layout(sh.head_dim).total);
-    par.run(m.n_dkv + n_dq, static_cast<size_t>(bytes) * sizeof(C), &main_task, &m);
+    Carve<C> c1{nullptr}, c2{nullptr};
+    dq_carve(c1, sh.head_dim);
+    dkv_carve(c2, sh.head_dim);
+    par.run(m.n_dkv + n_dq, smax(c1.bytes(), c2.bytes()), &main_task, &m);
   }
 };
 
