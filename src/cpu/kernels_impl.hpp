@@ -143,15 +143,14 @@ inline uint32_t f32_bits(float f) {
 // Conversions with the same rounding as core/half.hpp (round to nearest even, NaN stays NaN,
 // overflow gives inf), repeated here so that this translation unit stays self-contained.
 inline float to_float(BF16 h) { return bits_f32(static_cast<uint32_t>(h.bits) << 16); }
+// Branch-free so that packing loops vectorise: the 15 magnitude bits shifted into float position
+// are the value times 2^-112 (exact for normal and subnormal halves), and exponent 31 (inf/NaN)
+// maps to 255.
 inline float to_float(F16 h) {
-  uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
-  uint32_t e = (h.bits >> 10) & 0x1fu, m = h.bits & 0x3ffu;
-  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m << 13));
-  if (e == 0) {
-    float f = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
-    return sign ? -f : f;
-  }
-  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+  const uint32_t em = static_cast<uint32_t>(h.bits & 0x7fffu) << 13;
+  uint32_t r = f32_bits(bits_f32(em) * 0x1p112f);
+  r = em >= 0x0f800000u ? (em | 0x7f800000u) : r;
+  return bits_f32(r | (static_cast<uint32_t>(h.bits & 0x8000u) << 16));
 }
 inline BF16 to_bf16(float f) {
   uint32_t u = f32_bits(f);
