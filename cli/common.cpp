@@ -177,6 +177,7 @@ void Progress::enable(bool on) {
 
 void Progress::stage(const std::string& label, int64_t total) {
   std::lock_guard<std::mutex> lock(mu_);
+  label_.reserve(128);  // once: later stages then reuse the buffer, allocating nothing
   label_ = label;
   total_ = total;
   done_ = 0;
@@ -216,9 +217,10 @@ void Progress::loop() {
   }
 }
 
+// Drawing and erasing use fixed buffers: the ticker runs while `bench` counts heap bytes.
 void Progress::erase_locked() {
   if (!shown_) return;
-  std::fprintf(stderr, "\r%s\r", std::string(shown_, ' ').c_str());
+  std::fprintf(stderr, "\r%*s\r", static_cast<int>(shown_), "");
   std::fflush(stderr);
   shown_ = 0;
 }
@@ -227,19 +229,20 @@ void Progress::draw_locked() {
   if (!on_ || stop_) return;
   const double t =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - stage_start_).count();
-  const int64_t done = done_;
-  std::ostringstream os;
-  os << label_;
-  if (total_ > 0) {
-    os << ": " << done << "/" << total_;
-    if (done > 0 && done < total_)
-      os << ", ~" << static_cast<int64_t>(std::ceil(t * (total_ - done) / done)) << " s left";
-  }
-  os << " (" << static_cast<int64_t>(t) << " s)";
-  std::string line = os.str();
-  const size_t width = line.size();
-  if (width < shown_) line += std::string(shown_ - width, ' ');
-  std::fprintf(stderr, "\r%s", line.c_str());
+  const long long done = done_, total = total_, secs = static_cast<long long>(t);
+  char line[256];
+  int n;
+  if (total > 0 && done > 0 && done < total)
+    n = std::snprintf(line, sizeof line, "%s: %lld/%lld, ~%lld s left (%lld s)", label_.c_str(),
+                      done, total, static_cast<long long>(std::ceil(t * (total - done) / done)),
+                      secs);
+  else if (total > 0)
+    n = std::snprintf(line, sizeof line, "%s: %lld/%lld (%lld s)", label_.c_str(), done, total, secs);
+  else
+    n = std::snprintf(line, sizeof line, "%s (%lld s)", label_.c_str(), secs);
+  const size_t width = std::min(static_cast<size_t>(std::max(n, 0)), sizeof line - 1);
+  // Pad with spaces over what a longer previous line left.
+  std::fprintf(stderr, "\r%s%*s", line, static_cast<int>(shown_ > width ? shown_ - width : 0), "");
   std::fflush(stderr);
   shown_ = std::max(width, shown_);
 }
@@ -315,7 +318,7 @@ void store_logical(testing::HostTensor& t, const float* values) {
   });
 }
 
-double median(std::vector<double> v) {
+double median(std::vector<double>& v) {
   if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
   std::sort(v.begin(), v.end());
   const size_t n = v.size();

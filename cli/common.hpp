@@ -96,7 +96,7 @@ const char* precision_name(Precision p);
 std::vector<float> to_float(const testing::HostTensor& t);
 void store_logical(testing::HostTensor& t, const float* values);
 
-// Median of a sample (copied, so the caller's order is kept).
-double median(std::vector<double> v);
+// Median of a sample; sorts it in place (allocates nothing: bench calls it while counting).
+double median(std::vector<double>& v);
 
 }  // namespace flashattn::cli
