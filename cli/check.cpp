@@ -20,6 +20,8 @@ namespace {
 // dtype (2^-9 relative for bfloat16, 2^-12 for float16) and, on tensor cores, rounding P and dS to
 // the dtype before the second matmul of each pair. float32 keeps two orders of magnitude over
 // the ~1e-6 a float32 accumulation over a few thousand terms shows; tf32 has a 10-bit mantissa.
+// Seen on the CPU backend (S 1024 x 777, D 96, GQA): float16 <= 4.3e-4, bfloat16 <= 3.1e-3, so
+// float16 and bfloat16 keep about 10x for the extra roundings of tensor-core kernels.
 // float64: lse is float32 by contract (rel. error 2^-24), and the backward recomputes
 // P = exp(S - lse) from it, so dq/dk/dv inherit about |lse| * 2^-24 relative error; only out is
 // held to float64 accuracy.
@@ -27,8 +29,8 @@ double default_tolerance(DType dtype, Precision precision, bool on_cuda, const s
   switch (dtype) {
     case DType::Float64: return output == "out" ? 1e-10 : 1e-5;
     case DType::Float32: return on_cuda && precision == Precision::Tf32 ? 1e-2 : 1e-4;
-    case DType::Float16: return 1e-2;
-    case DType::BFloat16: return 5e-2;
+    case DType::Float16: return 5e-3;
+    case DType::BFloat16: return 3e-2;
   }
   return 0;
 }
