@@ -562,7 +562,7 @@ TEST(LegitimateLayouts, PackedQkvAndInterleavedGradients) {
                dv = packed(dqkv.data(), 2);
   const Tensor out = Tensor::bshd(outb.data(), DType::Float32, B, H, S, D);
   const Tensor dout = Tensor::bshd(doutb.data(), DType::Float32, B, H, S, D);
-  const Tensor lse = Tensor::contiguous(lseb.data(), DType::Float32, B, H, S);
+  const Tensor lse = Tensor::lse(lseb.data(), B, H, S);
   fill(q, 1);
   fill(k, 2);
   fill(v, 3);
@@ -591,7 +591,7 @@ TEST(LegitimateLayouts, PackedKvGqa) {
   const Tensor dout = Tensor::contiguous(doutb.data(), DType::Float32, B, Hq, Sq, D);
   const Tensor out = Tensor::contiguous(outb.data(), DType::Float32, B, Hq, Sq, D);
   const Tensor dq = Tensor::contiguous(dqb.data(), DType::Float32, B, Hq, Sq, D);
-  const Tensor lse = Tensor::contiguous(lseb.data(), DType::Float32, B, Hq, Sq);
+  const Tensor lse = Tensor::lse(lseb.data(), B, Hq, Sq);
   const Tensor k = packed(kv.data(), 0), v = packed(kv.data(), 1);
   const Tensor dk = packed(dkv.data(), 0), dv = packed(dkv.data(), 1);
   fill(q, 5);
@@ -618,7 +618,7 @@ TEST(BadInputPacked, MisplacedInterleavedGradientsAreRejected) {
   };
   const Tensor q = view(qb.data()), k = view(kb.data()), v = view(vb.data()), out = view(outb.data()),
                dout = view(doutb.data());
-  const Tensor lse = Tensor::contiguous(lseb.data(), DType::Float32, B, H, S);
+  const Tensor lse = Tensor::lse(lseb.data(), B, H, S);
   const Tensor dq = packed(dqkv.data()), dk = packed(dqkv.data() + H * D + D / 2),
                dv = packed(dqkv.data() + 2 * H * D);
   EXPECT_TRUE(throws_error([&] { backward(q, k, v, out, dout, lse, dq, dk, dv); },
@@ -642,7 +642,7 @@ TEST(LegitimateLayouts, BroadcastInputs) {
   const Tensor dq = Tensor::bshd(dqb.data(), DType::Float32, B, Hq, Sq, D);
   const Tensor dk = Tensor::contiguous(dkb.data(), DType::Float32, B, Hkv, Skv, D);
   const Tensor dv = Tensor::contiguous(dvb.data(), DType::Float32, B, Hkv, Skv, D);
-  const Tensor lse = Tensor::contiguous(lseb.data(), DType::Float32, B, Hq, Sq);
+  const Tensor lse = Tensor::lse(lseb.data(), B, Hq, Sq);
   fill(q, 9);
   fill(Tensor::contiguous(kb.data(), DType::Float32, 1, Hkv, Skv, D), 10);
   fill(Tensor::contiguous(vb.data(), DType::Float32, 1, Hkv, Skv, D), 11);
@@ -673,7 +673,7 @@ TEST(LegitimateLayouts, PaddedViewsWriteOnlyTheirElements) {
          out = make4(Hq, Sq), dq = make4(Hq, Sq), dk = make4(Hkv, Skv), dv = make4(Hkv, Skv);
   Padded lse;
   lse.buf.assign(static_cast<size_t>(B * (Hq * (Sq * 3 + 5) + 7)), sentinel);
-  lse.view = Tensor::contiguous(lse.buf.data(), DType::Float32, B, Hq, Sq);
+  lse.view = Tensor::lse(lse.buf.data(), B, Hq, Sq);
   lse.view.stride[2] = 3;
   lse.view.stride[1] = Sq * 3 + 5;
   lse.view.stride[0] = Hq * (Sq * 3 + 5) + 7;

@@ -65,8 +65,9 @@ struct FLASHATTN_API Tensor {
   // Contiguous views in the library's logical order.
   static Tensor contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2, int64_t d3,
                            int32_t device = kCpu);
-  static Tensor contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2,
-                           int32_t device = kCpu);
+  // The float32 [B, Hq, Sq] log-sum-exp, contiguous. (A name of its own, not a 3-d overload of
+  // contiguous(): with int arguments such an overload would silently win over the 4-d one.)
+  static Tensor lse(float* data, int64_t b, int64_t h, int64_t sq, int32_t device = kCpu);
   // [B, H, S, D] logical view of memory laid out as [B, S, H, D] (FlashAttention's layout).
   static Tensor bshd(void* data, DType dtype, int64_t b, int64_t h, int64_t s, int64_t d,
                      int32_t device = kCpu);

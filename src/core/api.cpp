@@ -56,11 +56,10 @@ Tensor Tensor::contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64
   return t;
 }
 
-Tensor Tensor::contiguous(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2,
-                          int32_t device) {
+Tensor Tensor::lse(float* data, int64_t d0, int64_t d1, int64_t d2, int32_t device) {
   Tensor t;
   t.data = data;
-  t.dtype = dtype;
+  t.dtype = DType::Float32;
   t.device = device;
   t.ndim = 3;
   t.shape[0] = d0;

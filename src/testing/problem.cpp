@@ -115,7 +115,7 @@ Problem::Problem(const ProblemConfig& c) : cfg(c) {
   dk = make4(dt, c.layout, c.batch, c.heads_kv, c.seq_kv, c.head_dim);
   dv = make4(dt, c.layout, c.batch, c.heads_kv, c.seq_kv, c.head_dim);
   lse.bytes.resize(static_cast<size_t>(c.batch * c.heads_q * c.seq_q * 4));
-  lse.view = Tensor::contiguous(lse.bytes.data(), DType::Float32, c.batch, c.heads_q, c.seq_q);
+  lse.view = Tensor::lse(reinterpret_cast<float*>(lse.bytes.data()), c.batch, c.heads_q, c.seq_q);
   std::mt19937_64 rng(c.seed * 0x9E3779B97F4A7C15ull + 12345);
   fill_normal(q, rng);
   fill_normal(k, rng);

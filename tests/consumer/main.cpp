@@ -7,8 +7,6 @@
 #include <flashattn/flashattn.hpp>
 
 int main() {
-  // int64_t, not int: with plain int arguments Tensor::contiguous(ptr, dtype, 1, 1, S, D) would
-  // resolve to the 3-d overload with device = D.
   const int64_t S = 3, D = 4;  // B = H = 1
   std::vector<float> q(S * D), k(S * D), v(S * D), out(S * D, NAN), lse(S, NAN);
   for (int i = 0; i < S * D; ++i) {
@@ -25,7 +23,7 @@ int main() {
                        Tensor::contiguous(k.data(), DType::Float32, 1, 1, S, D),
                        Tensor::contiguous(v.data(), DType::Float32, 1, 1, S, D),
                        Tensor::contiguous(out.data(), DType::Float32, 1, 1, S, D),
-                       Tensor::contiguous(lse.data(), DType::Float32, 1, 1, S), opts);
+                       Tensor::lse(lse.data(), 1, 1, S), opts);
   } catch (const flashattn::Error& e) {
     std::fprintf(stderr, "flashattn::forward failed: %s\n", e.what());
     return 1;
