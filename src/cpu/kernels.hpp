@@ -37,9 +37,15 @@ struct KernelSet {
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define FLASHATTN_CPU_X86 1
-namespace avx512 { extern const KernelSet kernels; }
-namespace avx2 { extern const KernelSet kernels; }
+namespace avx512 {
+extern const KernelSet kernels;
+}
+namespace avx2 {
+extern const KernelSet kernels;
+}
 #endif
-namespace generic { extern const KernelSet kernels; }
+namespace generic {
+extern const KernelSet kernels;
+}
 
 }  // namespace flashattn::cpu

@@ -40,12 +40,15 @@ typedef int32_t vi32 __attribute__((vector_size(kVecBytes)));
 typedef uint32_t vu32 __attribute__((vector_size(kVecBytes)));
 typedef int64_t vi64 __attribute__((vector_size(kVecBytes)));
 
-template <class T> struct Simd;
-template <> struct Simd<float> {
+template <class T>
+struct Simd;
+template <>
+struct Simd<float> {
   using V = vf;
   static constexpr int W = kVecBytes / 4;
 };
-template <> struct Simd<double> {
+template <>
+struct Simd<double> {
   using V = vd;
   static constexpr int W = kVecBytes / 8;
 };
@@ -177,18 +180,48 @@ inline F16 to_f16(float f) {
 }
 
 // Load one stored element as the compute type C; store a computed value.
-template <class C> inline C load_as(const float* p) { return static_cast<C>(*p); }
-template <class C> inline C load_as(const double* p) { return static_cast<C>(*p); }
-template <class C> inline C load_as(const F16* p) { return static_cast<C>(to_float(*p)); }
-template <class C> inline C load_as(const BF16* p) { return static_cast<C>(to_float(*p)); }
-template <class C> inline void store_as(float* p, C v) { *p = static_cast<float>(v); }
-template <class C> inline void store_as(double* p, C v) { *p = static_cast<double>(v); }
-template <class C> inline void store_as(F16* p, C v) { *p = to_f16(static_cast<float>(v)); }
-template <class C> inline void store_as(BF16* p, C v) { *p = to_bf16(static_cast<float>(v)); }
+template <class C>
+inline C load_as(const float* p) {
+  return static_cast<C>(*p);
+}
+template <class C>
+inline C load_as(const double* p) {
+  return static_cast<C>(*p);
+}
+template <class C>
+inline C load_as(const F16* p) {
+  return static_cast<C>(to_float(*p));
+}
+template <class C>
+inline C load_as(const BF16* p) {
+  return static_cast<C>(to_float(*p));
+}
+template <class C>
+inline void store_as(float* p, C v) {
+  *p = static_cast<float>(v);
+}
+template <class C>
+inline void store_as(double* p, C v) {
+  *p = static_cast<double>(v);
+}
+template <class C>
+inline void store_as(F16* p, C v) {
+  *p = to_f16(static_cast<float>(v));
+}
+template <class C>
+inline void store_as(BF16* p, C v) {
+  *p = to_bf16(static_cast<float>(v));
+}
 
 // The compute type of a storage type.
-template <class S> struct ComputeOf { using type = float; };
-template <> struct ComputeOf<double> { using type = double; };
+template <class S>
+struct ComputeOf {
+  using type = float;
+};
+template <>
+struct ComputeOf<double> {
+  using type = double;
+};
 
 // ---- tiles ------------------------------------------------------------------------------------
 // Tile sizes: BQ query rows x BK keys per step. Both are multiples of every panel width. The
@@ -201,6 +234,25 @@ template <> struct ComputeOf<double> { using type = double; };
 #endif
 constexpr int64_t BQ = FLASHATTN_CPU_BQ;
 constexpr int64_t BK = FLASHATTN_CPU_BK;
+// Per-pass tile sizes (queries x keys), defaulting to BQ x BK.
+#ifndef FLASHATTN_CPU_FWD_BQ
+#define FLASHATTN_CPU_FWD_BQ FLASHATTN_CPU_BQ
+#endif
+#ifndef FLASHATTN_CPU_FWD_BK
+#define FLASHATTN_CPU_FWD_BK FLASHATTN_CPU_BK
+#endif
+#ifndef FLASHATTN_CPU_DQ_BQ
+#define FLASHATTN_CPU_DQ_BQ FLASHATTN_CPU_BQ
+#endif
+#ifndef FLASHATTN_CPU_DQ_BK
+#define FLASHATTN_CPU_DQ_BK FLASHATTN_CPU_BK
+#endif
+#ifndef FLASHATTN_CPU_DKV_BQ
+#define FLASHATTN_CPU_DKV_BQ FLASHATTN_CPU_BQ
+#endif
+#ifndef FLASHATTN_CPU_DKV_BK
+#define FLASHATTN_CPU_DKV_BK FLASHATTN_CPU_BK
+#endif
 
 // Register blocking of the micro-kernel: MR rows x NR vectors of accumulators, chosen so that
 // MR*NR accumulators + NR B-vectors + 1 broadcast fit the register file (32 zmm with AVX-512,
@@ -216,13 +268,19 @@ constexpr int MR = 6, NR = 2;
 // B operands are stored panel-major: the columns are cut into panels of PW = NR vectors, and each
 // panel is contiguous (row k of panel p at ptr + p * bps + k * PW). The micro-kernel then streams
 // one contiguous block, which the prefetchers follow and which cannot thrash an L1 set the way
-// rows 512 bytes apart do (measured: O += P V from row-major V ran at 2/3 of the rate of S = K Q^T).
+// rows 512 bytes apart do (measured: O += P V from row-major V ran at 2/3 of the rate of
+// S = K Q^T).
 template <class T>
 constexpr int64_t panel_width() {
   return NR * Simd<T>::W;
 }
-static_assert(BQ % panel_width<float>() == 0 && BK % panel_width<float>() == 0 &&
-                  BQ % panel_width<double>() == 0 && BK % panel_width<double>() == 0,
+template <int64_t N>
+constexpr bool whole_panels() {
+  return N % panel_width<float>() == 0 && N % panel_width<double>() == 0;
+}
+static_assert(whole_panels<FLASHATTN_CPU_FWD_BQ>() && whole_panels<FLASHATTN_CPU_FWD_BK>() &&
+                  whole_panels<FLASHATTN_CPU_DQ_BQ>() && whole_panels<FLASHATTN_CPU_DQ_BK>() &&
+                  whole_panels<FLASHATTN_CPU_DKV_BQ>() && whole_panels<FLASHATTN_CPU_DKV_BK>(),
               "tiles must hold whole panels");
 
 template <class T>
@@ -288,8 +346,8 @@ struct MakeTable<T, ACC, 0, I...> {
 constexpr int64_t KC = FLASHATTN_CPU_KC;
 
 template <class T, bool ACC>
-void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs, Panels<T> B,
-          T* C, int64_t ldc) {
+void gemm(int64_t M, int64_t NV, int64_t K, const T* A, int64_t ars, int64_t acs, Panels<T> B, T* C,
+          int64_t ldc) {
   constexpr int W = Simd<T>::W;
   constexpr int64_t PW = panel_width<T>();
   const auto& first = MakeTable<T, ACC, MR * NR>::type::table;
@@ -431,6 +489,7 @@ struct Forward {
   using C = typename ComputeOf<S>::type;
   using V = typename Simd<C>::V;
   static constexpr int W = Simd<C>::W;
+  static constexpr int64_t BQ = FLASHATTN_CPU_FWD_BQ, BK = FLASHATTN_CPU_FWD_BK;
 
   struct Tiles {
     C *qt, *krows, *vp, *st, *o, *m, *l;
@@ -582,167 +641,173 @@ struct Backward {
   }
 
   // ---- dQ pass: one task = one (batch, query head, query block); keys stream through. ----
-  struct DqTiles {
-    C *qt, *dot, *krows, *kp, *vrows, *st, *dpt, *dq, *lse2, *dlt;
-  };
-  static DqTiles dq_carve(Carve<C>& cv, int64_t D) {
-    const int64_t Dp = round_up(D, W);
-    DqTiles t;
-    t.qt = cv.take(D * BQ);
-    t.dot = cv.take(D * BQ);
-    t.krows = cv.take(BK * D);
-    t.kp = cv.take(BK * panel_cols<C>(D));
-    t.vrows = cv.take(BK * D);
-    t.st = cv.take(BK * BQ);
-    t.dpt = cv.take(BK * BQ);
-    t.dq = cv.take(BQ * Dp);
-    t.lse2 = cv.take(BQ);
-    t.dlt = cv.take(BQ);
-    return t;
-  }
-
-  static void dq_task(const Ctx& ctx, int64_t task, void* scratch) {
-    const BackwardParams& p = *ctx.p;
-    const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-    const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
-    const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
-    const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
-    const int64_t hk = h / (sh.heads_q / sh.heads_kv);
-    const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-    const Mask2 mask = mask_of(sh, p.num);
-    Carve<C> cv{static_cast<C*>(scratch)};
-    const DqTiles t = dq_carve(cv, D);
-    C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
-
-    const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
-    const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
-    for (int64_t c = 0; c < BQ; ++c) {
-      // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
-      lse2[c] = c < nq ? lse2_of(p, b, h, i0 + c) : static_cast<C>(__builtin_inf());
-      dlt[c] = c < nq ? ctx.delta[bh * Sq + i0 + c] : C(0);
+  struct Dq {
+    static constexpr int64_t BQ = FLASHATTN_CPU_DQ_BQ, BK = FLASHATTN_CPU_DQ_BK;
+    struct DqTiles {
+      C *qt, *dot, *krows, *kp, *vrows, *st, *dpt, *dq, *lse2, *dlt;
+    };
+    static DqTiles dq_carve(Carve<C>& cv, int64_t D) {
+      const int64_t Dp = round_up(D, W);
+      DqTiles t;
+      t.qt = cv.take(D * BQ);
+      t.dot = cv.take(D * BQ);
+      t.krows = cv.take(BK * D);
+      t.kp = cv.take(BK * panel_cols<C>(D));
+      t.vrows = cv.take(BK * D);
+      t.st = cv.take(BK * BQ);
+      t.dpt = cv.take(BK * BQ);
+      t.dq = cv.take(BQ * Dp);
+      t.lse2 = cv.take(BQ);
+      t.dlt = cv.take(BQ);
+      return t;
     }
-    for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
 
-    const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
-    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
-      const int64_t nk = smin(BK, kend - j0);
-      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
-      const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, t.vrows);
-      const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
-      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
-      gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
-      const bool diag = mask.causal && j0 + nk - 1 > i0 + mask.offset;
-      for (int64_t r = 0; r < nk; ++r) {
-        if (diag) {
-          const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
-          for (int64_t c = 0; c < cmin; ++c) ST[r * BQ + c] = neg_inf<C>();
-        }
-        for (int64_t c0 = 0; c0 < BQ; c0 += W) {
-          V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
-          V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
-          vstore(ST + r * BQ + c0, ds);
-        }
+    static void dq_task(const Ctx& ctx, int64_t task, void* scratch) {
+      const BackwardParams& p = *ctx.p;
+      const Shape& sh = p.shape;
+      const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
+      const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
+      const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
+      const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+      const int64_t hk = h / (sh.heads_q / sh.heads_kv);
+      const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+      const Mask2 mask = mask_of(sh, p.num);
+      Carve<C> cv{static_cast<C*>(scratch)};
+      const DqTiles t = dq_carve(cv, D);
+      C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
+
+      const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D,
+                                                 static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+      const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
+      for (int64_t c = 0; c < BQ; ++c) {
+        // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
+        lse2[c] = c < nq ? lse2_of(p, b, h, i0 + c) : static_cast<C>(__builtin_inf());
+        dlt[c] = c < nq ? ctx.delta[bh * Sq + i0 + c] : C(0);
       }
-      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
+      for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
+
+      const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
+      for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+        const int64_t nk = smin(BK, kend - j0);
+        const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
+        const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, t.vrows);
+        const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
+        gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
+        gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
+        const bool diag = mask.causal && j0 + nk - 1 > i0 + mask.offset;
+        for (int64_t r = 0; r < nk; ++r) {
+          if (diag) {
+            const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
+            for (int64_t c = 0; c < cmin; ++c) ST[r * BQ + c] = neg_inf<C>();
+          }
+          for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+            V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
+            V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
+            vstore(ST + r * BQ + c0, ds);
+          }
+        }
+        gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
+      }
+      const C scale = static_cast<C>(p.num.scale);
+      for (int64_t c = 0; c < nq; ++c) {
+        S* dst = row_ptr<S>(p.dq, b, h, i0 + c);
+        for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * scale);
+      }
     }
-    const C scale = static_cast<C>(p.num.scale);
-    for (int64_t c = 0; c < nq; ++c) {
-      S* dst = row_ptr<S>(p.dq, b, h, i0 + c);
-      for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * scale);
-    }
-  }
+  };
 
   // ---- dK/dV pass: one task = one (batch, kv head, key block); every query head of the kv
   // group and every query block that sees the keys stream through, so dK and dV are summed over
   // the group inside one task, in a fixed order, without atomics. ----
-  struct DkvTiles {
-    C *kt, *vt, *qrows, *qp, *dorows, *dop, *s, *dp, *dk, *dv, *lse2, *dlt;
+  struct Dkv {
+    static constexpr int64_t BQ = FLASHATTN_CPU_DKV_BQ, BK = FLASHATTN_CPU_DKV_BK;
+    struct DkvTiles {
+      C *kt, *vt, *qrows, *qp, *dorows, *dop, *s, *dp, *dk, *dv, *lse2, *dlt;
+    };
+    static DkvTiles dkv_carve(Carve<C>& cv, int64_t D) {
+      const int64_t Dp = round_up(D, W);
+      DkvTiles t;
+      t.kt = cv.take(D * BK);
+      t.vt = cv.take(D * BK);
+      t.qrows = cv.take(BQ * D);
+      t.qp = cv.take(BQ * panel_cols<C>(D));
+      t.dorows = cv.take(BQ * D);
+      t.dop = cv.take(BQ * panel_cols<C>(D));
+      t.s = cv.take(BQ * BK);
+      t.dp = cv.take(BQ * BK);
+      t.dk = cv.take(BK * Dp);
+      t.dv = cv.take(BK * Dp);
+      t.lse2 = cv.take(BQ);
+      t.dlt = cv.take(BQ);
+      return t;
+    }
+
+    static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
+      const BackwardParams& p = *ctx.p;
+      const Shape& sh = p.shape;
+      const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
+      const int64_t BHk = sh.batch * sh.heads_kv, group = sh.heads_q / sh.heads_kv;
+      // Causal: early key blocks are seen by the most queries: hand them out first.
+      const int64_t kb = task / BHk, bhk = task % BHk;
+      const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
+      const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
+      const Mask2 mask = mask_of(sh, p.num);
+      Carve<C> cv{static_cast<C*>(scratch)};
+      const DkvTiles t = dkv_carve(cv, D);
+      C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
+
+      const Panels<C> KT = pack_transposed<S, C>(p.k, b, hk, j0, nk, D,
+                                                 static_cast<C>(p.num.scale * kLog2e), t.kt, BK);
+      const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
+      for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
+
+      const int64_t istart = mask.first_row(j0, Sq);
+      // Rows before this one do not see the block's last key: they need per-element masking.
+      const int64_t ifull = mask.first_row(j0 + nk - 1, Sq);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = hk * group + g;
+        const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
+        for (int64_t i0 = istart; i0 < Sq; i0 += BQ) {
+          const int64_t nq = smin(BQ, Sq - i0);
+          const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, t.qrows);
+          const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, t.dorows);
+          const Panels<C> Qp = pack_panels<S, C>(p.q, b, h, i0, nq, D, t.qp);
+          const Panels<C> dOp = pack_panels<S, C>(p.dout, b, h, i0, nq, D, t.dop);
+          for (int64_t r = 0; r < nq; ++r) {
+            lse2[r] = lse2_of(p, b, h, i0 + r);
+            dlt[r] = delta[i0 + r];
+          }
+          gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
+          gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t i = i0 + r;
+            if (mask.causal && i < ifull) {
+              // key j0 + c visible iff c <= i + offset - j0
+              const int64_t cend = smax<int64_t>(0, smin<int64_t>(BK, i + mask.offset - j0 + 1));
+              for (int64_t c = cend; c < BK; ++c) Sb[r * BK + c] = neg_inf<C>();
+            }
+            const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
+            for (int64_t c0 = 0; c0 < BK; c0 += W) {
+              V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
+              vstore(Sb + r * BK + c0, pv);
+              vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
+            }
+          }
+          gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
+          gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
+        }
+      }
+      const C scale = static_cast<C>(p.num.scale);
+      for (int64_t r = 0; r < nk; ++r) {
+        S* dk = row_ptr<S>(p.dk, b, hk, j0 + r);
+        S* dv = row_ptr<S>(p.dv, b, hk, j0 + r);
+        for (int64_t d = 0; d < D; ++d) {
+          store_as<C>(dk + d, dK[r * Dp + d] * scale);
+          store_as<C>(dv + d, dV[r * Dp + d]);
+        }
+      }
+    }
   };
-  static DkvTiles dkv_carve(Carve<C>& cv, int64_t D) {
-    const int64_t Dp = round_up(D, W);
-    DkvTiles t;
-    t.kt = cv.take(D * BK);
-    t.vt = cv.take(D * BK);
-    t.qrows = cv.take(BQ * D);
-    t.qp = cv.take(BQ * panel_cols<C>(D));
-    t.dorows = cv.take(BQ * D);
-    t.dop = cv.take(BQ * panel_cols<C>(D));
-    t.s = cv.take(BQ * BK);
-    t.dp = cv.take(BQ * BK);
-    t.dk = cv.take(BK * Dp);
-    t.dv = cv.take(BK * Dp);
-    t.lse2 = cv.take(BQ);
-    t.dlt = cv.take(BQ);
-    return t;
-  }
-
-  static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
-    const BackwardParams& p = *ctx.p;
-    const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-    const int64_t BHk = sh.batch * sh.heads_kv, group = sh.heads_q / sh.heads_kv;
-    // Causal: early key blocks are seen by the most queries: hand them out first.
-    const int64_t kb = task / BHk, bhk = task % BHk;
-    const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
-    const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
-    const Mask2 mask = mask_of(sh, p.num);
-    Carve<C> cv{static_cast<C*>(scratch)};
-    const DkvTiles t = dkv_carve(cv, D);
-    C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
-
-    const Panels<C> KT =
-        pack_transposed<S, C>(p.k, b, hk, j0, nk, D, static_cast<C>(p.num.scale * kLog2e), t.kt, BK);
-    const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
-    for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
-
-    const int64_t istart = mask.first_row(j0, Sq);
-    // Rows before this one do not see the block's last key: they need per-element masking.
-    const int64_t ifull = mask.first_row(j0 + nk - 1, Sq);
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = hk * group + g;
-      const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
-      for (int64_t i0 = istart; i0 < Sq; i0 += BQ) {
-        const int64_t nq = smin(BQ, Sq - i0);
-        const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, t.qrows);
-        const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, t.dorows);
-        const Panels<C> Qp = pack_panels<S, C>(p.q, b, h, i0, nq, D, t.qp);
-        const Panels<C> dOp = pack_panels<S, C>(p.dout, b, h, i0, nq, D, t.dop);
-        for (int64_t r = 0; r < nq; ++r) {
-          lse2[r] = lse2_of(p, b, h, i0 + r);
-          dlt[r] = delta[i0 + r];
-        }
-        gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
-        gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
-        for (int64_t r = 0; r < nq; ++r) {
-          const int64_t i = i0 + r;
-          if (mask.causal && i < ifull) {
-            // key j0 + c visible iff c <= i + offset - j0
-            const int64_t cend = smax<int64_t>(0, smin<int64_t>(BK, i + mask.offset - j0 + 1));
-            for (int64_t c = cend; c < BK; ++c) Sb[r * BK + c] = neg_inf<C>();
-          }
-          const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
-          for (int64_t c0 = 0; c0 < BK; c0 += W) {
-            V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
-            vstore(Sb + r * BK + c0, pv);
-            vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
-          }
-        }
-        gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
-        gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
-      }
-    }
-    const C scale = static_cast<C>(p.num.scale);
-    for (int64_t r = 0; r < nk; ++r) {
-      S* dk = row_ptr<S>(p.dk, b, hk, j0 + r);
-      S* dv = row_ptr<S>(p.dv, b, hk, j0 + r);
-      for (int64_t d = 0; d < D; ++d) {
-        store_as<C>(dk + d, dK[r * Dp + d] * scale);
-        store_as<C>(dv + d, dV[r * Dp + d]);
-      }
-    }
-  }
 
   // dQ and dK/dV tasks share one parallel run: the dK/dV tasks (the larger ones) come first.
   struct MainCtx {
@@ -752,22 +817,23 @@ struct Backward {
   static void main_task(const void* vctx, int64_t task, void* scratch) {
     const MainCtx& m = *static_cast<const MainCtx*>(vctx);
     if (task < m.n_dkv)
-      dkv_task(m.ctx, task, scratch);
+      Dkv::dkv_task(m.ctx, task, scratch);
     else
-      dq_task(m.ctx, task - m.n_dkv, scratch);
+      Dq::dq_task(m.ctx, task - m.n_dkv, scratch);
   }
 
   static void run(const BackwardParams& p, Parallel& par) {
     const Shape& sh = p.shape;
-    Ctx ctx{&p, static_cast<C*>(par.alloc(static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q) *
-                                           sizeof(C)))};
+    Ctx ctx{&p, static_cast<C*>(
+                    par.alloc(static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q) * sizeof(C)))};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
-    const int64_t nqb = (sh.seq_q + BQ - 1) / BQ, nkb = (sh.seq_kv + BK - 1) / BK;
+    const int64_t nqb = (sh.seq_q + Dq::BQ - 1) / Dq::BQ;
+    const int64_t nkb = (sh.seq_kv + Dkv::BK - 1) / Dkv::BK;
     MainCtx m{ctx, nkb * sh.batch * sh.heads_kv};
     const int64_t n_dq = nqb * sh.batch * sh.heads_q;
     Carve<C> c1{nullptr}, c2{nullptr};
-    dq_carve(c1, sh.head_dim);
-    dkv_carve(c2, sh.head_dim);
+    Dq::dq_carve(c1, sh.head_dim);
+    Dkv::dkv_carve(c2, sh.head_dim);
     par.run(m.n_dkv + n_dq, smax(c1.bytes(), c2.bytes()), &main_task, &m);
   }
 };
@@ -775,10 +841,18 @@ struct Backward {
 template <template <class> class K, class P>
 void dispatch_dtype(const P& p, Parallel& par) {
   switch (p.num.dtype) {
-    case DType::Float32: K<float>::run(p, par); break;
-    case DType::Float16: K<F16>::run(p, par); break;
-    case DType::BFloat16: K<BF16>::run(p, par); break;
-    case DType::Float64: K<double>::run(p, par); break;
+    case DType::Float32:
+      K<float>::run(p, par);
+      break;
+    case DType::Float16:
+      K<F16>::run(p, par);
+      break;
+    case DType::BFloat16:
+      K<BF16>::run(p, par);
+      break;
+    case DType::Float64:
+      K<double>::run(p, par);
+      break;
   }
 }
 
@@ -791,7 +865,8 @@ void backward_entry(const BackwardParams& p, Parallel& par) { dispatch_dtype<Bac
 }  // namespace
 
 extern const KernelSet kernels;
-const KernelSet kernels = {FLASHATTN_STR(FLASHATTN_CPU_ISA), kVecBytes, static_cast<int>(BQ),
-                           static_cast<int>(BK), &forward_entry, &backward_entry};
+const KernelSet kernels = {
+    FLASHATTN_STR(FLASHATTN_CPU_ISA),       kVecBytes,      static_cast<int>(FLASHATTN_CPU_FWD_BQ),
+    static_cast<int>(FLASHATTN_CPU_FWD_BK), &forward_entry, &backward_entry};
 
 }  // namespace flashattn::cpu::FLASHATTN_CPU_ISA
