@@ -89,17 +89,9 @@ class PoolParallel final : public Parallel {
       sc.bufs.resize(n);
       sc.sizes.resize(n, 0);
     }
-    std::vector<void*> ptrs(n, nullptr);
-    for (size_t t = 0; t < n; ++t) {
-      if (scratch_bytes > 0 && sc.sizes[t] < scratch_bytes) {
-        sc.bufs[t].reset();
-        sc.sizes[t] = 0;
-        sc.bufs[t] = allocate(scratch_bytes);
-        sc.sizes[t] = scratch_bytes;
-      }
-      ptrs[t] = sc.bufs[t].get();
-    }
-    Job job{fn, ctx, ptrs.data()};
+    // Each thread grows its own slot on first use, so threads that find no task (more threads
+    // than tasks) allocate nothing; the vectors themselves are not resized during the run.
+    Job job{fn, ctx, scratch_bytes, &sc};
     pool_.run(num_tasks, &trampoline, &job);
   }
 
@@ -112,11 +104,21 @@ class PoolParallel final : public Parallel {
   struct Job {
     TaskFn fn;
     const void* ctx;
-    void* const* scratch;
+    size_t scratch_bytes;
+    ScratchCache* cache;
   };
   static void trampoline(const void* j, int64_t task, int thread) {
     const Job& job = *static_cast<const Job*>(j);
-    job.fn(job.ctx, task, job.scratch[thread]);
+    const size_t t = static_cast<size_t>(thread);
+    Buffer& buf = job.cache->bufs[t];
+    size_t& size = job.cache->sizes[t];
+    if (job.scratch_bytes > 0 && size < job.scratch_bytes) {
+      buf.reset();
+      size = 0;
+      buf = allocate(job.scratch_bytes);
+      size = job.scratch_bytes;
+    }
+    job.fn(job.ctx, task, buf.get());
   }
 
   ThreadPool& pool_;
