@@ -138,7 +138,8 @@ int run_bench(int argc, char** argv, int first) {
        << (c.mask == Mask::None ? "" : ", x0.5 causal") << "; backward 2.5x)\n\n";
     emit(os.str());
   }
-  testing::Problem p(c);
+  const std::unique_ptr<testing::Problem> problem = make_problem(c);
+  testing::Problem& p = *problem;
   DeviceProblem dp(p, opt.run.device);
   const Options lib = opt.run.library_options(dp.stream());
   Timer timer(dp.device(), dp.stream());

@@ -230,7 +230,8 @@ int run_check(int argc, char** argv, int first) {
   emit("flashattn check: " + c.describe() + "\n" + opt.run.describe_exec() + ", implementation " +
        (opt.naive ? "naive (float32, O(S^2) memory)" : std::string("flashattn ") + flashattn_version()) +
        "\n");
-  testing::Problem p(c);
+  const std::unique_ptr<testing::Problem> problem = make_problem(c);
+  testing::Problem& p = *problem;
   const std::pair<double, double> ms = opt.naive ? run_naive(p, opt.run) : run_library(p, opt.run);
   emit("forward " + fmt(ms.first, 2) + " ms, backward " + fmt(ms.second, 2) +
        " ms (single cold calls; `flashattn bench` measures properly)\n");

@@ -117,6 +117,10 @@ void RunOptions::finish() {
   if (problem.heads_q % problem.heads_kv != 0)
     throw UsageError("--kv-heads " + std::to_string(problem.heads_kv) + " must divide --heads " +
                      std::to_string(problem.heads_q));
+  // Index arithmetic (here and in the library) must fit in int64; anything near that is a typo.
+  if (problem_bytes(problem) > 0x1p60)
+    throw UsageError("the problem would take " + fmt_bytes(problem_bytes(problem)) +
+                     " of host memory: check --batch, --heads, --seq and --head-dim");
   if (device_text == "auto")
     device = cuda_available() ? 0 : kCpu;
   else if (device_text == "cpu")
@@ -142,6 +146,25 @@ int RunOptions::resolved_threads() const {
   if (threads > 0) return threads;
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+double problem_bytes(const testing::ProblemConfig& c) {
+  const double es = static_cast<double>(dtype_size(c.dtype));
+  const double q = static_cast<double>(c.batch) * c.heads_q * c.seq_q;
+  const double kv = static_cast<double>(c.batch) * c.heads_kv * c.seq_kv;
+  return es * c.head_dim * (4 * q + 4 * kv) + 4 * q;
+}
+
+std::unique_ptr<testing::Problem> make_problem(const testing::ProblemConfig& c) {
+  try {
+    return std::make_unique<testing::Problem>(c);
+  } catch (const std::bad_alloc&) {
+    throw Error(Status::OutOfMemory,
+                "allocating the problem's host buffers (" + fmt_bytes(problem_bytes(c)) + ") failed");
+  } catch (const std::length_error&) {
+    throw Error(Status::OutOfMemory,
+                "allocating the problem's host buffers (" + fmt_bytes(problem_bytes(c)) + ") failed");
+  }
 }
 
 std::string device_string(int32_t device) {
@@ -268,14 +291,15 @@ std::string sci(double v, int precision) {
 }
 
 std::string fmt_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   int u = 0;
   const double sign = b < 0 ? -1 : 1;
   b = std::fabs(b);
-  while (b >= 1024 && u < 4) {
+  while (b >= 1024 && u < 6) {
     b /= 1024;
     ++u;
   }
+  if (b >= 1024) return sci(sign * b, 1) + " " + units[u];
   return fmt(sign * b, u == 0 ? 0 : 1) + " " + units[u];
 }
 

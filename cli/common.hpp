@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -48,6 +49,11 @@ struct RunOptions {
 };
 
 std::string device_string(int32_t device);
+
+// Bytes of a Problem's host buffers (q, k, v, dout, out, dq, dk, dv in the dtype; lse float32).
+double problem_bytes(const testing::ProblemConfig& c);
+// Allocates and fills the problem; a failed allocation becomes Error(OutOfMemory) with the size.
+std::unique_ptr<testing::Problem> make_problem(const testing::ProblemConfig& c);
 
 // ---- progress line ---------------------------------------------------------------------------
 // One line on stderr, redrawn in place with '\r' a few times a second, shown only once a command
