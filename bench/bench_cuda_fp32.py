@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""float32 attention on CUDA: flashattn (precision fp32 = 3xTF32, and tf32) against PyTorch SDPA's
+memory-efficient backend in float32, same process, same inputs.
+
+Shapes (issue 3): 16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / D),
+S in {1k, 4k, 16k}, D in {64, 128}, causal and not. Forward, backward and forward+backward
+TFLOP/s (FLOPs: forward 4*B*H*S*S*D, halved when causal; backward 2.5x), medians of CUDA-event
+timings after warm-up. flashattn is called through its C ABI (ctypes) on the torch tensors'
+device pointers, on torch's current stream.
+
+usage: bench_cuda_fp32.py --lib build/src/libflashattn.so [--quick] [--csv out.csv]
+"""
+import argparse
+import ctypes
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
+                ("ndim", ctypes.c_int32), ("shape", ctypes.c_int64 * 4), ("stride", ctypes.c_int64 * 4)]
+
+
+class Options(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("softmax_scale", ctypes.c_float),
+                ("mask", ctypes.c_int32), ("stream", ctypes.c_void_p),
+                ("num_threads", ctypes.c_int32), ("precision", ctypes.c_int32)]
+
+
+def view(t):
+    assert t.dtype == torch.float32 and t.is_cuda
+    v = Tensor()
+    v.data = t.data_ptr()
+    v.dtype = 0
+    v.device = t.device.index or 0
+    v.ndim = t.dim()
+    for i in range(t.dim()):
+        v.shape[i] = t.shape[i]
+        v.stride[i] = t.stride(i)
+    return v
+
+
+class FlashAttn:
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.flashattn_last_error.restype = ctypes.c_char_p
+        p = ctypes.POINTER(Tensor)
+        self.lib.flashattn_forward.argtypes = [p] * 5 + [ctypes.POINTER(Options)]
+        self.lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(Options)]
+
+    def options(self, causal, precision):
+        o = Options()
+        o.struct_size = ctypes.sizeof(Options)
+        o.mask = 1 if causal else 0
+        o.stream = torch.cuda.current_stream().cuda_stream
+        o.precision = precision
+        return o
+
+    def check(self, rc):
+        if rc != 0:
+            raise RuntimeError(self.lib.flashattn_last_error().decode())
+
+    def forward(self, q, k, v, out, lse, opts):
+        vs = [view(t) for t in (q, k, v, out, lse)]
+        self.check(self.lib.flashattn_forward(*[ctypes.byref(x) for x in vs], ctypes.byref(opts)))
+
+    def backward(self, q, k, v, out, dout, lse, dq, dk, dv, opts):
+        vs = [view(t) for t in (q, k, v, out, dout, lse, dq, dk, dv)]
+        self.check(self.lib.flashattn_backward(*[ctypes.byref(x) for x in vs], ctypes.byref(opts)))
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--quick", action="store_true", help="S = 1k and 4k only")
+    ap.add_argument("--csv")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    fa = FlashAttn(args.lib)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    seqs = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    rows = []
+    hdr = (f"{'S':>6} {'D':>4} {'causal':>6} | {'fwd fp32':>8} {'fwd tf32':>8} {'fwd peer':>8} | "
+           f"{'bwd fp32':>8} {'bwd tf32':>8} {'bwd peer':>8} | {'f+b fp32':>8} {'f+b tf32':>8} "
+           f"{'f+b peer':>8} | ratios fp32/peer f,b  tf32/peer f,b")
+    print("TFLOP/s (median of %d, CUDA events)" % args.reps)
+    print(hdr, flush=True)
+    for d in (64, 128):
+        for s in seqs:
+            for causal in (False, True):
+                b, h = 16384 // s, 2048 // d
+                g = torch.Generator(device=dev).manual_seed(0)
+                q, k, v, do = (torch.randn(b, h, s, d, device=dev, generator=g) for _ in range(4))
+                out = torch.empty_like(q)
+                lse = torch.empty(b, h, s, device=dev)
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                fl_f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+                fl_b = 2.5 * fl_f
+                res = {}
+                for name, prec in (("fp32", 0), ("tf32", 1)):
+                    o = fa.options(causal, prec)
+                    tf = time_ms(lambda: fa.forward(q, k, v, out, lse, o), 2, args.reps)
+                    tb = time_ms(lambda: fa.backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
+                    res[name] = (tf, tb)
+                qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                    def pf():
+                        return F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    tf = time_ms(pf, 2, args.reps)
+                    o_peer = pf()
+                    tb = time_ms(lambda: torch.autograd.grad(o_peer, (qg, kg, vg), do, retain_graph=True),
+                                 2, args.reps)
+                    res["peer"] = (tf, tb)
+                    # sanity: same function
+                    fa.forward(q, k, v, out, lse, fa.options(causal, 0))
+                    err = (out - o_peer.detach()).abs().max().item()
+                del qg, kg, vg, o_peer
+                tfl = {n: (fl_f / t[0] / 1e9, fl_b / t[1] / 1e9, (fl_f + fl_b) / (t[0] + t[1]) / 1e9)
+                       for n, t in res.items()}
+                f32, t32, pr = tfl["fp32"], tfl["tf32"], tfl["peer"]
+                line = (f"{s:>6} {d:>4} {str(causal):>6} | {f32[0]:8.1f} {t32[0]:8.1f} {pr[0]:8.1f} | "
+                        f"{f32[1]:8.1f} {t32[1]:8.1f} {pr[1]:8.1f} | {f32[2]:8.1f} {t32[2]:8.1f} {pr[2]:8.1f} | "
+                        f"{f32[0]/pr[0]:.2f} {f32[1]/pr[1]:.2f}   {t32[0]/pr[0]:.2f} {t32[1]/pr[1]:.2f}"
+                        f"   (max|O-O_peer| {err:.1e})")
+                print(line, flush=True)
+                rows.append((s, d, causal, f32, t32, pr))
+                del q, k, v, do, out, lse, dq, dk, dv
+                torch.cuda.empty_cache()
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("S,D,causal,fwd_fp32,fwd_tf32,fwd_peer,bwd_fp32,bwd_tf32,bwd_peer,fb_fp32,fb_tf32,fb_peer\n")
+            for s, d, c, a, t, p in rows:
+                f.write(f"{s},{d},{int(c)},{a[0]:.2f},{t[0]:.2f},{p[0]:.2f},{a[1]:.2f},{t[1]:.2f},{p[1]:.2f},"
+                        f"{a[2]:.2f},{t[2]:.2f},{p[2]:.2f}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+// The CUDA backend: device checks, kernel selection, workspace, launches.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "core/backend.hpp"
+#include "cuda/check.hpp"
+#include "cuda/config.hpp"
+#include "cuda/launch.hpp"
+
+namespace flashattn::cuda {
+namespace {
+
+// Makes `device` current for the lifetime of the guard and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FLASHATTN_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) FLASHATTN_CUDA_CHECK(cudaSetDevice(device));
+    changed_ = prev_ != device;
+  }
+  ~DeviceGuard() {
+    if (changed_) (void)cudaSetDevice(prev_);  // best effort: destructors must not throw
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+// ---- kernel selection: the single answer to "which kernel?" and "is it supported?" -----------
+struct KernelChoice {
+  bool ok = false;
+  std::string why;  // when !ok: the reason, for an Unsupported error
+  int dp = 0;       // padded head dim
+  Math math = Math::Tf32x3;
+};
+
+// FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic.
+// It exists for testing and benchmarking (the FMA kernels are the float32 baseline that the
+// accuracy tests compare against) and is read on every call.
+bool math_override(Math* m) {
+  const char* env = std::getenv("FLASHATTN_CUDA_MATH");
+  if (env == nullptr || *env == '\0') return false;
+  for (Math x : {Math::Fma, Math::Tf32, Math::Tf32x3})
+    if (std::strcmp(env, math_name(x)) == 0) {
+      *m = x;
+      return true;
+    }
+  throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_MATH = '") + env +
+                                           "' is unknown (fma, tf32 or 3xtf32)");
+}
+
+KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
+  KernelChoice c;
+  if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
+    c.why = std::string("q.dtype = ") + dtype_name(n.dtype) +
+            ": float16/bfloat16 on CUDA is not implemented yet (float32 is)";
+    return c;
+  }
+  if (n.dtype != DType::Float32) {
+    c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
+    return c;
+  }
+  c.dp = padded_head_dim(s.head_dim);
+  if (c.dp == 0) {
+    c.why = "head_dim = " + std::to_string(s.head_dim) + " is not supported on CUDA (1..256)";
+    return c;
+  }
+  if (s.batch > 65535 || s.heads_q > 65535) {
+    c.why = "batch = " + std::to_string(s.batch) + ", heads = " + std::to_string(s.heads_q) +
+            ": the CUDA grid allows at most 65535 of each";
+    return c;
+  }
+  if ((s.seq_q + 15) / 16 > 0x7fffffff || (s.seq_kv + 15) / 16 > 0x7fffffff) {
+    c.why = "sequence too long for the CUDA grid";
+    return c;
+  }
+  // TF32 mma.sync needs sm_80; older devices get the FMA kernels in both precisions.
+  c.math = cc_major < 8 ? Math::Fma : n.precision == Precision::Tf32 ? Math::Tf32 : Math::Tf32x3;
+  Math forced;
+  if (math_override(&forced)) {
+    if (forced != Math::Fma && cc_major < 8) {
+      c.why = std::string("FLASHATTN_CUDA_MATH = ") + math_name(forced) + " needs sm_80 or newer";
+      return c;
+    }
+    c.math = forced;
+  }
+  c.ok = true;
+  return c;
+}
+
+// ---- runtime -> compile-time, in one place ------------------------------------------------------
+template <class F>
+void dispatch(const KernelChoice& c, F&& f) {
+  auto with_math = [&](auto dp) {
+    switch (c.math) {
+      case Math::Fma: return f(dp, std::integral_constant<Math, Math::Fma>{});
+      case Math::Tf32: return f(dp, std::integral_constant<Math, Math::Tf32>{});
+      case Math::Tf32x3: return f(dp, std::integral_constant<Math, Math::Tf32x3>{});
+    }
+  };
+  switch (c.dp) {
+    case 64: return with_math(std::integral_constant<int, 64>{});
+    case 128: return with_math(std::integral_constant<int, 128>{});
+    case 256: return with_math(std::integral_constant<int, 256>{});
+  }
+  throw Error(Status::Internal, "cuda dispatch: no kernel for padded head dim " + std::to_string(c.dp));
+}
+
+struct DeviceInfo {
+  int cc_major = 0;
+  int smem_optin = 0;  // bytes of shared memory one block may opt into
+  bool big() const { return cc_major >= 9; }
+};
+
+DeviceInfo device_info(int device) {
+  DeviceInfo d;
+  FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+  FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return d;
+}
+
+KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
+  KernelChoice c = select_kernel(s, n, d.cc_major);
+  if (c.ok) {
+    for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv})
+      if (smem_bytes(p, c.dp, d.big()) > d.smem_optin) {
+        c.ok = false;
+        c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " +
+                std::to_string(smem_bytes(p, c.dp, d.big())) +
+                " bytes of shared memory per block; this device allows " + std::to_string(d.smem_optin);
+      }
+  }
+  if (!c.ok) throw Error(Status::Unsupported, "CUDA backend: " + c.why);
+  return c;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+template <class Op>
+bool vec_ok(const Op& o) {
+  return aligned16(o.ptr) && o.sb % 4 == 0 && o.sh % 4 == 0 && o.ss % 4 == 0;
+}
+
+// The backward's D workspace, freed on the stream on every path out.
+class Workspace {
+ public:
+  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
+    FLASHATTN_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+  }
+  ~Workspace() {
+    if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  float* get() const { return static_cast<float*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+bool built() { return true; }
+
+bool available() {
+  // Cached: validation asks this for every CPU call too.
+  static const bool ok = [] {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return ok;
+}
+
+void check_device_pointer(const void* ptr, int32_t device, const char* what) {
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+  bool on_device = false;
+  int dev = -1;
+  if (e == cudaSuccess) {
+    on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    dev = attr.device;
+  } else {
+    (void)cudaGetLastError();  // unknown to CUDA: plain host memory
+  }
+  std::ostringstream os;
+  os << what << ".data = " << ptr;
+  if (device < 0) {
+    if (on_device && attr.type == cudaMemoryTypeDevice) {
+      os << " is memory of CUDA device " << dev << " but " << what << ".device = -1 (cpu)";
+      throw Error(Status::InvalidArgument, os.str());
+    }
+    return;
+  }
+  if (!on_device) {
+    os << " is host memory but " << what << ".device = " << device << " (CUDA)";
+    throw Error(Status::InvalidArgument, os.str());
+  }
+  if (attr.type == cudaMemoryTypeDevice && dev != device) {
+    os << " is memory of CUDA device " << dev << " but " << what << ".device = " << device;
+    throw Error(Status::InvalidArgument, os.str());
+  }
+}
+
+void forward(const ForwardParams& p) {
+  DeviceGuard guard(p.exec.device);
+  const DeviceInfo info = device_info(p.exec.device);
+  const KernelChoice c = choose(p.shape, p.num, info);
+  FwdArgs a{};
+  a.big = info.big();
+  a.p = p;
+  a.sl2 = p.num.scale * 1.4426950408889634f;
+  a.vec16 = vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v) && vec_ok(p.out);
+  auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  dispatch(c, [&](auto dp, auto math) { launch_forward<decltype(dp)::value, decltype(math)::value>(a, stream); });
+}
+
+void backward(const BackwardParams& p) {
+  DeviceGuard guard(p.exec.device);
+  const DeviceInfo info = device_info(p.exec.device);
+  const KernelChoice c = choose(p.shape, p.num, info);
+  auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  const Shape& s = p.shape;
+  Workspace ws(static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * sizeof(float), stream);
+  BwdArgs a{};
+  a.p = p;
+  a.sl2 = p.num.scale * 1.4426950408889634f;
+  a.vec16 = vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v) && vec_ok(p.out) && vec_ok(p.dout) &&
+            vec_ok(p.dq) && vec_ok(p.dk) && vec_ok(p.dv);
+  a.delta = ws.get();
+  a.big = info.big();
+  launch_preprocess(a, stream);
+  dispatch(c, [&](auto dp, auto math) {
+    launch_dq<decltype(dp)::value, decltype(math)::value>(a, stream);
+    launch_dkv<decltype(dp)::value, decltype(math)::value>(a, stream);
+  });
+}
+
+std::string describe() {
+  std::ostringstream os;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  os << "cuda: " << n << " device(s)";
+  for (int d = 0; d < n; ++d) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, d) == cudaSuccess)
+      os << "; " << d << ": " << prop.name << " (sm_" << prop.major << prop.minor << ", "
+         << prop.multiProcessorCount << " SMs)";
+  }
+  os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
+        "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback)";
+  return os.str();
+}
+
+}  // namespace flashattn::cuda

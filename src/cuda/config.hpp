@@ -1,0 +1,103 @@
+// Compile-time configuration of the CUDA backend, visible to host and device code: the kinds of
+// arithmetic ("math"), the padded head dims that have kernels, and the one table of tile sizes.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#if defined(__CUDACC__)
+#define FLASHATTN_CUDA_HD __host__ __device__
+#else
+#define FLASHATTN_CUDA_HD
+#endif
+
+namespace flashattn::cuda {
+
+// How a float32 product a*b is formed inside the matrix products.
+enum class Math : int {
+  Fma = 0,     // CUDA cores, one fp32 FMA per product: the plain float32 baseline and fallback
+  Tf32 = 1,    // one TF32 mma.sync m16n8k8 per product: ~1e-3 relative error, fastest
+  Tf32x3 = 2,  // split precision a = big + small (both TF32), big*big + big*small + small*big
+};
+
+constexpr const char* math_name(Math m) {
+  return m == Math::Fma ? "fma" : m == Math::Tf32 ? "tf32" : "3xtf32";
+}
+
+// Head dims are padded up to one of these (zero columns change no dot product).
+constexpr int kHeadDims[] = {64, 128, 256};
+constexpr int padded_head_dim(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : d <= 256 ? 256 : 0; }
+
+// Every warp owns 16 rows of its pass's stationary operand (query rows for the forward and dQ,
+// key rows for dK/dV), the M of an m16n8k8 tile, so all three maths share one register layout.
+struct TileConfig {
+  int block_m;    // rows of the stationary operand per CTA (= 16 * warps / col_split)
+  int block_n;    // rows of the streamed operand per pipeline stage
+  int warps;
+  int stages;     // 2: cp.async double buffer; 1 where shared memory does not allow two
+  int col_split;  // dK/dV only: warps sharing 16 key rows, each accumulating D/col_split columns
+  FLASHATTN_CUDA_HD constexpr int threads() const { return warps * 32; }
+};
+
+enum class Pass { Forward, Dq, Dkv };
+
+// The one tile table, one row per (pass, padded head dim) and shared-memory class: `big` is
+// sm_90 and newer (227 KiB of shared memory per block), otherwise the sm_80 limit (163 KiB).
+// Device code picks its row from __CUDA_ARCH__ (kDeviceBig below), the host from the device's
+// compute capability (cc >= 9), so both always agree for the cubins built (sm_80, sm_90).
+// Row stride in shared memory is D + 4 floats: the 4-float pad makes every fragment load of the
+// mma layouts bank-conflict free (rows land 4 banks apart) and keeps rows 16-byte aligned for
+// cp.async.
+FLASHATTN_CUDA_HD constexpr TileConfig tile_config(Pass pass, int dp, bool big) {
+  switch (pass) {
+    case Pass::Forward:  // stationary Q [block_m x D]; streamed K, V [block_n x D] per stage
+      return dp <= 64 ? TileConfig{128, 64, 8, 2, 1}
+           : dp <= 128 ? TileConfig{128, 32, 8, 2, 1}  // block_n 64 spills (3xtf32, 255 regs)
+           : big       ? TileConfig{64, 32, 4, 2, 1}
+                       : TileConfig{64, 32, 4, 1, 1};
+    case Pass::Dq:  // stationary Q, dO; streamed K, V
+      return dp <= 64 ? TileConfig{128, 64, 8, 2, 1}
+           : dp <= 128 ? (big ? TileConfig{128, 32, 8, 2, 1} : TileConfig{64, 32, 4, 2, 1})
+           : big       ? TileConfig{64, 32, 4, 1, 1}
+                       : TileConfig{32, 32, 2, 1, 1};
+    case Pass::Dkv:  // stationary K, V; streamed Q, dO (+ LSE and D vectors)
+      return dp <= 64 ? TileConfig{128, 64, 8, 2, 1}
+           : dp <= 128 ? (big ? TileConfig{128, 32, 8, 2, 1} : TileConfig{64, 32, 4, 2, 1})
+           : big       ? TileConfig{32, 32, 4, 2, 2}
+                       : TileConfig{32, 32, 4, 1, 2};
+  }
+  return TileConfig{0, 0, 0, 0, 0};
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kDeviceBig = true;
+#else
+constexpr bool kDeviceBig = false;
+#endif
+
+FLASHATTN_CUDA_HD constexpr int smem_row(int dp) { return dp + 4; }
+
+// Dynamic shared memory of one CTA, in bytes.
+FLASHATTN_CUDA_HD constexpr int smem_bytes(Pass pass, int dp, bool big) {
+  const TileConfig c = tile_config(pass, dp, big);
+  const int row = smem_row(dp) * 4;
+  switch (pass) {
+    case Pass::Forward: return (c.block_m + 2 * c.stages * c.block_n) * row;
+    case Pass::Dq: return (2 * c.block_m + 2 * c.stages * c.block_n) * row;
+    case Pass::Dkv: return (2 * c.block_m + 2 * c.stages * c.block_n) * row + 2 * c.stages * c.block_n * 4;
+  }
+  return 0;
+}
+
+constexpr bool tiles_fit() {
+  for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv})
+    for (int d : kHeadDims) {
+      if (smem_bytes(p, d, false) > 163 * 1024 || smem_bytes(p, d, true) > 227 * 1024) return false;
+      const TileConfig c = tile_config(p, d, true), s = tile_config(p, d, false);
+      if (c.block_m * c.col_split != 16 * c.warps || s.block_m * s.col_split != 16 * s.warps) return false;
+    }
+  return true;
+}
+static_assert(tiles_fit(), "a tile_config row exceeds shared memory or leaves warps without rows");
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,358 @@
+// Device building blocks shared by every CUDA kernel: asynchronous tile loads, the warp-level
+// matrix products for each Math, and the masked softmax pieces. Kernels (kernels.cuh) are written
+// in terms of these only.
+//
+// Register layout (shared by all three maths): a warp owns a 16-row slice of an M x N tile,
+// stored as acc[N/8][4] with the m16n8 accumulator layout of mma.sync: for lane = 4*g + t,
+//   acc[j][0] = C[g][8j+2t]   acc[j][1] = C[g][8j+2t+1]
+//   acc[j][2] = C[g+8][8j+2t] acc[j][3] = C[g+8][8j+2t+1]
+// Every index into these arrays is a compile-time constant (fully unrolled loops), so they stay
+// in registers.
+#pragma once
+
+#include <cstdint>
+
+#include "core/mask.hpp"
+#include "cuda/config.hpp"
+
+namespace flashattn::cuda::dev {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+// ---- cp.async --------------------------------------------------------------------------------
+// src_bytes < size zero-fills the rest of the destination: padded head-dim columns and rows past
+// the sequence end read as 0.0f, so they add nothing to any product.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Loads rows [0, ROWS) x columns [0, DP) of a row-major global tile (row stride `ld` elements,
+// `rows` valid rows, `cols` valid columns) into shared memory with row stride DP + 4, spread over
+// all THREADS threads so that consecutive threads read consecutive 16 bytes of a row (coalesced).
+// vec16 requires a 16-byte aligned base and a row stride that is a multiple of 4; otherwise the
+// same tile goes through 4-byte copies.
+template <int ROWS, int DP, int THREADS>
+__device__ __forceinline__ void load_tile(float* smem, const float* g, int64_t ld, int rows,
+                                          int cols, bool vec16) {
+  constexpr int LD = smem_row(DP);
+  if (vec16) {
+    constexpr int CPR = DP / 4, N = ROWS * CPR;
+#pragma unroll
+    for (int i = 0; i < (N + THREADS - 1) / THREADS; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+      if (N % THREADS == 0 || c < N) {
+        const int r = c / CPR, col = (c % CPR) * 4;
+        int bytes = r < rows ? (cols - col) * 4 : 0;
+        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+        cp_async16(smem + r * LD + col, bytes ? g + r * ld + col : g, bytes);
+      }
+    }
+  } else {
+    constexpr int N = ROWS * DP;
+#pragma unroll 4
+    for (int i = 0; i < (N + THREADS - 1) / THREADS; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+      if (N % THREADS == 0 || c < N) {
+        const int r = c / DP, col = c % DP;
+        const bool in = r < rows && col < cols;
+        cp_async4(smem + r * LD + col, in ? g + r * ld + col : g, in ? 4 : 0);
+      }
+    }
+  }
+}
+
+// A float vector (LSE or D of a query tile): n valid entries with stride `ld`, zero past them.
+template <int N, int THREADS>
+__device__ __forceinline__ void load_vec(float* smem, const float* g, int64_t ld, int n) {
+  for (int c = static_cast<int>(threadIdx.x); c < N; c += THREADS)
+    cp_async4(smem + c, c < n ? g + c * ld : g, c < n ? 4 : 0);
+}
+
+// ---- TF32 splitting ----------------------------------------------------------------------------
+// Round to the nearest TF32 (10 explicit mantissa bits; ties away from zero) with integer ops:
+// full-rate ALU instead of the conversion unit. Inputs here are finite.
+__device__ __forceinline__ uint32_t tf32_round(float x) {
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+// x = big + small with both TF32: big carries the top 11 significant bits, small the next 11
+// (x - big is exact in fp32), so big*big + big*small + small*big misses only small*small,
+// ~2^-22 relative: float32-class products from TF32 tensor cores.
+__device__ __forceinline__ void tf32_split(float x, uint32_t& big, uint32_t& small) {
+  big = tf32_round(x);
+  small = tf32_round(x - __uint_as_float(big));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A fragment (16x8, row-major) in the precision of M, converted once and reused for every
+// n-tile of a k-step; B fragments are converted where they are loaded.
+template <Math M>
+struct AFrag {
+  uint32_t big[4];
+  uint32_t small[M == Math::Tf32x3 ? 4 : 1];
+};
+template <Math M>
+__device__ __forceinline__ AFrag<M> make_afrag(const float (&a)[4]) {
+  AFrag<M> f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (M == Math::Tf32x3) tf32_split(a[i], f.big[i], f.small[i]);
+    else f.big[i] = tf32_round(a[i]);
+  }
+  return f;
+}
+
+// c += A*B for one m16n8k8 step, in the precision of M.
+template <Math M>
+__device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const float (&b)[2]) {
+  if constexpr (M == Math::Tf32) {
+    const uint32_t bb[2] = {tf32_round(b[0]), tf32_round(b[1])};
+    mma_tf32(c, a.big, bb);
+  } else {
+    uint32_t bb[2], bs[2];
+    tf32_split(b[0], bb[0], bs[0]);
+    tf32_split(b[1], bb[1], bs[1]);
+    // Small terms first: they are added while the accumulator is still small.
+    mma_tf32(c, a.small, bb);
+    mma_tf32(c, a.big, bs);
+    mma_tf32(c, a.big, bb);
+  }
+}
+
+// ---- warp matrix products -------------------------------------------------------------------
+// C[16 x 8*NT] += A[16 x K] * B[8*NT x K]^T, A and B row-major in shared memory (row stride LD),
+// A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8).
+template <Math M, int NT, int KD, int LD>
+__device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, const float* B) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+  if constexpr (M == Math::Fma) {
+    // Each lane computes its 4 accumulator entries as full dot products, 4 k at a time (16-byte
+    // loads; lanes of a quad share A rows, lanes with equal t share B rows: broadcasts).
+    const float* a0p = A + g * LD;
+    const float* a1p = A + (g + 8) * LD;
+#pragma unroll 2
+    for (int k = 0; k < KD; k += 4) {
+      const float4 a0 = *reinterpret_cast<const float4*>(a0p + k);
+      const float4 a1 = *reinterpret_cast<const float4*>(a1p + k);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float4 b0 = *reinterpret_cast<const float4*>(B + (8 * j + 2 * t) * LD + k);
+        const float4 b1 = *reinterpret_cast<const float4*>(B + (8 * j + 2 * t + 1) * LD + k);
+        acc[j][0] = fmaf(a0.x, b0.x, acc[j][0]); acc[j][0] = fmaf(a0.y, b0.y, acc[j][0]);
+        acc[j][0] = fmaf(a0.z, b0.z, acc[j][0]); acc[j][0] = fmaf(a0.w, b0.w, acc[j][0]);
+        acc[j][1] = fmaf(a0.x, b1.x, acc[j][1]); acc[j][1] = fmaf(a0.y, b1.y, acc[j][1]);
+        acc[j][1] = fmaf(a0.z, b1.z, acc[j][1]); acc[j][1] = fmaf(a0.w, b1.w, acc[j][1]);
+        acc[j][2] = fmaf(a1.x, b0.x, acc[j][2]); acc[j][2] = fmaf(a1.y, b0.y, acc[j][2]);
+        acc[j][2] = fmaf(a1.z, b0.z, acc[j][2]); acc[j][2] = fmaf(a1.w, b0.w, acc[j][2]);
+        acc[j][3] = fmaf(a1.x, b1.x, acc[j][3]); acc[j][3] = fmaf(a1.y, b1.y, acc[j][3]);
+        acc[j][3] = fmaf(a1.z, b1.z, acc[j][3]); acc[j][3] = fmaf(a1.w, b1.w, acc[j][3]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < KD / 8; ++kk) {
+      const int k = 8 * kk + t;
+      // Fragment loads: lane (g, t) reads row g at column t: banks 4g + t, conflict free.
+      const float af[4] = {A[g * LD + k], A[(g + 8) * LD + k], A[g * LD + k + 4], A[(g + 8) * LD + k + 4]};
+      const AFrag<M> a = make_afrag<M>(af);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* bp = B + (8 * j + g) * LD + k;
+        const float b[2] = {bp[0], bp[4]};
+        mma_step<M>(acc[j], a, b);
+      }
+    }
+  }
+}
+
+// C[16 x 8*NT] += P[16 x 8*NK] * B[8*NK x 8*NT], P in registers in the accumulator layout
+// (P[kk] holds columns 8kk..8kk+7), B row-major in shared memory (row stride LD).
+template <Math M, int NT, int NK, int LD>
+__device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK][4], const float* B) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+  if constexpr (M == Math::Fma) {
+    // P[row][k] lives in lane 4*row' + k/2 of the quad: broadcast it with shuffles, then FMA
+    // against row k of B, keys in natural order (the summation order of a plain loop).
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const int src = (lane & ~3) | (c >> 1);
+        const float p0 = __shfl_sync(0xffffffffu, P[kk][c & 1], src);
+        const float p1 = __shfl_sync(0xffffffffu, P[kk][2 + (c & 1)], src);
+        const float* row = B + (8 * kk + c) * LD + 2 * t;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const float2 b = *reinterpret_cast<const float2*>(row + 8 * j);
+          acc[j][0] = fmaf(p0, b.x, acc[j][0]);
+          acc[j][1] = fmaf(p0, b.y, acc[j][1]);
+          acc[j][2] = fmaf(p1, b.x, acc[j][2]);
+          acc[j][3] = fmaf(p1, b.y, acc[j][3]);
+        }
+      }
+    }
+  } else {
+    // The accumulator holds columns 2t, 2t+1 where the A fragment wants t, t+4. Instead of
+    // shuffling, relabel the k index: A column t <-> key 2t, column t+4 <-> key 2t+1, and read B
+    // rows in the same order. Sums over k do not care about order. B loads: rows 2t (8 banks
+    // apart with the +4 pad) and columns g: conflict free.
+    //
+    // These products accumulate over thousands of keys (a whole sequence, times the GQA group
+    // for dK/dV). The tensor cores add into their fp32 accumulator with truncation, relative to
+    // the accumulator's magnitude, so a long chain drifts by ~n * 2^-23 (measured: 10-20x the
+    // error of an FMA loop at Skv = 1000). In the fp32-accurate mode each group of KG k-steps
+    // therefore starts from a zero accumulator and is added to acc with a round-to-nearest FADD.
+    // Two k-steps per group: half the FADDs of one, and (measured with ptxas) fewer registers
+    // than one at D = 128, where the compiler interleaves more of the short chains.
+    constexpr int KG = (M == Math::Tf32x3 && NK % 2 == 0) ? 2 : 1;
+#pragma unroll
+    for (int k0 = 0; k0 < NK; k0 += KG) {
+      AFrag<M> a[KG];
+#pragma unroll
+      for (int u = 0; u < KG; ++u) {
+        const float af[4] = {P[k0 + u][0], P[k0 + u][2], P[k0 + u][1], P[k0 + u][3]};
+        a[u] = make_afrag<M>(af);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (M == Math::Tf32x3) {
+          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int u = 0; u < KG; ++u) {
+            const float* r0 = B + (8 * (k0 + u) + 2 * t) * LD + g + 8 * j;
+            const float b[2] = {r0[0], r0[LD]};
+            mma_step<M>(part, a[u], b);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] += part[e];
+        } else {
+          const float* r0 = B + (8 * k0 + 2 * t) * LD + g + 8 * j;
+          const float b[2] = {r0[0], r0[LD]};
+          mma_step<M>(acc[j], a[0], b);
+        }
+      }
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+}
+
+// ---- masks ----------------------------------------------------------------------------------
+// Calls f(j, e, row, col) for every accumulator entry, with its row/column offsets inside the
+// warp's 16 x 8*NT slice.
+template <int NT, class F>
+__device__ __forceinline__ void for_each_entry(F&& f) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(j, e, g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
+}
+
+// Reductions over the 4 lanes of a quad (they hold one row between them).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---- online softmax (forward) ---------------------------------------------------------------
+// Row statistics for the lane's two rows (g and g+8) in the log2 domain: m = running max of
+// s*scale*log2(e); l = this lane's partial sum of exp2(x - m) (the quad sums at the end).
+struct SoftmaxState {
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+};
+
+// S (raw scores, masked entries already -inf) becomes P = exp2(S*sl2 - m_new); O is rescaled.
+template <int NS, int NO>
+__device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][4], float (&o)[NO][4],
+                                               float sl2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    mx = quad_max(mx);
+    const float m_new = fmaxf(st.m[r], mx * sl2);
+    // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
+    // instead of exp2(-inf + inf) = NaN.
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = exp2f(st.m[r] - m_use);
+    st.m[r] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      s[j][2 * r] = exp2f(fmaf(s[j][2 * r], sl2, -m_use));
+      s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], sl2, -m_use));
+      sum += s[j][2 * r] + s[j][2 * r + 1];
+    }
+    st.l[r] = st.l[r] * alpha + sum;
+#pragma unroll
+    for (int j = 0; j < NO; ++j) {
+      o[j][2 * r] *= alpha;
+      o[j][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// LSE in the backward's log2 domain: P = exp2(s*sl2 - l2). A row with no visible key (lse = -inf)
+// maps to +inf so that every P of it is exp2(-inf) = 0.
+__device__ __forceinline__ float lse_to_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// ---- epilogue ---------------------------------------------------------------------------------
+// Stores the warp's 16 x 8*NT slice (times `mul`) to global rows [row0, row0+16) of a row-major
+// tensor with row stride ld, columns col0 + [0, 8*NT), keeping rows < rows and columns < cols.
+// pair_ok: 8-byte aligned float2 stores are allowed (aligned base and even row stride).
+template <int NT>
+__device__ __forceinline__ void store_rows(float* base, int64_t ld, int row0, int rows, int col0,
+                                           int cols, const float (&acc)[NT][4], float mul,
+                                           bool pair_ok) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row >= rows) continue;
+    float* p = base + static_cast<int64_t>(row) * ld;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int col = col0 + 8 * j + 2 * t;
+      const float x = acc[j][2 * r] * mul, y = acc[j][2 * r + 1] * mul;
+      if (pair_ok && col + 1 < cols) {
+        *reinterpret_cast<float2*>(p + col) = make_float2(x, y);
+      } else {
+        if (col < cols) p[col] = x;
+        if (col + 1 < cols) p[col + 1] = y;
+      }
+    }
+  }
+}
+
+}  // namespace flashattn::cuda::dev

@@ -1,0 +1,335 @@
+// The CUDA kernels: forward, backward preprocess (D = rowsum(dO * O)), dQ over query blocks and
+// dK/dV over key blocks. docs/ALGORITHM.md ("CUDA backend") has the pseudocode and work model.
+// Each kernel is a template over the padded head dim DP and the Math of its products; tile sizes
+// come from tile_config() (config.hpp) only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/config.hpp"
+#include "cuda/device.cuh"
+#include "cuda/launch.hpp"
+
+namespace flashattn::cuda {
+
+namespace dev {
+
+// Mask test of one score: in range and visible under the causal rule.
+__device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j, int64_t sq, int64_t skv) {
+  return i < sq && j < skv && rule.visible(i, j);
+}
+
+// ================================================================================================
+// Forward. CTA = block_m query rows of one (batch, head); loops over the key tiles that the mask
+// leaves visible: S = Q K^T, online softmax, O += P V.
+// ================================================================================================
+template <int DP, Math M>
+__global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).threads(), 1)
+    forward_kernel(const __grid_constant__ FwdArgs a) {
+  constexpr TileConfig C = tile_config(Pass::Forward, DP, kDeviceBig);
+  constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), LD = smem_row(DP);
+  constexpr int NS = BN / 8, NO = DP / 8;
+  static_assert(BM == 16 * C.warps, "forward tile: one warp per 16 query rows");
+  extern __shared__ float4 smem4[];
+  float* sQ = reinterpret_cast<float*>(smem4);
+  float* sK = sQ + BM * LD;             // [stages][BN][LD]
+  float* sV = sK + C.stages * BN * LD;  // [stages][BN][LD]
+
+  const ForwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const int D = static_cast<int>(p.shape.head_dim);
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.shape.heads_q / p.shape.heads_kv);
+  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
+  // Causal: the last query blocks see the most keys; start them first.
+  const int64_t mb = rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t m0 = mb * BM;
+  const int rows = static_cast<int>(Sq - m0 < BM ? Sq - m0 : BM);
+  const int64_t n_end = rule.visible_end(m0 + rows - 1, Skv);  // keys past it are masked for all rows
+  const int ntiles = static_cast<int>((n_end + BN - 1) / BN);
+
+  const float* q = static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + m0 * p.q.ss;
+  const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
+  const float* v = static_cast<const float*>(p.v.ptr) + b * p.v.sb + hk * p.v.sh;
+  auto load_kv = [&](int tile, int stage) {
+    const int64_t n0 = static_cast<int64_t>(tile) * BN;
+    const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);
+    load_tile<BN, DP, T>(sK + stage * BN * LD, k + n0 * p.k.ss, p.k.ss, n, D, a.vec16);
+    load_tile<BN, DP, T>(sV + stage * BN * LD, v + n0 * p.v.ss, p.v.ss, n, D, a.vec16);
+  };
+
+  load_tile<BM, DP, T>(sQ, q, p.q.ss, rows, D, a.vec16);
+  cp_async_commit();
+  if (ntiles > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  const int warp = threadIdx.x / 32;
+  const float* sQw = sQ + warp * 16 * LD;
+  const int64_t row_w = m0 + warp * 16;  // first query row of this warp
+  float o[NO][4];
+  zero(o);
+  SoftmaxState st;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int stage = C.stages == 2 ? (it & 1) : 0;
+    if (C.stages == 2 && it + 1 < ntiles) {
+      load_kv(it + 1, stage ^ 1);  // its buffer was released by the barrier ending it - 1
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    float s[NS][4];
+    zero(s);
+    gemm_nt<M, NS, DP, LD>(s, sQw, sK + stage * BN * LD);
+
+    const int64_t n0 = static_cast<int64_t>(it) * BN;
+    // Only tiles that cross the sequence end or the causal diagonal need per-entry masking.
+    if (n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset)) {
+      for_each_entry<NS>([&](int j, int e, int r, int c) {
+        if (!keep(rule, row_w + r, n0 + c, Sq, Skv)) s[j][e] = -INFINITY;
+      });
+    }
+    online_softmax(st, s, o, a.sl2);
+    gemm_rn<M, NO, NS, LD>(o, s, sV + stage * BN * LD);
+    __syncthreads();
+    if (C.stages == 1 && it + 1 < ntiles) {
+      load_kv(it + 1, 0);
+      cp_async_commit();
+    }
+  }
+
+  cp_async_wait<0>();  // nothing may still be in flight into shared memory at exit (ntiles == 0)
+  // Epilogue: O /= l; LSE = ln(sum exp(S)) = (m + log2 l) * ln 2. A row with no visible key has
+  // l = 0: O = 0 and LSE = -inf.
+  float inv[2], lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(st.l[r]);
+    inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    lse[r] = l > 0.0f ? (st.m[r] + log2f(l)) * kLn2 : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < NO; ++j) {
+    o[j][0] *= inv[0]; o[j][1] *= inv[0];
+    o[j][2] *= inv[1]; o[j][3] *= inv[1];
+  }
+  float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
+  store_rows<NO>(out, p.out.ss, warp * 16, rows, 0, D, o, 1.0f, a.vec16);
+  const int lane = lane_id();
+  if ((lane & 3) == 0) {
+    float* l = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row_w + (lane >> 2) + 8 * r;
+      if (row < Sq) l[row * p.lse.ss] = lse[r];
+    }
+  }
+}
+
+// ================================================================================================
+// dQ. CTA = block_m query rows of one (batch, head), stationary Q and dO; loops over key tiles:
+//   S = Q K^T, P = exp2(S*sl2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K; dQ *= scale.
+// ================================================================================================
+template <int DP, Math M>
+__global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(), 1)
+    dq_kernel(const __grid_constant__ BwdArgs a) {
+  constexpr TileConfig C = tile_config(Pass::Dq, DP, kDeviceBig);
+  constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), LD = smem_row(DP);
+  constexpr int NS = BN / 8, NO = DP / 8;
+  static_assert(BM == 16 * C.warps, "dq tile: one warp per 16 query rows");
+  extern __shared__ float4 smem4[];
+  float* sQ = reinterpret_cast<float*>(smem4);
+  float* sdO = sQ + BM * LD;
+  float* sK = sdO + BM * LD;
+  float* sV = sK + C.stages * BN * LD;
+
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const int D = static_cast<int>(p.shape.head_dim);
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.shape.heads_q / p.shape.heads_kv);
+  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
+  const int64_t mb = rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t m0 = mb * BM;
+  const int rows = static_cast<int>(Sq - m0 < BM ? Sq - m0 : BM);
+  const int64_t n_end = rule.visible_end(m0 + rows - 1, Skv);
+  const int ntiles = static_cast<int>((n_end + BN - 1) / BN);
+
+  const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
+  const float* v = static_cast<const float*>(p.v.ptr) + b * p.v.sb + hk * p.v.sh;
+  auto load_kv = [&](int tile, int stage) {
+    const int64_t n0 = static_cast<int64_t>(tile) * BN;
+    const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);
+    load_tile<BN, DP, T>(sK + stage * BN * LD, k + n0 * p.k.ss, p.k.ss, n, D, a.vec16);
+    load_tile<BN, DP, T>(sV + stage * BN * LD, v + n0 * p.v.ss, p.v.ss, n, D, a.vec16);
+  };
+  load_tile<BM, DP, T>(sQ, static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + m0 * p.q.ss,
+                       p.q.ss, rows, D, a.vec16);
+  load_tile<BM, DP, T>(sdO, static_cast<const float*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + m0 * p.dout.ss,
+                       p.dout.ss, rows, D, a.vec16);
+  cp_async_commit();
+  if (ntiles > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int64_t row_w = m0 + warp * 16;
+  float l2[2], dl[2];  // per-row LSE (log2 domain) and D of the lane's rows g and g+8
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_w + (lane >> 2) + 8 * r;
+    const bool in = row < Sq;
+    l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
+    dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+  }
+  float dq[NO][4];
+  zero(dq);
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int stage = C.stages == 2 ? (it & 1) : 0;
+    if (C.stages == 2 && it + 1 < ntiles) {
+      load_kv(it + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* sKs = sK + stage * BN * LD;
+    float s[NS][4], dp[NS][4];
+    zero(s);
+    zero(dp);
+    gemm_nt<M, NS, DP, LD>(s, sQ + warp * 16 * LD, sKs);
+    gemm_nt<M, NS, DP, LD>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
+
+    const int64_t n0 = static_cast<int64_t>(it) * BN;
+    const bool masked = n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset);
+    for_each_entry<NS>([&](int j, int e, int r, int c) {
+      float pe = exp2f(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
+      if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
+      dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
+    });
+    gemm_rn<M, NO, NS, LD>(dq, dp, sKs);
+    __syncthreads();
+    if (C.stages == 1 && it + 1 < ntiles) {
+      load_kv(it + 1, 0);
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();
+  float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
+  store_rows<NO>(out, p.dq.ss, warp * 16, rows, 0, D, dq, p.num.scale, a.vec16);
+}
+
+// ================================================================================================
+// dK/dV. CTA = block_m key rows of one (batch, kv head), stationary K and V; loops over the
+// query heads of the kv group and, for each, the query tiles that can see these keys:
+//   S^T = K Q^T, P^T = exp2(S^T*sl2 - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//   dK += dS^T Q; dK *= scale. col_split warps share 16 key rows, each owning D/col_split columns
+// of dK and dV (recomputing S^T and dP^T) so that the accumulators fit in registers at D = 256.
+// ================================================================================================
+template <int DP, Math M>
+__global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads(), 1)
+    dkv_kernel(const __grid_constant__ BwdArgs a) {
+  constexpr TileConfig C = tile_config(Pass::Dkv, DP, kDeviceBig);
+  constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), LD = smem_row(DP);
+  constexpr int CS = C.col_split, DW = DP / CS;  // columns of dK/dV per warp
+  constexpr int NS = BN / 8, NO = DW / 8;
+  static_assert(BM * CS == 16 * C.warps, "dkv tile: warps must cover block_m key rows");
+  extern __shared__ float4 smem4[];
+  float* sK = reinterpret_cast<float*>(smem4);
+  float* sV = sK + BM * LD;
+  float* sQ = sV + BM * LD;             // [stages][BN][LD]
+  float* sdO = sQ + C.stages * BN * LD;  // [stages][BN][LD]
+  float* sL = sdO + C.stages * BN * LD;  // [stages][BN] LSE
+  float* sD = sL + C.stages * BN;        // [stages][BN] D
+
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv, G = (p.shape.heads_q / p.shape.heads_kv);
+  const int D = static_cast<int>(p.shape.head_dim);
+  const int64_t b = blockIdx.z, hk = blockIdx.y;
+  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;  // first key row
+  const int rows = static_cast<int>(Skv - m0 < BM ? Skv - m0 : BM);
+  const int64_t q_begin = rule.first_row(m0, Sq);  // earlier queries see none of these keys
+  const int t_begin = static_cast<int>(q_begin / BN);
+  const int per_head = static_cast<int>((Sq + BN - 1) / BN) - t_begin;
+  const int ntiles = static_cast<int>(G) * per_head;
+
+  load_tile<BM, DP, T>(sK, static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh + m0 * p.k.ss,
+                       p.k.ss, rows, D, a.vec16);
+  load_tile<BM, DP, T>(sV, static_cast<const float*>(p.v.ptr) + b * p.v.sb + hk * p.v.sh + m0 * p.v.ss,
+                       p.v.ss, rows, D, a.vec16);
+  cp_async_commit();
+  // Iteration `it` is query tile t_begin + it % per_head of query head hk*G + it / per_head.
+  auto load_q = [&](int it, int stage) {
+    const int64_t h = hk * G + it / per_head;
+    const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BN;
+    const int n = static_cast<int>(Sq - n0 < BN ? Sq - n0 : BN);
+    load_tile<BN, DP, T>(sQ + stage * BN * LD,
+                         static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + n0 * p.q.ss,
+                         p.q.ss, n, D, a.vec16);
+    load_tile<BN, DP, T>(sdO + stage * BN * LD,
+                         static_cast<const float*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + n0 * p.dout.ss,
+                         p.dout.ss, n, D, a.vec16);
+    load_vec<BN, T>(sL + stage * BN, p.lse.ptr + b * p.lse.sb + h * p.lse.sh + n0 * p.lse.ss, p.lse.ss, n);
+    load_vec<BN, T>(sD + stage * BN, a.delta + (b * p.shape.heads_q + h) * Sq + n0, 1, n);
+  };
+  if (ntiles > 0) load_q(0, 0);
+  cp_async_commit();
+
+  const int warp = threadIdx.x / 32, kw = warp / CS, cw = warp % CS;
+  const int64_t row_w = m0 + kw * 16;  // first key row of this warp
+  float dk[NO][4], dv[NO][4];
+  zero(dk);
+  zero(dv);
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int stage = C.stages == 2 ? (it & 1) : 0;
+    if (C.stages == 2 && it + 1 < ntiles) {
+      load_q(it + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* sQs = sQ + stage * BN * LD;
+    const float* sdOs = sdO + stage * BN * LD;
+    const float* sLs = sL + stage * BN;
+    const float* sDs = sD + stage * BN;
+    float s[NS][4], dp[NS][4];
+    zero(s);
+    zero(dp);
+    gemm_nt<M, NS, DP, LD>(s, sK + kw * 16 * LD, sQs);
+    gemm_nt<M, NS, DP, LD>(dp, sV + kw * 16 * LD, sdOs);
+
+    const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BN;  // first query row
+    // Fully visible when in range and the tile's first query sees the block's last key.
+    const bool masked = n0 + BN > Sq || m0 + BM > Skv || (rule.causal && m0 + BM - 1 > n0 + rule.offset);
+    for_each_entry<NS>([&](int j, int e, int r, int c) {
+      float pe = exp2f(fmaf(s[j][e], a.sl2, -lse_to_log2(sLs[c])));
+      if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
+      s[j][e] = pe;
+      dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
+    });
+    gemm_rn<M, NO, NS, LD>(dv, s, sdOs + cw * DW);
+    gemm_rn<M, NO, NS, LD>(dk, dp, sQs + cw * DW);
+    __syncthreads();
+    if (C.stages == 1 && it + 1 < ntiles) {
+      load_q(it + 1, 0);
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();
+  const int cols = D - cw * DW;
+  float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss + cw * DW;
+  float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss + cw * DW;
+  store_rows<NO>(dkp, p.dk.ss, kw * 16, rows, 0, cols, dk, p.num.scale, a.vec16);
+  store_rows<NO>(dvp, p.dv.ss, kw * 16, rows, 0, cols, dv, 1.0f, a.vec16);
+}
+
+}  // namespace dev
+}  // namespace flashattn::cuda

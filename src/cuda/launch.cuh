@@ -1,0 +1,57 @@
+// Definitions of the launchers declared in launch.hpp; included by the instantiation files only.
+#pragma once
+
+#include "cuda/check.hpp"
+#include "cuda/kernels.cuh"
+#include "cuda/launch.hpp"
+
+namespace flashattn::cuda {
+
+namespace detail {
+template <class Kernel, class Args>
+void launch(Kernel kernel, Pass pass, int dp, bool big, dim3 grid, const Args& a,
+            cudaStream_t stream, const char* name) {
+  const TileConfig c = tile_config(pass, dp, big);
+  const int smem = smem_bytes(pass, dp, big);
+  // Above 48 KiB a kernel must opt in; the attribute is per function and cheap to set again.
+  FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, c.threads(), smem, stream>>>(a);
+  check_launch(name);
+}
+inline unsigned blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
+}  // namespace detail
+
+template <int DP, Math M>
+void launch_forward(const FwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  const dim3 grid(detail::blocks(s.seq_q, tile_config(Pass::Forward, DP, a.big).block_m),
+                  static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+  detail::launch(dev::forward_kernel<DP, M>, Pass::Forward, DP, a.big, grid, a, stream, "forward kernel launch");
+}
+
+template <int DP, Math M>
+void launch_dq(const BwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  const dim3 grid(detail::blocks(s.seq_q, tile_config(Pass::Dq, DP, a.big).block_m),
+                  static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+  detail::launch(dev::dq_kernel<DP, M>, Pass::Dq, DP, a.big, grid, a, stream, "dq kernel launch");
+}
+
+template <int DP, Math M>
+void launch_dkv(const BwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  const dim3 grid(detail::blocks(s.seq_kv, tile_config(Pass::Dkv, DP, a.big).block_m),
+                  static_cast<unsigned>(s.heads_kv), static_cast<unsigned>(s.batch));
+  detail::launch(dev::dkv_kernel<DP, M>, Pass::Dkv, DP, a.big, grid, a, stream, "dkv kernel launch");
+}
+
+#define FLASHATTN_INSTANTIATE(PASS, DP)                                                  \
+  template void launch_##PASS<DP, Math::Fma>(const PASS##_args_t&, cudaStream_t);        \
+  template void launch_##PASS<DP, Math::Tf32>(const PASS##_args_t&, cudaStream_t);       \
+  template void launch_##PASS<DP, Math::Tf32x3>(const PASS##_args_t&, cudaStream_t);
+
+using forward_args_t = FwdArgs;
+using dq_args_t = BwdArgs;
+using dkv_args_t = BwdArgs;
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,442 @@
+// The CUDA backend against the float64 reference, forward (out, lse) and backward (dq, dk, dv),
+// in each of its arithmetics: the FMA kernels (the plain float32 baseline, forced with
+// FLASHATTN_CUDA_MATH=fma), precision fp32 (3xTF32 tensor cores) and precision tf32.
+//
+// Accuracy criteria, per output, relative to max |reference|:
+//   fma     <= kFmaTol (what a plain float32 kernel achieves, with margin)
+//   fp32    <= 2 x the FMA kernel's error on the same problem (and <= kFmaTol)
+//   tf32    <= kTf32Tol
+// Device outputs are poisoned with NaN (all-ones bytes) before every run and every element is
+// checked; NaN never passes. Without a CUDA device every test reports SKIPPED.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.h"
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+constexpr double kFmaTol = 2e-5;
+constexpr double kTf32Tol = 5e-3;
+
+bool have_gpu() {
+  static const bool ok = cuda_available();
+  return ok;
+}
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no usable CUDA device (or a build without CUDA)"
+
+#define CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
+
+// Forces the kernels' arithmetic for the lifetime of the scope (nullptr: the precision option's).
+class MathScope {
+ public:
+  explicit MathScope(const char* math) {
+    if (math) setenv("FLASHATTN_CUDA_MATH", math, 1);
+    else unsetenv("FLASHATTN_CUDA_MATH");
+  }
+  ~MathScope() { unsetenv("FLASHATTN_CUDA_MATH"); }
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n, size_t pad = 0) : bytes(n) {
+    if (cudaMalloc(&ptr, n + pad) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+// Device copies of a Problem's buffers (same byte layout), with views rebound to them.
+// offset_floats shifts every base pointer (breaks 16-byte alignment: exercises 4-byte loads).
+struct DeviceProblem {
+  Problem& host;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  Tensor q, k, v, dout, out, lse, dq, dk, dv;
+
+  explicit DeviceProblem(Problem& p, int offset_floats = 0) : host(p) {
+    Tensor* views[] = {&q, &k, &v, &dout, &out, &lse, &dq, &dk, &dv};
+    testing::HostTensor* hs[] = {&p.q, &p.k, &p.v, &p.dout, &p.out, &p.lse, &p.dq, &p.dk, &p.dv};
+    for (int i = 0; i < 9; ++i) {
+      bufs.push_back(std::make_unique<DeviceBuffer>(hs[i]->bytes.size(), 16));
+      char* base = static_cast<char*>(bufs.back()->ptr) + 4 * offset_floats;
+      *views[i] = testing::rebind(hs[i]->view, base, 0);
+      if (i < 4) cudaMemcpy(base, hs[i]->bytes.data(), hs[i]->bytes.size(), cudaMemcpyHostToDevice);
+    }
+    poison();
+  }
+  bool ok() const {
+    for (const auto& b : bufs)
+      if (!b->ptr) return false;
+    return true;
+  }
+  void poison() {
+    for (Tensor* t : {&out, &lse, &dq, &dk, &dv}) cudaMemset(t->data, 0xff, bytes_of(*t));  // NaN
+  }
+  size_t bytes_of(const Tensor& t) const {
+    for (const testing::HostTensor* h : {&host.q, &host.k, &host.v, &host.dout, &host.out, &host.lse,
+                                         &host.dq, &host.dk, &host.dv})
+      if (h->view.ndim == t.ndim && h->view.shape[0] == t.shape[0] && h->view.shape[1] == t.shape[1] &&
+          h->view.shape[2] == t.shape[2] && (t.ndim == 3 || h->view.shape[3] == t.shape[3]))
+        return h->bytes.size();
+    return 0;
+  }
+  void forward(const Options& o) { flashattn::forward(q, k, v, out, lse, o); }
+  void backward(const Options& o) { flashattn::backward(q, k, v, out, dout, lse, dq, dk, dv, o); }
+  // Copies the outputs back into the host problem.
+  void download() {
+    cudaDeviceSynchronize();
+    const Tensor* d[] = {&out, &lse, &dq, &dk, &dv};
+    testing::HostTensor* h[] = {&host.out, &host.lse, &host.dq, &host.dk, &host.dv};
+    for (int i = 0; i < 5; ++i)
+      cudaMemcpy(h[i]->bytes.data(), d[i]->data, h[i]->bytes.size(), cudaMemcpyDeviceToHost);
+  }
+};
+
+Options cuda_options(const ProblemConfig& c, Precision prec) {
+  Options o = options_for(c);
+  o.precision = prec;
+  return o;
+}
+
+// Error relative to max(max |ref|, 0.1): some gradients are exactly zero (one visible key: the
+// softmax has no slope), where float32 rounding of O(1) intermediates still leaves ~1e-8.
+double rel(const testing::ErrorStats& e) { return e.max_abs / std::max(e.max_ref, 0.1); }
+
+struct Errors {
+  testing::ErrorStats e[5];  // out, lse, dq, dk, dv
+  static constexpr const char* kNames[5] = {"out", "lse", "dq", "dk", "dv"};
+  double worst() const {
+    double w = 0;
+    for (const auto& x : e) w = std::max(w, rel(x));
+    return w;
+  }
+  std::string str() const {
+    std::ostringstream os;
+    for (int i = 0; i < 5; ++i) os << "  " << kNames[i] << ": " << e[i].str() << " rel0.1=" << rel(e[i]) << "\n";
+    return os.str();
+  }
+};
+
+// One forward + backward on the device with the given arithmetic; errors against `ref`.
+Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math) {
+  MathScope scope(math);
+  DeviceProblem d(p);
+  Errors r;
+  if (!d.ok()) {
+    ADD_FAILURE() << "cudaMalloc failed";
+    return r;
+  }
+  const Options o = cuda_options(p.cfg, prec);
+  d.forward(o);
+  d.backward(o);
+  p.poison_outputs();
+  d.download();
+  r.e[0] = testing::compare(p.to_double(p.out), ref.fwd.out);
+  r.e[1] = testing::compare(p.to_double(p.lse), ref.fwd.lse);
+  r.e[2] = testing::compare(p.to_double(p.dq), ref.bwd.dq);
+  r.e[3] = testing::compare(p.to_double(p.dk), ref.bwd.dk);
+  r.e[4] = testing::compare(p.to_double(p.dv), ref.bwd.dv);
+  return r;
+}
+
+// Checks all three arithmetics on one problem.
+void check_all_maths(const ProblemConfig& cfg) {
+  Problem p(cfg);
+  const Reference ref = reference_for(p);
+  const Errors fma = run_case(p, ref, Precision::Fp32, "fma");
+  const Errors fp32 = run_case(p, ref, Precision::Fp32, nullptr);
+  const Errors tf32 = run_case(p, ref, Precision::Tf32, nullptr);
+  const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
+                           fp32.str() + "tf32:\n" + tf32.str();
+  for (int i = 0; i < 5; ++i) {
+    const char* n = Errors::kNames[i];
+    EXPECT_EQ(0, fma.e[i].nan) << n << " (fma) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, fp32.e[i].nan) << n << " (fp32) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, tf32.e[i].nan) << n << " (tf32) has NaN / unwritten elements\n" << info;
+    EXPECT_LE(rel(fma.e[i]), kFmaTol) << n << " (fma)\n" << info;
+    EXPECT_LE(rel(fp32.e[i]), kFmaTol) << n << " (fp32)\n" << info;
+    // The fp32-accurate mode: within 2x of the plain float32 kernel (floor: a few float32 ulps
+    // relative to max |ref|, where both are exact to rounding).
+    EXPECT_LE(rel(fp32.e[i]), 2.0 * std::max(rel(fma.e[i]), 2e-7)) << n << " (fp32 vs fma)\n" << info;
+    EXPECT_LE(rel(tf32.e[i]), kTf32Tol) << n << " (tf32)\n" << info;
+  }
+  // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
+  std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e\n", cfg.describe().c_str(),
+              fma.worst(), fp32.worst(), tf32.worst());
+}
+
+// ---- the grid ------------------------------------------------------------------------------
+// B in {1,3}; (Hq,Hkv) in {(1,1),(4,4),(8,2),(6,1)}; lengths in {1,2,17,64,97,128,255,1000};
+// D in {1,8,32,40,64,80,96,111,128,256}; 3 masks; 2 layouts. Sampled: every head dim meets every
+// mask and both layouts; lengths, heads and batch rotate with co-prime periods; long sequences
+// (1000) only with few heads so the float64 reference stays fast.
+struct GridCase {
+  ProblemConfig cfg;
+  std::string name;
+};
+
+void PrintTo(const GridCase& c, std::ostream* os) { *os << c.cfg.describe(); }
+
+std::vector<GridCase> grid_cases() {
+  const int64_t dims[] = {1, 8, 32, 40, 64, 80, 96, 111, 128, 256};
+  const int64_t heads[][2] = {{1, 1}, {4, 4}, {8, 2}, {6, 1}};
+  const int64_t lens[][2] = {{1, 1},   {2, 17},  {17, 2},    {64, 64},   {97, 128}, {128, 97},
+                             {255, 64}, {64, 255}, {1000, 97}, {17, 1000}, {255, 255}};
+  const Mask masks[] = {Mask::None, Mask::CausalTopLeft, Mask::CausalBottomRight};
+  std::vector<GridCase> out;
+  int i = 0;
+  for (int64_t d : dims)
+    for (int m = 0; m < 3; ++m)
+      for (int l = 0; l < 2; ++l, ++i) {
+        ProblemConfig c;
+        c.head_dim = d;
+        c.mask = masks[m];
+        c.layout = l ? testing::Layout::BSHD : testing::Layout::BHSD;
+        const auto& h = heads[i % 4];
+        const auto& s = lens[i % 11];
+        c.heads_q = h[0];
+        c.heads_kv = h[1];
+        c.seq_q = s[0];
+        c.seq_kv = s[1];
+        c.batch = (i / 4) % 2 ? 3 : 1;
+        if (c.seq_q * c.seq_kv > 60000) {  // long: keep the reference cheap
+          c.batch = 1;
+          c.heads_q = h[0] / h[1] > 1 ? h[0] / h[1] : 2;
+          c.heads_kv = h[0] / h[1] > 1 ? 1 : 2;
+        }
+        c.seed = static_cast<uint64_t>(i);
+        std::ostringstream n;
+        n << "D" << d << "_" << mask_name(c.mask) << "_" << testing::layout_name(c.layout) << "_B"
+          << c.batch << "_H" << c.heads_q << "x" << c.heads_kv << "_S" << c.seq_q << "x" << c.seq_kv;
+        out.push_back({c, n.str()});
+      }
+  // Hand-picked: the long square case, fully masked rows (bottom-right, Sq > Skv), keys nobody
+  // sees (top-left, Skv > Sq), a non-default scale.
+  auto add = [&](int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t skv, int64_t d, Mask m,
+                 testing::Layout l, float scale, const char* name) {
+    ProblemConfig c;
+    c.batch = b; c.heads_q = hq; c.heads_kv = hkv; c.seq_q = sq; c.seq_kv = skv; c.head_dim = d;
+    c.mask = m; c.layout = l; c.softmax_scale = scale; c.seed = 1000 + out.size();
+    out.push_back({c, name});
+  };
+  add(1, 2, 1, 1000, 1000, 64, Mask::None, testing::Layout::BSHD, 0, "long_D64_none");
+  add(1, 2, 2, 1000, 1000, 128, Mask::CausalTopLeft, testing::Layout::BHSD, 0, "long_D128_causal");
+  add(3, 6, 1, 255, 97, 128, Mask::CausalBottomRight, testing::Layout::BSHD, 0, "masked_rows_D128");
+  add(1, 8, 2, 97, 255, 64, Mask::CausalTopLeft, testing::Layout::BHSD, 0, "unseen_keys_D64");
+  add(3, 4, 4, 128, 128, 256, Mask::CausalBottomRight, testing::Layout::BHSD, 0, "D256_square");
+  add(1, 4, 2, 64, 97, 80, Mask::None, testing::Layout::BSHD, 0.37f, "scale_D80");
+  return out;
+}
+
+class CudaVsReference : public ::testing::TestWithParam<GridCase> {};
+
+TEST_P(CudaVsReference, ForwardBackwardAllMaths) {
+  REQUIRE_GPU();
+  check_all_maths(GetParam().cfg);
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaVsReference, ::testing::ValuesIn(grid_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& i) { return i.param.name; });
+
+// ---- small problems for compute-sanitizer (memcheck, racecheck): every kernel, every math ----
+class CudaSanitize : public ::testing::TestWithParam<GridCase> {};
+TEST_P(CudaSanitize, AllMaths) {
+  REQUIRE_GPU();
+  check_all_maths(GetParam().cfg);
+}
+std::vector<GridCase> sanitize_cases() {
+  std::vector<GridCase> out;
+  const int64_t dims[] = {40, 64, 128, 256};
+  const Mask masks[] = {Mask::CausalBottomRight, Mask::None, Mask::CausalTopLeft, Mask::CausalBottomRight};
+  for (int i = 0; i < 4; ++i) {
+    ProblemConfig c;
+    c.batch = 1; c.heads_q = 2; c.heads_kv = 1; c.seq_q = 70 + 9 * i; c.seq_kv = 45 + 20 * i;
+    c.head_dim = dims[i]; c.mask = masks[i];
+    c.layout = i % 2 ? testing::Layout::BSHD : testing::Layout::BHSD;
+    c.seed = 77 + i;
+    out.push_back({c, "D" + std::to_string(dims[i])});
+  }
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Small, CudaSanitize, ::testing::ValuesIn(sanitize_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& i) { return i.param.name; });
+
+// ---- determinism: bitwise identical outputs run to run, per math ----------------------------
+TEST(CudaDeterminism, BitwiseAcrossRuns) {
+  REQUIRE_GPU();
+  for (int64_t d : {64, 128}) {
+    ProblemConfig c;
+    c.batch = 2; c.heads_q = 8; c.heads_kv = 2; c.seq_q = 300; c.seq_kv = 257; c.head_dim = d;
+    c.mask = Mask::CausalBottomRight; c.layout = testing::Layout::BSHD; c.seed = 5;
+    for (const char* math : {"fma", "tf32", "3xtf32"}) {
+      MathScope scope(math);
+      Problem p(c);
+      DeviceProblem dp(p);
+      ASSERT_TRUE(dp.ok());
+      const Options o = cuda_options(c, Precision::Fp32);
+      std::vector<Snapshot> runs;
+      for (int r = 0; r < 3; ++r) {
+        dp.poison();
+        dp.forward(o);
+        dp.backward(o);
+        p.poison_outputs();
+        dp.download();
+        runs.push_back(snapshot(p));
+      }
+      EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << "D=" << d << " math=" << math;
+    }
+  }
+}
+
+// ---- streams: work goes to the options' stream; same bits as the default stream -------------
+TEST(CudaStream, UserStreamMatchesDefault) {
+  REQUIRE_GPU();
+  ProblemConfig c;
+  c.batch = 1; c.heads_q = 4; c.heads_kv = 2; c.seq_q = 200; c.seq_kv = 150; c.head_dim = 64;
+  c.mask = Mask::CausalTopLeft; c.seed = 9;
+  Problem p(c);
+  DeviceProblem dp(p);
+  ASSERT_TRUE(dp.ok());
+  Options o = cuda_options(c, Precision::Fp32);
+  dp.forward(o);
+  dp.backward(o);
+  dp.download();
+  const Snapshot base = snapshot(p);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  o.stream = s;
+  dp.poison();
+  cudaDeviceSynchronize();
+  dp.forward(o);
+  dp.backward(o);
+  CUDA_OK(cudaStreamSynchronize(s));
+  p.poison_outputs();
+  dp.download();
+  EXPECT_TRUE(base == snapshot(p));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+// ---- 4-byte load path: base pointers that are not 16-byte aligned --------------------------
+TEST(CudaAlignment, UnalignedPointersUseScalarLoads) {
+  REQUIRE_GPU();
+  ProblemConfig c;
+  c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = 97; c.seq_kv = 130; c.head_dim = 64;
+  c.mask = Mask::CausalBottomRight; c.layout = testing::Layout::BSHD; c.seed = 11;
+  Problem p(c);
+  const Reference ref = reference_for(p);
+  for (const char* math : {"fma", "3xtf32"}) {
+    MathScope scope(math);
+    DeviceProblem dp(p, /*offset_floats=*/1);
+    ASSERT_TRUE(dp.ok());
+    const Options o = cuda_options(c, Precision::Fp32);
+    dp.forward(o);
+    dp.backward(o);
+    p.poison_outputs();
+    dp.download();
+    const std::vector<double>* refs[] = {&ref.fwd.out, &ref.fwd.lse, &ref.bwd.dq, &ref.bwd.dk, &ref.bwd.dv};
+    const testing::HostTensor* got[] = {&p.out, &p.lse, &p.dq, &p.dk, &p.dv};
+    for (int i = 0; i < 5; ++i) {
+      const testing::ErrorStats e = testing::compare(p.to_double(*got[i]), *refs[i]);
+      EXPECT_EQ(0, e.nan) << Errors::kNames[i] << " " << math;
+      EXPECT_LE(rel(e), kFmaTol) << Errors::kNames[i] << " " << math << " " << e.str();
+    }
+  }
+}
+
+// ---- bad device pointers and unsupported inputs ---------------------------------------------
+TEST(CudaBadInput, HostPointerWithCudaDevice) {
+  REQUIRE_GPU();
+  ProblemConfig c;
+  c.seq_q = 8; c.seq_kv = 8; c.head_dim = 16;
+  Problem p(c);
+  DeviceProblem d(p);
+  ASSERT_TRUE(d.ok());
+  const Tensor hq = testing::rebind(p.q.view, p.q.view.data, 0);  // host memory, device 0
+  EXPECT_TRUE(throws_error([&] { flashattn::forward(hq, d.k, d.v, d.out, d.lse); },
+                           Status::InvalidArgument, {"q", "host memory", "device = 0"}));
+}
+
+TEST(CudaBadInput, DevicePointerWithCpuDevice) {
+  REQUIRE_GPU();
+  ProblemConfig c;
+  c.seq_q = 8; c.seq_kv = 8; c.head_dim = 16;
+  Problem p(c);
+  DeviceProblem d(p);
+  ASSERT_TRUE(d.ok());
+  const Tensor dq_as_cpu = testing::rebind(d.q, d.q.data, kCpu);
+  // every other tensor on the CPU too, so only the pointer check can catch it
+  EXPECT_TRUE(throws_error(
+      [&] { flashattn::forward(dq_as_cpu, p.k.view, p.v.view, p.out.view, p.lse.view); },
+      Status::InvalidArgument, {"q", "CUDA device 0", "cpu"}));
+  // and through the C ABI: a status and a message, no exception
+  flashattn_tensor tq, tk, tv, to, tl;
+  auto conv = [](const Tensor& t) {
+    flashattn_tensor r;
+    r.data = t.data; r.dtype = static_cast<int32_t>(t.dtype); r.device = t.device; r.ndim = t.ndim;
+    for (int i = 0; i < 4; ++i) { r.shape[i] = t.shape[i]; r.stride[i] = t.stride[i]; }
+    return r;
+  };
+  tq = conv(dq_as_cpu); tk = conv(p.k.view); tv = conv(p.v.view); to = conv(p.out.view); tl = conv(p.lse.view);
+  EXPECT_EQ(FLASHATTN_ERROR_INVALID_ARGUMENT, flashattn_forward(&tq, &tk, &tv, &to, &tl, nullptr));
+  EXPECT_NE(nullptr, std::strstr(flashattn_last_error(), "q.data"));
+}
+
+TEST(CudaBadInput, WrongDeviceNumber) {
+  REQUIRE_GPU();
+  int n = 0;
+  CUDA_OK(cudaGetDeviceCount(&n));
+  ProblemConfig c;
+  c.seq_q = 8; c.seq_kv = 8; c.head_dim = 16;
+  Problem p(c);
+  DeviceProblem d(p);
+  ASSERT_TRUE(d.ok());
+  auto on = [&](const Tensor& t) { return testing::rebind(t, t.data, n); };  // device n: absent
+  EXPECT_TRUE(throws_error(
+      [&] { flashattn::forward(on(d.q), on(d.k), on(d.v), on(d.out), on(d.lse)); },
+      Status::InvalidArgument, {"q.data", "CUDA device 0", "device = " + std::to_string(n)}));
+}
+
+TEST(CudaBadInput, HalfPrecisionIsUnsupportedForNow) {
+  REQUIRE_GPU();
+  for (DType dt : {DType::Float16, DType::BFloat16}) {
+    ProblemConfig c;
+    c.seq_q = 8; c.seq_kv = 8; c.head_dim = 16; c.dtype = dt;
+    Problem p(c);
+    DeviceProblem d(p);
+    ASSERT_TRUE(d.ok());
+    EXPECT_TRUE(throws_error([&] { d.forward(Options{}); }, Status::Unsupported,
+                             {"float16/bfloat16 on CUDA is not implemented yet"}));
+    EXPECT_TRUE(throws_error([&] { d.backward(Options{}); }, Status::Unsupported,
+                             {"float16/bfloat16 on CUDA is not implemented yet"}));
+  }
+}
+
+TEST(CudaBadInput, UnknownMathOverride) {
+  REQUIRE_GPU();
+  ProblemConfig c;
+  c.seq_q = 8; c.seq_kv = 8; c.head_dim = 16;
+  Problem p(c);
+  DeviceProblem d(p);
+  ASSERT_TRUE(d.ok());
+  setenv("FLASHATTN_CUDA_MATH", "fp8", 1);
+  EXPECT_TRUE(throws_error([&] { d.forward(Options{}); }, Status::InvalidArgument, {"FLASHATTN_CUDA_MATH"}));
+  unsetenv("FLASHATTN_CUDA_MATH");
+}
+
+}  // namespace
+}  // namespace flashattn::test
