@@ -224,17 +224,18 @@ struct ComputeOf<double> {
 };
 
 // ---- tiles ------------------------------------------------------------------------------------
-// Tile sizes: BQ query rows x BK keys per step. Both are multiples of every panel width. The
-// working set of one step (docs/ALGORITHM.md, work model) is sized for a 1-2 MiB L2 per core.
+// Tile sizes: BQ query rows x BK keys per step, per pass (each pass struct defines its own BQ and
+// BK from these), all multiples of every panel width. The working set of one step
+// (docs/ALGORITHM.md, work model) is sized for a 1-2 MiB L2 per core; 64 x 128 measured as well as
+// any other choice within this machine's noise (docs/PERF.md), and keeps tasks small enough to
+// balance two threads on short sequences. They are compile-time constants so that the partition
+// of work, and with it every result bit, never depends on the thread count.
 #ifndef FLASHATTN_CPU_BQ
 #define FLASHATTN_CPU_BQ 64
 #endif
 #ifndef FLASHATTN_CPU_BK
 #define FLASHATTN_CPU_BK 128
 #endif
-constexpr int64_t BQ = FLASHATTN_CPU_BQ;
-constexpr int64_t BK = FLASHATTN_CPU_BK;
-// Per-pass tile sizes (queries x keys), defaulting to BQ x BK.
 #ifndef FLASHATTN_CPU_FWD_BQ
 #define FLASHATTN_CPU_FWD_BQ FLASHATTN_CPU_BQ
 #endif
