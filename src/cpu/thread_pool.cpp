@@ -3,6 +3,11 @@
 #include <atomic>
 #include <memory>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define FLASHATTN_HAVE_ATFORK 1
+#endif
+
 namespace flashattn::cpu {
 
 ThreadPool::ThreadPool(int threads) {
@@ -76,15 +81,45 @@ void ThreadPool::run(int64_t num_tasks, TaskFn fn, const void* ctx) {
   if (error_) std::rethrow_exception(error_);
 }
 
-ThreadPool& shared_pool(int threads, std::unique_lock<std::mutex>& lock) {
-  static std::mutex mu;
-  static std::unique_ptr<ThreadPool> pool;
-  lock = std::unique_lock<std::mutex>(mu);
-  if (!pool || pool->threads() != threads) {
-    pool.reset();  // join the old workers before starting new ones
-    pool = std::make_unique<ThreadPool>(threads);
+namespace {
+
+// The process-wide pool and its lock. Never destroyed: worker threads sleeping at exit are simply
+// ended with the process, and nothing runs during static destruction.
+struct Shared {
+  std::mutex mu;
+  std::unique_ptr<ThreadPool> pool;
+};
+Shared* g_shared = nullptr;
+std::once_flag g_once;
+
+#if defined(FLASHATTN_HAVE_ATFORK)
+// A child process (e.g. a Python DataLoader worker forked from a process that already used the
+// CPU backend) has only the forking thread: the pool's workers do not exist there, and the lock
+// may be held by a thread that does not exist either. Abandon both and start afresh on first use.
+void after_fork_in_child() {
+  if (g_shared) {
+    (void)g_shared->pool.release();
+    g_shared = new Shared;
   }
-  return *pool;
+}
+#endif
+
+}  // namespace
+
+ThreadPool& shared_pool(int threads, std::unique_lock<std::mutex>& lock) {
+  std::call_once(g_once, [] {
+    g_shared = new Shared;
+#if defined(FLASHATTN_HAVE_ATFORK)
+    pthread_atfork(nullptr, nullptr, &after_fork_in_child);
+#endif
+  });
+  Shared& s = *g_shared;
+  lock = std::unique_lock<std::mutex>(s.mu);
+  if (!s.pool || s.pool->threads() != threads) {
+    s.pool.reset();  // join the old workers before starting new ones
+    s.pool = std::make_unique<ThreadPool>(threads);
+  }
+  return *s.pool;
 }
 
 }  // namespace flashattn::cpu
