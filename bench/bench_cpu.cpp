@@ -182,6 +182,9 @@ int main(int argc, char** argv) {
         double t0 = now_s();
         gemm();
         tg.push_back(now_s() - t0);
+        // OpenBLAS's worker threads spin for a while (about 2^28 cycles) after a call before they
+        // sleep; timing the next pass during that window would measure it on one core.
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
       }
       for (Pass& ps : passes) {
         double t0 = now_s();
