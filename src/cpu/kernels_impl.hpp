@@ -513,9 +513,12 @@ struct Forward {
     const ForwardParams& p = *static_cast<const ForwardParams*>(ctx);
     const Shape& sh = p.shape;
     const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-    const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
-    // Causal blocks late in the sequence cost the most: hand them out first.
-    const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
+    const int64_t nqb = (Sq + BQ - 1) / BQ;
+    // Head-major order: the two threads work on neighbouring query blocks of one head, so they
+    // stream the same K/V blocks (shared in L3) instead of two different heads' (measured +1 to
+    // +5 points of the sgemm ratio). Within a head, causal blocks late in the sequence cost the
+    // most: they go first.
+    const int64_t qb = nqb - 1 - task % nqb, bh = task / nqb;
     const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
@@ -668,8 +671,8 @@ struct Backward {
       const BackwardParams& p = *ctx.p;
       const Shape& sh = p.shape;
       const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-      const int64_t nqb = (Sq + BQ - 1) / BQ, BH = sh.batch * sh.heads_q;
-      const int64_t qb = nqb - 1 - task / BH, bh = task % BH;
+      const int64_t nqb = (Sq + BQ - 1) / BQ;
+      const int64_t qb = nqb - 1 - task % nqb, bh = task / nqb;  // head-major, as the forward
       const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
       const int64_t hk = h / (sh.heads_q / sh.heads_kv);
       const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
@@ -748,9 +751,11 @@ struct Backward {
       const BackwardParams& p = *ctx.p;
       const Shape& sh = p.shape;
       const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-      const int64_t BHk = sh.batch * sh.heads_kv, group = sh.heads_q / sh.heads_kv;
-      // Causal: early key blocks are seen by the most queries: hand them out first.
-      const int64_t kb = task / BHk, bhk = task % BHk;
+      const int64_t group = sh.heads_q / sh.heads_kv;
+      // Head-major (threads share the group's Q/dO blocks); causal: early key blocks are seen
+      // by the most queries: they go first.
+      const int64_t nkb = (Skv + BK - 1) / BK;
+      const int64_t kb = task % nkb, bhk = task / nkb;
       const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
       const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
       const Mask2 mask = mask_of(sh, p.num);
