@@ -26,12 +26,12 @@ def flops(b, h, s, d, causal, pass_):
 
 
 def make_sets(n_sets, b, h, s, d, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     sets = []
     for _ in range(n_sets):
         def mk():
-            x = torch.randn(b, s, h, d, generator=g, dtype=torch.float32).to(device, dtype)
-            return x.transpose(1, 2)  # [B, H, S, D] view of (B, S, H, D) memory
+            x = torch.randn(b, s, h, d, generator=g, dtype=torch.float32, device=device)
+            return x.to(dtype).transpose(1, 2)  # [B, H, S, D] view of (B, S, H, D) memory
         q, k, v, dout = mk(), mk(), mk(), mk()
         for x in (q, k, v):
             x.requires_grad_(True)

@@ -64,14 +64,15 @@ def context(name):
     return sdpa_kernel(SDPA[name]) if name in SDPA else contextlib.nullcontext()
 
 
-def supported(name, fn, dtype, d):
+def supported(name, fn, dtype, d, device):
     """Runs one tiny forward+backward; returns None or the reason it failed."""
-    q = torch.randn(1, 2, 128, d, device="cuda", dtype=dtype, requires_grad=True)
+    q = torch.randn(1, 2, 128, d, device=device, dtype=dtype, requires_grad=True)
     try:
         with context(name):
             out = fn(q, q, q)
         out.sum().backward()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return None
     except (RuntimeError, NotImplementedError, TypeError) as e:
         return str(e).strip().splitlines()[0][:160]
@@ -81,6 +82,8 @@ def peak_extra_mib(fn, inputs):
     """Memory one forward+backward allocates beyond its inputs (outputs, saved tensors,
     workspace, gradients), in MiB."""
     q, k, v, dout = inputs
+    if not q.is_cuda:
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -89,6 +92,11 @@ def peak_extra_mib(fn, inputs):
     torch.cuda.synchronize()
     del out, grads
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def empty_cache(dev):
+    if dev == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -108,52 +116,58 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget", type=float, default=1.5, help="seconds per measurement, at most")
     ap.add_argument("--quick", action="store_true", help="3 reps, 1 warm-up, 0.5 s budget")
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu' runs the same script on the CPU (a smoke test of the script)")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.warmup, args.budget = 3, 1, 0.5
-    if not torch.cuda.is_available():
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA device")
-    if not flashattn.cuda_available():
+    if dev == "cuda" and not flashattn.cuda_available():
         sys.exit("this flashattn build has no usable CUDA backend (flashattn.build_info())")
     H.ensure_dir(args.out)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 peers stay float32-accurate
     torch.backends.cudnn.allow_tf32 = False
 
-    dev_name = torch.cuda.get_device_name()
+    dev_name = torch.cuda.get_device_name() if dev == "cuda" else platform.machine() + " CPU"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"{stamp}; {dev_name}; torch {torch.__version__}; flashattn {flashattn.__version__}; "
               f"python {platform.python_version()}; command: {' '.join(sys.argv)}")
     print(header, flush=True)
     wanted = args.backends.split(",")
-    timer = H.Timer(cuda=True)
+    timer = H.Timer(cuda=dev == "cuda")
     rows, notes = [], []
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
         seqs = args.seqs if dtype == torch.float32 else args.bf16_seqs
+        causals = [bool(int(c)) for c in args.causal.split(",")]
         for d in map(int, args.head_dims.split(",")):
-            for causal in (bool(int(c)) for c in args.causal.split(",")):
-                fns = {}
+            fns, skip = {}, {}
+            for causal in causals:
                 for name in wanted:
                     if name == "flashattn":
-                        fns[name] = flashattn_fn("fp32", causal)
+                        fn = flashattn_fn("fp32", causal)
                     elif name == "flashattn-tf32":
-                        if dtype == torch.float32:
-                            fns[name] = flashattn_fn("tf32", causal)
+                        if dtype != torch.float32:
+                            continue
+                        fn = flashattn_fn("tf32", causal)
                     else:
-                        fns[name] = sdpa_fn(causal)
-                skip = {}
-                for name, fn in fns.items():
-                    why = supported(name, fn, dtype, d)
+                        fn = sdpa_fn(causal)
+                    fns[name, causal] = fn
+                    why = supported(name, fn, dtype, d, dev)
                     if why:
-                        skip[name] = why
+                        skip[name, causal] = why
                         notes.append(f"{name} {dname} D={d}{' causal' if causal else ''}: "
                                      f"skipped ({why})")
-                for s in map(int, seqs.split(",")):
-                    b, h = max(1, args.tokens // s), args.hidden // d
-                    sets = H.make_sets(args.sets, b, h, s, d, dtype, "cuda")
-                    for name, fn in fns.items():
-                        if name in skip:
+            for s in map(int, seqs.split(",")):
+                b, h = max(1, args.tokens // s), args.hidden // d
+                sets = H.make_sets(args.sets, b, h, s, d, dtype, dev)
+                for causal in causals:
+                    for name in wanted:
+                        if (name, causal) not in fns or (name, causal) in skip:
                             continue
+                        fn = fns[name, causal]
                         if name == "sdpa-math" and 4 * b * h * s * s * 4 > MATH_MAX_BYTES:
                             notes.append(f"sdpa-math {dname} D={d} S={s}: skipped (S x S "
                                          f"matrices need > {MATH_MAX_BYTES >> 30} GiB)")
@@ -164,7 +178,7 @@ def main():
                                                args.budget)
                                 peak = peak_extra_mib(fn, sets[0])
                         except torch.cuda.OutOfMemoryError:
-                            torch.cuda.empty_cache()
+                            empty_cache(dev)
                             notes.append(f"{name} {dname} D={d} S={s}: out of memory")
                             continue
                         except RuntimeError as e:
@@ -181,8 +195,8 @@ def main():
                               + "  ".join(f"{p} {row[p + '_flops_per_s'] / 1e12:6.1f}"
                                           for p in H.PASSES)
                               + f"  TFLOP/s  (peak +{peak:.0f} MiB)", flush=True)
-                    del sets
-                    torch.cuda.empty_cache()
+                del sets
+                empty_cache(dev)
     if not rows:
         sys.exit("nothing was measured")
     H.write_csv(os.path.join(args.out, "gpu.csv"), rows)
@@ -190,7 +204,7 @@ def main():
     peers = [b for b in SDPA if b in wanted]
     md = header + "\n\n" + H.table(rows, ours, peers)
     if notes:
-        md += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes)
+        md += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
     with open(os.path.join(args.out, "gpu.md"), "w") as f:
         f.write(md + "\n")
     print("\n" + md, flush=True)
