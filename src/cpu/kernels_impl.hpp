@@ -594,6 +594,7 @@ struct Forward {
       vstore(mrow + c0, mnew);
       vstore(alpha + c0, a);
     }
+    if (O == nullptr) return;  // row statistics only (float64 backward's LSE pass)
     for (int64_t c = 0; c < BQ; ++c) {
       const V a = vbroadcast<V>(alpha[c]);
       for (int64_t d = 0; d < Dp; d += W) vstore(O + c * Dp + d, vload<V>(O + c * Dp + d) * a);
@@ -618,8 +619,56 @@ struct Backward {
 
   struct Ctx {
     const BackwardParams* p;
-    C* delta;  // D = rowsum(dO * O), [B, Hq, Sq] contiguous
+    C* delta;       // D = rowsum(dO * O), [B, Hq, Sq] contiguous
+    const C* lse2;  // float64 only: LSE recomputed in double, log2 units, [B, Hq, Sq]; else null
   };
+
+  // float64 only: the row LSE recomputed in double (the forward's row statistics without the PV
+  // product). The LSE the API carries is float32; used as is it would limit float64 gradients to
+  // about 1e-7 relative error, 1e-5 with large scores, which is too coarse for gradient checks.
+  struct LseCtx {
+    const BackwardParams* p;
+    C* out;
+  };
+  static void lse_task(const void* vctx, int64_t task, void* scratch) {
+    using F = Forward<S>;
+    constexpr int64_t BQ = F::BQ, BK = F::BK;
+    const LseCtx& ctx = *static_cast<const LseCtx*>(vctx);
+    const BackwardParams& p = *ctx.p;
+    const Shape& sh = p.shape;
+    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
+    const int64_t nqb = (Sq + BQ - 1) / BQ;
+    const int64_t qb = nqb - 1 - task % nqb, bh = task / nqb;
+    const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+    const int64_t hk = h / (sh.heads_q / sh.heads_kv);
+    const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+    const Mask2 mask = mask_of(sh, p.num);
+    Carve<C> cv{static_cast<C*>(scratch)};
+    const typename F::Tiles t = F::carve(cv, D);
+    const Panels<C> QT =
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+    for (int64_t c = 0; c < BQ; ++c) {
+      t.m[c] = neg_inf<C>();
+      t.l[c] = C(0);
+    }
+    const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
+    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+      const int64_t nk = smin(BK, kend - j0);
+      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
+      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, t.st, BQ);
+      if (mask.causal && j0 + nk - 1 > i0 + mask.offset) {
+        for (int64_t r = 0; r < nk; ++r) {
+          const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
+          for (int64_t c = 0; c < cmin; ++c) t.st[r * BQ + c] = neg_inf<C>();
+        }
+      }
+      F::online_softmax(t.st, nk, t.m, t.l, nullptr, 0);
+    }
+    for (int64_t c = 0; c < nq; ++c)
+      ctx.out[bh * Sq + i0 + c] =
+          t.l[c] > C(0) ? t.m[c] + static_cast<C>(__builtin_log2(static_cast<double>(t.l[c])))
+                        : static_cast<C>(__builtin_inf());
+  }
 
   // D preprocess: one task per (batch, query head).
   static void delta_task(const void* vctx, int64_t task, void*) {
@@ -639,7 +688,9 @@ struct Backward {
 
   // LSE of row i in log2 units; a row without visible keys (LSE = -inf) becomes +inf so that
   // P = exp2(s - lse) = 0 instead of inf or NaN.
-  static C lse2_of(const BackwardParams& p, int64_t b, int64_t h, int64_t i) {
+  static C lse2_of(const Ctx& ctx, int64_t b, int64_t h, int64_t i) {
+    const BackwardParams& p = *ctx.p;
+    if (ctx.lse2) return ctx.lse2[(b * p.shape.heads_q + h) * p.shape.seq_q + i];
     const float v = p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss];
     if (v == -__builtin_inff()) return static_cast<C>(__builtin_inf());
     return static_cast<C>(v) * static_cast<C>(kLog2e);
@@ -686,7 +737,7 @@ struct Backward {
       const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
       for (int64_t c = 0; c < BQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
-        lse2[c] = c < nq ? lse2_of(p, b, h, i0 + c) : static_cast<C>(__builtin_inf());
+        lse2[c] = c < nq ? lse2_of(ctx, b, h, i0 + c) : static_cast<C>(__builtin_inf());
         dlt[c] = c < nq ? ctx.delta[bh * Sq + i0 + c] : C(0);
       }
       for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
@@ -781,7 +832,7 @@ struct Backward {
           const Panels<C> Qp = pack_panels<S, C>(p.q, b, h, i0, nq, D, t.qp);
           const Panels<C> dOp = pack_panels<S, C>(p.dout, b, h, i0, nq, D, t.dop);
           for (int64_t r = 0; r < nq; ++r) {
-            lse2[r] = lse2_of(p, b, h, i0 + r);
+            lse2[r] = lse2_of(ctx, b, h, i0 + r);
             dlt[r] = delta[i0 + r];
           }
           gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
@@ -831,9 +882,17 @@ struct Backward {
 
   static void run(const BackwardParams& p, Parallel& par) {
     const Shape& sh = p.shape;
-    Ctx ctx{&p, static_cast<C*>(
-                    par.alloc(static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q) * sizeof(C)))};
+    const size_t rows = static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q);
+    Ctx ctx{&p, static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
+    if constexpr (__is_same(C, double)) {
+      LseCtx lc{&p, static_cast<C*>(par.alloc(rows * sizeof(C)))};
+      Carve<C> cv{nullptr};
+      Forward<S>::carve(cv, sh.head_dim);
+      const int64_t nqb_f = (sh.seq_q + Forward<S>::BQ - 1) / Forward<S>::BQ;
+      par.run(nqb_f * sh.batch * sh.heads_q, cv.bytes(), &lse_task, &lc);
+      ctx.lse2 = lc.out;
+    }
     const int64_t nqb = (sh.seq_q + Dq::BQ - 1) / Dq::BQ;
     const int64_t nkb = (sh.seq_kv + Dkv::BK - 1) / Dkv::BK;
     MainCtx m{ctx, nkb * sh.batch * sh.heads_kv};
