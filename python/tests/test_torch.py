@@ -44,10 +44,12 @@ def problem(cfg, dtype, device, layout="bhsd", seed=0):
 def tolerance(dtype, device, naive_err, kind):
     """The C++ suite's tolerance on the CPU. On CUDA (float32 via split TF32 products, and the
     low-precision kernels), FlashAttention's criterion: at most twice the error of plain attention
-    computed by PyTorch in the same dtype (naive_err), with the CPU tolerance as a floor."""
+    computed by PyTorch in the same dtype (naive_err), with a floor: the CPU tolerance, and for
+    float32 the CUDA suite's measured bound for the fp32 mode (5e-5, tests/cuda). The kernels'
+    accuracy is that suite's business; here a wrong stride, mask or stream would show as O(1)."""
     tol = TOL[DTYPE_NAMES[dtype]][kind]
     if device == "cuda":
-        tol = max(tol, 2 * naive_err)
+        tol = max(tol, 2 * naive_err, 5e-5 if dtype == torch.float32 else 0.0)
     return tol
 
 
