@@ -213,6 +213,15 @@ inline void store_as(BF16* p, C v) {
   *p = to_bf16(static_cast<float>(v));
 }
 
+template <class A, class B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <class A>
+struct Same<A, A> {
+  static constexpr bool value = true;
+};
+
 // The compute type of a storage type.
 template <class S>
 struct ComputeOf {
@@ -390,7 +399,7 @@ struct Rows {
 // stored in the compute type is used in place; others are converted into dst (row stride D).
 template <class S, class C>
 Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C* dst) {
-  if constexpr (__is_same(S, C)) {
+  if constexpr (Same<S, C>::value) {
     (void)n;
     (void)dst;
     return {row_ptr<S>(t, b, h, row0), t.ss};
@@ -897,7 +906,7 @@ struct Backward {
     const size_t rows = static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q);
     Ctx ctx{&p, static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
-    if constexpr (__is_same(C, double)) {
+    if constexpr (Same<C, double>::value) {
       LseCtx lc{&p, static_cast<C*>(par.alloc(rows * sizeof(C)))};
       Carve<C> cv{nullptr};
       Forward<S>::carve(cv, sh.head_dim);
