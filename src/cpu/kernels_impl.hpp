@@ -595,28 +595,38 @@ struct Forward {
   // ST [nk x BQ] holds scores (log2 units) on entry and P^T = exp2(S - m_new) on exit; the
   // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new).
   static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
+    // Rows outer, the BQ / W column strips inner: the strips' running maxima and sums are
+    // independent chains (a single vmaxps chain down 128 rows was latency-bound: 4 cycles a row),
+    // and each row of ST is read contiguously. Per column the operations and their order are
+    // those of a column-by-column loop.
+    constexpr int64_t NS = BQ / W;
+    V mnew[NS], muse[NS], sum[NS];
+    for (int64_t s = 0; s < NS; ++s) mnew[s] = vload<V>(mrow + s * W);
+    for (int64_t r = 0; r < nk; ++r)
+      for (int64_t s = 0; s < NS; ++s) mnew[s] = vmax(mnew[s], vload<V>(ST + r * BQ + s * W));
     alignas(64) C alpha[BQ];
-    for (int64_t c0 = 0; c0 < BQ; c0 += W) {
-      V mold = vload<V>(mrow + c0);
-      V mnew = mold;
-      for (int64_t r = 0; r < nk; ++r) mnew = vmax(mnew, vload<V>(ST + r * BQ + c0));
+    const V ninf = vbroadcast<V>(neg_inf<C>());
+    for (int64_t s = 0; s < NS; ++s) {
       // A column that has seen only masked keys keeps m = -inf; subtracting 0 instead keeps
       // exp2(-inf - m) = 0 rather than NaN.
-      const V ninf = vbroadcast<V>(neg_inf<C>());
-      V muse = mnew == ninf ? V{} : mnew;
-      V a = exp2v(mold - muse);
-      V sum = V{};
-      for (int64_t r = 0; r < nk; ++r) {
-        V e = exp2v(vload<V>(ST + r * BQ + c0) - muse);
-        vstore(ST + r * BQ + c0, e);
-        sum += e;
+      muse[s] = mnew[s] == ninf ? V{} : mnew[s];
+      vstore(alpha + s * W, exp2v(vload<V>(mrow + s * W) - muse[s]));
+      sum[s] = V{};
+    }
+    for (int64_t r = 0; r < nk; ++r)
+      for (int64_t s = 0; s < NS; ++s) {
+        V e = exp2v(vload<V>(ST + r * BQ + s * W) - muse[s]);
+        vstore(ST + r * BQ + s * W, e);
+        sum[s] += e;
       }
-      vstore(lrow + c0, vload<V>(lrow + c0) * a + sum);
-      vstore(mrow + c0, mnew);
-      vstore(alpha + c0, a);
+    for (int64_t s = 0; s < NS; ++s) {
+      vstore(lrow + s * W, vload<V>(lrow + s * W) * vload<V>(alpha + s * W) + sum[s]);
+      vstore(mrow + s * W, mnew[s]);
     }
     if (O == nullptr) return;  // row statistics only (float64 backward's LSE pass)
     for (int64_t c = 0; c < BQ; ++c) {
+      // Once the running maximum settles most rows keep alpha = 1: skipping them is exact.
+      if (alpha[c] == C(1)) continue;
       const V a = vbroadcast<V>(alpha[c]);
       for (int64_t d = 0; d < Dp; d += W) vstore(O + c * Dp + d, vload<V>(O + c * Dp + d) * a);
     }
