@@ -55,12 +55,8 @@ def forward(q, k, v, scale=None, mask="none"):
     return np.einsum("bhij,bhjd->bhid", p, _expand(v, group)), lse
 
 
-def backward(dout, q, k, v, scale=None, mask="none", lse=None, out=None):
-    """float64 (dq, dk, dv); dk and dv summed over the query heads of each kv group.
-
-    With lse and out (the kernel's forward outputs), P is recomputed as exp(S - lse) and
-    D = rowsum(dout * out) the way a FlashAttention backward does, so the result isolates the
-    backward's own arithmetic."""
+def backward(dout, q, k, v, scale=None, mask="none"):
+    """float64 (dq, dk, dv); dk and dv summed over the query heads of each kv group."""
     dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
     scale = abi_scale(scale, q.shape[-1])
     b, hq, sq, d = q.shape
@@ -68,18 +64,9 @@ def backward(dout, q, k, v, scale=None, mask="none", lse=None, out=None):
     group = hq // hkv
     ke, ve = _expand(k, group), _expand(v, group)
     p, _ = _probs(q, ke, scale, mask)
-    if lse is not None:
-        lse = np.asarray(lse, dtype=np.float64)[..., None]
-        s = scale * np.einsum("bhid,bhjd->bhij", q, ke)
-        vis = visible(sq, skv, mask) & np.isfinite(lse)
-        p = np.where(vis, np.exp(np.where(vis, s - np.where(np.isfinite(lse), lse, 0.0), 0.0)), 0.0)
     dv_e = np.einsum("bhij,bhid->bhjd", p, dout)
     dp = np.einsum("bhid,bhjd->bhij", dout, ve)
-    if out is not None:
-        rowsum = (dout * np.asarray(out, dtype=np.float64)).sum(axis=-1, keepdims=True)
-    else:
-        rowsum = (dp * p).sum(axis=-1, keepdims=True)
-    ds = p * (dp - rowsum)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
     dq = scale * np.einsum("bhij,bhjd->bhid", ds, ke)
     dk_e = scale * np.einsum("bhij,bhid->bhjd", ds, q)
     dk = dk_e.reshape(b, hkv, group, skv, d).sum(axis=2)
