@@ -55,14 +55,14 @@ FLASHATTN_CUDA_HD constexpr TileConfig tile_config(Pass pass, int dp, bool big) 
            : dp <= 128 ? TileConfig{128, 32, 8, 2, 1}  // block_n 64 spills (3xtf32, 255 regs)
            : big       ? TileConfig{64, 32, 4, 2, 1}
                        : TileConfig{64, 32, 4, 1, 1};
-    case Pass::Dq:  // stationary Q, dO; streamed K, V
-      return dp <= 64 ? TileConfig{128, 64, 8, 2, 1}
+    case Pass::Dq:  // stationary Q, dO; streamed K, V (block_n 32 keeps 3xtf32 out of spills)
+      return dp <= 64 ? TileConfig{128, 32, 8, 2, 1}
            : dp <= 128 ? (big ? TileConfig{128, 32, 8, 2, 1} : TileConfig{64, 32, 4, 2, 1})
            : big       ? TileConfig{64, 32, 4, 1, 1}
                        : TileConfig{32, 32, 2, 1, 1};
     case Pass::Dkv:  // stationary K, V; streamed Q, dO (+ LSE and D vectors)
-      return dp <= 64 ? TileConfig{128, 64, 8, 2, 1}
-           : dp <= 128 ? (big ? TileConfig{128, 32, 8, 2, 1} : TileConfig{64, 32, 4, 2, 1})
+      return dp <= 64 ? TileConfig{128, 32, 8, 2, 1}
+           : dp <= 128 ? (big ? TileConfig{128, 16, 8, 2, 1} : TileConfig{64, 32, 4, 2, 1})
            : big       ? TileConfig{32, 32, 4, 2, 2}
                        : TileConfig{32, 32, 4, 1, 2};
   }

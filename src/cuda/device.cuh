@@ -167,17 +167,38 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
       }
     }
   } else {
+    // Same grouping as gemm_rn (see there): in the fp32-accurate mode every two k-steps go into a
+    // fresh accumulator that is added with an FADD, so a D = 256 dot product (96 mma) does not
+    // drift with the tensor cores' truncating accumulation.
+    constexpr int NKK = KD / 8;
+    constexpr int KG = (M == Math::Tf32x3 && NKK % 2 == 0) ? 2 : 1;
 #pragma unroll
-    for (int kk = 0; kk < KD / 8; ++kk) {
-      const int k = 8 * kk + t;
-      // Fragment loads: lane (g, t) reads row g at column t: banks 4g + t, conflict free.
-      const float af[4] = {A[g * LD + k], A[(g + 8) * LD + k], A[g * LD + k + 4], A[(g + 8) * LD + k + 4]};
-      const AFrag<M> a = make_afrag<M>(af);
+    for (int k0 = 0; k0 < NKK; k0 += KG) {
+      AFrag<M> a[KG];
+#pragma unroll
+      for (int u = 0; u < KG; ++u) {
+        const int k = 8 * (k0 + u) + t;
+        // Fragment loads: lane (g, t) reads row g at column t: banks 4g + t, conflict free.
+        const float af[4] = {A[g * LD + k], A[(g + 8) * LD + k], A[g * LD + k + 4], A[(g + 8) * LD + k + 4]};
+        a[u] = make_afrag<M>(af);
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const float* bp = B + (8 * j + g) * LD + k;
-        const float b[2] = {bp[0], bp[4]};
-        mma_step<M>(acc[j], a, b);
+        if constexpr (M == Math::Tf32x3) {
+          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int u = 0; u < KG; ++u) {
+            const float* bp = B + (8 * j + g) * LD + 8 * (k0 + u) + t;
+            const float b[2] = {bp[0], bp[4]};
+            mma_step<M>(part, a[u], b);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] += part[e];
+        } else {
+          const float* bp = B + (8 * j + g) * LD + 8 * k0 + t;
+          const float b[2] = {bp[0], bp[4]};
+          mma_step<M>(acc[j], a[0], b);
+        }
       }
     }
   }
