@@ -25,7 +25,9 @@ def cuda_supports(dtype):
     try:
         flashattn.forward(x, x, x)
         return True
-    except NotImplementedError:
+    except (NotImplementedError, TypeError):
+        # "not implemented yet" for a dtype is a TypeError (the message names q.dtype); a
+        # valid call this build cannot serve otherwise is a NotImplementedError.
         return False
 
 
