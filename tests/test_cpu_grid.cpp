@@ -83,18 +83,7 @@ std::vector<GridCase> make_grid() {
   std::vector<ProblemConfig> cfgs;
   auto hand = [&](int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t skv, int64_t d, Mask m,
                   DType dt, testing::Layout l, float scale = 0.0f) {
-    ProblemConfig c;
-    c.batch = b;
-    c.heads_q = hq;
-    c.heads_kv = hkv;
-    c.seq_q = sq;
-    c.seq_kv = skv;
-    c.head_dim = d;
-    c.mask = m;
-    c.dtype = dt;
-    c.layout = l;
-    c.softmax_scale = scale;
-    cfgs.push_back(c);
+    cfgs.push_back(make_config(b, hq, hkv, sq, skv, d, m, dt, l, scale));
   };
   using L = testing::Layout;
   // Hand-picked edge cases.

@@ -18,18 +18,7 @@ struct DetCase {
 
 ProblemConfig cfg(int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t skv, int64_t d, Mask m,
                   DType dt, testing::Layout l) {
-  ProblemConfig c;
-  c.batch = b;
-  c.heads_q = hq;
-  c.heads_kv = hkv;
-  c.seq_q = sq;
-  c.seq_kv = skv;
-  c.head_dim = d;
-  c.mask = m;
-  c.dtype = dt;
-  c.layout = l;
-  c.seed = 77;
-  return c;
+  return make_config(b, hq, hkv, sq, skv, d, m, dt, l, 0.0f, /*seed=*/77);
 }
 
 // Shapes with several blocks per head in both directions and ragged tails, GQA so that dK/dV sum
