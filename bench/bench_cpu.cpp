@@ -59,13 +59,8 @@ double now_s() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  ProblemConfig base;
-  base.batch = 1;
-  base.heads_q = 8;
-  base.heads_kv = 0;
-  base.seq_q = 2048;
-  base.seq_kv = 0;
-  base.head_dim = 128;
+  // heads_kv and seq_kv 0: "same as the query side" unless a flag sets them.
+  ProblemConfig base = testing::make_config(1, 8, 0, 2048, 0, 128);
   std::string masks = "none,causal";
   int threads = 0, reps = 5, gemm_n = 4096;
   for (int i = 1; i < argc; ++i) {

@@ -30,15 +30,8 @@ flashattn_tensor to_c(const Tensor& t) {
 }
 
 ProblemConfig small_config() {
-  ProblemConfig c;
-  c.batch = 2;
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.seq_q = 9;
-  c.seq_kv = 6;
-  c.head_dim = 16;
-  c.seed = 41;
-  return c;
+  return make_config(2, 4, 2, 9, 6, 16, Mask::None, DType::Float32, testing::Layout::BHSD, 0.0f,
+                     /*seed=*/41);
 }
 
 class CApi : public ::testing::Test {

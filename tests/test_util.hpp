@@ -18,24 +18,7 @@ namespace flashattn::test {
 using testing::Problem;
 using testing::ProblemConfig;
 
-// One problem description, as the grid and the determinism tests spell their cases.
-inline ProblemConfig make_config(int64_t b, int64_t hq, int64_t hkv, int64_t sq, int64_t skv,
-                                 int64_t d, Mask m, DType dt, testing::Layout l,
-                                 float scale = 0.0f, uint64_t seed = 0) {
-  ProblemConfig c;
-  c.batch = b;
-  c.heads_q = hq;
-  c.heads_kv = hkv;
-  c.seq_q = sq;
-  c.seq_kv = skv;
-  c.head_dim = d;
-  c.mask = m;
-  c.dtype = dt;
-  c.layout = l;
-  c.softmax_scale = scale;
-  c.seed = seed;
-  return c;
-}
+using testing::make_config;
 
 inline testing::RefShape ref_shape(const ProblemConfig& c) {
   return testing::RefShape{c.batch, c.heads_q, c.heads_kv, c.seq_q, c.seq_kv, c.head_dim};

@@ -36,16 +36,7 @@ std::string dims(const int64_t* d, int n) {
 }
 
 ProblemConfig base_config(DType dt = DType::Float32) {
-  ProblemConfig c;
-  c.batch = 2;
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.seq_q = 5;
-  c.seq_kv = 7;
-  c.head_dim = 8;
-  c.dtype = dt;
-  c.seed = 3;
-  return c;
+  return make_config(2, 4, 2, 5, 7, 8, Mask::None, dt, testing::Layout::BHSD, 0.0f, /*seed=*/3);
 }
 
 class BadInput : public ::testing::Test {

@@ -23,6 +23,24 @@ float ProblemConfig::scale() const {
                                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 
+ProblemConfig make_config(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
+                          int64_t seq_kv, int64_t head_dim, Mask mask, DType dtype, Layout layout,
+                          float softmax_scale, uint64_t seed) {
+  ProblemConfig c;
+  c.batch = batch;
+  c.heads_q = heads_q;
+  c.heads_kv = heads_kv;
+  c.seq_q = seq_q;
+  c.seq_kv = seq_kv;
+  c.head_dim = head_dim;
+  c.mask = mask;
+  c.dtype = dtype;
+  c.layout = layout;
+  c.softmax_scale = softmax_scale;
+  c.seed = seed;
+  return c;
+}
+
 double forward_flops(const ProblemConfig& c) {
   double f = 4.0 * c.batch * c.heads_q * static_cast<double>(c.seq_q) * c.seq_kv * c.head_dim;
   return c.mask == Mask::None ? f : f / 2;

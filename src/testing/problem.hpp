@@ -26,6 +26,12 @@ struct ProblemConfig {
   float scale() const;  // resolved
 };
 
+// A problem in one line, as tests, benchmarks and the CLI spell their shapes.
+ProblemConfig make_config(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
+                          int64_t seq_kv, int64_t head_dim, Mask mask = Mask::None,
+                          DType dtype = DType::Float32, Layout layout = Layout::BHSD,
+                          float softmax_scale = 0.0f, uint64_t seed = 0);
+
 // FLOPs counted the usual way: forward 4*B*H*Sq*Skv*D (two matmuls), halved when causal
 // (an approximation for Sq != Skv, as every peer reports it); backward 2.5x the forward.
 double forward_flops(const ProblemConfig& c);
