@@ -41,22 +41,21 @@ def build_info():
 # ---- argument codes -----------------------------------------------------------------------------
 
 
-def mask_code(mask):
-    if isinstance(mask, str) and mask in MASKS:
-        return MASKS[mask]
+def _code(name, value, table):
+    if isinstance(value, str) and value in table:
+        return table[value]
     raise ValueError(
-        f"mask = {mask!r} is unknown; expected one of "
-        + ", ".join(repr(m) for m in MASKS)
+        f"{name} = {value!r} is unknown; expected one of "
+        + ", ".join(repr(k) for k in table)
     )
+
+
+def mask_code(mask):
+    return _code("mask", mask, MASKS)
 
 
 def precision_code(precision):
-    if isinstance(precision, str) and precision in PRECISIONS:
-        return PRECISIONS[precision]
-    raise ValueError(
-        f"precision = {precision!r} is unknown; expected one of "
-        + ", ".join(repr(p) for p in PRECISIONS)
-    )
+    return _code("precision", precision, PRECISIONS)
 
 
 def scale_value(softmax_scale):
