@@ -83,6 +83,9 @@ typedef struct {
   /* ---- end of version 1 (FLASHATTN_OPTIONS_V1_SIZE) ---- */
   int32_t num_threads; /* CPU worker threads; 0 = all hardware threads. Results do not depend on it */
   int32_t precision;   /* FLASHATTN_PRECISION_*; 0 = fp32-accurate */
+  int32_t deterministic; /* nonzero: bitwise-reproducible backward on every backend (CUDA
+                            float16/bfloat16 then uses the split dQ + dK/dV passes instead of
+                            float atomics for dQ). CPU and CUDA float32 are always deterministic */
 } flashattn_options;
 
 #define FLASHATTN_OPTIONS_V1_SIZE 24u

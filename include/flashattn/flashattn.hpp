@@ -79,6 +79,7 @@ struct Options {
   void* stream = nullptr;      // cudaStream_t; nullptr = default stream
   int32_t num_threads = 0;     // CPU threads; 0 = all hardware threads
   Precision precision = Precision::Fp32;
+  bool deterministic = false;  // bitwise-reproducible backward (see flashattn_options)
 };
 
 // out [B,Hq,Sq,D], lse [B,Hq,Sq] float32.

@@ -75,6 +75,8 @@ flashattn::Options to_options(const flashattn_options* o) {
   if (has(offsetof(flashattn_options, num_threads), sizeof(int32_t))) r.num_threads = o->num_threads;
   if (has(offsetof(flashattn_options, precision), sizeof(int32_t)))
     r.precision = static_cast<flashattn::Precision>(o->precision);
+  if (has(offsetof(flashattn_options, deterministic), sizeof(int32_t)))
+    r.deterministic = o->deterministic != 0;
   return r;
 }
 

@@ -28,6 +28,7 @@ struct Numerics {
   float scale;          // softmax scale, resolved (never 0)
   Mask mask;
   Precision precision;  // CUDA float32 only
+  bool deterministic;   // backward must be bitwise reproducible (CUDA 16-bit: split design)
 };
 
 struct Exec {

@@ -278,7 +278,7 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
   c.shape = Shape{B, Hq, Hkv, Sq, Skv, D};
   float scale = o.softmax_scale != 0.0f ? o.softmax_scale
                                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision};
+  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic};
   int32_t threads = o.num_threads;
   if (threads == 0) threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
   c.exec = Exec{q.t->device, o.stream, threads};
