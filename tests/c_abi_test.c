@@ -4,6 +4,7 @@
  * Exit status 0 on success; every failed check prints a line and makes it 1.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,7 +181,7 @@ int main(void) {
   flashattn_options_init(&opts);
   CHECK(opts.struct_size == sizeof(flashattn_options), "struct_size = %u", opts.struct_size);
   CHECK(opts.softmax_scale == 0.0f && opts.mask == 0 && opts.stream == NULL &&
-            opts.num_threads == 0 && opts.precision == 0,
+            opts.num_threads == 0 && opts.precision == 0 && opts.deterministic == 0,
         "options_init left a non-default field");
 
   for (m = 0; m < 3; ++m) {
@@ -214,6 +215,47 @@ int main(void) {
   for (i = 0; i < B * HQ; ++i) {
     CHECK(isinf(lse[i * SQ]) && lse[i * SQ] < 0, "lse of masked row = %g", lse[i * SQ]);
     CHECK(out[i * SQ * D] == 0.0f && dq[i * SQ * D] == 0.0f, "masked row not zero");
+  }
+
+  /* deterministic = 1, and the structs of older callers (version 1, and the one before
+     `deterministic` was appended), each in a heap block of exactly its size: accepted, and bitwise
+     the results of the default options (the CPU backward is deterministic whatever the flag) */
+  {
+    static float w_out[NQ], w_lse[NL], w_dq[NQ], w_dk[NK], w_dv[NK];
+    const size_t sizes[] = {sizeof(flashattn_options), offsetof(flashattn_options, deterministic),
+                            FLASHATTN_OPTIONS_V1_SIZE};
+    int s;
+    poison();
+    flashattn_options_init(&opts);
+    opts.mask = FLASHATTN_MASK_CAUSAL_TOP_LEFT;
+    st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+    st |= flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, &opts);
+    CHECK(st == FLASHATTN_OK, "default options: %s", flashattn_last_error());
+    memcpy(w_out, out, sizeof out);
+    memcpy(w_lse, lse, sizeof lse);
+    memcpy(w_dq, dq, sizeof dq);
+    memcpy(w_dk, dk, sizeof dk);
+    memcpy(w_dv, dv, sizeof dv);
+    opts.deterministic = 1;
+    for (s = 0; s < 3; ++s) {
+      flashattn_options* o = (flashattn_options*)malloc(sizes[s]);
+      CHECK(o != NULL, "malloc(%u)", (unsigned)sizes[s]);
+      if (o == NULL) continue;
+      memcpy(o, &opts, sizes[s]);
+      o->struct_size = (uint32_t)sizes[s];
+      poison();
+      st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, o);
+      CHECK(st == FLASHATTN_OK, "struct_size %u forward: %s", (unsigned)sizes[s],
+            flashattn_last_error());
+      st = flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, o);
+      CHECK(st == FLASHATTN_OK, "struct_size %u backward: %s", (unsigned)sizes[s],
+            flashattn_last_error());
+      CHECK(memcmp(w_out, out, sizeof out) == 0 && memcmp(w_lse, lse, sizeof lse) == 0 &&
+                memcmp(w_dq, dq, sizeof dq) == 0 && memcmp(w_dk, dk, sizeof dk) == 0 &&
+                memcmp(w_dv, dv, sizeof dv) == 0,
+            "struct_size %u: results differ from the default options'", (unsigned)sizes[s]);
+      free(o);
+    }
   }
 
   /* NULL options: the defaults (no mask, 1/sqrt(D)) */

@@ -7,9 +7,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <string>
 #include <thread>
 
+#include "core/c_options.hpp"
 #include "flashattn/flashattn.h"
 #include "test_util.hpp"
 
@@ -162,6 +164,102 @@ TEST_F(CApi, Version1OptionsIgnoreNewerFields) {
       << flashattn_last_error();
 }
 
+// The size of the struct before `deterministic` was appended (the layout of version 2).
+constexpr uint32_t kPreDeterministicSize = offsetof(flashattn_options, deterministic);
+static_assert(offsetof(flashattn_options, deterministic) ==
+                  offsetof(flashattn_options, precision) + sizeof(int32_t),
+              "deterministic is appended right after precision");
+
+// An exactly-`size`-byte heap copy of the first `size` bytes of `o`: under ASan, any read of a
+// field past struct_size is a heap-buffer-overflow.
+struct TruncatedOptions {
+  TruncatedOptions(const flashattn_options& o, uint32_t size)
+      : p(static_cast<flashattn_options*>(std::malloc(size))) {
+    if (p == nullptr) throw std::bad_alloc();
+    std::memcpy(p, &o, size);
+    p->struct_size = size;
+  }
+  ~TruncatedOptions() { std::free(p); }
+  TruncatedOptions(const TruncatedOptions&) = delete;
+  TruncatedOptions& operator=(const TruncatedOptions&) = delete;
+  flashattn_options* p;
+};
+
+// What the library makes of an older caller's struct, field by field: deterministic = true leaves
+// no trace in CPU results (the CPU backward is always deterministic), so it is checked here on the
+// conversion the C entry points use.
+TEST(CApiOptions, OlderStructSizesDefaultDeterministicToFalse) {
+  flashattn_options full;
+  flashattn_options_init(&full);
+  full.softmax_scale = 0.5f;
+  full.mask = FLASHATTN_MASK_CAUSAL_TOP_LEFT;
+  full.num_threads = 3;
+  full.precision = FLASHATTN_PRECISION_TF32;
+  full.deterministic = 1;
+
+  const Options all = detail::options_from_c(&full);
+  EXPECT_EQ(all.softmax_scale, 0.5f);
+  EXPECT_EQ(all.mask, Mask::CausalTopLeft);
+  EXPECT_EQ(all.num_threads, 3);
+  EXPECT_EQ(all.precision, Precision::Tf32);
+  EXPECT_TRUE(all.deterministic);
+
+  {
+    TruncatedOptions pre(full, kPreDeterministicSize);
+    const Options r = detail::options_from_c(pre.p);
+    EXPECT_EQ(r.softmax_scale, 0.5f);
+    EXPECT_EQ(r.mask, Mask::CausalTopLeft);
+    EXPECT_EQ(r.num_threads, 3);
+    EXPECT_EQ(r.precision, Precision::Tf32);
+    EXPECT_FALSE(r.deterministic);
+  }
+  {
+    TruncatedOptions v1(full, FLASHATTN_OPTIONS_V1_SIZE);
+    const Options r = detail::options_from_c(v1.p);
+    EXPECT_EQ(r.softmax_scale, 0.5f);
+    EXPECT_EQ(r.mask, Mask::CausalTopLeft);
+    EXPECT_EQ(r.num_threads, 0);
+    EXPECT_EQ(r.precision, Precision::Fp32);
+    EXPECT_FALSE(r.deterministic);
+  }
+  // A struct_size that ends inside `deterministic` does not have the field either.
+  full.struct_size = kPreDeterministicSize + 2;
+  EXPECT_FALSE(detail::options_from_c(&full).deterministic);
+
+  // Any nonzero value means true (C callers may pass a bool-ish int).
+  full.struct_size = sizeof(flashattn_options);
+  for (int32_t d : {2, -1, std::numeric_limits<int32_t>::min()}) {
+    full.deterministic = d;
+    EXPECT_TRUE(detail::options_from_c(&full).deterministic) << d;
+  }
+  full.deterministic = 0;
+  EXPECT_FALSE(detail::options_from_c(&full).deterministic);
+  EXPECT_FALSE(detail::options_from_c(nullptr).deterministic);
+}
+
+// The same sizes through the C entry points: accepted, and (on the CPU, which is deterministic
+// whatever the flag says) bitwise the results of the full struct.
+TEST_F(CApi, PreDeterministicOptionsWork) {
+  flashattn_options full;
+  flashattn_options_init(&full);
+  full.mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+  full.num_threads = 2;
+  const Snapshot want = run(&full);
+
+  full.deterministic = 1;
+  EXPECT_TRUE(run(&full) == want);
+
+  // Garbage where `deterministic` would be cannot be read: the copy ends before it.
+  full.deterministic = 0x5a5a5a5a;
+  TruncatedOptions pre(full, kPreDeterministicSize);
+  EXPECT_TRUE(run(pre.p) == want);
+  // The fields that the older struct does have are still read.
+  pre.p->num_threads = -1;
+  EXPECT_EQ(fwd(pre.p), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "options.num_threads = -1"))
+      << flashattn_last_error();
+}
+
 TEST_F(CApi, NullOptionsMeanDefaults) {
   flashattn_options o;
   flashattn_options_init(&o);
@@ -182,6 +280,7 @@ TEST_F(CApi, OptionsInit) {
   EXPECT_EQ(o.stream, nullptr);
   EXPECT_EQ(o.num_threads, 0);
   EXPECT_EQ(o.precision, FLASHATTN_PRECISION_FP32);
+  EXPECT_EQ(o.deterministic, 0);
   flashattn_options_init(nullptr);  // must not crash
 }
 

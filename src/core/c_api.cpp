@@ -6,6 +6,7 @@
 
 #include "flashattn/flashattn.h"
 #include "flashattn/flashattn.hpp"
+#include "core/c_options.hpp"
 
 namespace {
 
@@ -57,29 +58,6 @@ flashattn::Tensor to_tensor(const flashattn_tensor* t, const char* name) {
   return r;
 }
 
-flashattn::Options to_options(const flashattn_options* o) {
-  flashattn::Options r;
-  if (o == nullptr) return r;
-  if (o->struct_size < FLASHATTN_OPTIONS_V1_SIZE)
-    throw flashattn::Error(flashattn::Status::InvalidArgument,
-                           "opts->struct_size = " + std::to_string(o->struct_size) +
-                               " is too small (at least " +
-                               std::to_string(FLASHATTN_OPTIONS_V1_SIZE) +
-                               "; set it to sizeof(flashattn_options) or call "
-                               "flashattn_options_init)");
-  // Read only the fields the caller's struct has: newer fields keep their defaults.
-  auto has = [&](size_t offset, size_t size) { return o->struct_size >= offset + size; };
-  r.softmax_scale = o->softmax_scale;
-  r.mask = static_cast<flashattn::Mask>(o->mask);
-  r.stream = o->stream;
-  if (has(offsetof(flashattn_options, num_threads), sizeof(int32_t))) r.num_threads = o->num_threads;
-  if (has(offsetof(flashattn_options, precision), sizeof(int32_t)))
-    r.precision = static_cast<flashattn::Precision>(o->precision);
-  if (has(offsetof(flashattn_options, deterministic), sizeof(int32_t)))
-    r.deterministic = o->deterministic != 0;
-  return r;
-}
-
 }  // namespace
 
 extern "C" {
@@ -95,7 +73,8 @@ int flashattn_forward(const flashattn_tensor* q, const flashattn_tensor* k,
                       const flashattn_tensor* lse, const flashattn_options* opts) {
   return guarded([&] {
     flashattn::forward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
-                       to_tensor(out, "out"), to_tensor(lse, "lse"), to_options(opts));
+                       to_tensor(out, "out"), to_tensor(lse, "lse"),
+                       flashattn::detail::options_from_c(opts));
   });
 }
 
@@ -108,7 +87,7 @@ int flashattn_backward(const flashattn_tensor* q, const flashattn_tensor* k,
     flashattn::backward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
                         to_tensor(out, "out"), to_tensor(dout, "dout"), to_tensor(lse, "lse"),
                         to_tensor(dq, "dq"), to_tensor(dk, "dk"), to_tensor(dv, "dv"),
-                        to_options(opts));
+                        flashattn::detail::options_from_c(opts));
   });
 }
 
