@@ -72,6 +72,10 @@ pub struct flashattn_options {
     pub num_threads: i32,
     /// `FLASHATTN_PRECISION_*`; 0 = fp32-accurate.
     pub precision: i32,
+    /// Nonzero: bitwise-reproducible backward on every backend (CUDA float16/bfloat16 then uses
+    /// the split dQ + dK/dV passes instead of float atomics for dQ). CPU and CUDA float32 are
+    /// always deterministic.
+    pub deterministic: i32,
 }
 
 /// Size of the version 1 `flashattn_options` (up to and including `stream`).

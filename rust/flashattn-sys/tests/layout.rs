@@ -101,6 +101,7 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_options, stream));
     m.extend(field!(flashattn_options, num_threads));
     m.extend(field!(flashattn_options, precision));
+    m.extend(field!(flashattn_options, deterministic));
     m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
@@ -154,6 +155,7 @@ fn options_init_fills_struct_size_and_defaults() {
     o.mask = 9;
     o.num_threads = -3;
     o.precision = 5;
+    o.deterministic = 1;
     o.softmax_scale = 2.5;
     o.stream = 16 as *mut _;
     unsafe { flashattn_options_init(&mut o) };
@@ -163,6 +165,7 @@ fn options_init_fills_struct_size_and_defaults() {
     assert!(o.stream.is_null());
     assert_eq!(o.num_threads, 0);
     assert_eq!(o.precision, FLASHATTN_PRECISION_FP32);
+    assert_eq!(o.deterministic, 0);
 }
 
 #[test]

@@ -31,6 +31,7 @@ int main(void) {
   FIELD(flashattn_options, stream);
   FIELD(flashattn_options, num_threads);
   FIELD(flashattn_options, precision);
+  FIELD(flashattn_options, deterministic);
 
   SIZE(int);
 

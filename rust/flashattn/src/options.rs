@@ -60,6 +60,10 @@ pub struct Options {
     pub precision: Precision,
     /// None: the device's default stream.
     pub stream: Option<CudaStream>,
+    /// A bitwise-reproducible backward. The CPU and CUDA float32 always give one; CUDA float16
+    /// and bfloat16 otherwise accumulate dQ with float atomics (faster, order not fixed) and with
+    /// this set use separate dQ and dK/dV passes instead.
+    pub deterministic: bool,
 }
 
 impl Options {
@@ -86,6 +90,42 @@ impl Options {
                 Precision::Fp32 => sys::FLASHATTN_PRECISION_FP32,
                 Precision::Tf32 => sys::FLASHATTN_PRECISION_TF32,
             },
+            deterministic: i32::from(self.deterministic),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The flag leaves no trace in CPU results (always deterministic there), so check here that it
+    // reaches the C struct, and that the struct tells the library it has the field.
+    #[test]
+    fn raw_carries_every_field() {
+        let d = Options::default().raw().unwrap();
+        assert_eq!(d.deterministic, 0);
+        assert_eq!(d.struct_size as usize, core::mem::size_of::<sys::flashattn_options>());
+        assert!(
+            d.struct_size as usize
+                >= core::mem::offset_of!(sys::flashattn_options, deterministic)
+                    + core::mem::size_of::<i32>()
+        );
+        let o = Options {
+            softmax_scale: Some(0.5),
+            mask: Mask::CausalBottomRight,
+            num_threads: 3,
+            precision: Precision::Tf32,
+            stream: None,
+            deterministic: true,
+        }
+        .raw()
+        .unwrap();
+        assert_eq!(o.deterministic, 1);
+        assert_eq!(o.softmax_scale, 0.5);
+        assert_eq!(o.mask, sys::FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT);
+        assert_eq!(o.num_threads, 3);
+        assert_eq!(o.precision, sys::FLASHATTN_PRECISION_TF32);
+        assert!(o.stream.is_null());
     }
 }

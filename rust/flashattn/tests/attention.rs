@@ -123,6 +123,30 @@ fn results_do_not_depend_on_thread_count() {
     }
 }
 
+/// `deterministic` is accepted for every dtype; the CPU backward is deterministic either way, so
+/// the results are bitwise those without it (and the runs compared are not trivially equal: each
+/// starts from NaN-poisoned outputs).
+fn deterministic_changes_nothing_on_the_cpu<T: Element>(seed: u64) {
+    let mut case = Case::new([2, 4, 2, 33, 17, 24], Mask::CausalTopLeft, Layout::Bhsd);
+    let x = Inputs::random::<T>(&case, seed);
+    let plain = run_library::<T>(&case, &x).unwrap();
+    case.deterministic = true;
+    for threads in [1, 3] {
+        case.threads = threads;
+        let det = run_library::<T>(&case, &x).unwrap();
+        assert_eq!(bits(&det), bits(&plain), "{:?} num_threads = {threads}", T::DTYPE);
+    }
+    assert!(plain.dq.iter().all(|v| v.is_finite()), "{:?}: dq not finite", T::DTYPE);
+}
+
+#[test]
+fn deterministic_option_on_the_cpu() {
+    deterministic_changes_nothing_on_the_cpu::<f32>(51);
+    deterministic_changes_nothing_on_the_cpu::<f64>(52);
+    deterministic_changes_nothing_on_the_cpu::<F16>(53);
+    deterministic_changes_nothing_on_the_cpu::<Bf16>(54);
+}
+
 #[test]
 fn packed_qkv_views_of_one_buffer() {
     // One [B, S, 3, H, D] buffer, as a fused QKV projection writes it: q, k and v are strided

@@ -113,6 +113,7 @@ pub struct Case {
     pub layout: Layout,
     pub scale: Option<f32>,
     pub threads: u32,
+    pub deterministic: bool,
 }
 
 impl Case {
@@ -124,6 +125,7 @@ impl Case {
             layout,
             scale: None,
             threads: 0,
+            deterministic: false,
         }
     }
     pub fn options(&self) -> Options {
@@ -131,6 +133,7 @@ impl Case {
             softmax_scale: self.scale,
             mask: self.mask,
             num_threads: self.threads,
+            deterministic: self.deterministic,
             ..Options::default()
         }
     }
