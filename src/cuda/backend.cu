@@ -40,7 +40,10 @@ struct KernelChoice {
   bool ok = false;
   std::string why;  // when !ok: the reason, for an Unsupported error
   int dp = 0;       // padded head dim
-  Math math = Math::Tf32x3;
+  Math math = Math::Tf32x3;  // float32 kernels
+  bool half16 = false;       // float16/bfloat16 kernels (kernels16.cuh)
+  Half16 h = Half16::BF16;
+  bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
 };
 
 // FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic.
@@ -58,18 +61,43 @@ bool math_override(Math* m) {
                                            "' is unknown (fma, tf32 or 3xtf32)");
 }
 
+// FLASHATTN_CUDA_BWD=split|atomic chooses the 16-bit backward design when the caller did not ask
+// for a deterministic one (tests and benchmarks measure both); read on every call.
+bool bwd_override(bool* atomic) {
+  const char* env = std::getenv("FLASHATTN_CUDA_BWD");
+  if (env == nullptr || *env == '\0') return false;
+  if (std::strcmp(env, "split") == 0 || std::strcmp(env, "atomic") == 0) {
+    *atomic = env[0] == 'a';
+    return true;
+  }
+  throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_BWD = '") + env +
+                                           "' is unknown (split or atomic)");
+}
+
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
   KernelChoice c;
   if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
-    c.why = std::string("q.dtype = ") + dtype_name(n.dtype) +
-            ": float16/bfloat16 on CUDA is not implemented yet (float32 is)";
-    return c;
-  }
-  if (n.dtype != DType::Float32) {
+    if (cc_major < 8) {
+      c.why = std::string("q.dtype = ") + dtype_name(n.dtype) +
+              ": the float16/bfloat16 kernels need sm_80 or newer (this device is sm_" +
+              std::to_string(cc_major) + "x)";
+      return c;
+    }
+    c.half16 = true;
+    c.h = n.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
+    c.dp = padded_head_dim16(s.head_dim);
+    // Default: the single pass with atomic dQ (measured faster, docs/PERF.md); deterministic
+    // callers get the split passes, whose every sum has a fixed order.
+    c.atomic_bwd = true;
+    bool forced;
+    if (bwd_override(&forced)) c.atomic_bwd = forced;
+    if (n.deterministic) c.atomic_bwd = false;
+  } else if (n.dtype != DType::Float32) {
     c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
     return c;
+  } else {
+    c.dp = padded_head_dim(s.head_dim);
   }
-  c.dp = padded_head_dim(s.head_dim);
   if (c.dp == 0) {
     c.why = "head_dim = " + std::to_string(s.head_dim) + " is not supported on CUDA (1..256)";
     return c;
@@ -81,6 +109,10 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
   }
   if ((s.seq_q + 15) / 16 > 0x7fffffff || (s.seq_kv + 15) / 16 > 0x7fffffff) {
     c.why = "sequence too long for the CUDA grid";
+    return c;
+  }
+  if (c.half16) {
+    c.ok = true;
     return c;
   }
   // TF32 mma.sync needs sm_80; older devices get the FMA kernels in both precisions.
@@ -115,6 +147,21 @@ void dispatch(const KernelChoice& c, F&& f) {
   throw Error(Status::Internal, "cuda dispatch: no kernel for padded head dim " + std::to_string(c.dp));
 }
 
+template <class F>
+void dispatch16(const KernelChoice& c, F&& f) {
+  auto with_type = [&](auto dp) {
+    if (c.h == Half16::BF16) return f(dp, std::integral_constant<Half16, Half16::BF16>{});
+    return f(dp, std::integral_constant<Half16, Half16::F16>{});
+  };
+  switch (c.dp) {
+    case 64: return with_type(std::integral_constant<int, 64>{});
+    case 96: return with_type(std::integral_constant<int, 96>{});
+    case 128: return with_type(std::integral_constant<int, 128>{});
+    case 256: return with_type(std::integral_constant<int, 256>{});
+  }
+  throw Error(Status::Internal, "cuda dispatch16: no kernel for padded head dim " + std::to_string(c.dp));
+}
+
 struct DeviceInfo {
   int cc_major = 0;
   int smem_optin = 0;  // bytes of shared memory one block may opt into
@@ -131,22 +178,25 @@ DeviceInfo device_info(int device) {
 KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   KernelChoice c = select_kernel(s, n, d.cc_major);
   if (c.ok) {
-    for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv})
-      if (smem_bytes(p, c.dp, d.big()) > d.smem_optin) {
+    for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
+      const int need = c.half16 ? smem_bytes16(p, c.dp, d.big(), true) : smem_bytes(p, c.dp, d.big());
+      if (need > d.smem_optin) {
         c.ok = false;
-        c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " +
-                std::to_string(smem_bytes(p, c.dp, d.big())) +
+        c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
                 " bytes of shared memory per block; this device allows " + std::to_string(d.smem_optin);
       }
+    }
   }
   if (!c.ok) throw Error(Status::Unsupported, "CUDA backend: " + c.why);
   return c;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// 16-byte copies need an aligned base and strides that are whole multiples of 16 bytes
+// (`per16` elements).
 template <class Op>
-bool vec_ok(const Op& o) {
-  return aligned16(o.ptr) && o.sb % 4 == 0 && o.sh % 4 == 0 && o.ss % 4 == 0;
+bool vec_ok(const Op& o, int64_t per16) {
+  return aligned16(o.ptr) && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
 }
 
 // The backward's D workspace, freed on the stream on every path out.
@@ -223,8 +273,13 @@ void forward(const ForwardParams& p) {
   a.big = info.big();
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
-  a.vec16 = vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v) && vec_ok(p.out);
+  const int64_t e = c.half16 ? 8 : 4;
+  a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  if (c.half16) {
+    dispatch16(c, [&](auto dp, auto h) { launch_forward16<decltype(dp)::value, decltype(h)::value>(a, stream); });
+    return;
+  }
   dispatch(c, [&](auto dp, auto math) { launch_forward<decltype(dp)::value, decltype(math)::value>(a, stream); });
 }
 
@@ -234,15 +289,36 @@ void backward(const BackwardParams& p) {
   const KernelChoice c = choose(p.shape, p.num, info);
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   const Shape& s = p.shape;
-  Workspace ws(static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * sizeof(float), stream);
+  // Workspace: D [B*Hq*Sq] floats, then (atomic design) the float32 dQ accumulator
+  // [B*Hq*Sq, DP], zeroed on the stream.
+  const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
+  const size_t accum = c.atomic_bwd ? rows * static_cast<size_t>(c.dp) : 0;
+  Workspace ws((rows + accum) * sizeof(float), stream);
   BwdArgs a{};
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
-  a.vec16 = vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v) && vec_ok(p.out) && vec_ok(p.dout) &&
-            vec_ok(p.dq) && vec_ok(p.dk) && vec_ok(p.dv);
+  const int64_t e = c.half16 ? 8 : 4;
+  a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e) &&
+            vec_ok(p.dout, e) && vec_ok(p.dq, e) && vec_ok(p.dk, e) && vec_ok(p.dv, e);
   a.delta = ws.get();
+  a.dq_accum = c.atomic_bwd ? ws.get() + rows : nullptr;
   a.big = info.big();
+  if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);
+  if (c.half16) {
+    dispatch16(c, [&](auto dp, auto h) {
+      constexpr int DP = decltype(dp)::value;
+      constexpr Half16 H = decltype(h)::value;
+      if (c.atomic_bwd) {
+        launch_dkv16<DP, H, true>(a, stream);
+        launch_dq_convert(a, DP, stream);
+      } else {
+        launch_dq16<DP, H>(a, stream);
+        launch_dkv16<DP, H, false>(a, stream);
+      }
+    });
+    return;
+  }
   dispatch(c, [&](auto dp, auto math) {
     launch_dq<decltype(dp)::value, decltype(math)::value>(a, stream);
     launch_dkv<decltype(dp)::value, decltype(math)::value>(a, stream);
@@ -264,7 +340,9 @@ std::string describe() {
          << prop.multiProcessorCount << " SMs)";
   }
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
-        "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback)";
+        "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
+        "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, backward split "
+        "(deterministic) or single pass with atomic dQ (default)";
   return os.str();
 }
 

@@ -100,4 +100,85 @@ constexpr bool tiles_fit() {
 }
 static_assert(tiles_fit(), "a tile_config row exceeds shared memory or leaves warps without rows");
 
+// ==== float16 / bfloat16 kernels (kernels16.cuh) =================================================
+
+enum class Half16 : int { F16 = 0, BF16 = 1 };
+
+// Head dims with 16-bit kernels; any other dim up to 256 is padded to the next one.
+constexpr int kHeadDims16[] = {64, 96, 128, 256};
+constexpr int padded_head_dim16(int64_t d) {
+  return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 256 ? 256 : 0;
+}
+
+// Tiles of the 16-bit passes. A warp owns mt m16 tiles (16*mt rows) of the stationary operand
+// (query rows for the forward and dQ, key rows for dK/dV); col_split warps share them in dK/dV,
+// each accumulating DP/col_split columns (D = 256 would not fit dK and dV in registers
+// otherwise). The streamed operand comes in block_n rows per stage, two stages (cp.async double
+// buffer). Reasons for the sizes:
+//  - forward: 2 m16 tiles per warp halve the shared-memory traffic of the K and V fragments
+//    (each ldmatrix of K or V feeds two mma), which bounds mma.sync on this path; 4 warps x
+//    32 rows = 128 queries. D = 256 keeps O in registers only with one m16 tile per warp.
+//  - dQ: Q and dO stationary (2 x block_m x DP x 2 bytes); one m16 tile per warp (dQ, S and dP
+//    accumulators); block_n 32 at D >= 128 so two CTAs fit an SM's shared memory.
+//  - dK/dV: K and V stationary (128 keys), streamed Q/dO tiles of 64 (32 at D >= 128: dK, dV,
+//    S^T and dP^T accumulators, 160 registers at D = 128); D = 256 splits columns over 2 warps.
+struct TileConfig16 {
+  int block_m;    // stationary rows per CTA (= 16 * mt * warps / col_split)
+  int block_n;    // streamed rows per stage
+  int warps;
+  int mt;         // m16 tiles per warp
+  int col_split;  // dK/dV only
+  FLASHATTN_CUDA_HD constexpr int threads() const { return warps * 32; }
+};
+
+FLASHATTN_CUDA_HD constexpr TileConfig16 tile_config16(Pass pass, int dp, bool big) {
+  switch (pass) {
+    case Pass::Forward:
+      return dp <= 128 ? TileConfig16{128, 64, 4, 2, 1}
+           : big       ? TileConfig16{128, 64, 8, 1, 1}
+                       : TileConfig16{128, 32, 8, 1, 1};
+    case Pass::Dq:
+      return dp <= 96 ? TileConfig16{128, 64, 8, 1, 1}
+           : dp <= 128 ? TileConfig16{128, 32, 8, 1, 1}
+                       : TileConfig16{64, 32, 4, 1, 1};
+    case Pass::Dkv:
+      return dp <= 96 ? TileConfig16{128, 64, 8, 1, 1}
+           : dp <= 128 ? TileConfig16{128, 32, 8, 1, 1}
+                       : TileConfig16{64, 32, 8, 1, 2};
+  }
+  return TileConfig16{0, 0, 0, 0, 0};
+}
+
+// Dynamic shared memory of one 16-bit CTA, in bytes (`atomic`: the dK/dV pass also stages dS^T
+// for the dQ product).
+FLASHATTN_CUDA_HD constexpr int smem_bytes16(Pass pass, int dp, bool big, bool atomic = false) {
+  const TileConfig16 c = tile_config16(pass, dp, big);
+  const int row = dp * 2;
+  switch (pass) {
+    case Pass::Forward: return (c.block_m + 2 * 2 * c.block_n) * row;
+    case Pass::Dq: return (2 * c.block_m + 2 * 2 * c.block_n) * row;
+    case Pass::Dkv:
+      return (2 * c.block_m + 2 * 2 * c.block_n) * row + 2 * 2 * c.block_n * 4 +
+             (atomic ? c.block_m * c.block_n * 2 : 0);
+  }
+  return 0;
+}
+
+constexpr bool tiles16_fit() {
+  for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv})
+    for (int d : kHeadDims16)
+      for (bool big : {false, true}) {
+        const TileConfig16 c = tile_config16(p, d, big);
+        if (smem_bytes16(p, d, big, true) > (big ? 227 : 163) * 1024) return false;
+        if (c.block_m * c.col_split != 16 * c.mt * c.warps) return false;
+        if (c.block_n % 16 != 0 || (d / c.col_split) % 16 != 0) return false;
+        // dK/dV atomic dQ: warps tile the block_n x DP dQ product in m16 x (multiple of 16)
+        if (p == Pass::Dkv && (c.warps % (c.block_n / 16) != 0 ||
+                               (d / (c.warps / (c.block_n / 16))) % 16 != 0))
+          return false;
+      }
+  return true;
+}
+static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leaves warps without rows");
+
 }  // namespace flashattn::cuda

@@ -292,6 +292,11 @@ __device__ __forceinline__ void for_each_entry(F&& f) {
     for (int e = 0; e < 4; ++e) f(j, e, g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
 }
 
+// Mask test of one score: in range and visible under the causal rule.
+__device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j, int64_t sq, int64_t skv) {
+  return i < sq && j < skv && rule.visible(i, j);
+}
+
 // Reductions over the 4 lanes of a quad (they hold one row between them).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

@@ -16,11 +16,6 @@ namespace flashattn::cuda {
 
 namespace dev {
 
-// Mask test of one score: in range and visible under the causal rule.
-__device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j, int64_t sq, int64_t skv) {
-  return i < sq && j < skv && rule.visible(i, j);
-}
-
 // ================================================================================================
 // Forward. CTA = block_m query rows of one (batch, head); loops over the key tiles that the mask
 // leaves visible: S = Q K^T, online softmax, O += P V.

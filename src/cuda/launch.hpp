@@ -23,6 +23,7 @@ struct BwdArgs {
   bool vec16;
   bool big;
   float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]
+  float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, contiguous [B, Hq, Sq, DP]
 };
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.
@@ -32,6 +33,17 @@ template <int DP, Math M>
 void launch_dq(const BwdArgs& a, cudaStream_t stream);
 template <int DP, Math M>
 void launch_dkv(const BwdArgs& a, cudaStream_t stream);
+// D = rowsum(dO * O) into a.delta, for O/dO of the params' dtype (float32, float16, bfloat16).
 void launch_preprocess(const BwdArgs& a, cudaStream_t stream);
+
+// float16/bfloat16 kernels (kernels16.cuh), instantiated per (pass, DP) in inst/*16_d*.cu.
+template <int DP, Half16 H>
+void launch_forward16(const FwdArgs& a, cudaStream_t stream);
+template <int DP, Half16 H>
+void launch_dq16(const BwdArgs& a, cudaStream_t stream);
+template <int DP, Half16 H, bool ATOMIC>
+void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
+// dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
+void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
 
 }  // namespace flashattn::cuda
