@@ -69,6 +69,14 @@ def scale_value(softmax_scale):
     return scale
 
 
+def flag_value(deterministic):
+    """deterministic as a bool. Only bools and integers are taken: the string "false" or a
+    tensor would otherwise read as True."""
+    if isinstance(deterministic, (bool, int, np.bool_, np.integer)):
+        return bool(deterministic)
+    raise TypeError(f"deterministic = {deterministic!r} is not a bool")
+
+
 def threads_value(num_threads):
     if num_threads is None:
         return 0
@@ -260,7 +268,7 @@ def _check_ndim(x, name, want):
 
 
 def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
-            precision="fp32", num_threads=None):
+            precision="fp32", num_threads=None, deterministic=False):
     """Attention forward in the logical [B, H, S, D] order: returns (out, lse).
 
     q: [B, Hq, Sq, D]; k, v: [B, Hkv, Skv, D] with Hkv dividing Hq (GQA: query head h reads kv
@@ -274,12 +282,15 @@ def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
     out: [B, Hq, Sq, D] like q (allocated, laid out like q, when None); lse: [B, Hq, Sq] float32,
     the natural log of each row's softmax denominator (-inf for a row that sees no key).
     precision: "fp32" (default) or "tf32" (CUDA float32 only). num_threads: CPU threads
-    (None: all hardware threads; results do not depend on it).
+    (None: all hardware threads; results do not depend on it). deterministic: see backward()
+    (accepted here so that one set of options serves both passes; the forward is always
+    deterministic).
 
     Runs on PyTorch's current CUDA stream for torch CUDA tensors (CuPy's current stream for
-    CuPy arrays). Raises ValueError for invalid arguments, TypeError for unsupported or
-    mismatched dtypes, NotImplementedError for valid calls this build cannot serve, RuntimeError
-    for backend failures; messages are the library's.
+    CuPy arrays). Raises ValueError for invalid arguments, TypeError for dtypes flashattn never
+    takes or that do not match, NotImplementedError for valid calls this build or device cannot
+    serve (float64 on CUDA, head_dim > 256, ...), RuntimeError for backend failures; messages
+    are the library's.
     """
     launch = _Launch(q)
     _check_ndim(launch.view(q), "q", 4)
@@ -287,24 +298,29 @@ def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
     launch.check_output(lse, "lse")
     scale, mask_c = scale_value(softmax_scale), mask_code(mask)
     prec, nthreads = precision_code(precision), threads_value(num_threads)
+    det = flag_value(deterministic)
     out_alloc, lse_alloc = out is None, lse is None
     if out_alloc:
         out = launch.empty_like(q)
     if lse_alloc:
         lse = launch.empty_lse(q)
     _ext.forward(launch.arg(q), launch.arg(k), launch.arg(v), launch.arg(out), launch.arg(lse),
-                 scale, mask_c, prec, nthreads, launch.stream)
+                 scale, mask_c, prec, nthreads, launch.stream, det)
     return launch.result(out, out_alloc), launch.result(lse, lse_alloc)
 
 
 def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=None, dk=None,
-             dv=None, precision="fp32", num_threads=None):
+             dv=None, precision="fp32", num_threads=None, deterministic=False):
     """Attention backward: returns (dq, dk, dv) from dout, the forward's inputs and its (out, lse).
 
     Shapes as in forward(); dq is laid out like q, dk like k, dv like v when allocated. dk and dv
     are summed over the query heads that share a kv head (GQA). softmax_scale, mask and precision
     must be the forward's. Outputs may be non-overlapping interleaved views of one buffer (e.g. the
     q, k and v slices of a packed gradient); they must not overlap the inputs.
+
+    deterministic=True asks for bitwise-reproducible gradients. The CPU and CUDA float32 always
+    give them; CUDA float16/bfloat16 by default accumulate dq with float atomics (faster, with a
+    run-to-run order) and with deterministic=True use separate dq and dk/dv passes instead.
     """
     launch = _Launch(q)
     _check_ndim(launch.view(q), "q", 4)
@@ -312,6 +328,7 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=Non
         launch.check_output(x, name)
     scale, mask_c = scale_value(softmax_scale), mask_code(mask)
     prec, nthreads = precision_code(precision), threads_value(num_threads)
+    det = flag_value(deterministic)
     allocated = (dq is None, dk is None, dv is None)
     if dq is None:
         dq = launch.empty_like(q)
@@ -321,5 +338,5 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=Non
         dv = launch.empty_like(v)
     a = launch.arg
     _ext.backward(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv),
-                  scale, mask_c, prec, nthreads, launch.stream)
+                  scale, mask_c, prec, nthreads, launch.stream, det)
     return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))

@@ -18,9 +18,13 @@ Same signatures, layouts and return values as flash_attn 2.x:
 - Differentiable with respect to q, k, v (qkv, kv), on CPU and CUDA tensors, float32, float16,
   bfloat16 (and float64 on the CPU); the packed functions' backward writes one packed gradient.
 
+- deterministic=True, as in flash_attn, makes the backward bitwise reproducible. The CPU and
+  CUDA float32 backward are deterministic either way; CUDA float16/bfloat16 by default
+  accumulate dq with float atomics (the fast path) and with deterministic=True use separate dq
+  and dk/dv passes instead.
+
 Not implemented yet, each raising NotImplementedError that names the argument rather than being
-ignored: dropout_p != 0, window_size != (-1, -1), softcap != 0, alibi_slopes. deterministic is
-accepted and always honoured: flashattn's backward is deterministic by design (no atomics).
+ignored: dropout_p != 0, window_size != (-1, -1), softcap != 0, alibi_slopes.
 """
 
 import torch
@@ -49,9 +53,10 @@ def _check_unsupported(dropout_p, window_size, softcap, alibi_slopes):
         raise NotImplementedError("flashattn: alibi_slopes is not implemented (only None)")
 
 
-def _codes(softmax_scale, causal):
+def _codes(softmax_scale, causal, deterministic):
     mask = _api.MASKS["causal_bottom_right" if causal else "none"]
-    return (_api.scale_value(softmax_scale), mask, _api.PRECISIONS["fp32"], 0)
+    return (_api.scale_value(softmax_scale), mask, _api.PRECISIONS["fp32"], 0,
+            _api.flag_value(deterministic))
 
 
 def _check_ndim(x, name, want, layout):
@@ -76,7 +81,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         _check_ndim(x, name, 4, "(batch, seqlen, nheads, headdim)")
 
     out, lse = torch.ops.flashattn.fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       *_codes(softmax_scale, causal))
+                                       *_codes(softmax_scale, causal, deterministic))
     return _result(out.transpose(1, 2), lse, return_attn_probs)
 
 
@@ -91,7 +96,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape = {tuple(qkv.shape)}: dimension 2 must be 3 (q, k, v)")
 
-    out, lse = torch.ops.flashattn.qkvpacked_fwd(qkv, *_codes(softmax_scale, causal))
+    out, lse = torch.ops.flashattn.qkvpacked_fwd(qkv,
+                                                 *_codes(softmax_scale, causal, deterministic))
     return _result(out, lse, return_attn_probs)
 
 
@@ -107,5 +113,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     if kv.shape[2] != 2:
         raise ValueError(f"kv.shape = {tuple(kv.shape)}: dimension 2 must be 2 (k, v)")
 
-    out, lse = torch.ops.flashattn.kvpacked_fwd(q, kv, *_codes(softmax_scale, causal))
+    out, lse = torch.ops.flashattn.kvpacked_fwd(q, kv,
+                                                *_codes(softmax_scale, causal, deterministic))
     return _result(out, lse, return_attn_probs)

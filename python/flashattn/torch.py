@@ -48,14 +48,16 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
 
 
-def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads):
+def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads, deterministic):
     _ext.forward(q.detach(), k.detach(), v.detach(), out, lse, scale, mask, precision,
-                 _threads(q, num_threads), _stream(q))
+                 _threads(q, num_threads), _stream(q), deterministic)
 
 
-def _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, mask, precision, num_threads):
+def _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, mask, precision, num_threads,
+              deterministic):
     _ext.backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                  dq, dk, dv, scale, mask, precision, _threads(q, num_threads), _stream(q))
+                  dq, dk, dv, scale, mask, precision, _threads(q, num_threads), _stream(q),
+                  deterministic)
 
 
 def _lse_like(q: Tensor, bhs) -> Tensor:
@@ -65,48 +67,56 @@ def _lse_like(q: Tensor, bhs) -> Tensor:
 # ---- [B, H, S, D] ops ---------------------------------------------------------------------------
 
 
+# Every op takes the options as trailing scalars: softmax_scale, mask, precision, num_threads and
+# deterministic (last, with a default, so that callers written before it still work). The
+# forward ops take deterministic too, although the forward is deterministic anyway: autograd
+# hands the backward only what the forward received.
+
+
 @torch.library.custom_op("flashattn::fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, mask: int, precision: int,
-         num_threads: int) -> Tuple[Tensor, Tensor]:
+         num_threads: int, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = torch.empty_like(q)
     lse = _lse_like(q, q.shape[:3])
-    _call_fwd(q, k, v, out, lse, softmax_scale, mask, precision, num_threads)
+    _call_fwd(q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic)
     return out, lse
 
 
 @_fwd.register_fake
-def _(q, k, v, softmax_scale, mask, precision, num_threads):
+def _(q, k, v, softmax_scale, mask, precision, num_threads, deterministic=False):
     return torch.empty_like(q), _lse_like(q, q.shape[:3])
 
 
 @torch.library.custom_op("flashattn::bwd", mutates_args=())
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-         softmax_scale: float, mask: int, precision: int,
-         num_threads: int) -> Tuple[Tensor, Tensor, Tensor]:
+         softmax_scale: float, mask: int, precision: int, num_threads: int,
+         deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads)
+    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads,
+              deterministic)
     return dq, dk, dv
 
 
 @_bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads):
+def _(dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, scale, mask, precision, num_threads = inputs
+    # The dispatcher fills in defaults: deterministic is always there.
+    q, k, v, scale, mask, precision, num_threads, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (scale, mask, precision, num_threads)
+    ctx.args = (scale, mask, precision, num_threads, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -125,51 +135,52 @@ def _empty_bshd_like(t: Tensor, b, s, h, d) -> Tensor:
 
 @torch.library.custom_op("flashattn::qkvpacked_fwd", mutates_args=())
 def _qkvpacked_fwd(qkv: Tensor, softmax_scale: float, mask: int, precision: int,
-                   num_threads: int) -> Tuple[Tensor, Tensor]:
+                   num_threads: int, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     qkv = _unit_last(qkv)
     b, s, _, h, d = qkv.shape
     out = _empty_bshd_like(qkv, b, s, h, d)
     lse = _lse_like(qkv, (b, h, s))
     _call_fwd(_bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]), _bshd(out), lse,
-              softmax_scale, mask, precision, num_threads)
+              softmax_scale, mask, precision, num_threads, deterministic)
     return out, lse
 
 
 @_qkvpacked_fwd.register_fake
-def _(qkv, softmax_scale, mask, precision, num_threads):
+def _(qkv, softmax_scale, mask, precision, num_threads, deterministic=False):
     b, s, _, h, d = qkv.shape
     return _empty_bshd_like(qkv, b, s, h, d), _lse_like(qkv, (b, h, s))
 
 
 @torch.library.custom_op("flashattn::qkvpacked_bwd", mutates_args=())
 def _qkvpacked_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-                   mask: int, precision: int, num_threads: int) -> Tensor:
+                   mask: int, precision: int, num_threads: int,
+                   deterministic: bool = False) -> Tensor:
     dout, qkv = _unit_last(dout), _unit_last(qkv)
     dqkv = torch.empty_like(qkv)
     # dq, dk and dv are interleaved, non-overlapping views of the one packed buffer.
     _call_bwd(_bshd(dout), _bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]),
               _bshd(out), lse, _bshd(dqkv[:, :, 0]), _bshd(dqkv[:, :, 1]), _bshd(dqkv[:, :, 2]),
-              softmax_scale, mask, precision, num_threads)
+              softmax_scale, mask, precision, num_threads, deterministic)
     return dqkv
 
 
 @_qkvpacked_bwd.register_fake
-def _(dout, qkv, out, lse, softmax_scale, mask, precision, num_threads):
+def _(dout, qkv, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False):
     return torch.empty_like(qkv)
 
 
 def _qkvpacked_setup(ctx, inputs, output):
-    qkv, scale, mask, precision, num_threads = inputs
+    qkv, scale, mask, precision, num_threads, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse)
-    ctx.args = (scale, mask, precision, num_threads)
+    ctx.args = (scale, mask, precision, num_threads, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
 def _qkvpacked_backward(ctx, dout, dlse):
     qkv, out, lse = ctx.saved_tensors
     dqkv = torch.ops.flashattn.qkvpacked_bwd(dout, qkv, out, lse, *ctx.args)
-    return dqkv, None, None, None, None
+    return dqkv, None, None, None, None, None
 
 
 _qkvpacked_fwd.register_autograd(_qkvpacked_backward, setup_context=_qkvpacked_setup)
@@ -177,51 +188,51 @@ _qkvpacked_fwd.register_autograd(_qkvpacked_backward, setup_context=_qkvpacked_s
 
 @torch.library.custom_op("flashattn::kvpacked_fwd", mutates_args=())
 def _kvpacked_fwd(q: Tensor, kv: Tensor, softmax_scale: float, mask: int, precision: int,
-                  num_threads: int) -> Tuple[Tensor, Tensor]:
+                  num_threads: int, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     q, kv = _unit_last(q), _unit_last(kv)
     b, s, h, d = q.shape
     out = _empty_bshd_like(q, b, s, h, d)
     lse = _lse_like(q, (b, h, s))
     _call_fwd(_bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
-              softmax_scale, mask, precision, num_threads)
+              softmax_scale, mask, precision, num_threads, deterministic)
     return out, lse
 
 
 @_kvpacked_fwd.register_fake
-def _(q, kv, softmax_scale, mask, precision, num_threads):
+def _(q, kv, softmax_scale, mask, precision, num_threads, deterministic=False):
     b, s, h, d = q.shape
     return _empty_bshd_like(q, b, s, h, d), _lse_like(q, (b, h, s))
 
 
 @torch.library.custom_op("flashattn::kvpacked_bwd", mutates_args=())
 def _kvpacked_bwd(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor,
-                  softmax_scale: float, mask: int, precision: int,
-                  num_threads: int) -> Tuple[Tensor, Tensor]:
+                  softmax_scale: float, mask: int, precision: int, num_threads: int,
+                  deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     dout, q, kv = _unit_last(dout), _unit_last(q), _unit_last(kv)
     dq, dkv = torch.empty_like(q), torch.empty_like(kv)
     _call_bwd(_bshd(dout), _bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
               _bshd(dq), _bshd(dkv[:, :, 0]), _bshd(dkv[:, :, 1]),
-              softmax_scale, mask, precision, num_threads)
+              softmax_scale, mask, precision, num_threads, deterministic)
     return dq, dkv
 
 
 @_kvpacked_bwd.register_fake
-def _(dout, q, kv, out, lse, softmax_scale, mask, precision, num_threads):
+def _(dout, q, kv, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False):
     return torch.empty_like(q), torch.empty_like(kv)
 
 
 def _kvpacked_setup(ctx, inputs, output):
-    q, kv, scale, mask, precision, num_threads = inputs
+    q, kv, scale, mask, precision, num_threads, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, kv, out, lse)
-    ctx.args = (scale, mask, precision, num_threads)
+    ctx.args = (scale, mask, precision, num_threads, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
 def _kvpacked_backward(ctx, dout, dlse):
     q, kv, out, lse = ctx.saved_tensors
     dq, dkv = torch.ops.flashattn.kvpacked_bwd(dout, q, kv, out, lse, *ctx.args)
-    return dq, dkv, None, None, None, None
+    return dq, dkv, None, None, None, None, None
 
 
 _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setup)
@@ -230,34 +241,37 @@ _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setu
 # ---- public API ---------------------------------------------------------------------------------
 
 
-def _codes(softmax_scale, mask, precision, num_threads):
+def _codes(softmax_scale, mask, precision, num_threads, deterministic):
     return (_api.scale_value(softmax_scale), _api.mask_code(mask),
-            _api.precision_code(precision), _api.threads_value(num_threads))
+            _api.precision_code(precision), _api.threads_value(num_threads),
+            _api.flag_value(deterministic))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none",
-              precision="fp32", num_threads=None, return_lse=False):
+              precision="fp32", num_threads=None, deterministic=False, return_lse=False):
     """Differentiable attention on [B, H, S, D] tensors (any strides, e.g. ``x.transpose(1, 2)``
     of a [B, S, H, D] tensor): returns out, or (out, lse) when return_lse.
 
-    Arguments as flashattn.forward. Gradients flow to q, k and v (not through lse). Works under
+    Arguments as flashattn.forward; deterministic=True makes the backward bitwise reproducible
+    (see flashattn.backward). Gradients flow to q, k and v (not through lse). Works under
     torch.compile (custom ops with fake implementations) and on CPU and CUDA tensors; on the CPU
     it uses torch.get_num_threads() threads unless num_threads is given.
     """
     out, lse = torch.ops.flashattn.fwd(q, k, v, *_codes(softmax_scale, mask, precision,
-                                                        num_threads))
+                                                        num_threads, deterministic))
     return (out, lse) if return_lse else out
 
 
 class FlashAttnFunction(torch.autograd.Function):
     """torch.autograd.Function over the extension (eager mode; use attention() under
     torch.compile). apply(q, k, v, softmax_scale=None, mask="none", precision="fp32",
-    num_threads=None) -> (out, lse), [B, H, S, D] tensors; lse is not differentiable."""
+    num_threads=None, deterministic=False) -> (out, lse), [B, H, S, D] tensors; lse is not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale=None, mask="none", precision="fp32",
-                num_threads=None):
-        args = _codes(softmax_scale, mask, precision, num_threads)
+                num_threads=None, deterministic=False):
+        args = _codes(softmax_scale, mask, precision, num_threads, deterministic)
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         out = torch.empty_like(q)
         lse = _lse_like(q, q.shape[:3])
@@ -273,4 +287,4 @@ class FlashAttnFunction(torch.autograd.Function):
         dout = _unit_last(dout)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None

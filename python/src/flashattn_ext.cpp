@@ -115,7 +115,7 @@ Arg<Array> convert(nb::handle obj, const char* name, bool is_output) {
 }
 
 flashattn_options make_options(double softmax_scale, int mask, int precision, int num_threads,
-                               uintptr_t stream) {
+                               uintptr_t stream, bool deterministic) {
   flashattn_options o;
   flashattn_options_init(&o);
   o.softmax_scale = static_cast<float>(softmax_scale);
@@ -126,6 +126,7 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
   o.precision = precision;
   o.num_threads = num_threads;
   o.stream = reinterpret_cast<void*>(stream);
+  o.deterministic = deterministic ? 1 : 0;
   return o;
 }
 
@@ -134,9 +135,11 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
   throw nb::python_error();
 }
 
-// Status -> exception: ValueError for invalid arguments, TypeError when the message concerns a
-// dtype (every dtype message of the library names a `.dtype` field), NotImplementedError (a
-// RuntimeError) for valid calls this build cannot serve, MemoryError, RuntimeError otherwise.
+// Status -> exception: invalid arguments are a TypeError when the message concerns a dtype (every
+// dtype message of the library names a `.dtype` field: mixed dtypes, a float16 lse, ...), else a
+// ValueError. Unsupported is always NotImplementedError (a RuntimeError): the call is valid and
+// this build or device cannot serve it (float64 on CUDA, a CUDA dtype without kernels, ...), so
+// it must not read as the caller's type error, and the library alone decides what it serves.
 [[noreturn]] void raise_status(int status) {
   const std::string msg = flashattn_last_error();
   const bool about_dtype = msg.find(".dtype") != std::string::npos;
@@ -144,7 +147,7 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
     case FLASHATTN_ERROR_INVALID_ARGUMENT:
       raise(about_dtype ? PyExc_TypeError : PyExc_ValueError, msg);
     case FLASHATTN_ERROR_UNSUPPORTED:
-      raise(about_dtype ? PyExc_TypeError : PyExc_NotImplementedError, msg);
+      raise(PyExc_NotImplementedError, msg);
     case FLASHATTN_ERROR_OUT_OF_MEMORY:
       raise(PyExc_MemoryError, msg);
     default:
@@ -153,11 +156,13 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
 }
 
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-             double softmax_scale, int mask, int precision, int num_threads, uintptr_t stream) {
+             double softmax_scale, int mask, int precision, int num_threads, uintptr_t stream,
+             bool deterministic) {
   auto tq = convert<InArray>(q, "q", false), tk = convert<InArray>(k, "k", false),
        tv = convert<InArray>(v, "v", false);
   auto to = convert<OutArray>(out, "out", true), tl = convert<OutArray>(lse, "lse", true);
-  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream);
+  const flashattn_options o =
+      make_options(softmax_scale, mask, precision, num_threads, stream, deterministic);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -168,13 +173,14 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 
 void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
               nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv, double softmax_scale,
-              int mask, int precision, int num_threads, uintptr_t stream) {
+              int mask, int precision, int num_threads, uintptr_t stream, bool deterministic) {
   auto tdo = convert<InArray>(dout, "dout", false), tq = convert<InArray>(q, "q", false),
        tk = convert<InArray>(k, "k", false), tv = convert<InArray>(v, "v", false),
        to = convert<InArray>(out, "out", false), tl = convert<InArray>(lse, "lse", false);
   auto tdq = convert<OutArray>(dq, "dq", true), tdk = convert<OutArray>(dk, "dk", true),
        tdv = convert<OutArray>(dv, "dv", true);
-  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream);
+  const flashattn_options o =
+      make_options(softmax_scale, mask, precision, num_threads, stream, deterministic);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -190,14 +196,15 @@ NB_MODULE(_ext, m) {
   m.doc() = "flashattn's C ABI over DLPack tensors (use the functions of the flashattn package)";
   m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse"), nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"),
-        nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("num_threads"), nb::arg("stream"), nb::arg("deterministic") = false,
         "Runs flashattn_forward on DLPack tensors in the library's logical [B, H, S, D] order; "
         "out and lse are written in place. softmax_scale 0 means 1/sqrt(D).");
   m.def("backward", &backward, nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("out"), nb::arg("lse"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
         nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"),
-        nb::arg("stream"),
-        "Runs flashattn_backward on DLPack tensors; dq, dk and dv are written in place.");
+        nb::arg("stream"), nb::arg("deterministic") = false,
+        "Runs flashattn_backward on DLPack tensors; dq, dk and dv are written in place. "
+        "deterministic: a bitwise-reproducible backward (CUDA float16/bfloat16: no dQ atomics).");
   m.def("version", [] { return std::string(flashattn_version()); },
         "Version of the libflashattn that is loaded.");
   m.def("cuda_available", [] { return flashattn_cuda_available() != 0; },

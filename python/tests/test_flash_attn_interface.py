@@ -187,6 +187,35 @@ def test_accepted_arguments():
     a = flash_attn_func(q, q, q, deterministic=True, window_size=[-1, -1], dropout_p=0.0)
     b = flash_attn_func(q, q, q, deterministic=False)
     assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"deterministic = 'yes' is not a bool"):
+        flash_attn_func(q, q, q, deterministic="yes")
+
+
+@pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
+def test_deterministic_reaches_the_backward(monkeypatch, fn):
+    """flash_attn's deterministic=True selects the reproducible backward (on CUDA 16-bit: no dq
+    atomics); that shows only on a GPU, so check that it arrives at the library's backward."""
+    from flashattn import _ext
+    seen, real = [], _ext.backward
+
+    def spy(*args):
+        assert len(args) == 15 and type(args[-1]) is bool, args[9:]
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(_ext, "backward", spy)
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(2, 9, 4, 16, generator=g)
+    call = {
+        "func": lambda x, **kw: flash_attn_func(x, x, x, causal=True, **kw),
+        "qkvpacked": lambda x, **kw: flash_attn_qkvpacked_func(torch.stack([x] * 3, 2), **kw),
+        "kvpacked": lambda x, **kw: flash_attn_kvpacked_func(x, torch.stack([x] * 2, 2), **kw),
+    }[fn]
+    for kw in ({"deterministic": True}, {"deterministic": False}, {}):
+        x = q.clone().requires_grad_()
+        call(x, **kw).sum().backward()
+        assert torch.isfinite(x.grad).all()
+    assert seen == [True, False, False]
 
 
 def test_bad_shapes():

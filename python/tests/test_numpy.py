@@ -185,6 +185,51 @@ def test_deterministic_across_runs_and_threads(rng, dtype):
             assert a.tobytes() == b.tobytes(), "results depend on the thread count or the run"
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_deterministic_option_on_cpu(rng, dtype):
+    """deterministic=True is accepted; the CPU backward is deterministic either way, so the
+    results are bitwise those of the default (each run starts from NaN-filled outputs)."""
+    q, k, v, dout = problem(rng, (2, 4, 2, 40, 33, 32), dtype, "bshd")
+    runs = []
+    for det in (False, True, np.bool_(True), 1):
+        out, lse = np.full_like(q, np.nan), np.full(q.shape[:3], np.nan, np.float32)
+        flashattn.forward(q, k, v, mask="causal_top_left", out=out, lse=lse, deterministic=det)
+        grads = [np.full_like(x, np.nan) for x in (q, k, v)]
+        flashattn.backward(dout, q, k, v, out, lse, mask="causal_top_left", deterministic=det,
+                           dq=grads[0], dk=grads[1], dv=grads[2])
+        runs.append([out, lse, *grads])
+    assert all(np.isfinite(x).all() for x in runs[0])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_deterministic_reaches_the_extension(rng, monkeypatch):
+    """Its effect shows only on CUDA float16/bfloat16, so check the value the extension gets
+    (the C ABI tests check what the library makes of the struct field)."""
+    seen = []
+
+    def spy(real, nargs):
+        def call(*args, **kw):
+            # Positional, last, a real bool (not the stream's int 0, which == False).
+            assert len(args) == nargs and not kw, (len(args), kw)
+            seen.append(args[-1])
+            return real(*args, **kw)
+        return call
+
+    from flashattn import _ext
+    monkeypatch.setattr(_ext, "forward", spy(_ext.forward, 11))
+    monkeypatch.setattr(_ext, "backward", spy(_ext.backward, 15))
+    q, k, v, dout = problem(rng, (1, 2, 2, 5, 5, 8), "float32", "bhsd")
+    for det in (True, False):
+        out, lse = flashattn.forward(q, k, v, deterministic=det)
+        flashattn.backward(dout, q, k, v, out, lse, deterministic=det)
+    out, lse = flashattn.forward(q, k, v)
+    flashattn.backward(dout, q, k, v, out, lse)
+    assert [type(x) for x in seen] == [bool] * 6
+    assert seen == [True, True, False, False, False, False]
+
+
 def test_precision_tf32_is_accepted_on_cpu(rng):
     # The precision mode selects CUDA float32 kernels; the CPU ignores it (flashattn.h).
     q, k, v, _ = problem(rng, (1, 2, 2, 8, 8, 8), "float32", "bhsd")
@@ -307,6 +352,10 @@ BAD_FORWARD = [
      r"softmax_scale = nan is not finite"),
     ("negative threads", lambda q, k, v: (q, k, v, {"num_threads": -1}), ValueError,
      r"num_threads = -1 is negative"),
+    ("deterministic string", lambda q, k, v: (q, k, v, {"deterministic": "false"}), TypeError,
+     r"deterministic = 'false' is not a bool"),
+    ("deterministic array", lambda q, k, v: (q, k, v, {"deterministic": np.ones(2)}), TypeError,
+     r"deterministic = .* is not a bool"),
     ("not a tensor", lambda q, k, v: (q.tolist(), k, v, {}), TypeError,
      r"q: expected a tensor that supports DLPack.*list"),
     ("k not a tensor", lambda q, k, v: (q, "k", v, {}), TypeError,

@@ -153,7 +153,8 @@ def test_cuda_tf32_precision():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and flashattn's CUDA backend")
 def test_cuda_errors():
     q = torch.randn(1, 2, 8, 16, device="cuda")
-    with pytest.raises(TypeError, match=r"float64 is supported on the CPU only"):
+    # Valid, but not served on CUDA: NotImplementedError with the library's message.
+    with pytest.raises(NotImplementedError, match=r"float64 is supported on the CPU only"):
         x = q.double()
         flashattn.forward(x, x, x)
     with pytest.raises(ValueError, match=r"different devices"):
@@ -208,11 +209,13 @@ def test_gradcheck_float64_cpu(impl, mask, cfg):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
-def test_opcheck_custom_ops():
-    """torch.library.opcheck: schema, fake (meta) implementations, autograd registration."""
+@pytest.mark.parametrize("det", [(), (True,)], ids=["deterministic_default", "deterministic"])
+def test_opcheck_custom_ops(det):
+    """torch.library.opcheck: schema, fake (meta) implementations, autograd registration; with
+    deterministic left to its default (callers written before it) and given."""
     q, k, v, dout = problem((1, 4, 2, 9, 11, 16), torch.float32, "cpu", "bshd")
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    args = (0.0, 2, 0, 0)
+    args = (0.0, 2, 0, 0, *det)
     torch.library.opcheck(torch.ops.flashattn.fwd.default, (q, k, v, *args))
     out, lse = torch.ops.flashattn.fwd(q, k, v, *args)
     torch.library.opcheck(torch.ops.flashattn.bwd.default,
@@ -222,6 +225,71 @@ def test_opcheck_custom_ops():
     kv = torch.randn(2, 5, 2, 2, 16, requires_grad=True)
     qb = torch.randn(2, 7, 4, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.flashattn.kvpacked_fwd.default, (qb, kv, *args))
+
+
+def spy_backward(monkeypatch):
+    """Records the deterministic flag of every _ext.backward call (its last positional argument;
+    checked to be a real bool, since the stream before it is an int and 0 == False)."""
+    from flashattn import _ext
+    seen, real = [], _ext.backward
+
+    def call(*args):
+        assert len(args) == 15 and type(args[-1]) is bool, args[9:]
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(_ext, "backward", call)
+    return seen
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_deterministic_reaches_the_backward(monkeypatch, compiled):
+    """Its effect shows only on CUDA float16/bfloat16 (the split backward instead of dq atomics),
+    so check that autograd hands it to the library's backward: custom op (eager and under
+    torch.compile) and autograd.Function, given and left to its default."""
+    seen = spy_backward(monkeypatch)
+    torch._dynamo.reset()
+    q, k, v, dout = problem((1, 2, 2, 6, 7, 8), torch.float32, "cpu", "bshd")
+
+    def op(q, k, v, **kw):
+        return fat.attention(q, k, v, mask="causal_top_left", **kw)
+
+    op = torch.compile(op, backend="aot_eager", fullgraph=True) if compiled else op
+    calls = [lambda q, k, v: op(q, k, v, deterministic=True),
+             lambda q, k, v: op(q, k, v, deterministic=False),
+             lambda q, k, v: op(q, k, v),
+             lambda q, k, v: fat.FlashAttnFunction.apply(q, k, v, None, "none", "fp32", None,
+                                                         True)[0],
+             lambda q, k, v: fat.FlashAttnFunction.apply(q, k, v)[0]]
+    for fn in calls:
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        fn(qq, kk, vv).backward(dout)
+        assert torch.isfinite(qq.grad).all()
+    assert seen == [True, False, False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic_backward_is_bitwise_reproducible(device, dtype):
+    """deterministic=True: the same gradients, bit for bit, run after run (on CUDA
+    float16/bfloat16 this is the split dq + dk/dv backward), and they are right. On the CPU
+    the default is deterministic too."""
+    q, k, v, dout = problem((2, 4, 2, 200, 170, 64), dtype, device, "bshd", seed=9)
+    modes = (True, False) if device == "cpu" else (True,)
+    runs = []
+    for det in modes:
+        for _ in range(3):
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            out, lse = fat.attention(qq, kk, vv, mask="causal_bottom_right", deterministic=det,
+                                     return_lse=True)
+            out.backward(dout)
+            runs.append((out.detach(), lse, qq.grad, kk.grad, vv.grad))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    ref, naive = reference_and_naive(q, k, v, dout, None, "causal_bottom_right")
+    check(runs[0], ref, naive, dtype, device)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
