@@ -131,17 +131,44 @@ struct TileConfig16 {
   FLASHATTN_CUDA_HD constexpr int threads() const { return warps * 32; }
 };
 
+#ifndef FLASHATTN_TILES16_VARIANT
+#define FLASHATTN_TILES16_VARIANT 0  // tuning experiments only: alternative rows below
+#endif
+
 FLASHATTN_CUDA_HD constexpr TileConfig16 tile_config16(Pass pass, int dp, bool big) {
+  constexpr int V = FLASHATTN_TILES16_VARIANT;
   switch (pass) {
     case Pass::Forward:
+      if (V == 1)
+        return dp <= 64 ? TileConfig16{128, 128, 4, 2, 1}
+             : dp <= 128 ? TileConfig16{128, 32, 4, 2, 1}
+                         : TileConfig16{128, 32, 8, 1, 1};
+      if (V == 2)
+        return dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
+             : big       ? TileConfig16{64, 64, 4, 1, 1}
+                         : TileConfig16{128, 32, 8, 1, 1};
       return dp <= 128 ? TileConfig16{128, 64, 4, 2, 1}
            : big       ? TileConfig16{128, 64, 8, 1, 1}
                        : TileConfig16{128, 32, 8, 1, 1};
     case Pass::Dq:
+      if (V == 1)
+        return dp <= 64 ? TileConfig16{128, 128, 8, 1, 1}
+             : dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
+             : big       ? TileConfig16{64, 64, 4, 1, 1}
+                         : TileConfig16{64, 32, 4, 1, 1};
+      if (V == 2)
+        return dp <= 128 ? TileConfig16{64, 64, 4, 1, 1} : TileConfig16{64, 32, 4, 1, 1};
       return dp <= 96 ? TileConfig16{128, 64, 8, 1, 1}
            : dp <= 128 ? TileConfig16{128, 32, 8, 1, 1}
                        : TileConfig16{64, 32, 4, 1, 1};
     case Pass::Dkv:
+      if (V == 1)
+        return dp <= 64 ? TileConfig16{128, 128, 8, 1, 1}
+             : dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
+             : big       ? TileConfig16{64, 64, 8, 1, 2}
+                         : TileConfig16{64, 32, 8, 1, 2};
+      if (V == 2)
+        return dp <= 128 ? TileConfig16{64, 64, 4, 1, 1} : TileConfig16{32, 32, 4, 1, 2};
       return dp <= 96 ? TileConfig16{128, 64, 8, 1, 1}
            : dp <= 128 ? TileConfig16{128, 32, 8, 1, 1}
                        : TileConfig16{64, 32, 8, 1, 2};

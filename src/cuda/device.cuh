@@ -297,6 +297,16 @@ __device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j,
   return i < sq && j < skv && rule.visible(i, j);
 }
 
+// 2^x on the special-function unit, subnormal results flushed to zero: one MUFU.EX2, where
+// exp2f() adds range scaling for subnormal results. Used by the 16-bit kernels, whose P is
+// rounded to 16 bits anyway (a float32 subnormal is far below the smallest 16-bit subnormal
+// of bfloat16's P and at the edge of float16's).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Reductions over the 4 lanes of a quad (they hold one row between them).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -316,7 +326,7 @@ struct SoftmaxState {
 };
 
 // S (raw scores, masked entries already -inf) becomes P = exp2(S*sl2 - m_new); O is rescaled.
-template <int NS, int NO>
+template <int NS, int NO, bool FAST = false>
 __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][4], float (&o)[NO][4],
                                                float sl2) {
 #pragma unroll
@@ -329,13 +339,14 @@ __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][
     // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
     // instead of exp2(-inf + inf) = NaN.
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = exp2f(st.m[r] - m_use);
+    const float alpha = FAST ? exp2_ftz(st.m[r] - m_use) : exp2f(st.m[r] - m_use);
     st.m[r] = m_new;
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
-      s[j][2 * r] = exp2f(fmaf(s[j][2 * r], sl2, -m_use));
-      s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], sl2, -m_use));
+      const float x0 = fmaf(s[j][2 * r], sl2, -m_use), x1 = fmaf(s[j][2 * r + 1], sl2, -m_use);
+      s[j][2 * r] = FAST ? exp2_ftz(x0) : exp2f(x0);
+      s[j][2 * r + 1] = FAST ? exp2_ftz(x1) : exp2f(x1);
       sum += s[j][2 * r] + s[j][2 * r + 1];
     }
     st.l[r] = st.l[r] * alpha + sum;

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
         });
     }
 #pragma unroll
-    for (int m = 0; m < MT; ++m) online_softmax(st[m], s[m], o[m], a.sl2);
+    for (int m = 0; m < MT; ++m) online_softmax<NS, NO, true>(st[m], s[m], o[m], a.sl2);
     uint32_t pa[MT][NS / 2][4];
     to_afrag<H, MT, NS / 2>(pa, s);
     gemm_rs<H, MT, NO, NS / 2, TK>(o, pa, vst, 0, 0);
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     const int64_t n0 = static_cast<int64_t>(it) * BN;
     const bool masked = n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(fmaf(s[0][j][e], a.sl2, -l2[e >> 1]));
+      float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[0][j][e] = pe * (dp[0][j][e] - dl[e >> 1]);  // dS
     });
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     // Fully visible when in range and the tile's first query sees the block's last key.
     const bool masked = n0 + BQ > Sq || m0 + BK > Skv || (rule.causal && m0 + BK - 1 > n0 + rule.offset);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(fmaf(s[0][j][e], a.sl2, -lse_to_log2(sLs[c])));
+      float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
