@@ -6,6 +6,9 @@ Every backend is called the way training code calls it: inputs in FlashAttention
 requires_grad set, through autograd (forward builds the graph; backward is
 torch.autograd.grad with the graph kept, so repeated backward calls time the backward alone).
 Inputs rotate among several independent sets, so no backend finds its operands in cache.
+
+torch is imported on first use, so that `bench/gpu.py --help` and `--dry-run` work on a machine
+without it.
 """
 
 import csv
@@ -14,18 +17,24 @@ import os
 import statistics
 import time
 
-import torch
-
 PASSES = ("fwd", "bwd", "both")
 
 
-def flops(b, h, s, d, causal, pass_):
-    """forward 4*B*H*S*S*D, halved when causal; backward 2.5x; both 3.5x (src/testing/problem.hpp)."""
-    f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+def _torch():
+    import torch
+
+    return torch
+
+
+def flops(b, h, s, d, causal, pass_, s_kv=None):
+    """forward 4*B*H*Sq*Skv*D, halved when causal; backward 2.5x; both 3.5x
+    (src/testing/problem.hpp)."""
+    f = 4.0 * b * h * s * (s if s_kv is None else s_kv) * d * (0.5 if causal else 1.0)
     return {"fwd": f, "bwd": 2.5 * f, "both": 3.5 * f}[pass_]
 
 
 def make_sets(n_sets, b, h, s, d, dtype, device, seed=0):
+    torch = _torch()
     g = torch.Generator(device=device).manual_seed(seed)
     sets = []
     for _ in range(n_sets):
@@ -40,21 +49,63 @@ def make_sets(n_sets, b, h, s, d, dtype, device, seed=0):
 
 
 class Timer:
-    """Median milliseconds of fn over `reps` calls after `warmup`, rotating the input sets."""
+    """Median milliseconds of fn over `reps` calls after `warmup`, rotating the input sets.
 
-    def __init__(self, cuda):
+    On CUDA each call is bracketed by two events, so what is timed is the GPU's time for the
+    call's kernels. With gpu_sleep (default), a spin kernel (torch.cuda._sleep) is queued before
+    each call's start event, long enough (twice the call's host time measured during warm-up)
+    that the CPU has queued the whole call before the GPU reaches it: host-side launch overhead
+    (Python, autograd, the dispatcher) then never shows as idle GPU time between the events.
+    Small shapes would otherwise be timed partly on the CPU, and the backends differ there.
+    """
+
+    def __init__(self, cuda, gpu_sleep=True):
         self.cuda = cuda
+        self.gpu_sleep = cuda and gpu_sleep
+        self._cycles_per_ms = None
+        self.last = {}  # statistics of the last run(): median, min, max, n (ms), sleep_ms
+
+    def cycles_per_ms(self):
+        """GPU clock cycles per millisecond of torch.cuda._sleep, measured once."""
+        if self._cycles_per_ms is None:
+            torch = _torch()
+            torch.cuda._sleep(1000)
+            best = None
+            for _ in range(3):
+                a = torch.cuda.Event(enable_timing=True)
+                e = torch.cuda.Event(enable_timing=True)
+                a.record()
+                torch.cuda._sleep(2_000_000)
+                e.record()
+                e.synchronize()
+                ms = a.elapsed_time(e)
+                best = ms if best is None else min(best, ms)
+            self._cycles_per_ms = 2_000_000 / max(best, 1e-3)
+        return self._cycles_per_ms
 
     def run(self, fn, n_sets, warmup, reps, budget_s):
-        for i in range(warmup):
+        torch = _torch() if self.cuda else None
+        host = []
+        for i in range(max(warmup, 1 if self.gpu_sleep else 0)):
+            t0 = time.perf_counter()
             fn(i % n_sets)
-        self.sync()
+            host.append((time.perf_counter() - t0) * 1e3)
+            self.sync()  # so the next call's host time is not spent waiting on a full queue
+        sleep_ms = 0.0
+        if self.gpu_sleep:
+            # 2x the slowest warm call's host time (the first includes one-off setup: skip it
+            # when there is more than one), plus 50 us for the event records, capped at 50 ms.
+            h = max(host[1:] if len(host) > 1 else host)
+            sleep_ms = min(2.0 * h + 0.05, 50.0)
+            sleep_cycles = int(sleep_ms * self.cycles_per_ms())
         times = []
         t_start = time.perf_counter()
         for i in range(reps):
             if self.cuda:
                 a = torch.cuda.Event(enable_timing=True)
                 e = torch.cuda.Event(enable_timing=True)
+                if self.gpu_sleep:
+                    torch.cuda._sleep(sleep_cycles)
                 a.record()
                 fn(i % n_sets)
                 e.record()
@@ -69,48 +120,70 @@ class Timer:
         self.sync()
         if self.cuda:
             times = [a.elapsed_time(e) for a, e in times]
-        return statistics.median(times)
+        self.last = dict(median=statistics.median(times), min=min(times), max=max(times),
+                         n=len(times), sleep_ms=sleep_ms)
+        return self.last["median"]
 
     def sync(self):
         if self.cuda:
-            torch.cuda.synchronize()
+            _torch().cuda.synchronize()
 
 
-def measure(attn, sets, timer, warmup, reps, budget_s):
-    """ms for fwd, bwd, both of attn(q, k, v) -> out over the rotating sets."""
+def measure(attn, sets, timer, warmup, reps, budget_s, passes=PASSES, stats=None):
+    """ms for each pass in `passes` (fwd, bwd, both) of attn(q, k, v) -> out over the rotating
+    sets; `stats`, when a dict, receives the timer's statistics per pass."""
+    torch = _torch()
     n = len(sets)
     res = {}
 
-    def fwd(i):
-        q, k, v, _ = sets[i]
-        attn(q, k, v)
+    def keep(p):
+        if stats is not None:
+            stats[p] = dict(timer.last)
 
-    res["fwd"] = timer.run(fwd, n, warmup, reps, budget_s)
+    if "fwd" in passes:
+        def fwd(i):
+            q, k, v, _ = sets[i]
+            attn(q, k, v)
 
-    outs = [attn(q, k, v) for q, k, v, _ in sets]
+        res["fwd"] = timer.run(fwd, n, warmup, reps, budget_s)
+        keep("fwd")
 
-    def bwd(i):
-        q, k, v, dout = sets[i]
-        torch.autograd.grad(outs[i], (q, k, v), dout, retain_graph=True)
+    if "bwd" in passes:
+        outs = [attn(q, k, v) for q, k, v, _ in sets]
 
-    res["bwd"] = timer.run(bwd, n, warmup, reps, budget_s)
-    del outs
+        def bwd(i):
+            q, k, v, dout = sets[i]
+            torch.autograd.grad(outs[i], (q, k, v), dout, retain_graph=True)
 
-    def both(i):
-        q, k, v, dout = sets[i]
-        out = attn(q, k, v)
-        torch.autograd.grad(out, (q, k, v), dout)
+        res["bwd"] = timer.run(bwd, n, warmup, reps, budget_s)
+        keep("bwd")
+        del outs
 
-    res["both"] = timer.run(both, n, warmup, reps, budget_s)
+    if "both" in passes:
+        def both(i):
+            q, k, v, dout = sets[i]
+            out = attn(q, k, v)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        res["both"] = timer.run(both, n, warmup, reps, budget_s)
+        keep("both")
     return res
 
 
 def write_csv(path, rows):
-    keys = list(rows[0].keys())
-    with open(path, "w", newline="") as f:
+    """All keys of all rows, in first-seen order (rows of different dtypes and backends carry
+    different columns); missing cells are empty."""
+    keys = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    os.replace(tmp, path)  # a run killed mid-write leaves the previous complete file
 
 
 def fmt(x, nd=1):
@@ -125,11 +198,12 @@ def table(rows, ours, peers, unit="TFLOP/s", scale=1e12):
         if key not in cases:
             cases.append(key)
     backends = [b for b in ours + peers if any(r["backend"] == b for r in rows)]
+    passes = [p for p in PASSES if any(r.get(f"{p}_flops_per_s") for r in rows)]
     head = ["dtype", "causal", "D", "S", "B x H"]
     for b in backends:
-        head += [f"{b} fwd", f"{b} bwd", f"{b} both"]
+        head += [f"{b} {p}" for p in passes]
     for o in ours:
-        head += [f"{o}/best fwd", f"{o}/best bwd", f"{o}/best both"]
+        head += [f"{o}/best {p}" for p in passes]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in cases:
         rs = {r["backend"]: r for r in rows
@@ -139,21 +213,23 @@ def table(rows, ours, peers, unit="TFLOP/s", scale=1e12):
                  f"{any_r['batch']} x {any_r['heads']}"]
         for b in backends:
             r = rs.get(b)
-            for p in PASSES:
+            for p in passes:
                 v = r.get(f"{p}_flops_per_s") if r else None
                 cells.append(fmt(v / scale if v else None))
         for o in ours:
             r = rs.get(o)
-            for p in PASSES:
-                best = max((rs[b][f"{p}_flops_per_s"] or 0) for b in peers if b in rs) or None
+            for p in passes:
+                best = max((rs[b].get(f"{p}_flops_per_s") or 0) for b in peers if b in rs) \
+                    if any(b in rs for b in peers) else None
                 v = r.get(f"{p}_flops_per_s") if r else None
                 cells.append(fmt(v / best, 2) + "x" if v and best else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\n(figures in {unit}; '-' = not supported or skipped, see the notes)"
+    return ("\n".join(lines)
+            + f"\n\n(figures in {unit}; '-' = not supported or skipped, see the notes)")
 
 
 def chart(rows, path, title, scale=1e12, unit="TFLOP/s"):
-    """PNG: for each (dtype, head dim) a row of panels (fwd, bwd, both) x (causal no/yes),
+    """PNG: for each (dtype, head dim) a row of panels (passes) x (causal no/yes),
     TFLOP/s against sequence length, one line per backend."""
     import matplotlib
 
@@ -165,7 +241,8 @@ def chart(rows, path, title, scale=1e12, unit="TFLOP/s"):
         g = (r["dtype"], r["head_dim"])
         if g not in groups:
             groups.append(g)
-    cols = [(p, c) for c in (False, True) for p in PASSES]
+    passes = [p for p in PASSES if any(r.get(f"{p}_flops_per_s") for r in rows)]
+    cols = [(p, c) for c in (False, True) for p in passes]
     fig, axes = plt.subplots(len(groups), len(cols),
                              figsize=(3.2 * len(cols), 2.8 * len(groups) + 0.9), squeeze=False)
     backends = []
@@ -178,7 +255,7 @@ def chart(rows, path, title, scale=1e12, unit="TFLOP/s"):
             for b in backends:
                 pts = sorted((r["seq"], r[f"{p}_flops_per_s"] / scale) for r in rows
                              if r["backend"] == b and r["dtype"] == dtype and r["head_dim"] == d
-                             and r["causal"] == causal and r[f"{p}_flops_per_s"])
+                             and r["causal"] == causal and r.get(f"{p}_flops_per_s"))
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=b)
             ax.set_xscale("log", base=2)

@@ -1,217 +1,914 @@
 #!/usr/bin/env python3
 """flashattn next to PyTorch SDPA's backends on a CUDA GPU: same process, identical inputs.
 
-Backends: flashattn (precision fp32 and, for float32, tf32) through flashattn.torch.attention,
-and F.scaled_dot_product_attention pinned to each of its backends: flash (FlashAttention 2),
-cudnn, efficient (memory-efficient) and math. A backend that cannot serve a case (e.g. SDPA's
-flash and cuDNN backends take no float32; math at long sequences would need tens of GB for the
-S x S matrices) is listed as skipped with the reason.
+Backends (--backends auto picks per dtype):
+  float32           flashattn (precision fp32 = 3xTF32), flashattn-tf32; sdpa-efficient,
+                    sdpa-math (full mode). SDPA's flash and cuDNN backends take no float32.
+  bfloat16/float16  flashattn (library default backward: deterministic=0, FLASHATTN_CUDA_BWD
+                    unset), flashattn-atomic (deterministic=0, FLASHATTN_CUDA_BWD=atomic:
+                    one pass over key blocks, dQ accumulated with float32 atomics),
+                    flashattn-split (deterministic=1: dQ pass + dK/dV pass, bitwise
+                    reproducible); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode).
+  The two designs differ only in the backward, so their rows time the backward (and fwd+bwd in
+  full mode); the forward is the flashattn row's.
 
-Shapes (the CUDA issues): 16k tokens per batch (B = tokens / S), hidden 2048 (H = 2048 / D),
-S in {1k, 4k, 16k} (--bf16-seqs adds 512..16k for bf16/fp16), D in {64, 128}, causal and not.
-TFLOP/s with FLOPs = 4*B*H*S*S*D (halved when causal), backward 2.5x, both 3.5x; CUDA-event
-medians after warm-up, inputs rotated among --sets independent sets (each set is far larger than
-L2). Training mode: requires_grad inputs, backward through autograd (bench/attn_harness.py).
+Shapes (the CUDA issues): 16k tokens per batch (B = tokens / S), hidden 2048 (H = 2048 / D);
+float32: S in {1k, 4k, 16k}, D in {64, 128}; bfloat16/float16: S in {512, 1k, 2k, 4k, 8k, 16k},
+D in {64, 128, 256}; causal and not. TFLOP/s with FLOPs = 4*B*H*Sq*Skv*D (halved when causal),
+backward 2.5x, both 3.5x. Ratios to sdpa-flash and sdpa-cudnn per pass (the 16-bit target:
+>= 1.0x sdpa-flash, forward and backward, at every shape; the gap to cuDNN is recorded).
 
-usage: python bench/gpu.py --out out/bench-gpu [--dtypes float32,bfloat16,float16] [--quick]
-writes OUT/gpu.csv, OUT/gpu.md (table) and OUT/gpu.png (TFLOP/s vs sequence length).
+Timing: CUDA-event medians after warm-up, inputs rotated among --sets independent sets (each far
+larger than L2), a GPU spin before each timed call so host overhead is not timed
+(attn_harness.Timer), training mode (requires_grad inputs, backward through autograd).
+Memory: torch-visible peak beyond the inputs for one forward+backward; the library's own scratch
+(cudaMallocAsync, invisible to torch) as the high-water mark of the device's stream-ordered pool,
+next to the backward's formula (atomic: float32 dQ accumulator B*Hq*Sq*Dpad*4 + D workspace
+B*Hq*Sq*4; split: D workspace only). Checks: each flashattn row's out, dq, dk, dv against the
+first SDPA backend's (max error / max |peer|) and whether a second run is bitwise identical.
+
+flashattn is called through the Python package (flashattn.torch.attention) when it takes
+`deterministic`, else through the C ABI (ctypes, same autograd wiring) with the library given by
+--lib or the one inside the installed package.
+
+usage: python bench/gpu.py --out out/bench-gpu [--dtypes bfloat16,float16] [--quick]
+       python bench/gpu.py --out DIR --lib build-gpu/src/libflashattn.so --quick  (no package)
+       python bench/gpu.py --dry-run [--quick]  (grid, FLOPs, scratch, time estimate; no torch)
+writes OUT/gpu.csv (one row per case and backend, rewritten after every case), OUT/gpu.md (tables,
+summary, notes; also printed last), OUT/gpu-summary.md (the same without the 16-bit per-shape
+tables)
+and OUT/gpu.png (TFLOP/s vs sequence length).
 """
 
 import argparse
 import contextlib
+import ctypes
 import datetime
+import glob
+import inspect
+import math
 import os
 import platform
+import statistics
 import sys
-
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attn_harness as H  # noqa: E402
+import attn_harness as H  # noqa: E402  (imports torch only when it needs it)
 
-import flashattn  # noqa: E402
-import flashattn.torch as fat  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SDPA = {
-    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
-    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
-    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "sdpa-math": SDPBackend.MATH,
-}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LOW = ("bfloat16", "float16")
+OURS = ("flashattn", "flashattn-tf32", "flashattn-atomic", "flashattn-split")
+DESIGNS = ("flashattn-atomic", "flashattn-split")
+SDPA_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+# Head dims the CUDA kernels are compiled for; others run padded to the next one.
+COMPILED_HEAD_DIMS = (64, 96, 128, 256)
+ENV_BWD = "FLASHATTN_CUDA_BWD"
 # The math backend materialises S (and P, dP, dS) per head: cap its scratch.
 MATH_MAX_BYTES = 12 << 30
+# Flag (not fail) a flashattn row whose outputs differ from the SDPA peer's by more than this,
+# relative to max |peer|: a few times what two correct implementations differ by (both round
+# to the storage type), far below what a broken kernel gives (O(1)).
+ERR_FLAG = {"float32": 1e-4, "float32-tf32": 1e-2, "bfloat16": 3e-2, "float16": 5e-3}
+ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def sdpa_fn(causal):
-    def f(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return f
+# ---- what runs: backends, passes, the grid (no torch needed) -------------------------------------
 
 
-def flashattn_fn(precision, causal):
-    mask = "causal_top_left" if causal else "none"  # equal to bottom-right for Sq == Skv
+class Impl:
+    """One benchmarked backend for one dtype."""
 
-    def f(q, k, v):
-        return fat.attention(q, k, v, mask=mask, precision=precision)
-    return f
+    def __init__(self, name, passes):
+        self.name = name
+        self.ours = name in OURS
+        self.passes = passes
+        self.precision = "tf32" if name == "flashattn-tf32" else "fp32"
+        self.deterministic = name == "flashattn-split"
+        # The default row runs with the variable removed, so it shows the library's own choice.
+        self.env = {"flashattn-atomic": "atomic"}.get(name)
+        self.design = {"flashattn": "default", "flashattn-tf32": "tf32",
+                       "flashattn-atomic": "atomic", "flashattn-split": "split"}.get(name, "")
 
 
-def context(name):
-    # The backend is pinned once around a whole measurement, not inside the timed calls.
-    return sdpa_kernel(SDPA[name]) if name in SDPA else contextlib.nullcontext()
+def backend_names(dname, args):
+    if args.backends == "auto":
+        if dname == "float32":
+            names = ["sdpa-efficient"] + ([] if args.quick else ["sdpa-math"])
+            names += ["flashattn", "flashattn-tf32"]
+        else:
+            names = ["sdpa-flash", "sdpa-cudnn"] + ([] if args.quick else ["sdpa-efficient"])
+            names += ["flashattn", "flashattn-atomic", "flashattn-split"]
+    else:
+        names = args.backends.split(",")
+    keep = []
+    for n in names:
+        if n == "flashattn-tf32" and dname != "float32":
+            continue  # tf32 is a float32 mode
+        if n in DESIGNS and dname not in LOW:
+            continue  # float32's backward has one design (always deterministic)
+        keep.append(n)
+    # Peers first: their numbers are in when ours are printed, with ratios.
+    return [n for n in keep if n not in OURS] + [n for n in keep if n in OURS]
 
 
-def supported(name, fn, dtype, d, device):
+def impls_for(dname, args):
+    out = []
+    for n in backend_names(dname, args):
+        passes = list(args.passes)
+        if n in DESIGNS:
+            passes = [p for p in passes if p != "fwd"]  # same forward as the flashattn row
+        if passes:
+            out.append(Impl(n, passes))
+    return out
+
+
+def grid(args):
+    """[(dtype name, D, S, causal, B, H)] in run order."""
+    causals = [bool(int(c)) for c in args.causal.split(",")]
+    cases = []
+    for dname in args.dtypes.split(","):
+        seqs = args.seqs if dname == "float32" else args.bf16_seqs
+        dims = args.head_dims if dname == "float32" else args.bf16_head_dims
+        for d in map(int, dims.split(",")):
+            for s in map(int, seqs.split(",")):
+                b, h = max(1, args.tokens // s), max(1, args.hidden // d)
+                for causal in causals:
+                    cases.append((dname, d, s, causal, b, h))
+    return cases
+
+
+def padded_head_dim(d):
+    return next((c for c in COMPILED_HEAD_DIMS if c >= d), d)
+
+
+def scratch_bytes(impl_name, dname, b, hq, sq, d):
+    """The library's backward scratch by design (docs/ALGORITHM.md): D = rowsum(dO * O) in
+    float32 for every design; the atomic design adds its float32 dQ accumulator at the padded
+    head dim. None for the default row (whichever design the library picks) and for peers."""
+    d_ws = b * hq * sq * 4
+    if impl_name == "flashattn-atomic":
+        return d_ws + b * hq * sq * padded_head_dim(d) * 4
+    if impl_name == "flashattn-split" or (dname == "float32" and impl_name in OURS):
+        return d_ws
+    return None
+
+
+def dry_run(args):
+    """The grid, FLOP counts, scratch formulas and a rough time estimate; runs nothing."""
+    cases = grid(args)
+    rf, rb = (float(x) * 1e12 for x in args.assume_tflops.split(","))
+    print(f"grid: {len(cases)} cases; tokens {args.tokens}, hidden {args.hidden}; passes "
+          f"{','.join(args.passes)}; warm-up {args.warmup}, reps {args.reps}, sets {args.sets}, "
+          f"budget {args.budget} s per measurement")
+    for dname in args.dtypes.split(","):
+        print(f"  {dname}: " + ", ".join(f"{i.name} [{','.join(i.passes)}]"
+                                         for i in impls_for(dname, args)))
+    print()
+    print(f"{'dtype':9s} {'D':>4s} {'S':>6s} {'c':>2s} {'B':>4s} {'H':>4s} {'fwd GFLOP':>10s} "
+          f"{'bwd GFLOP':>10s} {'atomic MiB':>10s} {'split MiB':>10s}")
+    gpu_s, calls, n_meas = 0.0, 0, 0
+    warm = max(args.warmup, 1)
+    for dname, d, s, causal, b, h in cases:
+        f = {p: H.flops(b, h, s, d, causal, p) for p in H.PASSES}
+        sa = scratch_bytes("flashattn-atomic", dname, b, h, s, d) / 2**20
+        ss = scratch_bytes("flashattn-split", dname, b, h, s, d) / 2**20
+        print(f"{dname:9s} {d:4d} {s:6d} {int(causal):2d} {b:4d} {h:4d} {f['fwd'] / 1e9:10.1f} "
+              f"{f['bwd'] / 1e9:10.1f} {sa:10.1f} {ss:10.2f}")
+        t = {"fwd": f["fwd"] / rf, "bwd": f["bwd"] / rb}
+        t["both"] = t["fwd"] + t["bwd"]
+        for impl in impls_for(dname, args):
+            for p in impl.passes:
+                # Timed reps stop after 3 once the budget is spent.
+                reps = max(3, min(args.reps, math.ceil(args.budget / max(t[p], 1e-9))))
+                gpu_s += (warm + reps) * t[p] + (args.sets * t["fwd"] if p == "bwd" else 0)
+                calls += warm + reps
+                n_meas += 1
+            gpu_s += t["both"] * (2 if impl.ours else 1)  # memory probe (+ repeat check)
+    # Host-side costs are guesses, not measurements: interpreter + CUDA start 20 s; 0.2 s per
+    # input-set creation; 0.5 s per cuDNN graph built (one per new shape and pass); 50 ms per
+    # measurement (syncs, probes); 0.5 ms per call (the spin before it, Python dispatch).
+    n_shapes = len({c[:3] for c in cases})
+    n_cudnn = sum(len(i.passes) for c in cases for i in impls_for(c[0], args)
+                  if i.name == "sdpa-cudnn")
+    host = {"start": 20, "input sets": 0.2 * n_shapes, "cuDNN graphs": 0.5 * n_cudnn,
+            "measurements": 0.05 * n_meas, "calls": 0.5e-3 * calls}
+    print(f"\n{n_meas} measurements, {calls} timed/warm-up calls. Estimate at an assumed "
+          f"{rf / 1e12:.0f} TFLOP/s forward and {rb / 1e12:.0f} backward for every backend: GPU "
+          f"{gpu_s:.0f} s + host (guesses) " + ", ".join(f"{k} {v:.0f}" for k, v in host.items())
+          + f" = ~{gpu_s + sum(host.values()):.0f} s")
+
+
+# ---- flashattn callers ---------------------------------------------------------------------------
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
+                ("ndim", ctypes.c_int32), ("shape", ctypes.c_int64 * 4),
+                ("stride", ctypes.c_int64 * 4)]
+
+
+class _Options(ctypes.Structure):
+    # include/flashattn/flashattn.h; struct_size tells the library which fields we have.
+    _fields_ = [("struct_size", ctypes.c_uint32), ("softmax_scale", ctypes.c_float),
+                ("mask", ctypes.c_int32), ("stream", ctypes.c_void_p),
+                ("num_threads", ctypes.c_int32), ("precision", ctypes.c_int32),
+                ("deterministic", ctypes.c_int32)]
+
+
+class CtypesLib:
+    """The C ABI of one libflashattn, on torch tensors (device pointers, torch's stream)."""
+
+    UNSUPPORTED = 2
+
+    def __init__(self, path, torch):
+        self.path = path
+        self.torch = torch
+        self.lib = ctypes.CDLL(path)
+        self.lib.flashattn_last_error.restype = ctypes.c_char_p
+        self.lib.flashattn_version.restype = ctypes.c_char_p
+        p = ctypes.POINTER(_Tensor)
+        self.lib.flashattn_forward.argtypes = [p] * 5 + [ctypes.POINTER(_Options)]
+        self.lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(_Options)]
+        t = torch
+        self.codes = {t.float32: 0, t.float16: 1, t.bfloat16: 2, t.float64: 3}
+
+    def version(self):
+        return self.lib.flashattn_version().decode()
+
+    def cuda_available(self):
+        return bool(self.lib.flashattn_cuda_available())
+
+    def _view(self, x):
+        v = _Tensor()
+        v.data = x.data_ptr()
+        v.dtype = self.codes[x.dtype]
+        v.device = (x.device.index or 0) if x.is_cuda else -1
+        v.ndim = x.dim()
+        for i in range(x.dim()):
+            v.shape[i] = x.shape[i]
+            v.stride[i] = x.stride(i)
+        return v
+
+    def _options(self, q, mask, precision, deterministic):
+        o = _Options()
+        o.struct_size = ctypes.sizeof(_Options)
+        o.mask = mask
+        o.stream = self.torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
+        o.num_threads = 0 if q.is_cuda else self.torch.get_num_threads()
+        o.precision = precision
+        o.deterministic = int(deterministic)
+        return o
+
+    def _check(self, rc):
+        if rc != 0:
+            msg = self.lib.flashattn_last_error().decode()
+            raise (NotImplementedError if rc == self.UNSUPPORTED else RuntimeError)(msg)
+
+    def forward(self, q, k, v, out, lse, opts):
+        vs = [self._view(x) for x in (q, k, v, out, lse)]
+        self._check(self.lib.flashattn_forward(*[ctypes.byref(x) for x in vs],
+                                               ctypes.byref(self._options(q, *opts))))
+
+    def backward(self, q, k, v, out, dout, lse, dq, dk, dv, opts):
+        vs = [self._view(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)]
+        self._check(self.lib.flashattn_backward(*[ctypes.byref(x) for x in vs],
+                                                ctypes.byref(self._options(q, *opts))))
+
+
+def ctypes_attention(torch, lib):
+    """Differentiable attention over the C ABI, wired like flashattn.torch's custom op (outputs
+    laid out like the inputs, float32 LSE saved for the backward)."""
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, opts):
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            lib.forward(q, k, v, out, lse, opts)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.opts = opts
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            if dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            lib.backward(q, k, v, out, dout, lse, dq, dk, dv, ctx.opts)
+            return dq, dk, dv, None
+
+    return Fn
+
+
+class Flashattn:
+    """How this run calls flashattn: 'package' (flashattn.torch.attention) or 'ctypes'."""
+
+    def __init__(self, torch, args, notes):
+        self.torch = torch
+        self.via, self.lib, self.pkg_det = None, None, False
+        pkg = fat = None
+        # The package is imported unless --lib names the library (then it is not needed, and an
+        # older installed package must not shadow the build being measured).
+        if args.via == "package" or args.lib is None:
+            try:
+                import flashattn as pkg
+                import flashattn.torch as fat
+            except ImportError as e:
+                if args.via == "package":
+                    sys.exit(f"--via package: cannot import flashattn ({e})")
+                notes.append(f"flashattn package not importable ({e})")
+        if fat is not None:
+            self.pkg_det = "deterministic" in inspect.signature(fat.attention).parameters
+        lib_path = args.lib
+        if lib_path is None and pkg is not None:
+            # The package's own copy of libflashattn (next to its extension: python/CMakeLists.txt).
+            pkg_dir = os.path.dirname(pkg.__file__)
+            found = sorted(glob.glob(os.path.join(pkg_dir, "libflashattn*.so*")))
+            lib_path = found[0] if found else None
+        if args.via == "package" or (args.via == "auto" and fat is not None and
+                                     (self.pkg_det or lib_path is None)):
+            self.via, self.pkg, self.fat = "package", pkg, fat
+            if not self.pkg_det:
+                notes.append("flashattn.torch.attention takes no `deterministic` yet and no "
+                             "library was found for the C ABI: flashattn-split is skipped")
+        else:
+            if lib_path is None:
+                sys.exit("no flashattn: neither --lib nor an installed package with its library")
+            self.via = "ctypes"
+            self.lib = CtypesLib(os.path.abspath(lib_path), torch)
+            self.fn = ctypes_attention(torch, self.lib)
+
+    def describe(self):
+        if self.via == "package":
+            where = os.path.dirname(self.pkg.__file__)
+            return f"flashattn {self.pkg.__version__} via package ({where})"
+        return f"flashattn {self.lib.version()} via C ABI ({self.lib.path})"
+
+    def cuda_available(self):
+        return self.pkg.cuda_available() if self.via == "package" else self.lib.cuda_available()
+
+    def make(self, impl, causal):
+        """attn(q, k, v) -> out for impl, or a string saying why it cannot run."""
+        mask = "causal_top_left" if causal else "none"  # equal to bottom-right for Sq == Skv
+        if self.via == "package":
+            kw = {"deterministic": impl.deterministic} if self.pkg_det else {}
+            if impl.deterministic and not self.pkg_det:
+                return "the package takes no deterministic= and no library for the C ABI"
+            fat, prec = self.fat, impl.precision
+            return lambda q, k, v: fat.attention(q, k, v, mask=mask, precision=prec, **kw)
+        opts = (1 if causal else 0, 1 if impl.precision == "tf32" else 0, impl.deterministic)
+        fn = self.fn
+        return lambda q, k, v: fn.apply(q, k, v, opts)
+
+
+# ---- measurement helpers -------------------------------------------------------------------------
+
+
+class StreamPool:
+    """High-water mark of the device's current stream-ordered memory pool, through the driver
+    API: the library's workspace comes from cudaMallocAsync there, which torch's allocator
+    statistics never see (unless torch itself runs on cudaMallocAsync: then both are in it)."""
+
+    USED_MEM_HIGH = 8  # CU_MEMPOOL_ATTR_USED_MEM_HIGH (cuda.h), a cuuint64_t
+
+    def __init__(self, device_index):
+        self.why = None
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
+            cu.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+            cu.cuDeviceGetMemPool.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+            cu.cuMemPoolGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            cu.cuMemPoolSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            dev, pool = ctypes.c_int(), ctypes.c_void_p()
+            rc = cu.cuDeviceGet(ctypes.byref(dev), device_index)
+            rc = rc or cu.cuDeviceGetMemPool(ctypes.byref(pool), dev)
+            if rc:
+                raise OSError(f"CUresult {rc}")
+            self.cu, self.pool = cu, pool
+            self.reset()
+            if self.high() is None:
+                raise OSError("cuMemPoolGetAttribute failed")
+        except (OSError, AttributeError) as e:
+            self.why = str(e)
+
+    def reset(self):
+        if self.why is None:
+            zero = ctypes.c_uint64(0)  # the high-water mark can only be reset to 0
+            self.cu.cuMemPoolSetAttribute(self.pool, self.USED_MEM_HIGH, ctypes.byref(zero))
+
+    def high(self):
+        v = ctypes.c_uint64(0)
+        rc = self.cu.cuMemPoolGetAttribute(self.pool, self.USED_MEM_HIGH, ctypes.byref(v))
+        return v.value if rc == 0 else None
+
+
+@contextlib.contextmanager
+def bwd_env(value):
+    """FLASHATTN_CUDA_BWD = value (None: unset) for the duration; the library reads it on every
+    call, through getenv, which sees os.environ's changes."""
+    old = os.environ.get(ENV_BWD)
+    if value is None:
+        os.environ.pop(ENV_BWD, None)
+    else:
+        os.environ[ENV_BWD] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_BWD, None)
+        else:
+            os.environ[ENV_BWD] = old
+
+
+def probe(torch, fn, inputs, pool, repeat):
+    """One forward+backward on set 0: torch-visible peak beyond the inputs, the stream pool's
+    high-water mark, the results (out, dq, dk, dv) and, with repeat, whether a second run gives
+    bitwise identical results."""
+    q, k, v, dout = inputs
+    res = dict(peak_mib=float("nan"), pool_mib=None, bitwise=None)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if pool is not None and pool.why is None:
+            pool.reset()
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+        res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        if pool is not None and pool.why is None:
+            hi = pool.high()
+            res["pool_mib"] = None if hi is None else hi / 2**20
+    result = (out.detach(),) + tuple(grads)
+    del out, grads
+    if repeat:
+        out2 = fn(q, k, v)
+        again = (out2.detach(),) + tuple(torch.autograd.grad(out2, (q, k, v), dout))
+        res["bitwise"] = all(torch.equal(a, b) for a, b in zip(result, again))
+        del out2, again
+    res["result"] = result
+    return res
+
+
+def rel_err(got, ref):
+    """max over out, dq, dk, dv of max|got - ref| / max|ref|; NaN when anything is not finite."""
+    worst = 0.0
+    for a, b in zip(got, ref):
+        b32 = b.float()
+        e = (a.float() - b32).abs().max().item() / max(b32.abs().max().item(), 1e-30)
+        if not math.isfinite(e):
+            return float("nan")
+        worst = max(worst, e)
+    return worst
+
+
+def supported(torch, fn, ctx, dtype, d, device):
     """Runs one tiny forward+backward; returns None or the reason it failed."""
     q = torch.randn(1, 2, 128, d, device=device, dtype=dtype, requires_grad=True)
     try:
-        with context(name):
+        with ctx():
             out = fn(q, q, q)
-        out.sum().backward()
+            out.sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
         return None
     except (RuntimeError, NotImplementedError, TypeError) as e:
-        return str(e).strip().splitlines()[0][:160]
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
-def peak_extra_mib(fn, inputs):
-    """Memory one forward+backward allocates beyond its inputs (outputs, saved tensors,
-    workspace, gradients), in MiB."""
-    q, k, v, dout = inputs
-    if not q.is_cuda:
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn(q, k, v)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    torch.cuda.synchronize()
-    del out, grads
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+# ---- report --------------------------------------------------------------------------------------
+
+SHORT = {"flashattn": "flashattn", "flashattn-atomic": "atomic", "flashattn-split": "split",
+         "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "sdpa-efficient": "efficient",
+         "sdpa-math": "math"}
+RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
 
 
-def empty_cache(dev):
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+def case_key(r):
+    return (r["dtype"], r["causal"], r["head_dim"], r["seq"])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for gpu.csv, gpu.md and gpu.png")
+def case_label(key):
+    return f"{key[0]} D={key[2]} S={key[3]}{' causal' if key[1] else ''}"
+
+
+def ratio_col(p, peer):
+    return f"{p}_vs_{peer.replace('-', '_')}"
+
+
+def add_ratios(case_rows):
+    """{pass}_vs_sdpa_flash / _vs_sdpa_cudnn on every row of one case whose peer was measured."""
+    by = {r["backend"]: r for r in case_rows}
+    for r in case_rows:
+        for peer, _ in RATIO_TO:
+            if peer == r["backend"] or peer not in by:
+                continue
+            for p in H.PASSES:
+                a, b = r.get(f"{p}_flops_per_s"), by[peer].get(f"{p}_flops_per_s")
+                if a and b:
+                    r[ratio_col(p, peer)] = round(a / b, 3)
+
+
+def lp_table(rows, p):
+    """Markdown: one line per 16-bit case, pass p, TFLOP/s per backend, ours over flash/cuDNN."""
+    rows = [r for r in rows if r["dtype"] in LOW]
+    has = lambda b: any(r["backend"] == b and r.get(f"{p}_flops_per_s") for r in rows)  # noqa
+    ours = [b for b in ("flashattn",) + DESIGNS if has(b)]
+    peers = [b for b in SDPA_NAMES if has(b)]
+    if not ours and not peers:
+        return ""
+    # The default row repeats one of the designs: ratios for the designs when both are there.
+    rated = [b for b in ours if b in DESIGNS] or ours
+    label = lambda b: "default" if (b == "flashattn" and p != "fwd") else SHORT[b]  # noqa
+    head = ["dtype", "causal", "D", "S"] + [label(b) for b in ours + peers]
+    for peer, pl in RATIO_TO:
+        if has(peer):
+            head += [f"{label(b)}/{pl}" for b in rated]
+    lines = [f"{p} (TFLOP/s; ratios > 1: flashattn faster)",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cases = list(dict.fromkeys(case_key(r) for r in rows))
+    for key in cases:
+        rs = {r["backend"]: r for r in rows if case_key(r) == key}
+        cells = [key[0], "yes" if key[1] else "no", str(key[2]), str(key[3])]
+        for b in ours + peers:
+            v = rs.get(b, {}).get(f"{p}_flops_per_s")
+            cells.append(H.fmt(v / 1e12 if v else None))
+        for peer, _ in RATIO_TO:
+            if has(peer):
+                for b in rated:
+                    x = rs.get(b, {}).get(ratio_col(p, peer))
+                    cells.append(f"{x:.2f}" if x else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def lp_summary(rows):
+    """Per pass and flashattn row: how many shapes meet >= 1.0x sdpa-flash, and the cuDNN gap."""
+    rows = [r for r in rows if r["dtype"] in LOW]
+    out = []
+    all_cases = list(dict.fromkeys(case_key(r) for r in rows))
+    for p in H.PASSES:
+        for b in ("flashattn",) + DESIGNS:
+            mine = [r for r in rows if r["backend"] == b and r.get(f"{p}_flops_per_s")]
+            if not mine:
+                continue
+            for peer, pl in RATIO_TO:
+                col = ratio_col(p, peer)
+                xs = sorted((r[col], case_key(r)) for r in mine if r.get(col))
+                if not xs:
+                    continue
+                n_peer = sum(1 for r in rows if r["backend"] == peer and r.get(f"{p}_flops_per_s"))
+                met = sum(1 for x, _ in xs if x >= 1.0)
+                name = "default" if b == "flashattn" and p != "fwd" else SHORT[b]
+                out.append(f"- {p} {name} vs {pl}: >= 1.0x at {met}/{len(xs)} shapes (peer ran "
+                           f"at {n_peer}/{len(all_cases)}); median "
+                           f"{statistics.median(x for x, _ in xs):.2f}x, worst {xs[0][0]:.2f}x "
+                           f"({case_label(xs[0][1])}), best {xs[-1][0]:.2f}x")
+    return "\n".join(out)
+
+
+def scratch_table(rows):
+    """Per (dtype, D): the library's backward scratch per design (formula and the stream pool's
+    high-water mark, over S) and the torch-visible peak beyond inputs per backend."""
+    rows = [r for r in rows if r["dtype"] in LOW]
+    if not rows:
+        return ""
+
+    def rng(xs, nd=1):
+        xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+        if not xs:
+            return "-"
+        lo, hi = min(xs), max(xs)
+        return f"{lo:.{nd}f}" if abs(hi - lo) < 0.05 else f"{lo:.{nd}f}-{hi:.{nd}f}"
+
+    backends = [b for b in SDPA_NAMES + ("flashattn",) + DESIGNS
+                if any(r["backend"] == b for r in rows)]
+    head = ["dtype", "D"]
+    for b in backends:
+        if b in OURS:  # the default row has no formula of its own: it is one of the designs
+            head += ([f"{SHORT[b]} formula"] if b in DESIGNS else []) + [f"{SHORT[b]} pool"]
+    head += [f"{SHORT[b]} torch peak" for b in backends]
+    lines = ["backward scratch and memory (MiB; formula = the design's workspace, pool = measured "
+             "high-water mark of the stream-ordered pool the library allocates from; torch peak ="
+             " torch-visible allocations beyond the inputs over one forward+backward; ranges over "
+             "S)",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in dict.fromkeys((r["dtype"], r["head_dim"]) for r in rows):
+        rs = [r for r in rows if (r["dtype"], r["head_dim"]) == key]
+        cells = [key[0], str(key[1])]
+        for b in backends:
+            if b in OURS:
+                mine = [r for r in rs if r["backend"] == b]
+                if b in DESIGNS:
+                    cells.append(rng([r.get("scratch_formula_mib") for r in mine], 2))
+                cells.append(rng([r.get("lib_pool_high_mib") for r in mine], 2))
+        for b in backends:
+            cells.append(rng([r.get("fwd_bwd_peak_extra_mib") for r in rs if r["backend"] == b], 0))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def checks_summary(rows):
+    out = []
+    mine = [r for r in rows if r["backend"] in OURS]
+    flagged = [r for r in mine if r.get("check") == "FLAG"]
+    compared = [r for r in mine if r.get("max_rel_err") is not None]
+    if compared:
+        worst = max(compared, key=lambda r: (r["max_rel_err"] if math.isfinite(r["max_rel_err"])
+                                             else float("inf")))
+        out.append(f"- outputs vs the SDPA peer: {len(compared) - len(flagged)}/{len(compared)} "
+                   f"rows within the flag threshold; worst {worst['max_rel_err']:.2e} "
+                   f"({worst['backend']}, {case_label(case_key(worst))})")
+    for r in flagged:
+        out.append(f"  - FLAG {r['backend']} {case_label(case_key(r))}: max error / max |peer| = "
+                   f"{r['max_rel_err']:.2e} vs {r['err_ref']}")
+    for b in ("flashattn",) + DESIGNS:
+        rep = [r for r in mine if r["backend"] == b and r.get("bitwise_repeat") is not None]
+        if rep and rows and any(r["dtype"] in LOW for r in rep):
+            same = sum(1 for r in rep if r["bitwise_repeat"])
+            out.append(f"- {b}: a second forward+backward bitwise identical at {same}/{len(rep)} "
+                       f"shapes" + (" (must be all: deterministic=1)" if b == "flashattn-split"
+                                    else ""))
+    return "\n".join(out)
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--out", help="folder for gpu.csv, gpu.md, gpu-summary.md and gpu.png "
+                    "(required unless --dry-run)")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
-    ap.add_argument("--seqs", default="1024,4096,16384")
+    ap.add_argument("--seqs", default="1024,4096,16384", help="sequence lengths for float32")
+    ap.add_argument("--head-dims", default="64,128", help="head dims for float32")
     ap.add_argument("--bf16-seqs", default="512,1024,2048,4096,8192,16384",
                     help="sequence lengths for bfloat16/float16")
-    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--bf16-head-dims", default="64,128,256", help="head dims for bfloat16/float16")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     ap.add_argument("--hidden", type=int, default=2048, help="H = hidden / D")
-    ap.add_argument("--backends", default="flashattn,flashattn-tf32," + ",".join(SDPA))
+    ap.add_argument("--backends", default="auto",
+                    help="comma list from " + ",".join(SDPA_NAMES + OURS) + ", or auto (per dtype:"
+                    " see above)")
+    ap.add_argument("--passes", default=None,
+                    help="subset of fwd,bwd,both (default: fwd,bwd,both; --quick: fwd,bwd)")
     ap.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget", type=float, default=1.5, help="seconds per measurement, at most")
-    ap.add_argument("--quick", action="store_true", help="3 reps, 1 warm-up, 0.5 s budget")
+    ap.add_argument("--quick", action="store_true",
+                    help="5 reps, 1 warm-up, 0.3 s budget, passes fwd,bwd, auto backends without "
+                    "sdpa-efficient (16-bit) / sdpa-math (float32): the 16-bit grid in ~1-2 min on "
+                    "an H200 (see --dry-run)")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="seconds: start no new case after this (results so far are written; "
+                    "exit status 2); 0 = none")
+    ap.add_argument("--no-gpu-sleep", action="store_true",
+                    help="no spin kernel before timed calls (host overhead then may be timed)")
+    ap.add_argument("--via", choices=("auto", "package", "ctypes"), default="auto",
+                    help="how to call flashattn (auto: the package if it takes deterministic=, "
+                    "else the C ABI; --lib alone means the C ABI)")
+    ap.add_argument("--lib", help="libflashattn.so for the C ABI path")
     ap.add_argument("--device", default="cuda",
                     help="'cpu' runs the same script on the CPU (a smoke test of the script)")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the grid, FLOPs, scratch formulas and a time estimate; no torch")
+    ap.add_argument("--assume-tflops", default="300,200",
+                    help="forward,backward TFLOP/s assumed by --dry-run's time estimate")
+    args = ap.parse_args(argv)
     if args.quick:
-        args.reps, args.warmup, args.budget = 3, 1, 0.5
+        args.reps, args.warmup, args.budget = 5, 1, 0.3
+    args.passes = (args.passes or ("fwd,bwd" if args.quick else "fwd,bwd,both")).split(",")
+    for p in args.passes:
+        if p not in H.PASSES:
+            ap.error(f"--passes: unknown pass {p!r}")
+    for d in args.dtypes.split(","):
+        if d not in DTYPE_NAMES:
+            ap.error(f"--dtypes: unknown dtype {d!r}")
+    if args.backends != "auto":
+        for b in args.backends.split(","):
+            if b not in SDPA_NAMES + OURS:
+                ap.error(f"--backends: unknown backend {b!r}")
+    if not args.dry_run and not args.out:
+        ap.error("--out is required (or --dry-run)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return 0
+    t_begin = time.monotonic()
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/gpu.py needs a CUDA device")
-    if dev == "cuda" and not flashattn.cuda_available():
-        sys.exit("this flashattn build has no usable CUDA backend (flashattn.build_info())")
+        sys.exit("bench/gpu.py needs a CUDA device (or --device cpu, --dry-run)")
+    notes = []
+    fa = Flashattn(torch, args, notes)
+    if dev == "cuda" and not fa.cuda_available():
+        sys.exit(f"this flashattn has no usable CUDA backend ({fa.describe()})")
     H.ensure_dir(args.out)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 peers stay float32-accurate
     torch.backends.cudnn.allow_tf32 = False
+    if os.environ.get(ENV_BWD) is not None:
+        notes.append(f"{ENV_BWD}={os.environ[ENV_BWD]} was set: the flashattn rows ran without "
+                     "it (library default), the design rows with their own value")
+    pool = None
+    if dev == "cuda":
+        pool = StreamPool(torch.cuda.current_device())
+        if pool.why:
+            notes.append(f"stream-ordered pool not readable ({pool.why}): library scratch is "
+                         "given by formula only")
+        elif torch.cuda.get_allocator_backend() != "native":
+            notes.append("torch allocates with cudaMallocAsync too: 'pool' figures include "
+                         "torch's allocations")
 
-    dev_name = torch.cuda.get_device_name() if dev == "cuda" else platform.machine() + " CPU"
+    if dev == "cuda":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        try:  # torch >= 2.9 can swap SDPA's flash kernels for FA3/FA4: say which one ran
+            flash_impl = torch.nn.attention.current_flash_attention_impl()
+        except (AttributeError, RuntimeError):
+            flash_impl = None
+        dev_name = (f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB); "
+                    f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}; "
+                    f"SDPA flash impl {flash_impl or 'built-in'}")
+    else:
+        dev_name = platform.machine() + " CPU"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"{stamp}; {dev_name}; torch {torch.__version__}; flashattn {flashattn.__version__}; "
-              f"python {platform.python_version()}; command: {' '.join(sys.argv)}")
+    timer = H.Timer(cuda=dev == "cuda", gpu_sleep=not args.no_gpu_sleep)
+    header = (f"{stamp}; {dev_name}; torch {torch.__version__}; {fa.describe()}; python "
+              f"{platform.python_version()}\ntiming: median of {args.reps} reps (fewer past "
+              f"{args.budget} s) after {args.warmup} warm-up, {args.sets} input sets rotated, "
+              f"gpu sleep {'on' if timer.gpu_sleep else 'off'}; command: {' '.join(sys.argv)}")
     print(header, flush=True)
-    wanted = args.backends.split(",")
-    timer = H.Timer(cuda=dev == "cuda")
-    rows, notes = [], []
-    for dname in args.dtypes.split(","):
-        dtype = DTYPES[dname]
-        seqs = args.seqs if dtype == torch.float32 else args.bf16_seqs
-        causals = [bool(int(c)) for c in args.causal.split(",")]
-        for d in map(int, args.head_dims.split(",")):
-            fns, skip = {}, {}
-            for causal in causals:
-                for name in wanted:
-                    if name == "flashattn":
-                        fn = flashattn_fn("fp32", causal)
-                    elif name == "flashattn-tf32":
-                        if dtype != torch.float32:
-                            continue
-                        fn = flashattn_fn("tf32", causal)
-                    else:
-                        fn = sdpa_fn(causal)
-                    fns[name, causal] = fn
-                    why = supported(name, fn, dtype, d, dev)
-                    if why:
-                        skip[name, causal] = why
-                        notes.append(f"{name} {dname} D={d}{' causal' if causal else ''}: "
-                                     f"skipped ({why})")
-            for s in map(int, seqs.split(",")):
-                b, h = max(1, args.tokens // s), args.hidden // d
-                sets = H.make_sets(args.sets, b, h, s, d, dtype, dev)
-                for causal in causals:
-                    for name in wanted:
-                        if (name, causal) not in fns or (name, causal) in skip:
-                            continue
-                        fn = fns[name, causal]
-                        if name == "sdpa-math" and 4 * b * h * s * s * 4 > MATH_MAX_BYTES:
-                            notes.append(f"sdpa-math {dname} D={d} S={s}: skipped (S x S "
-                                         f"matrices need > {MATH_MAX_BYTES >> 30} GiB)")
-                            continue
-                        try:
-                            with context(name):
-                                ms = H.measure(fn, sets, timer, args.warmup, args.reps,
-                                               args.budget)
-                                peak = peak_extra_mib(fn, sets[0])
-                        except torch.cuda.OutOfMemoryError:
-                            empty_cache(dev)
-                            notes.append(f"{name} {dname} D={d} S={s}: out of memory")
-                            continue
-                        except RuntimeError as e:
-                            notes.append(f"{name} {dname} D={d} S={s}: failed "
-                                         f"({str(e).strip().splitlines()[0][:160]})")
-                            continue
-                        row = dict(dtype=dname, causal=causal, head_dim=d, seq=s, batch=b,
-                                   heads=h, backend=name, fwd_bwd_peak_extra_mib=round(peak, 1))
-                        for p in H.PASSES:
-                            row[f"{p}_ms"] = round(ms[p], 4)
-                            row[f"{p}_flops_per_s"] = H.flops(b, h, s, d, causal, p) / (ms[p] * 1e-3)
-                        rows.append(row)
-                        print(f"{dname:9s} D={d:3d} S={s:5d} causal={int(causal)} {name:15s} "
-                              + "  ".join(f"{p} {row[p + '_flops_per_s'] / 1e12:6.1f}"
-                                          for p in H.PASSES)
-                              + f"  TFLOP/s  (peak +{peak:.0f} MiB)", flush=True)
-                del sets
-                empty_cache(dev)
+
+    def context(impl):
+        if impl.name in sdpa:
+            return lambda: sdpa_kernel(sdpa[impl.name])  # pinned once around a measurement
+        return lambda: bwd_env(impl.env)
+
+    def sdpa_fn(causal):
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    csv_path = os.path.join(args.out, "gpu.csv")
+    rows = []
+    cases = grid(args)
+    stopped = None
+    fns, skip = {}, {}
+    prev_shape = None
+    sets = None
+    for ci, (dname, d, s, causal, b, h) in enumerate(cases):
+        if args.time_limit and time.monotonic() - t_begin > args.time_limit:
+            stopped = (f"time limit {args.time_limit:.0f} s reached: stopped before case "
+                       f"{ci + 1}/{len(cases)} ({dname} D={d} S={s}{' causal' if causal else ''})")
+            notes.append(stopped)
+            break
+        dtype = dtypes[dname]
+        impls = impls_for(dname, args)
+        for impl in impls:  # one probe per (dtype, D, causal, backend)
+            key = (dname, d, causal, impl.name)
+            if key in fns:
+                continue
+            fn = fa.make(impl, causal) if impl.ours else sdpa_fn(causal)
+            why = fn if isinstance(fn, str) else supported(torch, fn, context(impl), dtype, d, dev)
+            fns[key] = fn
+            if why:
+                skip[key] = why
+                notes.append(f"{impl.name} {dname} D={d}{' causal' if causal else ''}: "
+                             f"skipped ({why})")
+        if prev_shape != (dname, d, s):
+            sets = None
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            sets = H.make_sets(args.sets, b, h, s, d, dtype, dev)
+            prev_shape = (dname, d, s)
+        case_rows, ref = [], None
+        for impl in impls:
+            key = (dname, d, causal, impl.name)
+            if key in skip:
+                continue
+            fn = fns[key]
+            if impl.name == "sdpa-math" and 4 * b * h * s * s * 4 > MATH_MAX_BYTES:
+                notes.append(f"sdpa-math {dname} D={d} S={s}: skipped (S x S matrices need > "
+                             f"{MATH_MAX_BYTES >> 30} GiB)")
+                continue
+            stats = {}
+            try:
+                with context(impl)():
+                    ms = H.measure(fn, sets, timer, args.warmup, args.reps, args.budget,
+                                   passes=impl.passes, stats=stats)
+                    pr = probe(torch, fn, sets[0], pool, repeat=impl.ours)
+            except torch.cuda.OutOfMemoryError:
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+                notes.append(f"{impl.name} {dname} D={d} S={s}: out of memory")
+                continue
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                notes.append(f"{impl.name} {dname} D={d} S={s}{' causal' if causal else ''}: "
+                             f"failed ({(str(e).strip().splitlines() or [''])[0][:160]})")
+                continue
+            row = dict(dtype=dname, causal=causal, head_dim=d, seq=s, batch=b, heads=h,
+                       backend=impl.name, design=impl.design,
+                       deterministic=int(impl.deterministic) if impl.ours else "",
+                       env_bwd=(impl.env or "") if impl.ours else "",
+                       via=fa.via if impl.ours else "torch")
+            for p in impl.passes:
+                row[f"{p}_ms"] = round(ms[p], 4)
+                row[f"{p}_ms_min"] = round(stats[p]["min"], 4)
+                row[f"{p}_reps"] = stats[p]["n"]
+                row[f"{p}_flops_per_s"] = H.flops(b, h, s, d, causal, p) / (ms[p] * 1e-3)
+                row[f"{p}_tflops"] = round(row[f"{p}_flops_per_s"] / 1e12, 2)
+            sb = scratch_bytes(impl.name, dname, b, h, s, d)
+            row["scratch_formula_mib"] = round(sb / 2**20, 3) if sb is not None else None
+            pool_mib = pr["pool_mib"]
+            row["lib_pool_high_mib"] = round(pool_mib, 3) if pool_mib is not None else None
+            row["fwd_bwd_peak_extra_mib"] = round(pr["peak_mib"], 1)
+            if not impl.ours and ref is None:
+                ref = (impl.name, pr["result"])
+            if impl.ours and ref is not None:
+                err = rel_err(pr["result"], ref[1])
+                limit = ERR_FLAG["float32-tf32" if impl.precision == "tf32" else dname]
+                row.update(max_rel_err=err, err_ref=ref[0],
+                           check="ok" if err <= limit else "FLAG")  # NaN compares False: FLAG
+            row["bitwise_repeat"] = pr["bitwise"]
+            del pr
+            case_rows.append(row)
+            add_ratios(case_rows)
+            line = (f"{dname:9s} D={d:3d} S={s:5d} causal={int(causal)} {impl.name:16s} "
+                    + "  ".join(f"{p} {row[p + '_flops_per_s'] / 1e12:6.1f} "
+                                f"({row[p + '_ms']:.3f} ms)" for p in impl.passes) + " TFLOP/s")
+            for peer, pl in RATIO_TO:
+                rs = [f"{row[ratio_col(p, peer)]:.2f}" for p in impl.passes
+                      if row.get(ratio_col(p, peer))]
+                if rs:
+                    line += f"  /{pl} {','.join(rs)}"
+            if row.get("lib_pool_high_mib"):
+                line += f"  scratch {row['lib_pool_high_mib']:.1f} MiB"
+            if row.get("check") == "FLAG":
+                line += f"  CHECK: error {row['max_rel_err']:.1e} vs {row['err_ref']}"
+            print(line, flush=True)
+        del ref
+        rows += case_rows
+        if rows:
+            H.write_csv(csv_path, rows)
+    del sets
     if not rows:
+        print("\n".join(f"- {n}" for n in dict.fromkeys(notes)))
         sys.exit("nothing was measured")
-    H.write_csv(os.path.join(args.out, "gpu.csv"), rows)
-    ours = [b for b in ("flashattn", "flashattn-tf32") if b in wanted]
-    peers = [b for b in SDPA if b in wanted]
-    md = header + "\n\n" + H.table(rows, ours, peers)
+
+    # gpu.md: every table; gpu-summary.md: the same without the 16-bit per-shape tables (logs).
+    md, short = header + "\n", header + "\n"
+    f32 = [r for r in rows if r["dtype"] == "float32"]
+    if f32:  # a dozen lines: in the summary too
+        t = ("\n## float32\n\n" + H.table(f32, ["flashattn", "flashattn-tf32"], list(SDPA_NAMES))
+             + "\n")
+        md += t
+        short += t
+    if any(r["dtype"] in LOW for r in rows):
+        md += "\n## bfloat16 / float16\n"
+        for p in H.PASSES:
+            t = lp_table(rows, p)
+            if t:
+                md += "\n" + t + "\n"
+        tail = ("\nTarget: >= 1.0x sdpa-flash, forward and backward, at every shape; the gap to "
+                "cuDNN recorded.\n" + lp_summary(rows) + "\n\n" + scratch_table(rows) + "\n")
+        md += tail
+        short += tail
+    checks = checks_summary(rows)
+    tail = ("\nChecks:\n" + checks + "\n" if checks else "")
     if notes:
-        md += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes))
+        tail += "\nNotes:\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes)) + "\n"
+    tail += f"\n({len(rows)} rows, {time.monotonic() - t_begin:.0f} s)\n"
+    md += tail
+    short += tail
     with open(os.path.join(args.out, "gpu.md"), "w") as f:
-        f.write(md + "\n")
-    print("\n" + md, flush=True)
-    H.chart(rows, os.path.join(args.out, "gpu.png"),
-            f"flashattn vs PyTorch SDPA, {dev_name}, fwd / bwd / fwd+bwd (training mode)")
-    print(f"\nwrote {args.out}/gpu.csv, gpu.md, gpu.png")
+        f.write(md)
+    with open(os.path.join(args.out, "gpu-summary.md"), "w") as f:
+        f.write(short)
+    try:
+        H.chart(rows, os.path.join(args.out, "gpu.png"),
+                f"flashattn vs PyTorch SDPA, {dev_name.split(';')[0]}, TFLOP/s (training mode)")
+        png = ", gpu.png"
+    except Exception as e:  # noqa: BLE001  (the chart is a convenience; the numbers are written)
+        png = f" (no chart: {type(e).__name__}: {e})"
+    print(f"\nwrote {args.out}/gpu.csv, gpu.md{png}\n", flush=True)
+    print(md, flush=True)
+    return 2 if stopped else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
