@@ -119,9 +119,9 @@ constexpr int padded_head_dim16(int64_t d) {
 //    (each ldmatrix of K or V feeds two mma), which bounds mma.sync on this path; 4 warps x
 //    32 rows = 128 queries. D = 256 keeps O in registers only with one m16 tile per warp.
 //  - dQ: Q and dO stationary (2 x block_m x DP x 2 bytes); one m16 tile per warp (dQ, S and dP
-//    accumulators); block_n 32 at D >= 128 so two CTAs fit an SM's shared memory.
-//  - dK/dV: K and V stationary (128 keys), streamed Q/dO tiles of 64 (32 at D >= 128: dK, dV,
-//    S^T and dP^T accumulators, 160 registers at D = 128); D = 256 splits columns over 2 warps.
+//    accumulators).
+//  - dK/dV: K and V stationary (128 keys), streamed Q/dO tiles; D = 256 splits columns over 2
+//    warps (dK and dV accumulators would not fit in registers otherwise).
 struct TileConfig16 {
   int block_m;    // stationary rows per CTA (= 16 * mt * warps / col_split)
   int block_n;    // streamed rows per stage
@@ -131,46 +131,23 @@ struct TileConfig16 {
   FLASHATTN_CUDA_HD constexpr int threads() const { return warps * 32; }
 };
 
-#ifndef FLASHATTN_TILES16_VARIANT
-#define FLASHATTN_TILES16_VARIANT 0  // tuning experiments only: alternative rows below
-#endif
-
+// Rows measured on the H200 against alternatives (docs/PERF.md, "tile sizes"): 2 m16 tiles per
+// warp win the forward at D <= 128 (8 warps x 1 tile lost 10-25%); block_n 32 removes the D = 128
+// forward's spills (+4%); 128-key dK/dV blocks with 64-128 streamed queries beat 32 (+10-20%).
 FLASHATTN_CUDA_HD constexpr TileConfig16 tile_config16(Pass pass, int dp, bool big) {
-  constexpr int V = FLASHATTN_TILES16_VARIANT;
   switch (pass) {
     case Pass::Forward:
-      if (V == 1)
-        return dp <= 64 ? TileConfig16{128, 128, 4, 2, 1}
-             : dp <= 128 ? TileConfig16{128, 32, 4, 2, 1}
-                         : TileConfig16{128, 32, 8, 1, 1};
-      if (V == 2)
-        return dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
-             : big       ? TileConfig16{64, 64, 4, 1, 1}
-                         : TileConfig16{128, 32, 8, 1, 1};
-      return dp <= 128 ? TileConfig16{128, 64, 4, 2, 1}
+      return dp <= 64  ? TileConfig16{128, 64, 4, 2, 1}
+           : dp <= 128 ? TileConfig16{128, 32, 4, 2, 1}
            : big       ? TileConfig16{128, 64, 8, 1, 1}
                        : TileConfig16{128, 32, 8, 1, 1};
     case Pass::Dq:
-      if (V == 1)
-        return dp <= 64 ? TileConfig16{128, 128, 8, 1, 1}
-             : dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
-             : big       ? TileConfig16{64, 64, 4, 1, 1}
-                         : TileConfig16{64, 32, 4, 1, 1};
-      if (V == 2)
-        return dp <= 128 ? TileConfig16{64, 64, 4, 1, 1} : TileConfig16{64, 32, 4, 1, 1};
-      return dp <= 96 ? TileConfig16{128, 64, 8, 1, 1}
-           : dp <= 128 ? TileConfig16{128, 32, 8, 1, 1}
+      return dp <= 64  ? TileConfig16{128, 128, 8, 1, 1}
+           : dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
                        : TileConfig16{64, 32, 4, 1, 1};
     case Pass::Dkv:
-      if (V == 1)
-        return dp <= 64 ? TileConfig16{128, 128, 8, 1, 1}
-             : dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
-             : big       ? TileConfig16{64, 64, 8, 1, 2}
-                         : TileConfig16{64, 32, 8, 1, 2};
-      if (V == 2)
-        return dp <= 128 ? TileConfig16{64, 64, 4, 1, 1} : TileConfig16{32, 32, 4, 1, 2};
-      return dp <= 96 ? TileConfig16{128, 64, 8, 1, 1}
-           : dp <= 128 ? TileConfig16{128, 32, 8, 1, 1}
+      return dp <= 64  ? TileConfig16{128, 128, 8, 1, 1}
+           : dp <= 128 ? TileConfig16{128, 64, 8, 1, 1}
                        : TileConfig16{64, 32, 8, 1, 2};
   }
   return TileConfig16{0, 0, 0, 0, 0};

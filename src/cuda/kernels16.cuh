@@ -271,12 +271,19 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   const int t_begin = static_cast<int>(q_begin / BQ);
   const int per_head = static_cast<int>((Sq + BQ - 1) / BQ) - t_begin;
   const int ntiles = static_cast<int>(G) * per_head;
+  // ATOMIC: every key block of a head adds into the same dQ rows; starting each CTA at a
+  // different query tile spreads those atomics over different addresses at any moment instead
+  // of serialising them on one tile's rows in L2.
+  const int rot = ATOMIC && ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0;
+  auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
 
   load_tile16<BK, DP, T>(sK, in16(p.k, b, hk, m0), p.k.ss, rows, D, a.vec16);
   load_tile16<BK, DP, T>(sV, in16(p.v, b, hk, m0), p.v.ss, rows, D, a.vec16);
   cp_async_commit();
-  // Iteration `it` is query tile t_begin + it % per_head of query head hk*G + it / per_head.
+  // Iteration `it` is query tile t_begin + x % per_head of query head hk*G + x / per_head,
+  // x = tile_of(it).
   auto load_q = [&](int it, int stage) {
+    it = tile_of(it);
     const int64_t h = hk * G + it / per_head;
     const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BQ;
     const int n = static_cast<int>(Sq - n0 < BQ ? Sq - n0 : BQ);
@@ -313,8 +320,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     gemm_ss<H, 1, NS, DP, TK, TQ>(s, smem_addr(sK), kw * 16, qst, 0);
     gemm_ss<H, 1, NS, DP, TK, TQ>(dp, smem_addr(sV), kw * 16, dost, 0);
 
-    const int64_t h = hk * G + it / per_head;
-    const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BQ;  // first query row
+    const int tile = tile_of(it);
+    const int64_t h = hk * G + tile / per_head;
+    const int64_t n0 = static_cast<int64_t>(t_begin + tile % per_head) * BQ;  // first query row
     // Fully visible when in range and the tile's first query sees the block's last key.
     const bool masked = n0 + BQ > Sq || m0 + BK > Skv || (rule.causal && m0 + BK - 1 > n0 + rule.offset);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
