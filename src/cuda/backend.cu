@@ -86,9 +86,11 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
     c.half16 = true;
     c.h = n.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
     c.dp = padded_head_dim16(s.head_dim);
-    // Default: the single pass with atomic dQ (measured faster, docs/PERF.md); deterministic
-    // callers get the split passes, whose every sum has a fixed order.
-    c.atomic_bwd = true;
+    // Default: the split passes (dQ pass + dK/dV pass): faster than the single pass with atomic
+    // dQ at 13 of 18 bfloat16 shapes on the H200, every one at D = 128 and 256 (the single pass
+    // wins by <= 6% at D = 64; docs/PERF.md), and deterministic; FLASHATTN_CUDA_BWD=atomic selects the single pass unless the caller asked
+    // for determinism.
+    c.atomic_bwd = false;
     bool forced;
     if (bwd_override(&forced)) c.atomic_bwd = forced;
     if (n.deterministic) c.atomic_bwd = false;
@@ -342,7 +344,7 @@ std::string describe() {
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
         "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
         "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, backward split "
-        "(deterministic) or single pass with atomic dQ (default)";
+        "(default, deterministic) or single pass with atomic dQ (FLASHATTN_CUDA_BWD=atomic)";
   return os.str();
 }
 
