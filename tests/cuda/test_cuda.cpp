@@ -21,22 +21,13 @@
 #include <vector>
 
 #include "flashattn/flashattn.h"
-#include "test_util.hpp"
+#include "cuda_test_util.hpp"
 
 namespace flashattn::test {
 namespace {
 
 constexpr double kFmaTol = 1e-5;  // FMA kernel: at most 2.2e-6 over the grid (H200)
 constexpr double kTf32Tol = 5e-3;
-
-bool have_gpu() {
-  static const bool ok = cuda_available();
-  return ok;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no usable CUDA device (or a build without CUDA)"
-
-#define CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
 
 // Forces the kernels' arithmetic for the lifetime of the scope (nullptr: the precision option's).
 class MathScope {
@@ -46,65 +37,6 @@ class MathScope {
     else unsetenv("FLASHATTN_CUDA_MATH");
   }
   ~MathScope() { unsetenv("FLASHATTN_CUDA_MATH"); }
-};
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n, size_t pad = 0) : bytes(n) {
-    if (cudaMalloc(&ptr, n + pad) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-// Device copies of a Problem's buffers (same byte layout), with views rebound to them.
-// offset_floats shifts every base pointer (breaks 16-byte alignment: exercises 4-byte loads).
-struct DeviceProblem {
-  Problem& host;
-  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
-  Tensor q, k, v, dout, out, lse, dq, dk, dv;
-
-  explicit DeviceProblem(Problem& p, int offset_floats = 0) : host(p) {
-    Tensor* views[] = {&q, &k, &v, &dout, &out, &lse, &dq, &dk, &dv};
-    testing::HostTensor* hs[] = {&p.q, &p.k, &p.v, &p.dout, &p.out, &p.lse, &p.dq, &p.dk, &p.dv};
-    for (int i = 0; i < 9; ++i) {
-      bufs.push_back(std::make_unique<DeviceBuffer>(hs[i]->bytes.size(), 16));
-      char* base = static_cast<char*>(bufs.back()->ptr) + 4 * offset_floats;
-      *views[i] = testing::rebind(hs[i]->view, base, 0);
-      if (i < 4) cudaMemcpy(base, hs[i]->bytes.data(), hs[i]->bytes.size(), cudaMemcpyHostToDevice);
-    }
-    poison();
-  }
-  bool ok() const {
-    for (const auto& b : bufs)
-      if (!b->ptr) return false;
-    return true;
-  }
-  void poison() {
-    for (Tensor* t : {&out, &lse, &dq, &dk, &dv}) cudaMemset(t->data, 0xff, bytes_of(*t));  // NaN
-  }
-  size_t bytes_of(const Tensor& t) const {
-    for (const testing::HostTensor* h : {&host.q, &host.k, &host.v, &host.dout, &host.out, &host.lse,
-                                         &host.dq, &host.dk, &host.dv})
-      if (h->view.ndim == t.ndim && h->view.shape[0] == t.shape[0] && h->view.shape[1] == t.shape[1] &&
-          h->view.shape[2] == t.shape[2] && (t.ndim == 3 || h->view.shape[3] == t.shape[3]))
-        return h->bytes.size();
-    return 0;
-  }
-  void forward(const Options& o) { flashattn::forward(q, k, v, out, lse, o); }
-  void backward(const Options& o) { flashattn::backward(q, k, v, out, dout, lse, dq, dk, dv, o); }
-  // Copies the outputs back into the host problem.
-  void download() {
-    cudaDeviceSynchronize();
-    const Tensor* d[] = {&out, &lse, &dq, &dk, &dv};
-    testing::HostTensor* h[] = {&host.out, &host.lse, &host.dq, &host.dk, &host.dv};
-    for (int i = 0; i < 5; ++i)
-      cudaMemcpy(h[i]->bytes.data(), d[i]->data, h[i]->bytes.size(), cudaMemcpyDeviceToHost);
-  }
 };
 
 Options cuda_options(const ProblemConfig& c, Precision prec) {
@@ -350,7 +282,7 @@ TEST(CudaAlignment, UnalignedPointersUseScalarLoads) {
   const Reference ref = reference_for(p);
   for (const char* math : {"fma", "3xtf32"}) {
     MathScope scope(math);
-    DeviceProblem dp(p, /*offset_floats=*/1);
+    DeviceProblem dp(p, /*offset_elements=*/1);
     ASSERT_TRUE(dp.ok());
     const Options o = cuda_options(c, Precision::Fp32);
     dp.forward(o);
