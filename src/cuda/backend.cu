@@ -181,7 +181,7 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   KernelChoice c = select_kernel(s, n, d.cc_major);
   if (c.ok) {
     for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
-      const int need = c.half16 ? smem_bytes16(p, c.dp, d.big(), true) : smem_bytes(p, c.dp, d.big());
+      const int need = c.half16 ? smem_bytes16(p, c.dp, d.big(), c.atomic_bwd) : smem_bytes(p, c.dp, d.big());
       if (need > d.smem_optin) {
         c.ok = false;
         c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
