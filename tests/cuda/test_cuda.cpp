@@ -352,21 +352,6 @@ TEST(CudaBadInput, WrongDeviceNumber) {
       Status::InvalidArgument, {"q.data", "CUDA device 0", "device = " + std::to_string(n)}));
 }
 
-TEST(CudaBadInput, HalfPrecisionIsUnsupportedForNow) {
-  REQUIRE_GPU();
-  for (DType dt : {DType::Float16, DType::BFloat16}) {
-    ProblemConfig c;
-    c.seq_q = 8; c.seq_kv = 8; c.head_dim = 16; c.dtype = dt;
-    Problem p(c);
-    DeviceProblem d(p);
-    ASSERT_TRUE(d.ok());
-    EXPECT_TRUE(throws_error([&] { d.forward(Options{}); }, Status::Unsupported,
-                             {"float16/bfloat16 on CUDA is not implemented yet"}));
-    EXPECT_TRUE(throws_error([&] { d.backward(Options{}); }, Status::Unsupported,
-                             {"float16/bfloat16 on CUDA is not implemented yet"}));
-  }
-}
-
 TEST(CudaBadInput, UnknownMathOverride) {
   REQUIRE_GPU();
   ProblemConfig c;
