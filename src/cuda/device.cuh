@@ -325,17 +325,27 @@ struct SoftmaxState {
   float l[2] = {0.0f, 0.0f};
 };
 
-// S (raw scores, masked entries already -inf) becomes P = exp2(S*sl2 - m_new); O is rescaled.
+// S (scaled scores, masked entries -inf) becomes P = exp2(S - m_new); O is rescaled.
+// s holds scores already multiplied by scale*log2(e) (scale_scores) with masked entries at -inf:
+// scaling before masking and before the max keeps a negative softmax scale exact (the max of
+// s*sl2 is then the max of the scaled values, and a masked -inf stays -inf).
+template <int NS>
+__device__ __forceinline__ void scale_scores(float (&s)[NS][4], float sl2) {
+#pragma unroll
+  for (int j = 0; j < NS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] *= sl2;
+}
+
 template <int NS, int NO, bool FAST = false>
-__device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][4], float (&o)[NO][4],
-                                               float sl2) {
+__device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][4], float (&o)[NO][4]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
     mx = quad_max(mx);
-    const float m_new = fmaxf(st.m[r], mx * sl2);
+    const float m_new = fmaxf(st.m[r], mx);
     // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
     // instead of exp2(-inf + inf) = NaN.
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
@@ -344,7 +354,7 @@ __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
-      const float x0 = fmaf(s[j][2 * r], sl2, -m_use), x1 = fmaf(s[j][2 * r + 1], sl2, -m_use);
+      const float x0 = s[j][2 * r] - m_use, x1 = s[j][2 * r + 1] - m_use;
       s[j][2 * r] = FAST ? exp2_ftz(x0) : exp2f(x0);
       s[j][2 * r + 1] = FAST ? exp2_ftz(x1) : exp2f(x1);
       sum += s[j][2 * r] + s[j][2 * r + 1];

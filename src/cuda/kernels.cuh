@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
     zero(s);
     gemm_nt<M, NS, DP, LD>(s, sQw, sK + stage * BN * LD);
 
+    scale_scores(s, a.sl2);
     const int64_t n0 = static_cast<int64_t>(it) * BN;
     // Only tiles that cross the sequence end or the causal diagonal need per-entry masking.
     if (n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset)) {
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
         if (!keep(rule, row_w + r, n0 + c, Sq, Skv)) s[j][e] = -INFINITY;
       });
     }
-    online_softmax(st, s, o, a.sl2);
+    online_softmax(st, s, o);
     gemm_rn<M, NO, NS, LD>(o, s, sV + stage * BN * LD);
     __syncthreads();
     if (C.stages == 1 && it + 1 < ntiles) {

@@ -91,6 +91,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
     zero(s);
     gemm_ss<H, MT, NS, DP, TQ, TK>(s, smem_addr(sQ), wrow, kst, 0);
 
+#pragma unroll
+    for (int m = 0; m < MT; ++m) scale_scores(s[m], a.sl2);
     const int64_t n0 = static_cast<int64_t>(it) * BN;
     if (n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset)) {
 #pragma unroll
@@ -100,7 +102,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
         });
     }
 #pragma unroll
-    for (int m = 0; m < MT; ++m) online_softmax<NS, NO, true>(st[m], s[m], o[m], a.sl2);
+    for (int m = 0; m < MT; ++m) online_softmax<NS, NO, true>(st[m], s[m], o[m]);
     uint32_t pa[MT][NS / 2][4];
     to_afrag<H, MT, NS / 2>(pa, s);
     gemm_rs<H, MT, NO, NS / 2, TK>(o, pa, vst, 0, 0);
