@@ -86,11 +86,11 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
     c.half16 = true;
     c.h = n.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
     c.dp = padded_head_dim16(s.head_dim);
-    // Default: the split passes (dQ pass + dK/dV pass): faster than the single pass with atomic
-    // dQ at 13 of 18 bfloat16 shapes on the H200, every one at D = 128 and 256 (the single pass
-    // wins by <= 6% at D = 64; docs/PERF.md), and deterministic; FLASHATTN_CUDA_BWD=atomic selects the single pass unless the caller asked
-    // for determinism.
-    c.atomic_bwd = false;
+    // Default: the faster design per head dim on the H200 (bench/gpu.py, docs/PERF.md run 4):
+    // the single pass with atomic dQ at D <= 64 (+2-6%), the split passes (dQ pass + dK/dV pass)
+    // from D = 96 up (+3-7%). FLASHATTN_CUDA_BWD overrides it; a deterministic caller always gets
+    // the split passes, whose every sum has a fixed order.
+    c.atomic_bwd = c.dp <= 64;
     bool forced;
     if (bwd_override(&forced)) c.atomic_bwd = forced;
     if (n.deterministic) c.atomic_bwd = false;
@@ -344,7 +344,8 @@ std::string describe() {
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
         "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
         "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, backward split "
-        "(default, deterministic) or single pass with atomic dQ (FLASHATTN_CUDA_BWD=atomic)";
+        "(deterministic; default from D = 96) or single pass with atomic dQ (default at D <= 64; "
+        "FLASHATTN_CUDA_BWD=split|atomic)";
   return os.str();
 }
 
