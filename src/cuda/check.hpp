@@ -30,4 +30,18 @@ inline void check_launch(const char* kernel) {
   if (e != cudaSuccess) throw_cuda(e, kernel);
 }
 
+// Launches kernel<<<grid, threads, smem, stream>>>(args) with its dynamic shared-memory limit
+// raised to `smem` (above 48 KiB a kernel must opt in; the attribute is per function and cheap to
+// set again), and checks both. (CUDA sources only: this header is never compiled as plain C++.)
+template <class Kernel, class Args>
+void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+                    const Args& args, const char* name) {
+  FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, threads, smem, stream>>>(args);
+  check_launch(name);
+}
+
+// Blocks of `per` that cover n.
+inline unsigned grid_blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
+
 }  // namespace flashattn::cuda

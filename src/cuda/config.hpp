@@ -131,7 +131,7 @@ struct TileConfig16 {
   FLASHATTN_CUDA_HD constexpr int threads() const { return warps * 32; }
 };
 
-// Rows measured on the H200 against alternatives (docs/PERF.md, "tile sizes"): 2 m16 tiles per
+// Rows measured on the H200 against alternatives (docs/PERF.md, 16-bit run 2): 2 m16 tiles per
 // warp win the forward at D <= 128 (8 warps x 1 tile lost 10-25%); block_n 32 removes the D = 128
 // forward's spills (+4%); 128-key dK/dV blocks with 64-128 streamed queries beat 32 (+10-20%).
 FLASHATTN_CUDA_HD constexpr TileConfig16 tile_config16(Pass pass, int dp, bool big) {

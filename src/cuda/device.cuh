@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "core/mask.hpp"
+#include "core/params.hpp"
 #include "cuda/config.hpp"
 
 namespace flashattn::cuda::dev {
@@ -72,6 +73,38 @@ __device__ __forceinline__ void load_tile(float* smem, const float* g, int64_t l
       }
     }
   }
+}
+
+// The software pipeline every kernel runs over its streamed tiles (one cp.async group per tile).
+// Top of iteration `it`: with two stages, start copying tile it + 1 into the other buffer (the
+// barrier that ended it - 1 released it) and wait for tile it only; then a barrier so that every
+// thread sees tile it.
+template <int STAGES, class Load>
+__device__ __forceinline__ void pipeline_acquire(int it, int ntiles, Load&& load) {
+  if (STAGES == 2 && it + 1 < ntiles) {
+    load(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+// End of iteration `it`: a barrier (every read of its buffer is done); a single-stage pipeline
+// refills its one buffer only now.
+template <int STAGES, class Load>
+__device__ __forceinline__ void pipeline_release(int it, int ntiles, Load&& load) {
+  __syncthreads();
+  if (STAGES == 1 && it + 1 < ntiles) {
+    load(it + 1, 0);
+    cp_async_commit();
+  }
+}
+// After the loop: no copy may still be in flight into shared memory (with ntiles == 0 the
+// stationary tile's may be) and every thread is done with the tiles the epilogue reuses.
+__device__ __forceinline__ void pipeline_drain() {
+  cp_async_wait<0>();
+  __syncthreads();
 }
 
 // A float vector (LSE or D of a query tile): n valid entries with stride `ld`, zero past them.
@@ -305,6 +338,70 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// ---- CTA work ranges ---------------------------------------------------------------------------
+// A CTA of the forward or dQ pass: BM query rows of one (batch, head) and the BN-key tiles
+// [0, ntiles) that hold every key the mask leaves visible to them.
+struct QueryBlock {
+  int64_t b, h, hk;  // batch, query head, its kv head
+  int64_t m0;        // first query row
+  int rows;          // valid query rows (<= BM)
+  int ntiles;
+  MaskRule rule;
+  // Only key tiles that cross the sequence end or the causal diagonal need per-entry masking.
+  __device__ __forceinline__ bool tile_masked(int64_t n0, int bn, int64_t skv) const {
+    return n0 + bn > skv || (rule.causal && n0 + bn - 1 > m0 + rule.offset);
+  }
+};
+template <int BM, int BN>
+__device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask) {
+  QueryBlock q;
+  q.b = blockIdx.z;
+  q.h = blockIdx.y;
+  q.hk = q.h / (s.heads_q / s.heads_kv);
+  q.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
+  // Causal: the last query blocks see the most keys; start them first.
+  const int64_t mb = q.rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  q.m0 = mb * BM;
+  q.rows = static_cast<int>(s.seq_q - q.m0 < BM ? s.seq_q - q.m0 : BM);
+  const int64_t n_end = q.rule.visible_end(q.m0 + q.rows - 1, s.seq_kv);  // later keys: masked for all rows
+  q.ntiles = static_cast<int>((n_end + BN - 1) / BN);
+  return q;
+}
+
+// A CTA of the dK/dV pass: BM key rows of one (batch, kv head) and, for each query head of its
+// group, the BN-query tiles that can see those keys. Iteration x (in [0, ntiles)) is query tile
+// t_begin + x % per_head of query head hk * G + x / per_head.
+struct KeyBlock {
+  int64_t b, hk;  // batch, kv head
+  int64_t m0;     // first key row
+  int rows;       // valid key rows (<= BM)
+  int t_begin, per_head, ntiles;
+  int64_t group;  // query heads per kv head
+  MaskRule rule;
+  __device__ __forceinline__ int64_t head(int x) const { return hk * group + x / per_head; }
+  __device__ __forceinline__ int64_t q0(int x, int bn) const {
+    return static_cast<int64_t>(t_begin + x % per_head) * bn;
+  }
+  // Fully visible when in range and the tile's first query sees the block's last key.
+  __device__ __forceinline__ bool tile_masked(int64_t n0, int bn, int bm, int64_t sq, int64_t skv) const {
+    return n0 + bn > sq || m0 + bm > skv || (rule.causal && m0 + bm - 1 > n0 + rule.offset);
+  }
+};
+template <int BM, int BN>
+__device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
+  KeyBlock k;
+  k.b = blockIdx.z;
+  k.hk = blockIdx.y;
+  k.group = s.heads_q / s.heads_kv;
+  k.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
+  k.m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  k.rows = static_cast<int>(s.seq_kv - k.m0 < BM ? s.seq_kv - k.m0 : BM);
+  k.t_begin = static_cast<int>(k.rule.first_row(k.m0, s.seq_q) / BN);  // earlier queries see none
+  k.per_head = static_cast<int>((s.seq_q + BN - 1) / BN) - k.t_begin;
+  k.ntiles = static_cast<int>(k.group) * k.per_head;
+  return k;
 }
 
 // Reductions over the 4 lanes of a quad (they hold one row between them).

@@ -35,14 +35,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.shape.heads_q / p.shape.heads_kv);
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
-  // Causal: the last query blocks see the most keys; start them first.
-  const int64_t mb = rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t m0 = mb * BM;
-  const int rows = static_cast<int>(Sq - m0 < BM ? Sq - m0 : BM);
-  const int64_t n_end = rule.visible_end(m0 + rows - 1, Skv);  // keys past it are masked for all rows
-  const int ntiles = static_cast<int>((n_end + BN - 1) / BN);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
+  const int rows = qb.rows, ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
 
   const float* q = static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + m0 * p.q.ss;
   const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
@@ -67,15 +63,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   SoftmaxState st;
 
   for (int it = 0; it < ntiles; ++it) {
+    pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    if (C.stages == 2 && it + 1 < ntiles) {
-      load_kv(it + 1, stage ^ 1);  // its buffer was released by the barrier ending it - 1
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
 
     float s[NS][4];
     zero(s);
@@ -83,22 +72,16 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
 
     scale_scores(s, a.sl2);
     const int64_t n0 = static_cast<int64_t>(it) * BN;
-    // Only tiles that cross the sequence end or the causal diagonal need per-entry masking.
-    if (n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset)) {
+    if (qb.tile_masked(n0, BN, Skv)) {
       for_each_entry<NS>([&](int j, int e, int r, int c) {
         if (!keep(rule, row_w + r, n0 + c, Sq, Skv)) s[j][e] = -INFINITY;
       });
     }
     online_softmax(st, s, o);
     gemm_rn<M, NO, NS, LD>(o, s, sV + stage * BN * LD);
-    __syncthreads();
-    if (C.stages == 1 && it + 1 < ntiles) {
-      load_kv(it + 1, 0);
-      cp_async_commit();
-    }
+    pipeline_release<C.stages>(it, ntiles, load_kv);
   }
-
-  cp_async_wait<0>();  // nothing may still be in flight into shared memory at exit (ntiles == 0)
+  pipeline_drain();
   // Epilogue: O /= l; LSE = ln(sum exp(S)) = (m + log2 l) * ln 2. A row with no visible key has
   // l = 0: O = 0 and LSE = -inf.
   float inv[2], lse[2];
@@ -146,13 +129,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.shape.heads_q / p.shape.heads_kv);
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
-  const int64_t mb = rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t m0 = mb * BM;
-  const int rows = static_cast<int>(Sq - m0 < BM ? Sq - m0 : BM);
-  const int64_t n_end = rule.visible_end(m0 + rows - 1, Skv);
-  const int ntiles = static_cast<int>((n_end + BN - 1) / BN);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
+  const int rows = qb.rows, ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
 
   const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
   const float* v = static_cast<const float*>(p.v.ptr) + b * p.v.sb + hk * p.v.sh;
@@ -184,15 +164,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   zero(dq);
 
   for (int it = 0; it < ntiles; ++it) {
+    pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    if (C.stages == 2 && it + 1 < ntiles) {
-      load_kv(it + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
     const float* sKs = sK + stage * BN * LD;
     float s[NS][4], dp[NS][4];
     zero(s);
@@ -201,20 +174,16 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
     gemm_nt<M, NS, DP, LD>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
 
     const int64_t n0 = static_cast<int64_t>(it) * BN;
-    const bool masked = n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset);
+    const bool masked = qb.tile_masked(n0, BN, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float pe = exp2f(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
     });
     gemm_rn<M, NO, NS, LD>(dq, dp, sKs);
-    __syncthreads();
-    if (C.stages == 1 && it + 1 < ntiles) {
-      load_kv(it + 1, 0);
-      cp_async_commit();
-    }
+    pipeline_release<C.stages>(it, ntiles, load_kv);
   }
-  cp_async_wait<0>();
+  pipeline_drain();
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
   store_rows<NO>(out, p.dq.ss, warp * 16, rows, 0, D, dq, p.num.scale, a.vec16);
 }
@@ -243,26 +212,20 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   float* sD = sL + C.stages * BN;        // [stages][BN] D
 
   const BackwardParams& p = a.p;
-  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv, G = (p.shape.heads_q / p.shape.heads_kv);
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const int64_t b = blockIdx.z, hk = blockIdx.y;
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;  // first key row
-  const int rows = static_cast<int>(Skv - m0 < BM ? Skv - m0 : BM);
-  const int64_t q_begin = rule.first_row(m0, Sq);  // earlier queries see none of these keys
-  const int t_begin = static_cast<int>(q_begin / BN);
-  const int per_head = static_cast<int>((Sq + BN - 1) / BN) - t_begin;
-  const int ntiles = static_cast<int>(G) * per_head;
+  const KeyBlock kb = key_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+  const int rows = kb.rows, ntiles = kb.ntiles;
+  const MaskRule& rule = kb.rule;
 
   load_tile<BM, DP, T>(sK, static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh + m0 * p.k.ss,
                        p.k.ss, rows, D, a.vec16);
   load_tile<BM, DP, T>(sV, static_cast<const float*>(p.v.ptr) + b * p.v.sb + hk * p.v.sh + m0 * p.v.ss,
                        p.v.ss, rows, D, a.vec16);
   cp_async_commit();
-  // Iteration `it` is query tile t_begin + it % per_head of query head hk*G + it / per_head.
   auto load_q = [&](int it, int stage) {
-    const int64_t h = hk * G + it / per_head;
-    const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BN;
+    const int64_t h = kb.head(it), n0 = kb.q0(it, BN);
     const int n = static_cast<int>(Sq - n0 < BN ? Sq - n0 : BN);
     load_tile<BN, DP, T>(sQ + stage * BN * LD,
                          static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + n0 * p.q.ss,
@@ -283,15 +246,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   zero(dv);
 
   for (int it = 0; it < ntiles; ++it) {
+    pipeline_acquire<C.stages>(it, ntiles, load_q);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    if (C.stages == 2 && it + 1 < ntiles) {
-      load_q(it + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
     const float* sQs = sQ + stage * BN * LD;
     const float* sdOs = sdO + stage * BN * LD;
     const float* sLs = sL + stage * BN;
@@ -302,9 +258,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
     gemm_nt<M, NS, DP, LD>(s, sK + kw * 16 * LD, sQs);
     gemm_nt<M, NS, DP, LD>(dp, sV + kw * 16 * LD, sdOs);
 
-    const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BN;  // first query row
-    // Fully visible when in range and the tile's first query sees the block's last key.
-    const bool masked = n0 + BN > Sq || m0 + BM > Skv || (rule.causal && m0 + BM - 1 > n0 + rule.offset);
+    const int64_t n0 = kb.q0(it, BN);  // first query row
+    const bool masked = kb.tile_masked(n0, BN, BM, Sq, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float pe = exp2f(fmaf(s[j][e], a.sl2, -lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
@@ -313,13 +268,9 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
     });
     gemm_rn<M, NO, NS, LD>(dv, s, sdOs + cw * DW);
     gemm_rn<M, NO, NS, LD>(dk, dp, sQs + cw * DW);
-    __syncthreads();
-    if (C.stages == 1 && it + 1 < ntiles) {
-      load_q(it + 1, 0);
-      cp_async_commit();
-    }
+    pipeline_release<C.stages>(it, ntiles, load_q);
   }
-  cp_async_wait<0>();
+  pipeline_drain();
   const int cols = D - cw * DW;
   float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss + cw * DW;
   float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss + cw * DW;

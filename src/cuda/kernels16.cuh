@@ -48,14 +48,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.shape.heads_q / p.shape.heads_kv);
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
-  // Causal: the last query blocks see the most keys; start them first.
-  const int64_t mb = rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t m0 = mb * BM;
-  const int rows = static_cast<int>(Sq - m0 < BM ? Sq - m0 : BM);
-  const int64_t n_end = rule.visible_end(m0 + rows - 1, Skv);
-  const int ntiles = static_cast<int>((n_end + BN - 1) / BN);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
+  const int rows = qb.rows, ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
 
   auto load_kv = [&](int tile, int stage) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
@@ -76,15 +72,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   SoftmaxState st[MT];
 
   for (int it = 0; it < ntiles; ++it) {
+    pipeline_acquire<2>(it, ntiles, load_kv);
     const int stage = it & 1;
-    if (it + 1 < ntiles) {
-      load_kv(it + 1, stage ^ 1);  // its buffer was released by the barrier ending it - 1
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
     const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
 
     float s[MT][NS][4];
@@ -94,7 +83,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
 #pragma unroll
     for (int m = 0; m < MT; ++m) scale_scores(s[m], a.sl2);
     const int64_t n0 = static_cast<int64_t>(it) * BN;
-    if (n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset)) {
+    if (qb.tile_masked(n0, BN, Skv)) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
         for_each_entry<NS>([&](int j, int e, int r, int c) {
@@ -106,10 +95,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
     uint32_t pa[MT][NS / 2][4];
     to_afrag<H, MT, NS / 2>(pa, s);
     gemm_rs<H, MT, NO, NS / 2, TK>(o, pa, vst, 0, 0);
-    __syncthreads();
+    pipeline_release<2>(it, ntiles, load_kv);
   }
-  cp_async_wait<0>();
-  __syncthreads();  // with ntiles == 0 the Q copy may have been in flight until here
+  pipeline_drain();
 
   // Epilogue: O /= l, staged through shared memory (the Q tile is free) for 16-byte stores;
   // LSE = (m + log2 l) * ln 2. A row with no visible key has l = 0: O = 0 and LSE = -inf.
@@ -164,13 +152,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.shape.heads_q / p.shape.heads_kv);
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
-  const int64_t mb = rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t m0 = mb * BM;
-  const int rows = static_cast<int>(Sq - m0 < BM ? Sq - m0 : BM);
-  const int64_t n_end = rule.visible_end(m0 + rows - 1, Skv);
-  const int ntiles = static_cast<int>((n_end + BN - 1) / BN);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
+  const int rows = qb.rows, ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
 
   auto load_kv = [&](int tile, int stage) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
@@ -198,15 +183,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   zero(dq);
 
   for (int it = 0; it < ntiles; ++it) {
+    pipeline_acquire<2>(it, ntiles, load_kv);
     const int stage = it & 1;
-    if (it + 1 < ntiles) {
-      load_kv(it + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
     const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
     float s[1][NS][4], dp[1][NS][4];
     zero(s);
@@ -215,7 +193,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     gemm_ss<H, 1, NS, DP, TQ, TK>(dp, smem_addr(sdO), warp * 16, vst, 0);
 
     const int64_t n0 = static_cast<int64_t>(it) * BN;
-    const bool masked = n0 + BN > Skv || (rule.causal && n0 + BN - 1 > m0 + rule.offset);
+    const bool masked = qb.tile_masked(n0, BN, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
@@ -224,10 +202,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     uint32_t pds[1][NS / 2][4];
     to_afrag<H, 1, NS / 2>(pds, dp);
     gemm_rs<H, 1, NO, NS / 2, TK>(dq, pds, kst, 0, 0);
-    __syncthreads();
+    pipeline_release<2>(it, ntiles, load_kv);
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  pipeline_drain();
   stage_acc<H, BM, DP, 1, NO>(sQ, dq, warp * 16, 0, p.num.scale);
   __syncthreads();
   store_tile16<BM, DP, T>(out16(p.dq, b, h, m0), p.dq.ss, sQ, rows, D, a.vec16);
@@ -263,16 +240,12 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   unsigned char* sdS = reinterpret_cast<unsigned char*>(sD + 2 * BQ);  // ATOMIC: dS^T [BK x BQ]
 
   const BackwardParams& p = a.p;
-  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv, G = (p.shape.heads_q / p.shape.heads_kv);
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const int64_t b = blockIdx.z, hk = blockIdx.y;
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(p.num.mask), Sq, Skv);
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BK;  // first key row
-  const int rows = static_cast<int>(Skv - m0 < BK ? Skv - m0 : BK);
-  const int64_t q_begin = rule.first_row(m0, Sq);  // earlier queries see none of these keys
-  const int t_begin = static_cast<int>(q_begin / BQ);
-  const int per_head = static_cast<int>((Sq + BQ - 1) / BQ) - t_begin;
-  const int ntiles = static_cast<int>(G) * per_head;
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
+  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+  const int rows = kb.rows, ntiles = kb.ntiles;
+  const MaskRule& rule = kb.rule;
   // ATOMIC: every key block of a head adds into the same dQ rows; starting each CTA at a
   // different query tile spreads those atomics over different addresses at any moment instead
   // of serialising them on one tile's rows in L2.
@@ -282,12 +255,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   load_tile16<BK, DP, T>(sK, in16(p.k, b, hk, m0), p.k.ss, rows, D, a.vec16);
   load_tile16<BK, DP, T>(sV, in16(p.v, b, hk, m0), p.v.ss, rows, D, a.vec16);
   cp_async_commit();
-  // Iteration `it` is query tile t_begin + x % per_head of query head hk*G + x / per_head,
-  // x = tile_of(it).
+  // Iteration `it` covers KeyBlock iteration tile_of(it).
   auto load_q = [&](int it, int stage) {
-    it = tile_of(it);
-    const int64_t h = hk * G + it / per_head;
-    const int64_t n0 = static_cast<int64_t>(t_begin + it % per_head) * BQ;
+    const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);
     const int n = static_cast<int>(Sq - n0 < BQ ? Sq - n0 : BQ);
     load_tile16<BQ, DP, T>(sQ + stage * TQ::kBytes, in16(p.q, b, h, n0), p.q.ss, n, D, a.vec16);
     load_tile16<BQ, DP, T>(sdO + stage * TQ::kBytes, in16(p.dout, b, h, n0), p.dout.ss, n, D, a.vec16);
@@ -304,15 +274,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   zero(dv);
 
   for (int it = 0; it < ntiles; ++it) {
+    pipeline_acquire<2>(it, ntiles, load_q);
     const int stage = it & 1;
-    if (it + 1 < ntiles) {
-      load_q(it + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
     const uint32_t qst = smem_addr(sQ + stage * TQ::kBytes), dost = smem_addr(sdO + stage * TQ::kBytes);
     const float* sLs = sL + stage * BQ;
     const float* sDs = sD + stage * BQ;
@@ -322,11 +285,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     gemm_ss<H, 1, NS, DP, TK, TQ>(s, smem_addr(sK), kw * 16, qst, 0);
     gemm_ss<H, 1, NS, DP, TK, TQ>(dp, smem_addr(sV), kw * 16, dost, 0);
 
-    const int tile = tile_of(it);
-    const int64_t h = hk * G + tile / per_head;
-    const int64_t n0 = static_cast<int64_t>(t_begin + tile % per_head) * BQ;  // first query row
-    // Fully visible when in range and the tile's first query sees the block's last key.
-    const bool masked = n0 + BQ > Sq || m0 + BK > Skv || (rule.causal && m0 + BK - 1 > n0 + rule.offset);
+    const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
+    const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
@@ -363,10 +323,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
         }
       }
     }
-    __syncthreads();
+    pipeline_release<2>(it, ntiles, load_q);
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  pipeline_drain();
   stage_acc<H, BK, DP, 1, NO>(sK, dk, kw * 16, cw * DW, p.num.scale);
   stage_acc<H, BK, DP, 1, NO>(sV, dv, kw * 16, cw * DW, 1.0f);
   __syncthreads();

@@ -11,20 +11,15 @@ namespace detail {
 template <class Kernel, class Args>
 void launch(Kernel kernel, Pass pass, int dp, bool big, dim3 grid, const Args& a,
             cudaStream_t stream, const char* name) {
-  const TileConfig c = tile_config(pass, dp, big);
-  const int smem = smem_bytes(pass, dp, big);
-  // Above 48 KiB a kernel must opt in; the attribute is per function and cheap to set again.
-  FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, c.threads(), smem, stream>>>(a);
-  check_launch(name);
+  launch_checked(kernel, grid, tile_config(pass, dp, big).threads(), smem_bytes(pass, dp, big), stream,
+                 a, name);
 }
-inline unsigned blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 }  // namespace detail
 
 template <int DP, Math M>
 void launch_forward(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  const dim3 grid(detail::blocks(s.seq_q, tile_config(Pass::Forward, DP, a.big).block_m),
+  const dim3 grid(grid_blocks(s.seq_q, tile_config(Pass::Forward, DP, a.big).block_m),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   detail::launch(dev::forward_kernel<DP, M>, Pass::Forward, DP, a.big, grid, a, stream, "forward kernel launch");
 }
@@ -32,7 +27,7 @@ void launch_forward(const FwdArgs& a, cudaStream_t stream) {
 template <int DP, Math M>
 void launch_dq(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  const dim3 grid(detail::blocks(s.seq_q, tile_config(Pass::Dq, DP, a.big).block_m),
+  const dim3 grid(grid_blocks(s.seq_q, tile_config(Pass::Dq, DP, a.big).block_m),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   detail::launch(dev::dq_kernel<DP, M>, Pass::Dq, DP, a.big, grid, a, stream, "dq kernel launch");
 }
@@ -40,7 +35,7 @@ void launch_dq(const BwdArgs& a, cudaStream_t stream) {
 template <int DP, Math M>
 void launch_dkv(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  const dim3 grid(detail::blocks(s.seq_kv, tile_config(Pass::Dkv, DP, a.big).block_m),
+  const dim3 grid(grid_blocks(s.seq_kv, tile_config(Pass::Dkv, DP, a.big).block_m),
                   static_cast<unsigned>(s.heads_kv), static_cast<unsigned>(s.batch));
   detail::launch(dev::dkv_kernel<DP, M>, Pass::Dkv, DP, a.big, grid, a, stream, "dkv kernel launch");
 }

@@ -8,46 +8,34 @@
 
 namespace flashattn::cuda {
 
-namespace detail16 {
-template <class Kernel, class Args>
-void launch(Kernel kernel, const TileConfig16& c, int smem, dim3 grid, const Args& a, cudaStream_t stream,
-            const char* name) {
-  // Above 48 KiB a kernel must opt in; the attribute is per function and cheap to set again.
-  FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, c.threads(), smem, stream>>>(a);
-  check_launch(name);
-}
-inline unsigned blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
-}  // namespace detail16
-
 template <int DP, Half16 H>
 void launch_forward16(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const TileConfig16 c = tile_config16(Pass::Forward, DP, a.big);
-  const dim3 grid(detail16::blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
+  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  detail16::launch(dev::forward16_kernel<DP, H>, c, smem_bytes16(Pass::Forward, DP, a.big), grid, a,
-                   stream, "forward16 kernel launch");
+  launch_checked(dev::forward16_kernel<DP, H>, grid, c.threads(), smem_bytes16(Pass::Forward, DP, a.big),
+                 stream, a, "forward16 kernel launch");
 }
 
 template <int DP, Half16 H>
 void launch_dq16(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const TileConfig16 c = tile_config16(Pass::Dq, DP, a.big);
-  const dim3 grid(detail16::blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
+  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  detail16::launch(dev::dq16_kernel<DP, H>, c, smem_bytes16(Pass::Dq, DP, a.big), grid, a, stream,
-                   "dq16 kernel launch");
+  launch_checked(dev::dq16_kernel<DP, H>, grid, c.threads(), smem_bytes16(Pass::Dq, DP, a.big), stream, a,
+                 "dq16 kernel launch");
 }
 
 template <int DP, Half16 H, bool ATOMIC>
 void launch_dkv16(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const TileConfig16 c = tile_config16(Pass::Dkv, DP, a.big);
-  const dim3 grid(detail16::blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
+  const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
                   static_cast<unsigned>(s.batch));
-  detail16::launch(dev::dkv16_kernel<DP, H, ATOMIC>, c, smem_bytes16(Pass::Dkv, DP, a.big, ATOMIC), grid,
-                   a, stream, "dkv16 kernel launch");
+  launch_checked(dev::dkv16_kernel<DP, H, ATOMIC>, grid, c.threads(),
+                 smem_bytes16(Pass::Dkv, DP, a.big, ATOMIC), stream, a, "dkv16 kernel launch");
 }
 
 #define FLASHATTN_INSTANTIATE16_forward(DP)                                                  \

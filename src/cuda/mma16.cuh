@@ -17,10 +17,6 @@
 
 namespace flashattn::cuda::dev {
 
-// Element type of a Half16 tag.
-template <Half16 H>
-using elem_t = typename std::conditional<H == Half16::BF16, __nv_bfloat16, __half>::type;
-
 // Two floats -> one register of two 16-bit values, `lo` in the low half (the lower column index,
 // as every mma fragment wants it). Round to nearest even.
 template <Half16 H>
@@ -32,17 +28,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
-}
-
-template <Half16 H>
-__device__ __forceinline__ float to_float(elem_t<H> x) {
-  if constexpr (H == Half16::BF16) return __bfloat162float(x);
-  else return __half2float(x);
-}
-template <Half16 H>
-__device__ __forceinline__ elem_t<H> from_float(float x) {
-  if constexpr (H == Half16::BF16) return __float2bfloat16_rn(x);
-  else return __float2half_rn(x);
 }
 
 // c += a * b, m16n8k16, 16-bit inputs, float32 accumulator.

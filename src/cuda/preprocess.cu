@@ -14,15 +14,24 @@ __device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) { return 
 __device__ __forceinline__ void store_from_float(__half* p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void store_from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
+// Both kernels give each warp one query row of [B, Hq, Sq] (8 warps per block): its flat index
+// and coordinates; false past the last row.
+__device__ __forceinline__ bool warp_row(const Shape& s, int64_t* row, int64_t* b, int64_t* h, int64_t* i) {
+  *row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (*row >= s.batch * s.heads_q * s.seq_q) return false;
+  *i = *row % s.seq_q;
+  const int64_t bh = *row / s.seq_q;
+  *h = bh % s.heads_q;
+  *b = bh / s.heads_q;
+  return true;
+}
+
 // D_i = sum_d dO_id * O_id, one warp per row, into a contiguous workspace.
 template <class T>
 __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__ BwdArgs a) {
   const BackwardParams& p = a.p;
-  const int64_t rows = p.shape.batch * p.shape.heads_q * p.shape.seq_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int64_t i = row % p.shape.seq_q, bh = row / p.shape.seq_q;
-  const int64_t h = bh % p.shape.heads_q, b = bh / p.shape.heads_q;
+  int64_t row, b, h, i;
+  if (!warp_row(p.shape, &row, &b, &h, &i)) return;
   const T* o = static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.ss;
   const T* d = static_cast<const T*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
   float acc = 0.0f;
@@ -36,11 +45,8 @@ __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__
 template <class T>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ BwdArgs a, int dp) {
   const BackwardParams& p = a.p;
-  const int64_t rows = p.shape.batch * p.shape.heads_q * p.shape.seq_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int64_t i = row % p.shape.seq_q, bh = row / p.shape.seq_q;
-  const int64_t h = bh % p.shape.heads_q, b = bh / p.shape.heads_q;
+  int64_t row, b, h, i;
+  if (!warp_row(p.shape, &row, &b, &h, &i)) return;
   T* dq = static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.ss;
   const float* acc = a.dq_accum + row * dp;
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
