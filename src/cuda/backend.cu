@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -46,32 +47,37 @@ struct KernelChoice {
   bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
 };
 
-// FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic.
-// It exists for testing and benchmarking (the FMA kernels are the float32 baseline that the
-// accuracy tests compare against) and is read on every call.
+// The override variables below exist for testing and benchmarking and are read on every call:
+// the index of the variable's value in `names`, or -1 when it is unset or empty; any other value
+// is an InvalidArgument that lists the choices.
+int env_choice(const char* var, std::initializer_list<const char*> names) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return -1;
+  int i = 0;
+  std::string list;
+  for (const char* n : names) {
+    if (std::strcmp(env, n) == 0) return i;
+    list += (i == 0 ? "" : i + 1 == static_cast<int>(names.size()) ? " or " : ", ") + std::string(n);
+    ++i;
+  }
+  throw Error(Status::InvalidArgument, std::string(var) + " = '" + env + "' is unknown (" + list + ")");
+}
+
+// FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic (the
+// FMA kernels are the float32 baseline that the accuracy tests compare against).
 bool math_override(Math* m) {
-  const char* env = std::getenv("FLASHATTN_CUDA_MATH");
-  if (env == nullptr || *env == '\0') return false;
-  for (Math x : {Math::Fma, Math::Tf32, Math::Tf32x3})
-    if (std::strcmp(env, math_name(x)) == 0) {
-      *m = x;
-      return true;
-    }
-  throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_MATH = '") + env +
-                                           "' is unknown (fma, tf32 or 3xtf32)");
+  const int i = env_choice("FLASHATTN_CUDA_MATH", {math_name(Math::Fma), math_name(Math::Tf32),
+                                                   math_name(Math::Tf32x3)});
+  if (i >= 0) *m = static_cast<Math>(i);
+  return i >= 0;
 }
 
 // FLASHATTN_CUDA_BWD=split|atomic chooses the 16-bit backward design when the caller did not ask
-// for a deterministic one (tests and benchmarks measure both); read on every call.
+// for a deterministic one (tests and benchmarks measure both).
 bool bwd_override(bool* atomic) {
-  const char* env = std::getenv("FLASHATTN_CUDA_BWD");
-  if (env == nullptr || *env == '\0') return false;
-  if (std::strcmp(env, "split") == 0 || std::strcmp(env, "atomic") == 0) {
-    *atomic = env[0] == 'a';
-    return true;
-  }
-  throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_BWD = '") + env +
-                                           "' is unknown (split or atomic)");
+  const int i = env_choice("FLASHATTN_CUDA_BWD", {"split", "atomic"});
+  if (i >= 0) *atomic = i == 1;
+  return i >= 0;
 }
 
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
@@ -275,7 +281,7 @@ void forward(const ForwardParams& p) {
   a.big = info.big();
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
-  const int64_t e = c.half16 ? 8 : 4;
+  const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   if (c.half16) {
@@ -299,7 +305,7 @@ void backward(const BackwardParams& p) {
   BwdArgs a{};
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
-  const int64_t e = c.half16 ? 8 : 4;
+  const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e) &&
             vec_ok(p.dout, e) && vec_ok(p.dq, e) && vec_ok(p.dk, e) && vec_ok(p.dv, e);
   a.delta = ws.get();
