@@ -7,37 +7,13 @@
 #include <thread>
 
 #include "core/mask.hpp"
+#include "testing/parallel.hpp"
 
 namespace flashattn::testing {
 namespace {
 
 // Rows per task: enough work to amortise a task, small enough to balance 2..64 threads.
 constexpr int64_t kRowsPerTask = 128;
-
-int resolve_threads(int n) {
-  if (n > 0) return n;
-  unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
-}
-
-// Runs fn(t) for t in [0, tasks) on up to `threads` threads pulling from a shared counter.
-template <class F>
-void parallel_for(int64_t tasks, int threads, F&& fn) {
-  const int n = static_cast<int>(std::min<int64_t>(threads, tasks));
-  if (n <= 1) {
-    for (int64_t t = 0; t < tasks; ++t) fn(t);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto worker = [&] {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) fn(t);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(n - 1));
-  for (int i = 0; i < n - 1; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
 
 // C[M,N] (+)= alpha * A[M,K] * B[K,N]; A is read as A[m*sam + k*sak], so A^T costs nothing.
 // Written as row updates (axpy over N) so the inner loop is contiguous and vectorises without

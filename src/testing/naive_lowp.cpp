@@ -8,33 +8,10 @@
 
 #include "core/half.hpp"
 #include "core/mask.hpp"
+#include "testing/parallel.hpp"
 
 namespace flashattn::testing {
 namespace {
-
-int resolve_threads(int n) {
-  if (n > 0) return n;
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
-}
-
-// Runs fn(t) for t in [0, tasks) on up to `threads` threads pulling from a shared counter.
-template <class F>
-void parallel_for(int64_t tasks, int threads, F&& fn) {
-  const int n = static_cast<int>(std::min<int64_t>(threads, tasks));
-  if (n <= 1) {
-    for (int64_t t = 0; t < tasks; ++t) fn(t);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto worker = [&] {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) fn(t);
-  };
-  std::vector<std::thread> pool;
-  for (int i = 0; i < n - 1; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
 
 // C[M,N] = sum_k A[m*sam + k*sak] * B[k*ldb + n], accumulated in float32 (A^T costs nothing).
 // Row updates (axpy over n) keep the inner loop contiguous so it vectorises without reordering

@@ -36,6 +36,7 @@
 #include "core/mask.hpp"
 #include "cuda_test_util.hpp"
 #include "testing/naive_lowp.hpp"
+#include "testing/parallel.hpp"
 
 namespace flashattn::test {
 namespace {
@@ -58,19 +59,6 @@ constexpr double kLseTol = 1e-3;
 int significand_bits(DType d) { return d == DType::BFloat16 ? 8 : 11; }
 
 const char* short_dtype(DType d) { return d == DType::BFloat16 ? "bf16" : "fp16"; }
-
-template <class F>
-void parallel_for(int64_t tasks, F&& fn) {
-  const int64_t n = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), tasks);
-  std::atomic<int64_t> next{0};
-  auto worker = [&] {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) fn(t);
-  };
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < n; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
 
 // ---- what each output should be -------------------------------------------------------------
 
@@ -95,7 +83,7 @@ void reference_parallel(const Problem& p, Expected& e) {
   for (int i : {0, 2}) e.ref[i].assign(q.size(), 0.0);
   e.ref[1].assign(heads * Sq, 0.0);
   std::vector<std::vector<double>> dk_h(heads), dv_h(heads);
-  parallel_for(heads, [&](int64_t bh) {
+  testing::parallel_for(heads, testing::resolve_threads(0), [&](int64_t bh) {
     const int64_t kvh = (bh / c.heads_q) * c.heads_kv + (bh % c.heads_q) / group;
     const int64_t qo = bh * Sq * D, ko = kvh * Skv * D;
     const std::vector<double> qh(q.begin() + qo, q.begin() + qo + Sq * D),
