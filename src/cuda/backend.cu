@@ -45,6 +45,7 @@ struct KernelChoice {
   bool half16 = false;       // float16/bfloat16 kernels (kernels16.cuh)
   Half16 h = Half16::BF16;
   bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
+  bool sm90_fwd = false;     // 16-bit forward on the sm_90a kernel (kernels_sm90.cuh)
 };
 
 // The override variables below exist for testing and benchmarking and are read on every call:
@@ -80,7 +81,11 @@ bool bwd_override(bool* atomic) {
   return i >= 0;
 }
 
-KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
+// FLASHATTN_CUDA_ARCH=sm80 keeps a compute capability 9.0 device on the mma.sync (sm_80) kernels,
+// so that tests and benchmarks can compare both families on one GPU.
+bool sm90_disabled() { return env_choice("FLASHATTN_CUDA_ARCH", {"sm80", "sm90"}) == 0; }
+
+KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
   KernelChoice c;
   if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
     if (cc_major < 8) {
@@ -100,6 +105,9 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major) {
     bool forced;
     if (bwd_override(&forced)) c.atomic_bwd = forced;
     if (n.deterministic) c.atomic_bwd = false;
+    // The sm_90a cubins run on compute capability 9.0 only (the "a" features are not forward
+    // compatible).
+    c.sm90_fwd = cc_major == 9 && cc_minor == 0 && has_sm90(Pass::Forward, c.dp) && !sm90_disabled();
   } else if (n.dtype != DType::Float32) {
     c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
     return c;
@@ -172,6 +180,7 @@ void dispatch16(const KernelChoice& c, F&& f) {
 
 struct DeviceInfo {
   int cc_major = 0;
+  int cc_minor = 0;
   int smem_optin = 0;  // bytes of shared memory one block may opt into
   bool big() const { return cc_major >= 9; }
 };
@@ -179,15 +188,18 @@ struct DeviceInfo {
 DeviceInfo device_info(int device) {
   DeviceInfo d;
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+  FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return d;
 }
 
 KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
-  KernelChoice c = select_kernel(s, n, d.cc_major);
+  KernelChoice c = select_kernel(s, n, d.cc_major, d.cc_minor);
   if (c.ok) {
     for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
-      const int need = c.half16 ? smem_bytes16(p, c.dp, d.big(), c.atomic_bwd) : smem_bytes(p, c.dp, d.big());
+      const int need = c.half16 ? (p == Pass::Forward && c.sm90_fwd ? smem_bytes90(p, c.dp)
+                                                                     : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
+                                : smem_bytes(p, c.dp, d.big());
       if (need > d.smem_optin) {
         c.ok = false;
         c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
@@ -285,7 +297,13 @@ void forward(const ForwardParams& p) {
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   if (c.half16) {
-    dispatch16(c, [&](auto dp, auto h) { launch_forward16<decltype(dp)::value, decltype(h)::value>(a, stream); });
+    dispatch16(c, [&](auto dp, auto h) {
+      constexpr int DP = decltype(dp)::value;
+      if constexpr (has_sm90(Pass::Forward, DP)) {
+        if (c.sm90_fwd) return launch_forward_sm90<DP, decltype(h)::value>(a, stream);
+      }
+      launch_forward16<DP, decltype(h)::value>(a, stream);
+    });
     return;
   }
   dispatch(c, [&](auto dp, auto math) { launch_forward<decltype(dp)::value, decltype(math)::value>(a, stream); });
@@ -349,7 +367,8 @@ std::string describe() {
   }
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
         "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
-        "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, backward split "
+        "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, forward on sm_90 "
+        "by wgmma for {64,128,256} (FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward split "
         "(deterministic; default from D = 96) or single pass with atomic dQ (default at D <= 64; "
         "FLASHATTN_CUDA_BWD=split|atomic)";
   return os.str();

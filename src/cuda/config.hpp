@@ -185,4 +185,37 @@ constexpr bool tiles16_fit() {
 }
 static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leaves warps without rows");
 
+// ==== sm_90a (Hopper) float16 / bfloat16 kernels (kernels_sm90.cuh) ============================
+
+// Warpgroup tiles: each warpgroup (4 warps) owns 64 rows of the stationary operand, the M of a
+// wgmma. The streamed operand comes in block_n rows per stage, two stages per operand (K and V
+// are separate buffers so that K of tile j+1 and V of tile j can be in use at once). Only the
+// head dims whose rows are whole 128-byte swizzle blocks (64, 128, 256) have these kernels.
+struct TileConfig90 {
+  int block_m;
+  int block_n;
+  int warpgroups;
+  FLASHATTN_CUDA_HD constexpr int threads() const { return warpgroups * 128; }
+};
+
+FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
+  return pass == Pass::Forward && (dp == 64 || dp == 128 || dp == 256);
+}
+
+// Forward: O (DP/2 floats per thread), S of one key tile (block_n/2) and P's fragments
+// (block_n/4 registers) must fit in 255 registers with two warpgroups per CTA.
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp) {
+  return pass == Pass::Forward ? (dp <= 128 ? TileConfig90{128, 128, 2} : TileConfig90{128, 64, 2})
+                               : TileConfig90{0, 0, 0};
+}
+
+// Dynamic shared memory: the tiles plus 1 KiB so that the kernel can align them to 1024 bytes.
+FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp) {
+  const TileConfig90 c = tile_config90(pass, dp);
+  return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 : 0;
+}
+static_assert(smem_bytes90(Pass::Forward, 64) <= 227 * 1024 && smem_bytes90(Pass::Forward, 128) <= 227 * 1024 &&
+                  smem_bytes90(Pass::Forward, 256) <= 227 * 1024,
+              "a tile_config90 row exceeds shared memory");
+
 }  // namespace flashattn::cuda

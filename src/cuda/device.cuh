@@ -434,8 +434,11 @@ __device__ __forceinline__ void scale_scores(float (&s)[NS][4], float sl2) {
     for (int e = 0; e < 4; ++e) s[j][e] *= sl2;
 }
 
-template <int NS, int NO, bool FAST = false>
-__device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][4], float (&o)[NO][4]) {
+// The statistics half of online softmax: s becomes P = exp2(s - m_new) and alpha[r] the factor
+// that rescales everything accumulated before (the sm_90 forward applies it later, once the
+// asynchronous product that still writes O has finished).
+template <int NS, bool FAST = false>
+__device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4], float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
@@ -446,7 +449,7 @@ __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][
     // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
     // instead of exp2(-inf + inf) = NaN.
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = FAST ? exp2_ftz(st.m[r] - m_use) : exp2f(st.m[r] - m_use);
+    alpha[r] = FAST ? exp2_ftz(st.m[r] - m_use) : exp2f(st.m[r] - m_use);
     st.m[r] = m_new;
     float sum = 0.0f;
 #pragma unroll
@@ -456,13 +459,26 @@ __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][
       s[j][2 * r + 1] = FAST ? exp2_ftz(x1) : exp2f(x1);
       sum += s[j][2 * r] + s[j][2 * r + 1];
     }
-    st.l[r] = st.l[r] * alpha + sum;
-#pragma unroll
-    for (int j = 0; j < NO; ++j) {
-      o[j][2 * r] *= alpha;
-      o[j][2 * r + 1] *= alpha;
-    }
+    st.l[r] = st.l[r] * alpha[r] + sum;
   }
+}
+
+template <int NO>
+__device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < NO; ++j) {
+    o[j][0] *= alpha[0];
+    o[j][1] *= alpha[0];
+    o[j][2] *= alpha[1];
+    o[j][3] *= alpha[1];
+  }
+}
+
+template <int NS, int NO, bool FAST = false>
+__device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][4], float (&o)[NO][4]) {
+  float alpha[2];
+  softmax_rows<NS, FAST>(st, s, alpha);
+  rescale_rows(o, alpha);
 }
 
 // LSE in the backward's log2 domain: P = exp2(s*sl2 - l2). A row with no visible key (lse = -inf)

@@ -74,6 +74,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // so a row still occupies exactly its own COLS * 2 bytes: no padding.
 template <int ROWS, int COLS>
 struct Tile {
+  static constexpr int kRows = ROWS;
   static constexpr int kChunks = COLS / 8;  // per row
   static_assert(COLS % 16 == 0 && (kChunks % 8 == 0 || kChunks % 8 == 4), "tile width");
   static constexpr int kBytes = ROWS * COLS * 2;
@@ -95,11 +96,12 @@ __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, int 
 // vec16: base 16-byte aligned and ld a multiple of 8: asynchronous 16-byte copies, consecutive
 // threads on consecutive chunks of a row (coalesced). Otherwise plain 2-byte loads and shared
 // stores: correct for any alignment, synchronous (the kernels' barriers order them like cp.async).
-template <int ROWS, int COLS, int THREADS>
-__device__ __forceinline__ void load_tile16(unsigned char* smem, const uint16_t* g, int64_t ld,
-                                            int rows, int cols, bool vec16) {
-  using L = Tile<ROWS, COLS>;
-  constexpr int N = ROWS * L::kChunks;
+// L is the shared-memory layout (Tile here; the sm_90 kernels' TileSw128): any type with
+// kRows, kChunks and offset(row, chunk).
+template <class L, int THREADS>
+__device__ __forceinline__ void load_tile16_as(unsigned char* smem, const uint16_t* g, int64_t ld,
+                                               int rows, int cols, bool vec16) {
+  constexpr int N = L::kRows * L::kChunks;
   const uint32_t base = smem_addr(smem);
   if (vec16) {
 #pragma unroll
@@ -129,6 +131,11 @@ __device__ __forceinline__ void load_tile16(unsigned char* smem, const uint16_t*
       *reinterpret_cast<uint4*>(smem + L::offset(r, c)) = w;
     }
   }
+}
+template <int ROWS, int COLS, int THREADS>
+__device__ __forceinline__ void load_tile16(unsigned char* smem, const uint16_t* g, int64_t ld,
+                                            int rows, int cols, bool vec16) {
+  load_tile16_as<Tile<ROWS, COLS>, THREADS>(smem, g, ld, rows, cols, vec16);
 }
 
 // Stores rows [0, rows) x columns [0, cols) of a swizzled Tile to a row-major global tile,

@@ -1,0 +1,25 @@
+// Definitions of the sm_90a launchers declared in launch.hpp; included by the generated
+// instantiation files inst/*_sm90_d*.cu only, which are compiled for sm_90a alone.
+#pragma once
+
+#include "cuda/check.hpp"
+#include "cuda/kernels_sm90.cuh"
+#include "cuda/launch.hpp"
+
+namespace flashattn::cuda {
+
+template <int DP, Half16 H>
+void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
+  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
+                  static_cast<unsigned>(s.batch));
+  launch_checked(dev::forward_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, a,
+                 "forward_sm90 kernel launch");
+}
+
+#define FLASHATTN_INSTANTIATE_SM90_forward(DP)                                               \
+  template void launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
+  template void launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,97 @@
+// sm_90a building blocks of the Hopper kernels (kernels_sm90.cuh): 128-byte-swizzled shared-memory
+// tiles in the layout the warpgroup tensor-core instructions (wgmma) read through descriptors,
+// the descriptors themselves, the wgmma ordering primitives, and warpgroup products built on the
+// generated wrappers of wgmma_ops.cuh. Only the sm_90a cubin executes these instructions; the
+// kernels using them compile to empty bodies elsewhere (see kernels_sm90.cuh).
+//
+// Register layout: a warpgroup (4 consecutive warps, 128 threads) owns 64 rows of an M x N
+// product; warp w of the group owns rows 16w..16w+15 in the m16n8 accumulator layout of
+// device.cuh (acc[N/8][4]), so softmax, masks and epilogues are the mma.sync kernels' pieces.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/config.hpp"
+#include "cuda/mma16.cuh"
+#include "cuda/wgmma_ops.cuh"
+
+namespace flashattn::cuda::dev {
+
+// A ROWS x COLS tile of 16-bit values in the 128-byte swizzle mode: COLS/64 column blocks stored
+// one after the other, each ROWS rows of 128 bytes, in 8-row x 128-byte atoms whose 16-byte chunk
+// c of row r sits at chunk position c ^ (r & 7). The hardware applies the same XOR to address bits
+// [4,7) from bits [7,10), so a tile must start on a 1024-byte boundary. Both the row-major
+// ("K-major") reading of Q and K and the transposed ("MN-major") reading of V use this one layout;
+// only the descriptor strides differ. Every 8 consecutive rows at one chunk index land in 8
+// distinct 16-byte bank groups, so cp.async fills and the epilogue's reads are conflict free.
+template <int ROWS, int COLS>
+struct TileSw128 {
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "TileSw128 shape");
+  static constexpr int kRows = ROWS;
+  static constexpr int kChunks = COLS / 8;
+  static constexpr int kBytes = ROWS * COLS * 2;
+  static constexpr int kBlockBytes = ROWS * 128;  // one 64-column block
+  __device__ __forceinline__ static uint32_t offset(int r, int c) {
+    return static_cast<uint32_t>((c >> 3) * kBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+  }
+};
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading- and stride-dimension
+// byte offsets, each encoded >> 4 in 14 bits; base offset 0 (atoms are 1024-byte aligned).
+//  - K-major operand (rows of the tile = M or N, columns = K): LBO unused (1), SBO = 1024, the
+//    distance between 8-row groups; a k16 step inside a 64-column block moves the start by 32 B.
+//  - MN-major operand (rows of the tile = K, columns = N): LBO = distance between 64-column
+//    blocks, SBO = 1024 between 8-row (k) groups; a k16 step moves the start by 16 rows.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Orders this thread's register writes (accumulators, A fragments) before the next wgmma reads.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of registers an in-flight wgmma writes across this
+// point (used after every wait and before every issue).
+template <int NT>
+__device__ __forceinline__ void fence_regs(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+// Shared memory written by the threads' own stores or cp.async (the generic proxy) becomes
+// visible to the tensor cores' reads (the async proxy) only through this fence, issued by every
+// writing thread after its writes landed and before the barrier that publishes them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D[64 x N] (+)= A[64 x KD] B[N x KD]^T, both K-major TileSw128s: the warpgroup's A rows start at
+// a_row0, B's N rows at b_row0 (multiples of 8). accumulate = false overwrites D.
+template <Half16 H, int KD, class TA, class TB, int NT>
+__device__ __forceinline__ void wg_gemm_nt(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
+                                           bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < KD / 16; ++kk) {
+    const uint32_t a = sA + (kk >> 2) * TA::kBlockBytes + a_row0 * 128 + (kk & 3) * 32;
+    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
+    wgmma_ss<H, 0, 0>(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+  }
+}
+
+// D[64 x N] += P[64 x 16*NK] B[16*NK x N]: P in registers as m16k16 A fragments, B an MN-major
+// TileSw128 (tile rows = k, from b_row0; columns from col0, a multiple of 64).
+template <Half16 H, int NK, class TB, int NT>
+__device__ __forceinline__ void wg_gemm_rn(float (&d)[NT][4], const uint32_t (&pa)[NK][4], uint32_t sB, int b_row0,
+                                           int col0) {
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const uint32_t b = sB + (col0 >> 6) * TB::kBlockBytes + (b_row0 + 16 * kk) * 128;
+    wgmma_rs<H, 1>(d, pa[kk], desc_sw128(b, TB::kBlockBytes, 1024), 1);
+  }
+}
+
+}  // namespace flashattn::cuda::dev
