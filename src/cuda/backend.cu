@@ -300,7 +300,7 @@ void forward(const ForwardParams& p) {
     dispatch16(c, [&](auto dp, auto h) {
       constexpr int DP = decltype(dp)::value;
       if constexpr (has_sm90(Pass::Forward, DP)) {
-        if (c.sm90_fwd) return launch_forward_sm90<DP, decltype(h)::value>(a, stream);
+        if (c.sm90_fwd && a.vec16 && launch_forward_sm90<DP, decltype(h)::value>(a, stream)) return;
       }
       launch_forward16<DP, decltype(h)::value>(a, stream);
     });

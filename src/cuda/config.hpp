@@ -194,8 +194,8 @@ static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leave
 struct TileConfig90 {
   int block_m;
   int block_n;
-  int warpgroups;
-  FLASHATTN_CUDA_HD constexpr int threads() const { return warpgroups * 128; }
+  int warpgroups;  // consumer warpgroups; one producer warpgroup more
+  FLASHATTN_CUDA_HD constexpr int threads() const { return (warpgroups + 1) * 128; }
 };
 
 FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
@@ -209,10 +209,11 @@ FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp) {
                                : TileConfig90{0, 0, 0};
 }
 
-// Dynamic shared memory: the tiles plus 1 KiB so that the kernel can align them to 1024 bytes.
+// Dynamic shared memory: the tiles, 1 KiB so that the kernel can align them to 1024 bytes, and
+// the pipeline's mbarriers.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp) {
   const TileConfig90 c = tile_config90(pass, dp);
-  return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 : 0;
+  return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8 : 0;
 }
 static_assert(smem_bytes90(Pass::Forward, 64) <= 227 * 1024 && smem_bytes90(Pass::Forward, 128) <= 227 * 1024 &&
                   smem_bytes90(Pass::Forward, 256) <= 227 * 1024,

@@ -44,9 +44,10 @@ void launch_dq16(const BwdArgs& a, cudaStream_t stream);
 template <int DP, Half16 H, bool ATOMIC>
 void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
 // sm_90a float16/bfloat16 kernels (kernels_sm90.cuh), instantiated per (pass, DP) in
-// inst/*_sm90_d*.cu; only devices of compute capability 9.0 run them.
+// inst/*_sm90_d*.cu; only devices of compute capability 9.0 run them. False (nothing launched)
+// when the copy engine cannot address the operands: the caller runs the sm_80 kernels instead.
 template <int DP, Half16 H>
-void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
+bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
 // dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
 

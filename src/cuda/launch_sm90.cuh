@@ -5,21 +5,29 @@
 #include "cuda/check.hpp"
 #include "cuda/kernels_sm90.cuh"
 #include "cuda/launch.hpp"
+#include "cuda/tma.hpp"
 
 namespace flashattn::cuda {
 
 template <int DP, Half16 H>
-void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
+bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
+  dev::Sm90FwdArgs args;
+  args.f = a;
+  if (!make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
+      !make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) ||
+      !make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n))
+    return false;
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  launch_checked(dev::forward_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, a,
+  launch_checked(dev::forward_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
+  return true;
 }
 
 #define FLASHATTN_INSTANTIATE_SM90_forward(DP)                                               \
-  template void launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
-  template void launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);
+  template bool launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
+  template bool launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);
 
 }  // namespace flashattn::cuda
