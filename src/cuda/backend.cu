@@ -46,6 +46,7 @@ struct KernelChoice {
   Half16 h = Half16::BF16;
   bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
   bool sm90_fwd = false;     // 16-bit forward on the sm_90a kernel (kernels_sm90.cuh)
+  bool sm90_bwd = false;     // 16-bit single-pass backward on the sm_90a kernel
 };
 
 // The override variables below exist for testing and benchmarking and are read on every call:
@@ -101,13 +102,15 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     // the single pass with atomic dQ at D <= 64 (+2-6%), the split passes (dQ pass + dK/dV pass)
     // from D = 96 up (+3-7%). FLASHATTN_CUDA_BWD overrides it; a deterministic caller always gets
     // the split passes, whose every sum has a fixed order.
-    c.atomic_bwd = c.dp <= 64;
+    // On compute capability 9.0 the sm_90a kernels (the "a" features are not forward compatible,
+    // so exactly 9.0) take the forward and, where compiled, the single-pass backward.
+    const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
+    c.atomic_bwd = c.dp <= 64 || (sm90 && has_sm90(Pass::Dkv, c.dp));
     bool forced;
     if (bwd_override(&forced)) c.atomic_bwd = forced;
     if (n.deterministic) c.atomic_bwd = false;
-    // The sm_90a cubins run on compute capability 9.0 only (the "a" features are not forward
-    // compatible).
-    c.sm90_fwd = cc_major == 9 && cc_minor == 0 && has_sm90(Pass::Forward, c.dp) && !sm90_disabled();
+    c.sm90_fwd = sm90 && has_sm90(Pass::Forward, c.dp);
+    c.sm90_bwd = sm90 && c.atomic_bwd && has_sm90(Pass::Dkv, c.dp);
   } else if (n.dtype != DType::Float32) {
     c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
     return c;
@@ -197,8 +200,8 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   KernelChoice c = select_kernel(s, n, d.cc_major, d.cc_minor);
   if (c.ok) {
     for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
-      const int need = c.half16 ? (p == Pass::Forward && c.sm90_fwd ? smem_bytes90(p, c.dp)
-                                                                     : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
+      const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
+      const int need = c.half16 ? (sm90 ? smem_bytes90(p, c.dp) : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
                                 : smem_bytes(p, c.dp, d.big());
       if (need > d.smem_optin) {
         c.ok = false;
@@ -336,7 +339,9 @@ void backward(const BackwardParams& p) {
       constexpr int DP = decltype(dp)::value;
       constexpr Half16 H = decltype(h)::value;
       if (c.atomic_bwd) {
-        launch_dkv16<DP, H, true>(a, stream);
+        bool done = false;
+        if constexpr (has_sm90(Pass::Dkv, DP)) done = c.sm90_bwd && a.vec16 && launch_dkv_sm90<DP, H>(a, stream);
+        if (!done) launch_dkv16<DP, H, true>(a, stream);
         launch_dq_convert(a, DP, stream);
       } else {
         launch_dq16<DP, H>(a, stream);
@@ -368,7 +373,8 @@ std::string describe() {
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
         "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
         "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, forward on sm_90 "
-        "by wgmma for {64,128,256} (FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward split "
+        "by wgmma for {64,128,256} and single-pass backward by wgmma for {64,128} "
+        "(FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward split "
         "(deterministic; default from D = 96) or single pass with atomic dQ (default at D <= 64; "
         "FLASHATTN_CUDA_BWD=split|atomic)";
   return os.str();

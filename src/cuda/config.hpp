@@ -199,24 +199,37 @@ struct TileConfig90 {
 };
 
 FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
-  return pass == Pass::Forward && (dp == 64 || dp == 128 || dp == 256);
+  return pass == Pass::Forward ? (dp == 64 || dp == 128 || dp == 256)
+       : pass == Pass::Dkv     ? (dp == 64 || dp == 128)  // the single-pass backward (atomic dQ)
+                               : false;
 }
 
 // Forward: O (DP/2 floats per thread), S of one key tile (block_n/2) and P's fragments
-// (block_n/4 registers) must fit in 255 registers with two warpgroups per CTA.
+// (block_n/4 registers) must fit in 240 registers with two consumer warpgroups per CTA.
+// dK/dV (with atomic dQ): 128 keys per CTA (64 per warpgroup, the M of S^T = K Q^T), 64 queries
+// per streamed tile; dK and dV accumulators take DP/2 registers each, S^T, dP^T and dQ
+// (DP/2 columns per warpgroup) the rest.
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp) {
   return pass == Pass::Forward ? (dp <= 128 ? TileConfig90{128, 128, 2} : TileConfig90{128, 64, 2})
+       : pass == Pass::Dkv     ? TileConfig90{128, 64, 2}
                                : TileConfig90{0, 0, 0};
 }
 
 // Dynamic shared memory: the tiles, 1 KiB so that the kernel can align them to 1024 bytes, and
-// the pipeline's mbarriers.
+// the pipeline's mbarriers. dK/dV: K, V; two stages of Q, dO, LSE and D; two dS^T tiles.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp) {
   const TileConfig90 c = tile_config90(pass, dp);
-  return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8 : 0;
+  return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8
+       : pass == Pass::Dkv
+           ? (2 * c.block_m + 4 * c.block_n) * dp * 2 + 2 * c.block_m * c.block_n * 2 + 4 * c.block_n * 4 + 1024 + 16 * 8
+           : 0;
 }
-static_assert(smem_bytes90(Pass::Forward, 64) <= 227 * 1024 && smem_bytes90(Pass::Forward, 128) <= 227 * 1024 &&
-                  smem_bytes90(Pass::Forward, 256) <= 227 * 1024,
-              "a tile_config90 row exceeds shared memory");
+constexpr bool tiles90_fit() {
+  for (Pass p : {Pass::Forward, Pass::Dkv})
+    for (int d : {64, 128, 256})
+      if (has_sm90(p, d) && smem_bytes90(p, d) > 227 * 1024) return false;
+  return true;
+}
+static_assert(tiles90_fit(), "a tile_config90 row exceeds shared memory");
 
 }  // namespace flashattn::cuda

@@ -45,8 +45,10 @@ struct Sm90FwdArgs {
 // No CTA-wide barrier inside the loop: the two warpgroups drift apart, and one's softmax runs
 // beside the other's products.
 // ================================================================================================
-constexpr int kSm90ConsumerRegs = 240;  // per thread, after setmaxnreg (2 x 128 x 240 + 128 x 24 <= 64K)
-constexpr int kSm90ProducerRegs = 24;
+// Registers per thread after setmaxnreg, consumers / producer: 2 x 128 x C + 128 x P <= 64K. The
+// forward's producer only issues copies; the backward's also loads and converts LSE and D.
+constexpr int kSm90ConsumerRegs = 240, kSm90ProducerRegs = 24;
+constexpr int kSm90BwdConsumerRegs = 240, kSm90BwdProducerRegs = 24;
 
 template <int DP, Half16 H>
 __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
@@ -221,6 +223,201 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
   named_barrier(1, TC);
   store_tile16<BM, DP, TC>(out16(p.out, b, h, m0), p.out.ss, sQ, qb.rows, static_cast<int>(p.shape.head_dim),
                            true);
+#endif
+}
+
+// ================================================================================================
+// dK/dV with dQ by atomics (FlashAttention 2's single-pass backward on warpgroups). CTA = 128 keys
+// of one (batch, kv head), consumer warpgroup w owning keys 64w..64w+63 (the M of S^T = K Q^T);
+// the producer streams 64-query tiles of Q and dO (TMA, one thread) and their LSE and D vectors
+// (one warp), over every query head of the group, two stages deep. Per consumer warpgroup and
+// query tile:
+//   S^T = K_w Q^T, dP^T = V_w dO^T                       (wgmma from shared memory)
+//   P^T = exp2(S^T sl2 - lse2), dS^T = P^T (dP^T - D)    (registers; masks)
+//   dV_w += P^T dO, dK_w += dS^T Q                        (wgmma, P^T and dS^T from registers)
+//   dS^T -> shared memory (double buffer); barrier among the consumers
+//   dQ[:, cols_w] = dS K[:, cols_w]                       (wgmma, both operands read transposed)
+//   dq_accum += dQ (vector float32 reductions in L2); release the stage
+// ================================================================================================
+struct Sm90BwdArgs {
+  BwdArgs f;
+  CUtensorMap tq, tk, tv, tdo;
+};
+
+template <int DP, Half16 H>
+__global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
+    dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90(Pass::Dkv, DP);
+  constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
+  constexpr int NS = BQ / 8, NO = DP / 8, DQN = DP / NWG;  // dQ columns per warpgroup
+  static_assert(BK == 64 * NWG, "one warpgroup per 64 keys");
+  using TK = TileSw128<BK, DP>;
+  using TQ = TileSw128<BQ, DP>;
+  using TS = TileSw128<BK, BQ>;
+  extern __shared__ float4 smem4[];
+  unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sV = sK + TK::kBytes;
+  unsigned char* sQ = sV + TK::kBytes;        // [2][BQ x DP]
+  unsigned char* sdO = sQ + 2 * TQ::kBytes;   // [2][BQ x DP]
+  unsigned char* sdS = sdO + 2 * TQ::kBytes;  // [2][BK x BQ]: dS^T
+  float* sL = reinterpret_cast<float*>(sdS + 2 * TS::kBytes);  // [2][BQ]: LSE * log2(e)
+  float* sD = sL + 2 * BQ;                                      // [2][BQ]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
+  uint64_t* full_kv = bars;
+  uint64_t* full = bars + 1;   // [2]: Q, dO (copy engine) and LSE, D (32 producer lanes)
+  uint64_t* empty = bars + 3;  // [2]
+
+  const BwdArgs& a = A.f;
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
+  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+  const int ntiles = kb.ntiles;
+  const MaskRule& rule = kb.rule;
+  // Every key block of a head adds into the same dQ rows; starting each CTA at a different query
+  // tile spreads those reductions over different addresses at any moment.
+  const int rot = ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0;
+  auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
+
+  if (threadIdx.x == 0) {
+    mbar_init(full_kv, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 1 + 32);
+      mbar_init(empty + i, 4 * NWG);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == NWG) {
+    // ---- producer ---------------------------------------------------------------------------
+    regs_decrease<kSm90BwdProducerRegs>();
+    const int pw = (threadIdx.x - TC) / 32, lane = lane_id();
+    const int bb = static_cast<int>(b);
+    if (pw == 0 && lane == 0) {
+      mbar_expect_tx(full_kv, 2 * TK::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 64; ++blk) {
+        tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 64 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+        tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 64 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+      }
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it & 1;
+        const int h = static_cast<int>(kb.head(tile_of(it))), n0 = static_cast<int>(kb.q0(tile_of(it), BQ));
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, 2 * TQ::kBytes);
+#pragma unroll
+        for (int blk = 0; blk < DP / 64; ++blk) {
+          tma_load_4d(sQ + st * TQ::kBytes + blk * TQ::kBlockBytes, &A.tq, full + st, 64 * blk, n0, h, bb);
+          tma_load_4d(sdO + st * TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 64 * blk, n0, h, bb);
+        }
+      }
+    } else if (pw == 1) {
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it & 1;
+        const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        const float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
+        const float* delta = a.delta + (b * p.shape.heads_q + h) * Sq;
+        for (int c = lane; c < BQ; c += 32) {
+          const int64_t q = n0 + c;
+          // Past the last query: P = exp2(s - inf) = 0 (those entries are masked as well).
+          sL[st * BQ + c] = q < Sq ? lse_to_log2(lse[q * p.lse.ss]) : INFINITY;
+          sD[st * BQ + c] = q < Sq ? delta[q] : 0.0f;
+        }
+        mbar_arrive(full + st);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------------
+  regs_increase<kSm90BwdConsumerRegs>();
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int64_t row_w = m0 + 16 * warp;  // the warp's first key row
+  const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+  float dk[1][NO][4], dv[1][NO][4];
+  zero(dk[0]);
+  zero(dv[0]);
+
+  mbar_wait(full_kv, 0);
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1;
+    mbar_wait(full + st, (it >> 1) & 1);
+    const uint32_t qa = smem_addr(sQ + st * TQ::kBytes), doa = smem_addr(sdO + st * TQ::kBytes);
+    const float* sLs = sL + st * BQ;
+    const float* sDs = sD + st * BQ;
+    float s[1][NS][4], dp[1][NS][4];
+    fence_regs(s[0]);
+    fence_regs(dp[0]);
+    wgmma_fence();
+    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * wg, qa, 0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * wg, doa, 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s[0]);
+    fence_regs(dp[0]);
+
+    const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
+    const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
+    for_each_entry<NS>([&](int j, int e, int r, int c) {
+      float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -sLs[c]));
+      if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
+      s[0][j][e] = pe;
+      dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
+    });
+    uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
+    to_afrag<H, 1, NS / 2>(pp, s);
+    to_afrag<H, 1, NS / 2>(pds, dp);
+    fence_regs(dv[0]);
+    fence_regs(dk[0]);
+    wgmma_fence();
+    wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, 0);
+    wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, 0);
+    wgmma_commit();
+
+    // dS^T of both warpgroups into this iteration's buffer; the barrier also tells each
+    // warpgroup that the other finished the previous iteration's dQ (which read the other
+    // buffer), so one barrier per iteration protects both.
+    unsigned char* sdSi = sdS + st * TS::kBytes;
+    stage_acc_as<H, TS, 1, NS>(sdSi, dp, 16 * warp, 0, 1.0f);
+    fence_proxy_async();
+    named_barrier(1, TC);
+    float dq[1][DQN / 8][4];
+    fence_regs(dq[0]);
+    wgmma_fence();
+    wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, DQN * wg, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq[0]);
+    fence_regs(dv[0]);
+    fence_regs(dk[0]);
+    if (lane == 0) mbar_arrive(empty + st);
+
+    float* acc = a.dq_accum + ((b * p.shape.heads_q + h) * Sq + n0) * DP + DQN * wg;
+    const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int qr = wq + g + 8 * r;
+      if (n0 + qr >= Sq) continue;
+#pragma unroll
+      for (int j = 0; j < DQN / 8; ++j)
+        red_add2(acc + static_cast<int64_t>(qr) * DP + 8 * j + 2 * t, dq[0][j][2 * r], dq[0][j][2 * r + 1]);
+    }
+  }
+
+  // Epilogue: dK (times the softmax scale) and dV through the Q and dO stages' shared memory
+  // (plain swizzled Tile layout, 2 * BQ = BK rows each) once every consumer is done with them.
+  static_assert(2 * BQ == BK, "dK/dV staging reuses both Q (dO) stages");
+  named_barrier(1, TC);
+  stage_acc<H, BK, DP, 1, NO>(sQ, dk, 16 * warp, 0, p.num.scale);
+  stage_acc<H, BK, DP, 1, NO>(sdO, dv, 16 * warp, 0, 1.0f);
+  named_barrier(1, TC);
+  const int D = static_cast<int>(p.shape.head_dim);
+  store_tile16<BK, DP, TC>(out16(p.dk, b, hk, m0), p.dk.ss, sQ, kb.rows, D, true);
+  store_tile16<BK, DP, TC>(out16(p.dv, b, hk, m0), p.dv.ss, sdO, kb.rows, D, true);
 #endif
 }
 

@@ -48,6 +48,9 @@ void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
 // when the copy engine cannot address the operands: the caller runs the sm_80 kernels instead.
 template <int DP, Half16 H>
 bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
+// The single-pass dK/dV kernel with dQ added into a.dq_accum (then launch_dq_convert).
+template <int DP, Half16 H>
+bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);
 // dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
 

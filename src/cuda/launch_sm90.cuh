@@ -26,6 +26,28 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
+template <int DP, Half16 H>
+bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP);
+  dev::Sm90BwdArgs args;
+  args.f = a;
+  if (!make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) ||
+      !make_tensor_map16(&args.tdo, a.p.dout, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) ||
+      !make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m) ||
+      !make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m))
+    return false;
+  const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
+                  static_cast<unsigned>(s.batch));
+  launch_checked(dev::dkv_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP), stream, args,
+                 "dkv_sm90 kernel launch");
+  return true;
+}
+
+#define FLASHATTN_INSTANTIATE_SM90_dkv(DP)                                                   \
+  template bool launch_dkv_sm90<DP, Half16::F16>(const BwdArgs&, cudaStream_t);             \
+  template bool launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
+
 #define FLASHATTN_INSTANTIATE_SM90_forward(DP)                                               \
   template bool launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
   template bool launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);

@@ -162,12 +162,11 @@ __device__ __forceinline__ void store_tile16(uint16_t* g, int64_t ld, const unsi
 }
 
 // Writes a warp's accumulator slice acc[MT][NT][4] (rows row0 + [0, 16*MT), columns
-// col0 + [0, 8*NT)) times `mul` into a swizzled tile as 16-bit values. Lane (g, t) writes 4 bytes
+// col0 + [0, 8*NT)) times `mul` into a swizzled tile (layout L) as 16-bit values. Lane (g, t) writes 4 bytes
 // at rows g, g+8 of chunk col/8: the XOR puts the 8 rows in 8 different bank groups.
-template <Half16 H, int ROWS, int COLS, int MT, int NT>
-__device__ __forceinline__ void stage_acc(unsigned char* smem, const float (&acc)[MT][NT][4], int row0,
-                                          int col0, float mul) {
-  using L = Tile<ROWS, COLS>;
+template <Half16 H, class L, int MT, int NT>
+__device__ __forceinline__ void stage_acc_as(unsigned char* smem, const float (&acc)[MT][NT][4], int row0,
+                                             int col0, float mul) {
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -179,6 +178,11 @@ __device__ __forceinline__ void stage_acc(unsigned char* smem, const float (&acc
         *reinterpret_cast<uint32_t*>(smem + L::offset(row, col / 8) + 4 * t) =
             pack2<H>(acc[m][j][2 * r] * mul, acc[m][j][2 * r + 1] * mul);
       }
+}
+template <Half16 H, int ROWS, int COLS, int MT, int NT>
+__device__ __forceinline__ void stage_acc(unsigned char* smem, const float (&acc)[MT][NT][4], int row0,
+                                          int col0, float mul) {
+  stage_acc_as<H, Tile<ROWS, COLS>, MT, NT>(smem, acc, row0, col0, mul);
 }
 
 // ---- warp products --------------------------------------------------------------------------------

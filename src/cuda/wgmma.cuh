@@ -94,6 +94,28 @@ __device__ __forceinline__ void wg_gemm_rn(float (&d)[NT][4], const uint32_t (&p
   }
 }
 
+// D[64 x N] (+)= A[64 x 16*NK] B[16*NK x N] with both operands stored k-major by rows: A as an
+// MN-major TileSw128 holding A^T (tile rows = k, columns = the 64 m, from a_col0), B as an
+// MN-major TileSw128 (tile rows = k, columns = n from b_col0; b_col0 may sit inside a 64-column
+// block: the swizzle is a function of the address, so a start 2*b_col0 % 128 bytes into the
+// block's rows reads the right chunks).
+template <Half16 H, int NK, class TA, class TB, int NT>
+__device__ __forceinline__ void wg_gemm_tt(float (&d)[NT][4], uint32_t sA, int a_col0, uint32_t sB, int b_col0,
+                                           bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const uint32_t a = sA + (a_col0 >> 6) * TA::kBlockBytes + (a_col0 & 63) * 2 + 16 * kk * 128;
+    const uint32_t b = sB + (b_col0 >> 6) * TB::kBlockBytes + (b_col0 & 63) * 2 + 16 * kk * 128;
+    wgmma_ss<H, 1, 1>(d, desc_sw128(a, TA::kBlockBytes, 1024), desc_sw128(b, TB::kBlockBytes, 1024),
+                      (accumulate || kk > 0) ? 1 : 0);
+  }
+}
+
+// Adds two floats to consecutive addresses (8-byte aligned) with one vector reduction.
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
 // ---- mbarriers, the tensor copy engine (TMA), warpgroup registers ---------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
