@@ -463,6 +463,45 @@ __device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4]
   }
 }
 
+// softmax_rows for raw scores s (masked entries -inf) and a positive sl2: the row max is taken on
+// the raw scores and the scaling folds into the exponent's FFMA, exp2(s * sl2 - m), one
+// instruction per score fewer than scaling first (the sm_90 forward, whose softmax is
+// issue-bound). sl2 <= 0 must use scale_scores + softmax_rows.
+template <int NS>
+__device__ __forceinline__ void softmax_rows_fused(SoftmaxState& st, float (&s)[NS][4], float sl2,
+                                                   float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    mx = quad_max(mx);
+    const float m_new = fmaxf(st.m[r], mx * sl2);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // as in softmax_rows
+    alpha[r] = exp2_ftz(st.m[r] - m_use);
+    st.m[r] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      s[j][2 * r] = exp2_ftz(fmaf(s[j][2 * r], sl2, -m_use));
+      s[j][2 * r + 1] = exp2_ftz(fmaf(s[j][2 * r + 1], sl2, -m_use));
+      sum += s[j][2 * r] + s[j][2 * r + 1];
+    }
+    st.l[r] = st.l[r] * alpha[r] + sum;
+  }
+}
+
+// Masks the keys at or past `end[r]` (tile-relative) in the lane's rows g (r = 0) and g + 8 (r = 1).
+template <int NS>
+__device__ __forceinline__ void mask_cols(float (&s)[NS][4], const int (&end)[2]) {
+  const int t = lane_id() & 3;
+#pragma unroll
+  for (int j = 0; j < NS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (8 * j + 2 * t + (e & 1) >= end[e >> 1]) s[j][e] = -INFINITY;
+}
+
 template <int NO>
 __device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&alpha)[2]) {
 #pragma unroll

@@ -132,15 +132,29 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
   float s[1][NS][4];
   uint32_t pa[1][BN / 16][4];
 
+  // The lane's rows g and g + 8: keys at or past vis_end are hidden from them (sequence end and
+  // causal rule in one bound; rows past Sq are computed but never stored).
+  const int64_t vis_end[2] = {rule.visible_end(row_w + lane_id() / 4, Skv),
+                              rule.visible_end(row_w + lane_id() / 4 + 8, Skv)};
+  const bool fused = a.sl2 > 0.0f;  // uniform
   // Scores of tile `tile` (in s) -> P in s, statistics updated, alpha for O.
   auto softmax_tile = [&](int tile, float(&alpha)[2]) {
-    scale_scores(s[0], a.sl2);
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
-    if (qb.tile_masked(n0, BN, Skv))
-      for_each_entry<NS>([&](int j, int e, int r, int c) {
-        if (!keep(rule, row_w + r, n0 + c, Sq, Skv)) s[0][j][e] = -INFINITY;
-      });
-    softmax_rows<NS, true>(st, s[0], alpha);
+    if (qb.tile_masked(n0, BN, Skv)) {
+      int end[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t e = vis_end[r] - n0;
+        end[r] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
+      }
+      mask_cols(s[0], end);
+    }
+    if (fused) {
+      softmax_rows_fused(st, s[0], a.sl2, alpha);
+    } else {
+      scale_scores(s[0], a.sl2);  // a negative scale turns the max into a min: scale first
+      softmax_rows<NS, true>(st, s[0], alpha);
+    }
   };
   auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
   auto wait_v = [&](int t) { mbar_wait(full_v + (t & 1), (t >> 1) & 1); };
