@@ -194,13 +194,14 @@ static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leave
 struct TileConfig90 {
   int block_m;
   int block_n;
-  int warpgroups;  // consumer warpgroups; one producer warpgroup more
+  int warpgroups;     // consumer warpgroups; one producer warpgroup more
+  int col_split = 1;  // dK/dV: warpgroups sharing 64 keys, each accumulating DP/col_split columns
   FLASHATTN_CUDA_HD constexpr int threads() const { return (warpgroups + 1) * 128; }
 };
 
 FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
   return pass == Pass::Forward ? (dp == 64 || dp == 128 || dp == 256)
-       : pass == Pass::Dkv     ? (dp == 64 || dp == 128)  // the single-pass backward (atomic dQ)
+       : pass == Pass::Dkv     ? (dp == 64 || dp == 128 || dp == 256)  // single pass (atomic dQ)
                                : false;
 }
 
@@ -208,10 +209,12 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
 // (block_n/4 registers) must fit in 240 registers with two consumer warpgroups per CTA.
 // dK/dV (with atomic dQ): 128 keys per CTA (64 per warpgroup, the M of S^T = K Q^T), 64 queries
 // per streamed tile; dK and dV accumulators take DP/2 registers each, S^T, dP^T and dQ
-// (DP/2 columns per warpgroup) the rest.
+// (DP/2 columns per warpgroup, in products of at most 64) the rest. D = 256 would need 256
+// registers for dK and dV alone: 64 keys per CTA, both warpgroups computing S^T and dP^T for
+// them (the 2 of 5 products done twice) and each keeping half of dK's and dV's columns.
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp) {
   return pass == Pass::Forward ? (dp <= 128 ? TileConfig90{128, 128, 2} : TileConfig90{128, 64, 2})
-       : pass == Pass::Dkv     ? TileConfig90{128, 64, 2}
+       : pass == Pass::Dkv     ? (dp <= 128 ? TileConfig90{128, 64, 2} : TileConfig90{64, 64, 2, 2})
                                : TileConfig90{0, 0, 0};
 }
 

@@ -251,6 +251,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
 //   dV_w += P^T dO, dK_w += dS^T Q                        (wgmma, P^T and dS^T from registers)
 //   dS^T -> shared memory (double buffer); barrier among the consumers
 //   dQ[:, cols_w] = dS K[:, cols_w]                       (wgmma, both operands read transposed)
+// At D = 256 (col_split 2) a CTA has 64 keys; both warpgroups compute their S^T and dP^T and each
+// accumulates half of dK's and dV's columns.
 //   dq_accum += dQ (vector float32 reductions in L2); release the stage
 // ================================================================================================
 struct Sm90BwdArgs {
@@ -263,9 +265,11 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
     dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr TileConfig90 C = tile_config90(Pass::Dkv, DP);
-  constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
-  constexpr int NS = BQ / 8, NO = DP / 8, DQN = DP / NWG;  // dQ columns per warpgroup
-  static_assert(BK == 64 * NWG, "one warpgroup per 64 keys");
+  constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG, CS = C.col_split;
+  constexpr int DW = DP / CS;                         // dK/dV columns per warpgroup
+  constexpr int DQN = DP / NWG, QC = DQN < 64 ? DQN : 64;  // dQ columns per warpgroup, per product
+  constexpr int NS = BQ / 8, NO = DW / 8;
+  static_assert(BK * CS == 64 * NWG, "64 keys per col_split warpgroups");
   using TK = TileSw128<BK, DP>;
   using TQ = TileSw128<BQ, DP>;
   using TS = TileSw128<BK, BQ>;
@@ -350,7 +354,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
   // ---- consumers ----------------------------------------------------------------------------------
   regs_increase<kSm90BwdConsumerRegs>();
   const int warp = threadIdx.x / 32, lane = lane_id();
-  const int64_t row_w = m0 + 16 * warp;  // the warp's first key row
+  const int kg = wg / CS, cg = wg % CS;                // key group (64 keys), column group
+  const int krow = 64 * kg + 16 * (warp & 3);          // the warp's first key row in the CTA
+  const int64_t row_w = m0 + krow;
   const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
   float dk[1][NO][4], dv[1][NO][4];
   zero(dk[0]);
@@ -367,8 +373,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
     fence_regs(s[0]);
     fence_regs(dp[0]);
     wgmma_fence();
-    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * wg, qa, 0, false);
-    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * wg, doa, 0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * kg, qa, 0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * kg, doa, 0, false);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s[0]);
@@ -388,46 +394,51 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
     fence_regs(dv[0]);
     fence_regs(dk[0]);
     wgmma_fence();
-    wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, 0);
-    wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, 0);
+    wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, cg * DW);
+    wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, cg * DW);
     wgmma_commit();
 
     // dS^T of both warpgroups into this iteration's buffer; the barrier also tells each
     // warpgroup that the other finished the previous iteration's dQ (which read the other
     // buffer), so one barrier per iteration protects both.
     unsigned char* sdSi = sdS + st * TS::kBytes;
-    stage_acc_as<H, TS, 1, NS>(sdSi, dp, 16 * warp, 0, 1.0f);
+    if (cg == 0) stage_acc_as<H, TS, 1, NS>(sdSi, dp, krow, 0, 1.0f);  // column groups hold equal dS^T
     fence_proxy_async();
     named_barrier(1, TC);
-    float dq[1][DQN / 8][4];
-    fence_regs(dq[0]);
-    wgmma_fence();
-    wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, DQN * wg, false);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dq[0]);
-    fence_regs(dv[0]);
-    fence_regs(dk[0]);
-    if (lane == 0) mbar_arrive(empty + st);
-
     float* acc = a.dq_accum + ((b * p.shape.heads_q + h) * Sq + n0) * DP + DQN * wg;
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int qr = wq + g + 8 * r;
-      if (n0 + qr >= Sq) continue;
+    for (int c = 0; c < DQN / QC; ++c) {
+      float dq[1][QC / 8][4];
+      fence_regs(dq[0]);
+      wgmma_fence();
+      wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, DQN * wg + QC * c, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq[0]);
+      if (c + 1 == DQN / QC) {
+        fence_regs(dv[0]);
+        fence_regs(dk[0]);
+        if (lane == 0) mbar_arrive(empty + st);
+      }
 #pragma unroll
-      for (int j = 0; j < DQN / 8; ++j)
-        red_add2(acc + static_cast<int64_t>(qr) * DP + 8 * j + 2 * t, dq[0][j][2 * r], dq[0][j][2 * r + 1]);
+      for (int r = 0; r < 2; ++r) {
+        const int qr = wq + g + 8 * r;
+        if (n0 + qr >= Sq) continue;
+#pragma unroll
+        for (int j = 0; j < QC / 8; ++j)
+          red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],
+                   dq[0][j][2 * r + 1]);
+      }
     }
   }
 
   // Epilogue: dK (times the softmax scale) and dV through the Q and dO stages' shared memory
-  // (plain swizzled Tile layout, 2 * BQ = BK rows each) once every consumer is done with them.
-  static_assert(2 * BQ == BK, "dK/dV staging reuses both Q (dO) stages");
+  // (plain swizzled Tile layout, BK rows each) once every consumer is done with them.
+  static_assert(BK * DP * 2 <= 2 * TQ::kBytes, "dK/dV staging reuses both Q (dO) stages");
   named_barrier(1, TC);
-  stage_acc<H, BK, DP, 1, NO>(sQ, dk, 16 * warp, 0, p.num.scale);
-  stage_acc<H, BK, DP, 1, NO>(sdO, dv, 16 * warp, 0, 1.0f);
+  stage_acc<H, BK, DP, 1, NO>(sQ, dk, krow, cg * DW, p.num.scale);
+  stage_acc<H, BK, DP, 1, NO>(sdO, dv, krow, cg * DW, 1.0f);
   named_barrier(1, TC);
   const int D = static_cast<int>(p.shape.head_dim);
   store_tile16<BK, DP, TC>(out16(p.dk, b, hk, m0), p.dk.ss, sQ, kb.rows, D, true);
