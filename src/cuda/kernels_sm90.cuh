@@ -30,6 +30,7 @@ __device__ __forceinline__ unsigned char* smem_aligned1024(unsigned char* p) {
 struct Sm90FwdArgs {
   FwdArgs f;
   CUtensorMap tq, tk, tv;
+  bool pingpong;  // the consumer warpgroups take turns issuing their products
 };
 
 // ================================================================================================
@@ -162,13 +163,27 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
     if (lane0) mbar_arrive(empty + (t & 1));
   };
 
+  // Ping-pong: warpgroup w issues its products only between a signal from the other one and its
+  // own signal back (named barriers 2 and 3), so one warpgroup's softmax runs while the other's
+  // products occupy the tensor cores. Warpgroup 0 starts.
+  const bool pp = A.pingpong && ntiles > 0;
+  auto turn_begin = [&] {
+    if (pp) named_barrier(2 + wg, TC);
+  };
+  auto turn_end = [&] {
+    if (pp) named_barrier_arrive(2 + (wg ^ 1), TC);
+  };
+  if (pp && wg == 1) named_barrier_arrive(2, TC);
+
   mbar_wait(full_q, 0);
   if (ntiles > 0) {
     wait_k(0);
     fence_regs(s[0]);
     wgmma_fence();
+    turn_begin();
     wg_gemm_nt<H, DP, TQ, TK>(s[0], q_addr, wg_row, k_addr, 0, false);
     wgmma_commit();
+    turn_end();
     wgmma_wait<0>();
     fence_regs(s[0]);
     release(empty_k, 0);
@@ -185,10 +200,12 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
     fence_regs(o[0]);
     fence_regs(s[0]);
     wgmma_fence();
+    turn_begin();
     wg_gemm_nt<H, DP, TQ, TK>(s[0], q_addr, wg_row, k_addr + ((it + 1) & 1) * TK::kBytes, 0, false);
     wgmma_commit();
     wg_gemm_rn<H, BN / 16, TK>(o[0], pa[0], v_addr + (it & 1) * TK::kBytes, 0, 0);
     wgmma_commit();
+    turn_end();
     wgmma_wait<1>();
     fence_regs(s[0]);
     release(empty_k, it + 1);
@@ -205,12 +222,15 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
     wait_v(it);
     fence_regs(o[0]);
     wgmma_fence();
+    turn_begin();
     wg_gemm_rn<H, BN / 16, TK>(o[0], pa[0], v_addr + (it & 1) * TK::kBytes, 0, 0);
     wgmma_commit();
+    turn_end();
     wgmma_wait<0>();
     fence_regs(o[0]);
     release(empty_v, it);
   }
+  if (pp && wg == 0) named_barrier(2, TC);  // the last signal of warpgroup 1, unanswered
 
   // Epilogue: O /= l, LSE = (m + log2 l) ln 2 (a row without visible keys: O = 0, LSE = -inf),
   // staged through the Q tile's shared memory (plain swizzled Tile layout) for 16-byte stores
