@@ -86,6 +86,15 @@ bool bwd_override(bool* atomic) {
 // so that tests and benchmarks can compare both families on one GPU.
 bool sm90_disabled() { return env_choice("FLASHATTN_CUDA_ARCH", {"sm80", "sm90"}) == 0; }
 
+// Ping-pong scheduling of the sm_90a forward's two consumer warpgroups: measured faster at
+// D = 64 at every length and at Skv <= 4096 for D = 128 and 256, slower beyond (docs/PERF.md,
+// 16-bit run 6). FLASHATTN_CUDA_PINGPONG=0|1 overrides, for measurement.
+bool use_pingpong(const Shape& s, int dp) {
+  const int i = env_choice("FLASHATTN_CUDA_PINGPONG", {"0", "1"});
+  if (i >= 0) return i == 1;
+  return dp <= 64 || s.seq_kv <= 4096;
+}
+
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
   KernelChoice c;
   if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
@@ -298,6 +307,7 @@ void forward(const ForwardParams& p) {
   a.sl2 = p.num.scale * 1.4426950408889634f;
   const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
+  a.pingpong = c.sm90_fwd && use_pingpong(p.shape, c.dp);
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   if (c.half16) {
     dispatch16(c, [&](auto dp, auto h) {
@@ -322,7 +332,9 @@ void backward(const BackwardParams& p) {
   // [B*Hq*Sq, DP], zeroed on the stream.
   const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
   const size_t accum = c.atomic_bwd ? rows * static_cast<size_t>(c.dp) : 0;
-  Workspace ws((rows + accum) * sizeof(float), stream);
+  // The accumulator starts 16-byte aligned (vector reductions of the sm_90 kernel need 8).
+  const size_t accum_at = (rows + 3) / 4 * 4;
+  Workspace ws((accum_at + accum) * sizeof(float), stream);
   BwdArgs a{};
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
@@ -330,7 +342,7 @@ void backward(const BackwardParams& p) {
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e) &&
             vec_ok(p.dout, e) && vec_ok(p.dq, e) && vec_ok(p.dk, e) && vec_ok(p.dv, e);
   a.delta = ws.get();
-  a.dq_accum = c.atomic_bwd ? ws.get() + rows : nullptr;
+  a.dq_accum = c.atomic_bwd ? ws.get() + accum_at : nullptr;
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);

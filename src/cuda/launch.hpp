@@ -16,6 +16,7 @@ struct FwdArgs {
   float sl2;   // softmax scale * log2(e): scores go straight to exp2
   bool vec16;  // every operand base 16-byte aligned and every stride a multiple of 4 elements
   bool big;    // the device runs the sm_90 cubin: tile_config(..., big = true)
+  bool pingpong;  // sm_90a forward: the consumer warpgroups take turns issuing products
 };
 struct BwdArgs {
   BackwardParams p;
