@@ -9,6 +9,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "core/mask.hpp"
 #include "core/params.hpp"
 #include "cuda/config.hpp"
@@ -382,29 +384,56 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
   zero(dk[0]);
   zero(dv[0]);
 
-  mbar_wait(full_kv, 0);
-  for (int it = 0; it < ntiles; ++it) {
+  // The lane's key rows g and g + 8: the queries that see each form one column range
+  // [first_row(key), Sq) (none for keys past Skv); per tile they become tile-relative bounds.
+  int64_t q_lo[2], q_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = row_w + lane / 4 + 8 * r;
+    q_lo[r] = rule.first_row(key, Sq);
+    q_hi[r] = key < Skv ? Sq : 0;
+  }
+  float s[1][NS][4], dp[1][NS][4];
+  // S^T and dP^T of tile it, issued as one wgmma group.
+  auto issue_sdp = [&](int it) {
     const int st = it & 1;
     mbar_wait(full + st, (it >> 1) & 1);
-    const uint32_t qa = smem_addr(sQ + st * TQ::kBytes), doa = smem_addr(sdO + st * TQ::kBytes);
-    const float* sLs = sL + st * BQ;
-    const float* sDs = sD + st * BQ;
-    float s[1][NS][4], dp[1][NS][4];
     fence_regs(s[0]);
     fence_regs(dp[0]);
     wgmma_fence();
-    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * kg, qa, 0, false);
-    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * kg, doa, 0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * kg, smem_addr(sQ + st * TQ::kBytes), 0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * kg, smem_addr(sdO + st * TQ::kBytes), 0, false);
     wgmma_commit();
+  };
+  // One tile. With a next tile, its S^T and dP^T are issued right after the last dQ product, so
+  // they run on the tensor cores while this tile's dQ reductions go out; the last tile is a
+  // separate instantiation (no conditional wgmma: see the forward's main loop). Only at D = 64:
+  // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up.
+  constexpr bool kOverlapNext = DP <= 64;
+  auto tile = [&](int it, auto has_next) {
+    constexpr bool kNext = decltype(has_next)::value;
+    const int st = it & 1;
+    const uint32_t qa = smem_addr(sQ + st * TQ::kBytes), doa = smem_addr(sdO + st * TQ::kBytes);
+    const float* sLs = sL + st * BQ;
+    const float* sDs = sD + st * BQ;
     wgmma_wait<0>();
     fence_regs(s[0]);
     fence_regs(dp[0]);
 
     const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
+    int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
+    if (masked) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t l = q_lo[r] - n0, u = q_hi[r] - n0;
+        lo[r] = l < 0 ? 0 : (l > BQ ? BQ : static_cast<int>(l));
+        hi[r] = u < 0 ? 0 : (u > BQ ? BQ : static_cast<int>(u));
+      }
+    }
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -sLs[c]));
-      if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
+      if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
     });
@@ -429,14 +458,20 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
 #pragma unroll
     for (int c = 0; c < DQN / QC; ++c) {
+      const bool last = c + 1 == DQN / QC;
       float dq[1][QC / 8][4];
       fence_regs(dq[0]);
       wgmma_fence();
       wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, DQN * wg + QC * c, false);
       wgmma_commit();
-      wgmma_wait<0>();
+      if (kNext && last) {
+        issue_sdp(it + 1);
+        wgmma_wait<1>();  // all but the next tile's S^T and dP^T
+      } else {
+        wgmma_wait<0>();
+      }
       fence_regs(dq[0]);
-      if (c + 1 == DQN / QC) {
+      if (last) {
         fence_regs(dv[0]);
         fence_regs(dk[0]);
         if (lane == 0) mbar_arrive(empty + st);
@@ -450,6 +485,18 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
           red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],
                    dq[0][j][2 * r + 1]);
       }
+    }
+  };
+
+  mbar_wait(full_kv, 0);
+  if constexpr (kOverlapNext) {
+    if (ntiles > 0) issue_sdp(0);
+    for (int it = 0; it + 1 < ntiles; ++it) tile(it, std::true_type{});
+    if (ntiles > 0) tile(ntiles - 1, std::false_type{});
+  } else {
+    for (int it = 0; it < ntiles; ++it) {
+      issue_sdp(it);
+      tile(it, std::false_type{});
     }
   }
 
