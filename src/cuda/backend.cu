@@ -99,11 +99,11 @@ bool use_pingpong(const Shape& s, int dp) {
 // The sm_90a dK/dV kernel's CTA shape: variant 1 (one consumer warpgroup, 64 keys, two CTAs per
 // SM) at D = 64 for short query sequences, where per-CTA prologue and epilogue dominate (docs/PERF.md
 // run 7); FLASHATTN_CUDA_SM90_VARIANT=0|1 overrides, for measurement.
-int sm90_bwd_variant(const Shape& s, int dp) {
+int sm90_bwd_variant(const Shape& /*s*/, int dp) {
   if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
   const int i = env_choice("FLASHATTN_CUDA_SM90_VARIANT", {"0", "1"});
   if (i >= 0) return i;
-  return s.seq_q <= 2048 ? 1 : 0;
+  return 0;
 }
 
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
