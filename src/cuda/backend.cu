@@ -96,9 +96,9 @@ bool use_pingpong(const Shape& s, int dp) {
   return dp <= 64 || s.seq_kv <= 4096;
 }
 
-// The sm_90a dK/dV kernel's CTA shape: variant 1 (one consumer warpgroup, 64 keys, two CTAs per
-// SM) at D = 64 for short query sequences, where per-CTA prologue and epilogue dominate (docs/PERF.md
-// run 7); FLASHATTN_CUDA_SM90_VARIANT=0|1 overrides, for measurement.
+// The sm_90a dK/dV kernel's CTA shape: variant 1 (D = 64: one consumer warpgroup, 64 keys, two
+// CTAs per SM) is built for short query sequences, where per-CTA prologue and epilogue dominate;
+// it is used only when FLASHATTN_CUDA_SM90_VARIANT=1 asks for it, until measured (docs/PERF.md).
 int sm90_bwd_variant(const Shape& /*s*/, int dp) {
   if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
   const int i = env_choice("FLASHATTN_CUDA_SM90_VARIANT", {"0", "1"});
