@@ -520,6 +520,17 @@ __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][
   rescale_rows(o, alpha);
 }
 
+// End of the forward: the lane's two rows' 1/l (0 for a row that saw no visible key, whose O is
+// then 0) and LSE = ln(sum exp(S)) = (m + log2 l) * ln 2 (-inf for such a row).
+__device__ __forceinline__ void finish_rows(const SoftmaxState& st, float (&inv)[2], float (&lse)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(st.l[r]);
+    inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    lse[r] = l > 0.0f ? (st.m[r] + log2f(l)) * kLn2 : -INFINITY;
+  }
+}
+
 // LSE in the backward's log2 domain: P = exp2(s*sl2 - l2). A row with no visible key (lse = -inf)
 // maps to +inf so that every P of it is exp2(-inf) = 0.
 __device__ __forceinline__ float lse_to_log2(float lse) {

@@ -85,12 +85,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   // Epilogue: O /= l; LSE = ln(sum exp(S)) = (m + log2 l) * ln 2. A row with no visible key has
   // l = 0: O = 0 and LSE = -inf.
   float inv[2], lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(st.l[r]);
-    inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
-    lse[r] = l > 0.0f ? (st.m[r] + log2f(l)) * kLn2 : -INFINITY;
-  }
+  finish_rows(st, inv, lse);
 #pragma unroll
   for (int j = 0; j < NO; ++j) {
     o[j][0] *= inv[0]; o[j][1] *= inv[0];

@@ -105,12 +105,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     float inv[2], lse[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(st[m].l[r]);
-      inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
-      lse[r] = l > 0.0f ? (st[m].m[r] + log2f(l)) * kLn2 : -INFINITY;
-    }
+    finish_rows(st[m], inv, lse);
 #pragma unroll
     for (int j = 0; j < NO; ++j) {
       o[m][j][0] *= inv[0]; o[m][j][1] *= inv[0];

@@ -235,12 +235,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   // once both warpgroups are done reading Q.
   const int lane = lane_id();
   float inv[2], lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(st.l[r]);
-    inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
-    lse[r] = l > 0.0f ? (st.m[r] + log2f(l)) * kLn2 : -INFINITY;
-  }
+  finish_rows(st, inv, lse);
   rescale_rows(o[0], inv);
   if ((lane & 3) == 0) {
     float* l = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
