@@ -531,6 +531,20 @@ __device__ __forceinline__ void finish_rows(const SoftmaxState& st, float (&inv)
   }
 }
 
+// Writes the lane's two rows' LSE (rows row0 + g and row0 + g + 8 of one (b, h), those < sq), once
+// per quad.
+__device__ __forceinline__ void store_lse(const OutLse& out, int64_t b, int64_t h, int64_t row0, int64_t sq,
+                                          const float (&lse)[2]) {
+  const int lane = lane_id();
+  if ((lane & 3) != 0) return;
+  float* l = out.ptr + b * out.sb + h * out.sh;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row0 + (lane >> 2) + 8 * r;
+    if (row < sq) l[row * out.ss] = lse[r];
+  }
+}
+
 // LSE in the backward's log2 domain: P = exp2(s*sl2 - l2). A row with no visible key (lse = -inf)
 // maps to +inf so that every P of it is exp2(-inf) = 0.
 __device__ __forceinline__ float lse_to_log2(float lse) {

@@ -93,15 +93,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   }
   float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
   store_rows<NO>(out, p.out.ss, warp * 16, rows, 0, D, o, 1.0f, a.vec16);
-  const int lane = lane_id();
-  if ((lane & 3) == 0) {
-    float* l = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = row_w + (lane >> 2) + 8 * r;
-      if (row < Sq) l[row * p.lse.ss] = lse[r];
-    }
-  }
+  store_lse(p.lse, b, h, row_w, Sq, lse);
 }
 
 // ================================================================================================

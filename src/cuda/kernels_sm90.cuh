@@ -237,18 +237,10 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
   // Epilogue: O /= l, LSE = (m + log2 l) ln 2 (a row without visible keys: O = 0, LSE = -inf),
   // staged through the Q tile's shared memory (plain swizzled Tile layout) for 16-byte stores
   // once both warpgroups are done reading Q.
-  const int lane = lane_id();
   float inv[2], lse[2];
   finish_rows(st, inv, lse);
   rescale_rows(o[0], inv);
-  if ((lane & 3) == 0) {
-    float* l = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = row_w + (lane >> 2) + 8 * r;
-      if (row < Sq) l[row * p.lse.ss] = lse[r];
-    }
-  }
+  store_lse(p.lse, b, h, row_w, Sq, lse);
   named_barrier(1, TC);
   stage_acc<H, BM, DP, 1, NO>(sQ, o, 16 * warp, 0, 1.0f);
   named_barrier(1, TC);
