@@ -1,9 +1,10 @@
-// The Hopper (sm_90a) float16/bfloat16 forward: tiles copied by the tensor copy engine (TMA) into
-// 128-byte-swizzled shared memory, warpgroup tensor-core products (wgmma) reading them there (no
-// fragment loads through the register file), a producer warpgroup and two consumer warpgroups
-// synchronised by mbarriers only, and an in-warpgroup software pipeline that overlaps the softmax
-// of key tile j+1 with the product O += P_j V_j. docs/ALGORITHM.md ("CUDA sm_90 forward") has the pseudocode and
-// the work model. Masks, statistics and the epilogue are the mma.sync kernels' pieces.
+// The Hopper (sm_90a) float16/bfloat16 kernels, forward and single-pass dK/dV (dQ by float32
+// reductions): tiles copied by the tensor copy engine (TMA) into 128-byte-swizzled shared memory,
+// warpgroup tensor-core products (wgmma) reading them there (no fragment loads through the
+// register file), a producer warpgroup and two consumer warpgroups synchronised by mbarriers, and
+// in-warpgroup software pipelining (the forward overlaps the softmax of key tile j+1 with
+// O += P_j V_j). docs/ALGORITHM.md ("CUDA sm_90a (Hopper) float16/bfloat16 kernels") has the
+// pseudocode and the work model. Masks, statistics and epilogues are the mma.sync kernels' pieces.
 #pragma once
 
 #include <cuda.h>
