@@ -436,16 +436,22 @@ __device__ __forceinline__ void scale_scores(float (&s)[NS][4], float sl2) {
 
 // The statistics half of online softmax: s becomes P = exp2(s - m_new) and alpha[r] the factor
 // that rescales everything accumulated before (the sm_90 forward applies it later, once the
-// asynchronous product that still writes O has finished).
-template <int NS, bool FAST = false>
-__device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4], float (&alpha)[2]) {
+// asynchronous product that still writes O has finished). s holds scores already in the log2
+// domain (scale_scores ran), or with SCALED raw scores and a positive mul = scale * log2(e): the
+// row max is then taken on the raw scores and the scaling folds into the exponent's FFMA,
+// exp2(s * mul - m_new), one instruction per score fewer (the sm_90 forward, whose softmax is
+// issue-bound). A negative scale turns the max into a min, so it must go through scale_scores.
+// Masked entries are -inf either way.
+template <int NS, bool FAST = false, bool SCALED = false>  // SCALED implies FAST
+__device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4], float (&alpha)[2],
+                                             float mul = 1.0f) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
     mx = quad_max(mx);
-    const float m_new = fmaxf(st.m[r], mx);
+    const float m_new = fmaxf(st.m[r], SCALED ? mx * mul : mx);
     // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
     // instead of exp2(-inf + inf) = NaN.
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
@@ -454,37 +460,14 @@ __device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4]
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
-      const float x0 = s[j][2 * r] - m_use, x1 = s[j][2 * r + 1] - m_use;
-      s[j][2 * r] = FAST ? exp2_ftz(x0) : exp2f(x0);
-      s[j][2 * r + 1] = FAST ? exp2_ftz(x1) : exp2f(x1);
-      sum += s[j][2 * r] + s[j][2 * r + 1];
-    }
-    st.l[r] = st.l[r] * alpha[r] + sum;
-  }
-}
-
-// softmax_rows for raw scores s (masked entries -inf) and a positive sl2: the row max is taken on
-// the raw scores and the scaling folds into the exponent's FFMA, exp2(s * sl2 - m), one
-// instruction per score fewer than scaling first (the sm_90 forward, whose softmax is
-// issue-bound). sl2 <= 0 must use scale_scores + softmax_rows.
-template <int NS>
-__device__ __forceinline__ void softmax_rows_fused(SoftmaxState& st, float (&s)[NS][4], float sl2,
-                                                   float (&alpha)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-    mx = quad_max(mx);
-    const float m_new = fmaxf(st.m[r], mx * sl2);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // as in softmax_rows
-    alpha[r] = exp2_ftz(st.m[r] - m_use);
-    st.m[r] = m_new;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      s[j][2 * r] = exp2_ftz(fmaf(s[j][2 * r], sl2, -m_use));
-      s[j][2 * r + 1] = exp2_ftz(fmaf(s[j][2 * r + 1], sl2, -m_use));
+      if constexpr (SCALED) {
+        s[j][2 * r] = exp2_ftz(fmaf(s[j][2 * r], mul, -m_use));
+        s[j][2 * r + 1] = exp2_ftz(fmaf(s[j][2 * r + 1], mul, -m_use));
+      } else {
+        const float x0 = s[j][2 * r] - m_use, x1 = s[j][2 * r + 1] - m_use;
+        s[j][2 * r] = FAST ? exp2_ftz(x0) : exp2f(x0);
+        s[j][2 * r + 1] = FAST ? exp2_ftz(x1) : exp2f(x1);
+      }
       sum += s[j][2 * r] + s[j][2 * r + 1];
     }
     st.l[r] = st.l[r] * alpha[r] + sum;

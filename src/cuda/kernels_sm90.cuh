@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
       mask_cols(s[0], end);
     }
     if (fused) {
-      softmax_rows_fused(st, s[0], a.sl2, alpha);
+      softmax_rows<NS, true, true>(st, s[0], alpha, a.sl2);
     } else {
       scale_scores(s[0], a.sl2);  // a negative scale turns the max into a min: scale first
       softmax_rows<NS, true>(st, s[0], alpha);
