@@ -33,7 +33,6 @@ __device__ __forceinline__ unsigned char* smem_aligned1024(unsigned char* p) {
 struct Sm90FwdArgs {
   FwdArgs f;
   CUtensorMap tq, tk, tv;
-  bool pingpong;  // the consumer warpgroups take turns issuing their products
 };
 
 // ================================================================================================
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
   // Ping-pong: warpgroup w issues its products only between a signal from the other one and its
   // own signal back (named barriers 2 and 3), so one warpgroup's softmax runs while the other's
   // products occupy the tensor cores. Warpgroup 0 starts.
-  const bool pp = A.pingpong && ntiles > 0;
+  const bool pp = a.pingpong && ntiles > 0;
   auto turn_begin = [&] {
     if (pp) named_barrier(2 + wg, TC);
   };

@@ -15,7 +15,6 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
   dev::Sm90FwdArgs args;
   args.f = a;
-  args.pingpong = a.pingpong;
   if (!make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
       !make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) ||
       !make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n))
