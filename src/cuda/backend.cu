@@ -47,6 +47,7 @@ struct KernelChoice {
   bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
   bool sm90_fwd = false;     // 16-bit forward on the sm_90a kernel (kernels_sm90.cuh)
   bool sm90_bwd = false;     // 16-bit single-pass backward on the sm_90a kernel
+  int sm90_variant = 0;      // its tile_config90 variant
 };
 
 // The override variables below exist for testing and benchmarking and are read on every call:
@@ -95,6 +96,16 @@ bool use_pingpong(const Shape& s, int dp) {
   return dp <= 64 || s.seq_kv <= 4096;
 }
 
+// The sm_90a dK/dV kernel's CTA shape: variant 1 (D = 64: one consumer warpgroup, 64 keys, two
+// CTAs per SM) is built for short query sequences, where per-CTA prologue and epilogue dominate;
+// it is used only when FLASHATTN_CUDA_SM90_VARIANT=1 asks for it, until measured (docs/PERF.md).
+int sm90_bwd_variant(const Shape& /*s*/, int dp) {
+  if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
+  const int i = env_choice("FLASHATTN_CUDA_SM90_VARIANT", {"0", "1"});
+  if (i >= 0) return i;
+  return 0;
+}
+
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
   KernelChoice c;
   if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
@@ -120,6 +131,7 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     if (n.deterministic) c.atomic_bwd = false;
     c.sm90_fwd = sm90 && has_sm90(Pass::Forward, c.dp);
     c.sm90_bwd = sm90 && c.atomic_bwd && has_sm90(Pass::Dkv, c.dp);
+    if (c.sm90_bwd) c.sm90_variant = sm90_bwd_variant(s, c.dp);
   } else if (n.dtype != DType::Float32) {
     c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
     return c;
@@ -210,7 +222,8 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   if (c.ok) {
     for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
       const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
-      const int need = c.half16 ? (sm90 ? smem_bytes90(p, c.dp) : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
+      const int need = c.half16 ? (sm90 ? smem_bytes90(p, c.dp, p == Pass::Dkv ? c.sm90_variant : 0)
+                                        : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
                                 : smem_bytes(p, c.dp, d.big());
       if (need > d.smem_optin) {
         c.ok = false;
@@ -343,6 +356,7 @@ void backward(const BackwardParams& p) {
             vec_ok(p.dout, e) && vec_ok(p.dq, e) && vec_ok(p.dk, e) && vec_ok(p.dv, e);
   a.delta = ws.get();
   a.dq_accum = c.atomic_bwd ? ws.get() + accum_at : nullptr;
+  a.sm90_variant = c.sm90_variant;
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);

@@ -194,9 +194,18 @@ static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leave
 struct TileConfig90 {
   int block_m;
   int block_n;
-  int warpgroups;     // consumer warpgroups; one producer warpgroup more
-  int col_split = 1;  // dK/dV: warpgroups sharing 64 keys, each accumulating DP/col_split columns
+  int warpgroups;          // consumer warpgroups; one producer warpgroup more
+  int col_split = 1;       // dK/dV: warpgroups sharing 64 keys, each accumulating DP/col_split columns
+  int min_ctas = 1;        // resident CTAs per SM the registers are budgeted for
+  int producer_regs = 24;  // per producer thread after setmaxnreg
   FLASHATTN_CUDA_HD constexpr int threads() const { return (warpgroups + 1) * 128; }
+  // Registers per thread at entry (__launch_bounds__(threads, min_ctas)) and, after setmaxnreg,
+  // per consumer thread: the producer's share handed over, multiples of 8.
+  FLASHATTN_CUDA_HD constexpr int entry_regs() const { return 65536 / (threads() * min_ctas) / 8 * 8; }
+  FLASHATTN_CUDA_HD constexpr int consumer_regs() const {
+    const int r = (entry_regs() * threads() - 128 * producer_regs) / (128 * warpgroups) / 8 * 8;
+    return r > 240 ? 240 : r;
+  }
 };
 
 FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
@@ -212,16 +221,24 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
 // (DP/2 columns per warpgroup, in products of at most 64) the rest. D = 256 would need 256
 // registers for dK and dV alone: 64 keys per CTA, both warpgroups computing S^T and dP^T for
 // them (the 2 of 5 products done twice) and each keeping half of dK's and dV's columns.
-FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp) {
+// variant 1 (dK/dV at D = 64 only): one consumer warpgroup per CTA (64 keys) and two CTAs per SM,
+// so one CTA's prologue, epilogue and softmax overlap the other's products; it streams Q and dO
+// and adds dQ twice as often per key (selection: sm90_bwd_variant() in backend.cu).
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp, int variant = 0) {
   return pass == Pass::Forward ? (dp <= 128 ? TileConfig90{128, 128, 2} : TileConfig90{128, 64, 2})
-       : pass == Pass::Dkv     ? (dp <= 128 ? TileConfig90{128, 64, 2} : TileConfig90{64, 64, 2, 2})
-                               : TileConfig90{0, 0, 0};
+       : pass == Pass::Dkv
+           ? (variant == 1 ? TileConfig90{64, 64, 1, 1, 2, 56}
+                           : dp <= 128 ? TileConfig90{128, 64, 2} : TileConfig90{64, 64, 2, 2})
+           : TileConfig90{0, 0, 0};
+}
+FLASHATTN_CUDA_HD constexpr bool has_sm90_variant(Pass pass, int dp, int variant) {
+  return variant == 0 ? has_sm90(pass, dp) : pass == Pass::Dkv && dp == 64;
 }
 
 // Dynamic shared memory: the tiles, 1 KiB so that the kernel can align them to 1024 bytes, and
 // the pipeline's mbarriers. dK/dV: K, V; two stages of Q, dO, LSE and D; two dS^T tiles.
-FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp) {
-  const TileConfig90 c = tile_config90(pass, dp);
+FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0) {
+  const TileConfig90 c = tile_config90(pass, dp, variant);
   return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8
        : pass == Pass::Dkv
            ? (2 * c.block_m + 4 * c.block_n) * dp * 2 + 2 * c.block_m * c.block_n * 2 + 4 * c.block_n * 4 + 1024 + 16 * 8
@@ -230,7 +247,10 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp) {
 constexpr bool tiles90_fit() {
   for (Pass p : {Pass::Forward, Pass::Dkv})
     for (int d : {64, 128, 256})
-      if (has_sm90(p, d) && smem_bytes90(p, d) > 227 * 1024) return false;
+      for (int v : {0, 1})
+        if (has_sm90_variant(p, d, v) &&
+            smem_bytes90(p, d, v) * tile_config90(p, d, v).min_ctas > 227 * 1024)
+          return false;
   return true;
 }
 static_assert(tiles90_fit(), "a tile_config90 row exceeds shared memory");

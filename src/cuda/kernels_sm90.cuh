@@ -48,13 +48,9 @@ struct Sm90FwdArgs {
 // No CTA-wide barrier inside the loop: the two warpgroups drift apart, and one's softmax runs
 // beside the other's products.
 // ================================================================================================
-// Registers per thread after setmaxnreg, consumers / producer: 2 x 128 x C + 128 x P <= 64K. The
-// forward's producer only issues copies; the backward's also loads and converts LSE and D.
-constexpr int kSm90ConsumerRegs = 240, kSm90ProducerRegs = 24;
-constexpr int kSm90BwdConsumerRegs = 240, kSm90BwdProducerRegs = 24;
 
 template <int DP, Half16 H>
-__global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
+__global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), tile_config90(Pass::Forward, DP).min_ctas)
     forward_sm90_kernel(const __grid_constant__ Sm90FwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr TileConfig90 C = tile_config90(Pass::Forward, DP);
@@ -96,7 +92,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
-    regs_decrease<kSm90ProducerRegs>();
+    regs_decrease<C.producer_regs>();
     if (threadIdx.x == TC) {
       const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
       mbar_expect_tx(full_q, TQ::kBytes);
@@ -123,7 +119,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), 1)
   }
 
   // ---- consumers ----------------------------------------------------------------------------------
-  regs_increase<kSm90ConsumerRegs>();
+  regs_increase<C.consumer_regs()>();
   const int warp = threadIdx.x / 32;
   const int wg_row = wg * 64;              // the warpgroup's first row in the CTA tile
   const int64_t row_w = m0 + 16 * warp;    // the warp's first query row
@@ -269,11 +265,11 @@ struct Sm90BwdArgs {
   CUtensorMap tq, tk, tv, tdo;
 };
 
-template <int DP, Half16 H>
-__global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
+template <int DP, Half16 H, int V>
+__global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), tile_config90(Pass::Dkv, DP, V).min_ctas)
     dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90(Pass::Dkv, DP);
+  constexpr TileConfig90 C = tile_config90(Pass::Dkv, DP, V);
   constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG, CS = C.col_split;
   constexpr int DW = DP / CS;                         // dK/dV columns per warpgroup
   constexpr int DQN = DP / NWG, QC = DQN < 64 ? DQN : 64;  // dQ columns per warpgroup, per product
@@ -320,7 +316,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
-    regs_decrease<kSm90BwdProducerRegs>();
+    regs_decrease<C.producer_regs>();
     const int pw = (threadIdx.x - TC) / 32, lane = lane_id();
     const int bb = static_cast<int>(b);
     if (pw == 0 && lane == 0) {
@@ -361,7 +357,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
   }
 
   // ---- consumers ----------------------------------------------------------------------------------
-  regs_increase<kSm90BwdConsumerRegs>();
+  regs_increase<C.consumer_regs()>();
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int kg = wg / CS, cg = wg % CS;                // key group (64 keys), column group
   const int krow = 64 * kg + 16 * (warp & 3);          // the warp's first key row in the CTA
@@ -395,8 +391,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP).threads(), 1)
   // One tile. With a next tile, its S^T and dP^T are issued right after the last dQ product, so
   // they run on the tensor cores while this tile's dQ reductions go out; the last tile is a
   // separate instantiation (no conditional wgmma: see the forward's main loop). Only at D = 64:
-  // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up.
-  constexpr bool kOverlapNext = DP <= 64;
+  // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up, and
+  // at D = 64 below 240 registers per thread.
+  constexpr bool kOverlapNext = DP <= 64 && C.consumer_regs() >= 240;
   auto tile = [&](int it, auto has_next) {
     constexpr bool kNext = decltype(has_next)::value;
     const int st = it & 1;

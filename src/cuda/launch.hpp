@@ -25,6 +25,7 @@ struct BwdArgs {
   bool big;
   float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]
   float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, contiguous [B, Hq, Sq, DP]
+  int sm90_variant;  // sm_90a dK/dV: tile_config90 variant (1: one warpgroup, two CTAs per SM)
 };
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.

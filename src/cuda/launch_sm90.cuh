@@ -26,10 +26,10 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
-template <int DP, Half16 H>
-bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
+template <int DP, Half16 H, int V>
+bool launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP);
+  constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP, V);
   dev::Sm90BwdArgs args;
   args.f = a;
   if (!make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) ||
@@ -39,9 +39,17 @@ bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
     return false;
   const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
                   static_cast<unsigned>(s.batch));
-  launch_checked(dev::dkv_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP), stream, args,
+  launch_checked(dev::dkv_sm90_kernel<DP, H, V>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
   return true;
+}
+
+template <int DP, Half16 H>
+bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
+  if constexpr (has_sm90_variant(Pass::Dkv, DP, 1)) {
+    if (a.sm90_variant == 1) return launch_dkv_sm90_variant<DP, H, 1>(a, stream);
+  }
+  return launch_dkv_sm90_variant<DP, H, 0>(a, stream);
 }
 
 #define FLASHATTN_INSTANTIATE_SM90_dkv(DP)                                                   \
