@@ -97,13 +97,15 @@ bool use_pingpong(const Shape& s, int dp) {
 }
 
 // The sm_90a dK/dV kernel's CTA shape: variant 1 (D = 64: one consumer warpgroup, 64 keys, two
-// CTAs per SM) is built for short query sequences, where per-CTA prologue and epilogue dominate;
-// it is used only when FLASHATTN_CUDA_SM90_VARIANT=1 asks for it, until measured (docs/PERF.md).
-int sm90_bwd_variant(const Shape& /*s*/, int dp) {
+// CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop). Measured on the
+// H200 (docs/PERF.md, run 7): 3-10% faster with a causal mask at S <= 1024, where CTAs have few
+// and unequal tiles; 2-12% slower elsewhere (dQ is added twice as often per key).
+// FLASHATTN_CUDA_SM90_VARIANT=0|1 overrides.
+int sm90_bwd_variant(const Shape& s, Mask mask, int dp) {
   if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
   const int i = env_choice("FLASHATTN_CUDA_SM90_VARIANT", {"0", "1"});
   if (i >= 0) return i;
-  return 0;
+  return mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
 }
 
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
@@ -131,7 +133,7 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     if (n.deterministic) c.atomic_bwd = false;
     c.sm90_fwd = sm90 && has_sm90(Pass::Forward, c.dp);
     c.sm90_bwd = sm90 && c.atomic_bwd && has_sm90(Pass::Dkv, c.dp);
-    if (c.sm90_bwd) c.sm90_variant = sm90_bwd_variant(s, c.dp);
+    if (c.sm90_bwd) c.sm90_variant = sm90_bwd_variant(s, n.mask, c.dp);
   } else if (n.dtype != DType::Float32) {
     c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
     return c;

@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     mbar_init(full_kv, 1);
     for (int i = 0; i < 2; ++i) {
       mbar_init(full + i, 1 + 32);
-      mbar_init(empty + i, 4 * NWG);
+      mbar_init(empty + i, TC);  // every consumer thread: see the arrival below
     }
     mbar_init_fence();
   }
@@ -458,7 +458,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       if (last) {
         fence_regs(dv[0]);
         fence_regs(dk[0]);
-        if (lane == 0) mbar_arrive(empty + st);
+        // Every thread arrives: an arrival releases only the arriving thread's own accesses
+        // (the sL/sD reads above), which the producer's next writes to this stage must follow.
+        mbar_arrive(empty + st);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -3,6 +3,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <string>
+#include <type_traits>
+
 #include "cuda/launch.cuh"
 
 namespace flashattn::cuda {
@@ -14,26 +17,101 @@ __device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) { return 
 __device__ __forceinline__ void store_from_float(__half* p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void store_from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
-// Both kernels give each warp one query row of [B, Hq, Sq] (8 warps per block): its flat index
-// and coordinates; false past the last row.
-__device__ __forceinline__ bool warp_row(const Shape& s, int64_t* row, int64_t* b, int64_t* h, int64_t* i) {
-  *row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (*row >= s.batch * s.heads_q * s.seq_q) return false;
-  *i = *row % s.seq_q;
-  const int64_t bh = *row / s.seq_q;
-  *h = bh % s.heads_q;
-  *b = bh / s.heads_q;
-  return true;
+// Both kernels map query rows of [B, Hq, Sq] (flat index, the D workspace's and the dQ
+// accumulator's order) to threads in one of two ways:
+// - vectorised (every row 16-byte aligned, head_dim a multiple of 16 bytes' elements): a group of
+//   G threads (a power of two <= 32, at least the row's 16-byte chunks) per row, one chunk each, so
+//   a warp reads 32 / G whole rows with 16-byte loads;
+// - scalar (any strides): one warp per row, one element per lane at a time.
+// The row decomposition uses 32-bit division (the host checks B*Hq*Sq < 2^31): the 64-bit one cost
+// more than the loads at D = 64 (measured, docs/PERF.md).
+struct RowAt {
+  int64_t b, h, i;
+};
+__device__ __forceinline__ RowAt row_at(const Shape& s, uint32_t row) {
+  const uint32_t sq = static_cast<uint32_t>(s.seq_q), hq = static_cast<uint32_t>(s.heads_q);
+  const uint32_t bh = row / sq;
+  return {static_cast<int64_t>(bh / hq), static_cast<int64_t>(bh % hq), static_cast<int64_t>(row - bh * sq)};
+}
+__device__ __forceinline__ uint32_t row_count(const Shape& s) {
+  return static_cast<uint32_t>(s.batch * s.heads_q * s.seq_q);
 }
 
-// D_i = sum_d dO_id * O_id, one warp per row, into a contiguous workspace.
+template <class T>
+struct Chunk16;  // 16 bytes of T <-> float
+template <>
+struct Chunk16<float> {
+  static constexpr int kN = 4;
+  __device__ __forceinline__ static void load(const float* p, float (&x)[4]) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  }
+};
+template <class T2, class T>
+struct Chunk16Half {
+  static constexpr int kN = 8;
+  __device__ __forceinline__ static void load(const T* p, float (&x)[8]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = to_float2(*reinterpret_cast<const T2*>(&w[k]));
+      x[2 * k] = f.x, x[2 * k + 1] = f.y;
+    }
+  }
+  __device__ __forceinline__ static void store(T* p, const float (&x)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const T2 h = from_float2(x[2 * k], x[2 * k + 1]);
+      w[k] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __device__ __forceinline__ static float2 to_float2(__half2 v) { return __half22float2(v); }
+  __device__ __forceinline__ static float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+  __device__ __forceinline__ static T2 from_float2(float a, float b) {
+    if constexpr (std::is_same_v<T2, __half2>) return __floats2half2_rn(a, b);
+    else return __floats2bfloat162_rn(a, b);
+  }
+};
+template <>
+struct Chunk16<__half> : Chunk16Half<__half2, __half> {};
+template <>
+struct Chunk16<__nv_bfloat16> : Chunk16Half<__nv_bfloat162, __nv_bfloat16> {};
+
+// D_i = sum_d dO_id * O_id into a contiguous workspace.
+template <class T, int G>
+__global__ void __launch_bounds__(256) preprocess_vec_kernel(const __grid_constant__ BwdArgs a) {
+  constexpr int E = Chunk16<T>::kN;
+  const BackwardParams& p = a.p;
+  const uint32_t t = blockIdx.x * 256u + threadIdx.x, row = t / G;
+  const int c = static_cast<int>(t % G);
+  // A group never straddles a warp, so lanes past the last row only skip their loads: every lane
+  // of the warp still takes part in the shuffles.
+  const bool live = row < row_count(p.shape) && c * E < p.shape.head_dim;
+  float acc = 0.0f;
+  if (live) {
+    const RowAt r = row_at(p.shape, row);
+    float o[E], d[E];
+    Chunk16<T>::load(static_cast<const T*>(p.out.ptr) + r.b * p.out.sb + r.h * p.out.sh + r.i * p.out.ss + c * E, o);
+    Chunk16<T>::load(static_cast<const T*>(p.dout.ptr) + r.b * p.dout.sb + r.h * p.dout.sh + r.i * p.dout.ss + c * E, d);
+#pragma unroll
+    for (int k = 0; k < E; ++k) acc = fmaf(o[k], d[k], acc);
+  }
+#pragma unroll
+  for (int off = G / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (c == 0 && row < row_count(p.shape)) a.delta[row] = acc;
+}
+
 template <class T>
 __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__ BwdArgs a) {
   const BackwardParams& p = a.p;
-  int64_t row, b, h, i;
-  if (!warp_row(p.shape, &row, &b, &h, &i)) return;
-  const T* o = static_cast<const T*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.ss;
-  const T* d = static_cast<const T*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
+  const uint32_t row = blockIdx.x * 8u + threadIdx.x / 32;
+  if (row >= row_count(p.shape)) return;
+  const RowAt r = row_at(p.shape, row);
+  const T* o = static_cast<const T*>(p.out.ptr) + r.b * p.out.sb + r.h * p.out.sh + r.i * p.out.ss;
+  const T* d = static_cast<const T*>(p.dout.ptr) + r.b * p.dout.sb + r.h * p.dout.sh + r.i * p.dout.ss;
   float acc = 0.0f;
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) acc = fmaf(load_as_float(o + x), load_as_float(d + x), acc);
 #pragma unroll
@@ -41,45 +119,121 @@ __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__
   if (lane_id() == 0) a.delta[row] = acc;
 }
 
-// dq[b,h,i,:] = scale * dq_accum[(b*Hq + h)*Sq + i, :D], one warp per row.
+// dq[b,h,i,:] = scale * dq_accum[(b*Hq + h)*Sq + i, :D].
+template <class T, int G>
+__global__ void __launch_bounds__(256) dq_convert_vec_kernel(const __grid_constant__ BwdArgs a, int dp) {
+  constexpr int E = Chunk16<T>::kN;
+  const BackwardParams& p = a.p;
+  const uint32_t t = blockIdx.x * 256u + threadIdx.x, row = t / G;
+  const int c = static_cast<int>(t % G);
+  if (row >= row_count(p.shape) || c * E >= p.shape.head_dim) return;
+  const RowAt r = row_at(p.shape, row);
+  const float4* acc = reinterpret_cast<const float4*>(a.dq_accum + static_cast<int64_t>(row) * dp + c * E);
+  float x[E];
+#pragma unroll
+  for (int k = 0; k < E / 4; ++k) {
+    const float4 v = acc[k];
+    x[4 * k] = v.x * p.num.scale, x[4 * k + 1] = v.y * p.num.scale;
+    x[4 * k + 2] = v.z * p.num.scale, x[4 * k + 3] = v.w * p.num.scale;
+  }
+  Chunk16<T>::store(static_cast<T*>(p.dq.ptr) + r.b * p.dq.sb + r.h * p.dq.sh + r.i * p.dq.ss + c * E, x);
+}
+
 template <class T>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ BwdArgs a, int dp) {
   const BackwardParams& p = a.p;
-  int64_t row, b, h, i;
-  if (!warp_row(p.shape, &row, &b, &h, &i)) return;
-  T* dq = static_cast<T*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + i * p.dq.ss;
-  const float* acc = a.dq_accum + row * dp;
+  const uint32_t row = blockIdx.x * 8u + threadIdx.x / 32;
+  if (row >= row_count(p.shape)) return;
+  const RowAt r = row_at(p.shape, row);
+  T* dq = static_cast<T*>(p.dq.ptr) + r.b * p.dq.sb + r.h * p.dq.sh + r.i * p.dq.ss;
+  const float* acc = a.dq_accum + static_cast<int64_t>(row) * dp;
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
 }
 
 }  // namespace dev
 
 namespace {
-unsigned row_blocks(const BwdArgs& a, const char* what) {
+int64_t row_count_checked(const BwdArgs& a, const char* what) {
   const Shape& s = a.p.shape;
-  const int64_t blocks = (s.batch * s.heads_q * s.seq_q + 7) / 8;  // 8 warps of 256 threads, one row each
-  if (blocks > 0x7fffffff)
-    throw Error(Status::Unsupported, std::string("backward: B*Hq*Sq is too large for the CUDA ") + what + " grid");
-  return static_cast<unsigned>(blocks);
+  const int64_t rows = s.batch * s.heads_q * s.seq_q;
+  // 32-bit row arithmetic in the kernels, and 8 rows of the scalar path per block.
+  if (rows >= (int64_t{1} << 31))
+    throw Error(Status::Unsupported,
+                std::string("backward: B*Hq*Sq = ") + std::to_string(rows) + " is too large for the CUDA " + what + " pass (limit 2^31 - 1)");
+  return rows;
 }
+
+// Threads per row on the vectorised path: a power of two covering the row's 16-byte chunks;
+// 0 when the path does not apply (a row not 16-byte aligned, or head_dim not whole chunks).
+template <class Op1, class Op2>
+int vec_group(const BwdArgs& a, const Op1& o1, const Op2& o2, int per16) {
+  const int64_t d = a.p.shape.head_dim;
+  auto ok = [&](const auto& o) {
+    return reinterpret_cast<uintptr_t>(o.ptr) % 16 == 0 && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
+  };
+  if (d % per16 != 0 || d / per16 > 32 || !ok(o1) || !ok(o2)) return 0;
+  int g = 1;
+  while (g < d / per16) g *= 2;
+  return g;
+}
+
+// Calls f(std::integral_constant<int, G>) for the group size g; the grid covers rows * g threads.
+template <class F>
+void with_group(int g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    default: f(std::integral_constant<int, 32>{}); break;
+  }
+}
+unsigned vec_blocks(int64_t rows, int g) { return static_cast<unsigned>((rows * g + 255) / 256); }
 }  // namespace
 
 void launch_preprocess(const BwdArgs& a, cudaStream_t stream) {
-  const unsigned blocks = row_blocks(a, "preprocess");
+  const int64_t rows = row_count_checked(a, "preprocess");
+  const auto blocks = static_cast<unsigned>((rows + 7) / 8);
+  const int per16 = 16 / static_cast<int>(dtype_size(a.p.num.dtype));
+  const int g = vec_group(a, a.p.out, a.p.dout, per16);
   switch (a.p.num.dtype) {
-    case DType::Float32: dev::preprocess_kernel<float><<<blocks, 256, 0, stream>>>(a); break;
-    case DType::Float16: dev::preprocess_kernel<__half><<<blocks, 256, 0, stream>>>(a); break;
-    case DType::BFloat16: dev::preprocess_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(a); break;
+    case DType::Float32:
+      if (g > 0)
+        with_group(g, [&](auto G) { dev::preprocess_vec_kernel<float, G()><<<vec_blocks(rows, G()), 256, 0, stream>>>(a); });
+      else dev::preprocess_kernel<float><<<blocks, 256, 0, stream>>>(a);
+      break;
+    case DType::Float16:
+      if (g > 0)
+        with_group(g, [&](auto G) { dev::preprocess_vec_kernel<__half, G()><<<vec_blocks(rows, G()), 256, 0, stream>>>(a); });
+      else dev::preprocess_kernel<__half><<<blocks, 256, 0, stream>>>(a);
+      break;
+    case DType::BFloat16:
+      if (g > 0)
+        with_group(g, [&](auto G) { dev::preprocess_vec_kernel<__nv_bfloat16, G()><<<vec_blocks(rows, G()), 256, 0, stream>>>(a); });
+      else dev::preprocess_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(a);
+      break;
     default: throw Error(Status::Internal, "cuda preprocess: unexpected dtype");
   }
   check_launch("preprocess kernel launch");
 }
 
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream) {
-  const unsigned blocks = row_blocks(a, "dq convert");
+  const int64_t rows = row_count_checked(a, "dq convert");
+  const auto blocks = static_cast<unsigned>((rows + 7) / 8);
+  // The accumulator's rows (dp floats, dp a multiple of 8) start 16-byte aligned.
+  const int g = vec_group(a, a.p.dq, a.p.dq, 8);
   switch (a.p.num.dtype) {
-    case DType::Float16: dev::dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(a, dp); break;
-    case DType::BFloat16: dev::dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(a, dp); break;
+    case DType::Float16:
+      if (g > 0)
+        with_group(g, [&](auto G) { dev::dq_convert_vec_kernel<__half, G()><<<vec_blocks(rows, G()), 256, 0, stream>>>(a, dp); });
+      else dev::dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(a, dp);
+      break;
+    case DType::BFloat16:
+      if (g > 0)
+        with_group(g, [&](auto G) { dev::dq_convert_vec_kernel<__nv_bfloat16, G()><<<vec_blocks(rows, G()), 256, 0, stream>>>(a, dp); });
+      else dev::dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(a, dp);
+      break;
     default: throw Error(Status::Internal, "cuda dq convert: unexpected dtype");
   }
   check_launch("dq convert kernel launch");
