@@ -241,7 +241,8 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0)
   const TileConfig90 c = tile_config90(pass, dp, variant);
   return pass == Pass::Forward ? (c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8
        : pass == Pass::Dkv
-           ? (2 * c.block_m + 4 * c.block_n) * dp * 2 + 2 * c.block_m * c.block_n * 2 + 4 * c.block_n * 4 + 1024 + 16 * 8
+           ? (2 * c.block_m + 4 * c.block_n) * dp * 2 + (c.col_split > 1 ? 4 : 2) * c.block_m * c.block_n * 2 +
+                 4 * c.block_n * 4 + 1024 + 16 * 8
            : 0;
 }
 constexpr bool tiles90_fit() {

@@ -231,17 +231,17 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   if (pp && wg == 0) named_barrier(2, TC);  // the last signal of warpgroup 1, unanswered
 
   // Epilogue: O /= l, LSE = (m + log2 l) ln 2 (a row without visible keys: O = 0, LSE = -inf),
-  // staged through the Q tile's shared memory (plain swizzled Tile layout) for 16-byte stores
-  // once both warpgroups are done reading Q.
+  // staged as 16-bit values into this warpgroup's own 64 rows of the Q tile (which only its own
+  // products read) for 16-byte stores: the warpgroups never wait for each other here.
   float inv[2], lse[2];
   finish_rows(st, inv, lse);
   rescale_rows(o[0], inv);
   store_lse(p.lse, b, h, row_w, Sq, lse);
-  named_barrier(1, TC);
-  stage_acc<H, BM, DP, 1, NO>(sQ, o, 16 * warp, 0, 1.0f);
-  named_barrier(1, TC);
-  store_tile16<BM, DP, TC>(out16(p.out, b, h, m0), p.out.ss, sQ, qb.rows, static_cast<int>(p.shape.head_dim),
-                           true);
+  named_barrier(4 + wg, 128);  // every warp of this warpgroup is past its last product
+  stage_acc_as<H, TQ, 1, NO>(sQ, o, 16 * warp, 0, 1.0f);
+  named_barrier(4 + wg, 128);
+  store_rows16_as<TQ, 64, 128>(out16(p.out, b, h, m0), p.out.ss, sQ, wg_row, qb.rows,
+                               static_cast<int>(p.shape.head_dim), true, static_cast<int>(threadIdx.x) - 128 * wg);
 #endif
 }
 
@@ -273,7 +273,11 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG, CS = C.col_split;
   constexpr int DW = DP / CS;                         // dK/dV columns per warpgroup
   constexpr int DQN = DP / NWG, QC = DQN < 64 ? DQN : 64;  // dQ columns per warpgroup, per product
-  constexpr int NS = BQ / 8, NO = DW / 8;
+  // With col_split warpgroups sharing their 64 keys, each computes S^T and dP^T for BQ / CS of
+  // the tile's queries only and publishes P^T and dS^T through shared memory; dV and dK then read
+  // both from there (kQSplit). Without, P^T and dS^T stay in registers for dV and dK.
+  constexpr bool kQSplit = CS > 1;
+  constexpr int NS = BQ / 8 / CS, NO = DW / 8;  // S^T columns (n8 tiles) per warpgroup; dK/dV's
   static_assert(BK * CS == 64 * NWG, "64 keys per col_split warpgroups");
   using TK = TileSw128<BK, DP>;
   using TQ = TileSw128<BQ, DP>;
@@ -284,7 +288,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   unsigned char* sQ = sV + TK::kBytes;        // [2][BQ x DP]
   unsigned char* sdO = sQ + 2 * TQ::kBytes;   // [2][BQ x DP]
   unsigned char* sdS = sdO + 2 * TQ::kBytes;  // [2][BK x BQ]: dS^T
-  float* sL = reinterpret_cast<float*>(sdS + 2 * TS::kBytes);  // [2][BQ]: LSE * log2(e)
+  unsigned char* sP = sdS + 2 * TS::kBytes;   // kQSplit: [2][BK x BQ]: P^T
+  float* sL = reinterpret_cast<float*>(sP + (kQSplit ? 2 * TS::kBytes : 0));  // [2][BQ]: LSE * log2(e)
   float* sD = sL + 2 * BQ;                                      // [2][BQ]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
   uint64_t* full_kv = bars;
@@ -361,6 +366,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int kg = wg / CS, cg = wg % CS;                // key group (64 keys), column group
   const int krow = 64 * kg + 16 * (warp & 3);          // the warp's first key row in the CTA
+  const int qc0 = 8 * NS * cg;                         // the warpgroup's first S^T column
   const int64_t row_w = m0 + krow;
   const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
   float dk[1][NO][4], dv[1][NO][4];
@@ -384,8 +390,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     fence_regs(s[0]);
     fence_regs(dp[0]);
     wgmma_fence();
-    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * kg, smem_addr(sQ + st * TQ::kBytes), 0, false);
-    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * kg, smem_addr(sdO + st * TQ::kBytes), 0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * kg, smem_addr(sQ + st * TQ::kBytes), qc0, false);
+    wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * kg, smem_addr(sdO + st * TQ::kBytes), qc0, false);
     wgmma_commit();
   };
   // One tile. With a next tile, its S^T and dP^T are issued right after the last dQ product, so
@@ -415,29 +421,42 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         hi[r] = u < 0 ? 0 : (u > BQ ? BQ : static_cast<int>(u));
       }
     }
-    for_each_entry<NS>([&](int j, int e, int r, int c) {
+    for_each_entry<NS>([&](int j, int e, int r, int cw) {
+      const int c = qc0 + cw;  // query column in the tile
       float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -sLs[c]));
       if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
     });
-    uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
-    to_afrag<H, 1, NS / 2>(pp, s);
-    to_afrag<H, 1, NS / 2>(pds, dp);
-    fence_regs(dv[0]);
-    fence_regs(dk[0]);
-    wgmma_fence();
-    wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, cg * DW);
-    wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, cg * DW);
-    wgmma_commit();
+    if constexpr (!kQSplit) {
+      uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
+      to_afrag<H, 1, NS / 2>(pp, s);
+      to_afrag<H, 1, NS / 2>(pds, dp);
+      fence_regs(dv[0]);
+      fence_regs(dk[0]);
+      wgmma_fence();
+      wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, cg * DW);
+      wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, cg * DW);
+      wgmma_commit();
+    }
 
     // dS^T of both warpgroups into this iteration's buffer; the barrier also tells each
     // warpgroup that the other finished the previous iteration's dQ (which read the other
     // buffer), so one barrier per iteration protects both.
+    // With kQSplit P^T goes the same way, and dV and dK follow the barrier.
     unsigned char* sdSi = sdS + st * TS::kBytes;
-    if (cg == 0) stage_acc_as<H, TS, 1, NS>(sdSi, dp, krow, 0, 1.0f);  // column groups hold equal dS^T
+    stage_acc_as<H, TS, 1, NS>(sdSi, dp, krow, qc0, 1.0f);
+    if constexpr (kQSplit) stage_acc_as<H, TS, 1, NS>(sP + st * TS::kBytes, s, krow, qc0, 1.0f);
     fence_proxy_async();
     named_barrier(1, TC);
+    if constexpr (kQSplit) {
+      fence_regs(dv[0]);
+      fence_regs(dk[0]);
+      wgmma_fence();
+      wg_gemm_sn<H, BQ / 16, TS, TQ>(dv[0], smem_addr(sP + st * TS::kBytes), 64 * kg, doa, 0, cg * DW);
+      wg_gemm_sn<H, BQ / 16, TS, TQ>(dk[0], smem_addr(sdSi), 64 * kg, qa, 0, cg * DW);
+      wgmma_commit();
+    }
     float* acc = a.dq_accum + ((b * p.shape.heads_q + h) * Sq + n0) * DP + DQN * wg;
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
 #pragma unroll

@@ -138,15 +138,15 @@ __device__ __forceinline__ void load_tile16(unsigned char* smem, const uint16_t*
   load_tile16_as<Tile<ROWS, COLS>, THREADS>(smem, g, ld, rows, cols, vec16);
 }
 
-// Stores rows [0, rows) x columns [0, cols) of a swizzled Tile to a row-major global tile,
-// 16 bytes per thread where the chunk is whole and aligned (vec16), else element by element.
-template <int ROWS, int COLS, int THREADS>
-__device__ __forceinline__ void store_tile16(uint16_t* g, int64_t ld, const unsigned char* smem,
-                                             int rows, int cols, bool vec16) {
-  using L = Tile<ROWS, COLS>;
-  constexpr int N = ROWS * L::kChunks;
-  for (int idx = static_cast<int>(threadIdx.x); idx < N; idx += THREADS) {
-    const int r = idx / L::kChunks, c = idx % L::kChunks, col = c * 8;
+// Stores rows [r0, r0 + NR) (those < rows) x columns [0, cols) of a tile in layout L to a row-major
+// global tile (row r at g + r * ld), 16 bytes per thread where the chunk is whole and aligned
+// (vec16), else element by element; `tid` in [0, THREADS) numbers the storing threads.
+template <class L, int NR, int THREADS>
+__device__ __forceinline__ void store_rows16_as(uint16_t* g, int64_t ld, const unsigned char* smem, int r0,
+                                                int rows, int cols, bool vec16, int tid) {
+  constexpr int N = NR * L::kChunks;
+  for (int idx = tid; idx < N; idx += THREADS) {
+    const int r = r0 + idx / L::kChunks, c = idx % L::kChunks, col = c * 8;
     if (r >= rows || col >= cols) continue;
     const uint4 w = *reinterpret_cast<const uint4*>(smem + L::offset(r, c));
     uint16_t* dst = g + r * ld + col;
@@ -159,6 +159,12 @@ __device__ __forceinline__ void store_tile16(uint16_t* g, int64_t ld, const unsi
         if (col + e < cols) dst[e] = static_cast<uint16_t>(u[e / 2] >> (16 * (e & 1)));
     }
   }
+}
+// The whole of a swizzled Tile, by all THREADS threads of the block.
+template <int ROWS, int COLS, int THREADS>
+__device__ __forceinline__ void store_tile16(uint16_t* g, int64_t ld, const unsigned char* smem,
+                                             int rows, int cols, bool vec16) {
+  store_rows16_as<Tile<ROWS, COLS>, ROWS, THREADS>(g, ld, smem, 0, rows, cols, vec16, static_cast<int>(threadIdx.x));
 }
 
 // Writes a warp's accumulator slice acc[MT][NT][4] (rows row0 + [0, 16*MT), columns

@@ -94,6 +94,19 @@ __device__ __forceinline__ void wg_gemm_rn(float (&d)[NT][4], const uint32_t (&p
   }
 }
 
+// D[64 x N] += A[64 x 16*NK] B[16*NK x N]: A a K-major TileSw128 (rows = m from a_row0, columns =
+// k), B an MN-major TileSw128 (tile rows = k from b_row0; columns from col0, a multiple of 64).
+template <Half16 H, int NK, class TA, class TB, int NT>
+__device__ __forceinline__ void wg_gemm_sn(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
+                                           int col0) {
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const uint32_t a = sA + (kk >> 2) * TA::kBlockBytes + a_row0 * 128 + (kk & 3) * 32;
+    const uint32_t b = sB + (col0 >> 6) * TB::kBlockBytes + (b_row0 + 16 * kk) * 128;
+    wgmma_ss<H, 0, 1>(d, desc_sw128(a, 16, 1024), desc_sw128(b, TB::kBlockBytes, 1024), 1);
+  }
+}
+
 // D[64 x N] (+)= A[64 x 16*NK] B[16*NK x N] with both operands stored k-major by rows: A as an
 // MN-major TileSw128 holding A^T (tile rows = k, columns = the 64 m, from a_col0), B as an
 // MN-major TileSw128 (tile rows = k, columns = n from b_col0; b_col0 may sit inside a 64-column
