@@ -401,10 +401,10 @@ std::string describe() {
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
         "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
         "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, forward on sm_90 "
-        "by wgmma for {64,128,256} and single-pass backward by wgmma for {64,128} "
-        "(FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward split "
-        "(deterministic; default from D = 96) or single pass with atomic dQ (default at D <= 64; "
-        "FLASHATTN_CUDA_BWD=split|atomic)";
+        "by wgmma for {64,128,256} and single-pass backward by wgmma for {64,128,256} "
+        "(FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward single pass with atomic dQ (default "
+        "on sm_90 and at D <= 64 elsewhere) or split (deterministic = 1, and the default from "
+        "D = 96 before sm_90; FLASHATTN_CUDA_BWD=split|atomic)";
   return os.str();
 }
 
