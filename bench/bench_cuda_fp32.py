@@ -12,6 +12,7 @@ usage: bench_cuda_fp32.py --lib build/src/libflashattn.so [--quick] [--csv out.c
 """
 import argparse
 import ctypes
+import os
 import statistics
 import sys
 
@@ -123,6 +124,12 @@ def main():
                     tf = time_ms(lambda: fa.forward(q, k, v, out, lse, o), 2, args.reps)
                     tb = time_ms(lambda: fa.backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
                     res[name] = (tf, tb)
+                # tf32 forward on the mma.sync kernels too (the sm_90a wgmma kernel is the default
+                # on compute capability 9.0 at D <= 128): what the Hopper kernel gained.
+                os.environ["FLASHATTN_CUDA_ARCH"] = "sm80"
+                o = fa.options(causal, 1)
+                tf80 = time_ms(lambda: fa.forward(q, k, v, out, lse, o), 2, args.reps)
+                del os.environ["FLASHATTN_CUDA_ARCH"]
                 qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
                 with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                     def pf():
@@ -135,24 +142,28 @@ def main():
                     # sanity: same function
                     fa.forward(q, k, v, out, lse, fa.options(causal, 0))
                     err = (out - o_peer.detach()).abs().max().item()
+                    fa.forward(q, k, v, out, lse, fa.options(causal, 1))
+                    err_tf32 = (out - o_peer.detach()).abs().max().item()
                 del qg, kg, vg, o_peer
                 tfl = {n: (fl_f / t[0] / 1e9, fl_b / t[1] / 1e9, (fl_f + fl_b) / (t[0] + t[1]) / 1e9)
                        for n, t in res.items()}
                 f32, t32, pr = tfl["fp32"], tfl["tf32"], tfl["peer"]
+                t80 = fl_f / tf80 / 1e9
                 line = (f"{s:>6} {d:>4} {str(causal):>6} | {f32[0]:8.1f} {t32[0]:8.1f} {pr[0]:8.1f} | "
                         f"{f32[1]:8.1f} {t32[1]:8.1f} {pr[1]:8.1f} | {f32[2]:8.1f} {t32[2]:8.1f} {pr[2]:8.1f} | "
                         f"{f32[0]/pr[0]:.2f} {f32[1]/pr[1]:.2f}   {t32[0]/pr[0]:.2f} {t32[1]/pr[1]:.2f}"
-                        f"   (max|O-O_peer| {err:.1e})")
+                        f"   (max|O-O_peer| fp32 {err:.1e}, tf32 {err_tf32:.1e}; fwd tf32 on mma.sync {t80:.1f})")
                 print(line, flush=True)
-                rows.append((s, d, causal, f32, t32, pr))
+                rows.append((s, d, causal, f32, t32, pr, t80))
                 del q, k, v, do, out, lse, dq, dk, dv
                 torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("S,D,causal,fwd_fp32,fwd_tf32,fwd_peer,bwd_fp32,bwd_tf32,bwd_peer,fb_fp32,fb_tf32,fb_peer\n")
-            for s, d, c, a, t, p in rows:
+            f.write("S,D,causal,fwd_fp32,fwd_tf32,fwd_peer,bwd_fp32,bwd_tf32,bwd_peer,fb_fp32,fb_tf32,fb_peer,"
+                    "fwd_tf32_mma_sync\n")
+            for s, d, c, a, t, p, t80 in rows:
                 f.write(f"{s},{d},{int(c)},{a[0]:.2f},{t[0]:.2f},{p[0]:.2f},{a[1]:.2f},{t[1]:.2f},{p[1]:.2f},"
-                        f"{a[2]:.2f},{t[2]:.2f},{p[2]:.2f}\n")
+                        f"{a[2]:.2f},{t[2]:.2f},{p[2]:.2f},{t80:.2f}\n")
     return 0
 
 

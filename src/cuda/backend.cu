@@ -45,7 +45,7 @@ struct KernelChoice {
   bool half16 = false;       // float16/bfloat16 kernels (kernels16.cuh)
   Half16 h = Half16::BF16;
   bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
-  bool sm90_fwd = false;     // 16-bit forward on the sm_90a kernel (kernels_sm90.cuh)
+  bool sm90_fwd = false;     // forward on an sm_90a kernel (16-bit: kernels_sm90.cuh; tf32: kernels_sm90_tf32.cuh)
   bool sm90_bwd = false;     // 16-bit single-pass backward on the sm_90a kernel
   int sm90_variant = 0;      // its tile_config90 variant
 };
@@ -167,6 +167,9 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     }
     c.math = forced;
   }
+  // tf32 mode's forward on Hopper: the wgmma kernel (the 3xTF32 and FMA arithmetics, and the
+  // backward, stay on the mma.sync / CUDA-core kernels).
+  c.sm90_fwd = cc_major == 9 && cc_minor == 0 && !sm90_disabled() && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
   c.ok = true;
   return c;
 }
@@ -226,7 +229,7 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
       const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
       const int need = c.half16 ? (sm90 ? smem_bytes90(p, c.dp, p == Pass::Dkv ? c.sm90_variant : 0)
                                         : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
-                                : smem_bytes(p, c.dp, d.big());
+                                : (sm90 ? smem_bytes90_tf32(c.dp) : smem_bytes(p, c.dp, d.big()));
       if (need > d.smem_optin) {
         c.ok = false;
         c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
@@ -334,7 +337,14 @@ void forward(const ForwardParams& p) {
     });
     return;
   }
-  dispatch(c, [&](auto dp, auto math) { launch_forward<decltype(dp)::value, decltype(math)::value>(a, stream); });
+  dispatch(c, [&](auto dp, auto math) {
+    constexpr int DP = decltype(dp)::value;
+    constexpr Math M = decltype(math)::value;
+    if constexpr (M == Math::Tf32 && has_sm90_tf32(DP)) {
+      if (c.sm90_fwd && a.vec16 && launch_forward_tf32_sm90<DP>(a, stream)) return;
+    }
+    launch_forward<DP, M>(a, stream);
+  });
 }
 
 void backward(const BackwardParams& p) {

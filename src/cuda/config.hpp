@@ -245,6 +245,19 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0)
                  4 * c.block_n * 4 + 1024 + 16 * 8
            : 0;
 }
+// tf32 forward (kernels_sm90_tf32.cuh), padded D = 64 and 128: 128 queries (two consumer
+// warpgroups) x 64 keys per step; the producer warpgroup keeps 40 registers (three of its warps
+// transpose V), which leaves 232 per consumer thread for Q's tf32 fragments (DP/2), O (DP/2),
+// S and P (block_n/2 each).
+FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32(int /*dp*/) { return TileConfig90{128, 64, 2, 1, 1, 40}; }
+// Q (whose space then holds the two transposed V stages), two stages of K and of V as stored,
+// 1 KiB for alignment, 14 mbarriers.
+FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
+  return (tile_config90_tf32(dp).block_m + 4 * tile_config90_tf32(dp).block_n) * dp * 4 + 1024 + 14 * 8;
+}
+static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
+
 constexpr bool tiles90_fit() {
   for (Pass p : {Pass::Forward, Pass::Dkv})
     for (int d : {64, 128, 256})

@@ -22,12 +22,6 @@
 
 namespace flashattn::cuda::dev {
 
-// Shared memory of a CTA aligned up to 1024 bytes (the swizzle atoms' alignment).
-__device__ __forceinline__ unsigned char* smem_aligned1024(unsigned char* p) {
-  const uint32_t a = smem_addr(p);
-  return p + ((1024 - (a & 1023)) & 1023);
-}
-
 // Kernel arguments: the common ones plus tensor maps of Q, K and V ([B, H, S, D] boxes of 64
 // columns x block rows, 128-byte swizzle), built by the launcher.
 struct Sm90FwdArgs {

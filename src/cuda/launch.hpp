@@ -50,6 +50,9 @@ void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
 // when the copy engine cannot address the operands: the caller runs the sm_80 kernels instead.
 template <int DP, Half16 H>
 bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
+// The float32 forward in tf32 mode (kernels_sm90_tf32.cuh), padded D = 64 and 128.
+template <int DP>
+bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream);
 // The single-pass dK/dV kernel with dQ added into a.dq_accum (then launch_dq_convert).
 template <int DP, Half16 H>
 bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);

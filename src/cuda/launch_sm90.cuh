@@ -4,6 +4,7 @@
 
 #include "cuda/check.hpp"
 #include "cuda/kernels_sm90.cuh"
+#include "cuda/kernels_sm90_tf32.cuh"
 #include "cuda/launch.hpp"
 #include "cuda/tma.hpp"
 
@@ -23,6 +24,23 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
                   static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
+  return true;
+}
+
+template <int DP>
+bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  constexpr TileConfig90 c = tile_config90_tf32(DP);
+  dev::Sm90Tf32FwdArgs args;
+  args.f = a;
+  if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
+      !make_tensor_map32(&args.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) ||
+      !make_tensor_map32(&args.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n))
+    return false;
+  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
+                  static_cast<unsigned>(s.batch));
+  launch_checked(dev::forward_tf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
+                 "forward_tf32_sm90 kernel launch");
   return true;
 }
 
@@ -55,6 +73,8 @@ bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
 #define FLASHATTN_INSTANTIATE_SM90_dkv(DP)                                                   \
   template bool launch_dkv_sm90<DP, Half16::F16>(const BwdArgs&, cudaStream_t);             \
   template bool launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
+
+#define FLASHATTN_INSTANTIATE_SM90_forward_tf32(DP) template bool launch_forward_tf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward(DP)                                               \
   template bool launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \

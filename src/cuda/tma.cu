@@ -25,28 +25,41 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 
 }  // namespace
 
-bool make_tensor_map16(CUtensorMap* map, const In4& op, Half16 h, int64_t batch, int64_t heads, int64_t seq,
-                       int64_t head_dim, int box_rows) {
+namespace {
+bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, int elem_bytes, int64_t batch,
+                     int64_t heads, int64_t seq, int64_t head_dim, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
   if (encode == nullptr) return false;
   // Innermost first: head_dim (contiguous), sequence, head, batch; strides in bytes of dims 1..3.
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seq),
                         static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  cuuint64_t strides[3] = {static_cast<cuuint64_t>(op.ss) * 2, static_cast<cuuint64_t>(op.sh) * 2,
-                           static_cast<cuuint64_t>(op.sb) * 2};
+  cuuint64_t strides[3] = {static_cast<cuuint64_t>(op.ss) * elem_bytes, static_cast<cuuint64_t>(op.sh) * elem_bytes,
+                           static_cast<cuuint64_t>(op.sb) * elem_bytes};
   // A dim of extent 1 is never stepped over; give it a legal stride whatever the caller's is.
   for (int i = 0; i < 3; ++i)
     if (dims[i + 1] == 1) strides[i] = 16;
   for (int i = 0; i < 3; ++i)
     if (strides[i] == 0 || strides[i] % 16 != 0 || strides[i] >= (cuuint64_t(1) << 40)) return false;
   if (reinterpret_cast<uintptr_t>(op.ptr) % 16 != 0) return false;
-  cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  // One box row is 128 bytes: the 128-byte swizzle's span.
+  cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows), 1, 1};
   cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, h == Half16::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            4, const_cast<void*>(op.ptr), dims, strides, box, elem_strides,
+  const CUresult r = encode(map, type, 4, const_cast<void*>(op.ptr), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+}  // namespace
+
+bool make_tensor_map16(CUtensorMap* map, const In4& op, Half16 h, int64_t batch, int64_t heads, int64_t seq,
+                       int64_t head_dim, int box_rows) {
+  return make_tensor_map(map, op, h == Half16::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                         2, batch, heads, seq, head_dim, box_rows);
+}
+
+bool make_tensor_map32(CUtensorMap* map, const In4& op, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim,
+                       int box_rows) {
+  return make_tensor_map(map, op, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, batch, heads, seq, head_dim, box_rows);
 }
 
 }  // namespace flashattn::cuda

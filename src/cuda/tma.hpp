@@ -17,5 +17,8 @@ namespace flashattn::cuda {
 // the caller then uses kernels that need no map.
 bool make_tensor_map16(CUtensorMap* map, const In4& op, Half16 h, int64_t batch, int64_t heads, int64_t seq,
                        int64_t head_dim, int box_rows);
+// The same for a float32 operand: boxes of 32 columns (128 bytes) x `box_rows` rows.
+bool make_tensor_map32(CUtensorMap* map, const In4& op, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim,
+                       int box_rows);
 
 }  // namespace flashattn::cuda

@@ -36,6 +36,12 @@ struct TileSw128 {
   }
 };
 
+// Shared memory of a CTA aligned up to 1024 bytes (the swizzle atoms' alignment).
+__device__ __forceinline__ unsigned char* smem_aligned1024(unsigned char* p) {
+  const uint32_t a = smem_addr(p);
+  return p + ((1024 - (a & 1023)) & 1023);
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading- and stride-dimension
 // byte offsets, each encoded >> 4 in 14 bits; base offset 0 (atoms are 1024-byte aligned).
 //  - K-major operand (rows of the tile = M or N, columns = K): LBO unused (1), SBO = 1024, the

@@ -38,6 +38,15 @@ class MathScope {
   }
   ~MathScope() { unsetenv("FLASHATTN_CUDA_MATH"); }
 };
+// Keeps a compute capability 9.0 device on the sm_80 (mma.sync) kernels for the scope, so that
+// both tf32 forwards (that one and the sm_90a wgmma kernel, the default there) are checked.
+class ArchScope {
+ public:
+  explicit ArchScope(const char* arch) {
+    if (arch) setenv("FLASHATTN_CUDA_ARCH", arch, 1);
+  }
+  ~ArchScope() { unsetenv("FLASHATTN_CUDA_ARCH"); }
+};
 
 Options cuda_options(const ProblemConfig& c, Precision prec) {
   Options o = options_for(c);
@@ -67,8 +76,9 @@ struct Errors {
 };
 
 // One forward + backward on the device with the given arithmetic; errors against `ref`.
-Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math) {
+Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math, const char* arch = nullptr) {
   MathScope scope(math);
+  ArchScope arch_scope(arch);
   DeviceProblem d(p);
   Errors r;
   if (!d.ok()) {
@@ -97,13 +107,15 @@ void check_all_maths(const ProblemConfig& cfg) {
   const Errors fma = run_case(p, ref, Precision::Fp32, "fma");
   const Errors fp32 = run_case(p, ref, Precision::Fp32, nullptr);
   const Errors tf32 = run_case(p, ref, Precision::Tf32, nullptr);
+  const Errors tf32_80 = run_case(p, ref, Precision::Tf32, nullptr, "sm80");
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
-                           fp32.str() + "tf32:\n" + tf32.str();
+                           fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
     EXPECT_EQ(0, fma.e[i].nan) << n << " (fma) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, fp32.e[i].nan) << n << " (fp32) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32.e[i].nan) << n << " (tf32) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, tf32_80.e[i].nan) << n << " (tf32, sm80 kernels) has NaN / unwritten elements\n" << info;
     EXPECT_LE(rel(fma.e[i]), kFmaTol) << n << " (fma)\n" << info;
     EXPECT_LE(rel(fp32.e[i]), kFmaTol) << n << " (fp32)\n" << info;
     // The fp32-accurate mode: within 2x of the plain float32 kernel. Floor 3e-7 relative to
@@ -115,10 +127,11 @@ void check_all_maths(const ProblemConfig& cfg) {
     const double factor = (i == 2 || i == 3) ? 3.0 : 2.0;
     EXPECT_LE(rel(fp32.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 vs fma)\n" << info;
     EXPECT_LE(rel(tf32.e[i]), kTf32Tol) << n << " (tf32)\n" << info;
+    EXPECT_LE(rel(tf32_80.e[i]), kTf32Tol) << n << " (tf32, sm80 kernels)\n" << info;
   }
   // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
-  std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e\n", cfg.describe().c_str(),
-              fma.worst(), fp32.worst(), tf32.worst());
+  std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e\n",
+              cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst());
 }
 
 // ---- the grid ------------------------------------------------------------------------------

@@ -1,0 +1,303 @@
+// The Hopper (sm_90a) float32 forward in tf32 mode: the float16/bfloat16 forward's design
+// (kernels_sm90.cuh: TMA copies into 128-byte-swizzled shared memory, a producer warpgroup, two
+// consumer warpgroups on mbarriers, S_{j+1} overlapping P_j V_j) with tf32 wgmma (m64nNk8).
+// tf32 wgmma reads both shared-memory operands K-major only (no transposing descriptor as for
+// 16 bits), so:
+//   - Q is the A operand from registers (rounded to tf32 once per CTA), S = Q K^T reads K as
+//     stored (rows = keys, k = head dim);
+//   - V must be transposed: three producer warps copy each V tile into Vt (rows = head dim,
+//     k = keys), rounding to tf32, in the slot order that lets the S accumulators serve as the
+//     A operand of O += P V unshuffled (below);
+//   - the Vt stages live in the Q tile's shared memory, free once both warpgroups hold Q in
+//     registers.
+// P as the A operand: a thread's accumulator holds columns 2t and 2t+1 of each 8-column block,
+// while a tf32 A fragment wants k = t and t+4. The product sums over k in any order as long as A
+// and B agree, so k-slot t takes key 2t and slot t+4 key 2t+1: A is the accumulator as it is, and
+// the transposing warps write key n of each group of 8 into slot (n >> 1) + 4 (n & 1).
+// docs/ALGORITHM.md ("tf32 forward on sm_90a") has the pseudocode and the work model.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/config.hpp"
+#include "cuda/device.cuh"
+#include "cuda/launch.hpp"
+#include "cuda/wgmma.cuh"
+
+namespace flashattn::cuda::dev {
+
+// A float32 tile in the copy engine's 128-byte swizzle: [COLS / 32 column blocks][ROWS][128 B],
+// 16-byte chunk c of row r at chunk c ^ (r & 7) (the 16-bit TileSw128 with 4-byte elements).
+template <int ROWS, int COLS>
+struct TileSw128F {
+  static_assert(COLS % 32 == 0 && ROWS % 8 == 0, "TileSw128F shape");
+  static constexpr int kBytes = ROWS * COLS * 4;
+  static constexpr int kBlockBytes = ROWS * 128;
+  __device__ __forceinline__ static uint32_t offset(int r, int c) {
+    return static_cast<uint32_t>((c >> 5) * kBlockBytes + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + (c & 3) * 4);
+  }
+};
+
+// float32 -> tf32 (round to nearest, ties away), as the bit pattern wgmma reads.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// D[64 x N] (+)= A[64 x 8 KS] B[N x 8 KS]^T: A as KS tf32 fragments in registers, B a K-major
+// TileSw128F (rows = n from b_row0, columns = k).
+template <int KS, class TB, int NT>
+__device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const uint32_t (&a)[KS][4], uint32_t sB, int b_row0,
+                                                bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
+    wgmma_rs_tf32(d, a[kk], desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+  }
+}
+
+struct Sm90Tf32FwdArgs {
+  FwdArgs f;
+  CUtensorMap tq, tk, tv;
+};
+
+template <int DP>
+__global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
+    forward_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32FwdArgs A) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90_tf32(DP);
+  constexpr int BM = C.block_m, BN = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
+  constexpr int NS = BN / 8, NO = DP / 8;
+  constexpr int kTransposers = 96;  // producer warps 1-3
+  using TQ = TileSw128F<BM, DP>;
+  using TK = TileSw128F<BN, DP>;   // K and V as stored: rows = keys
+  using TVt = TileSw128F<DP, BN>;  // V transposed: rows = head dim, k = key slots
+  static_assert(2 * TVt::kBytes <= TQ::kBytes, "the Vt stages reuse the Q tile");
+  extern __shared__ float4 smem4[];
+  unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sVt = sQ;                  // [2][DP x BN], once Q is in registers
+  unsigned char* sK = sQ + TQ::kBytes;      // [2][BN x DP]
+  unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * TK::kBytes);
+  uint64_t* full_q = bars;
+  uint64_t* q_free = bars + 1;    // every consumer thread holds its Q fragments
+  uint64_t* full_k = bars + 2;    // [2]
+  uint64_t* empty_k = bars + 4;   // [2]
+  uint64_t* full_v = bars + 6;    // [2] V as stored landed
+  uint64_t* empty_v = bars + 8;   // [2] V as stored read by the transposing warps
+  uint64_t* full_vt = bars + 10;  // [2] Vt written
+  uint64_t* empty_vt = bars + 12; // [2] Vt read by both warpgroups' products
+
+  const FwdArgs& a = A.f;
+  const ForwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
+  const int ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
+
+  if (threadIdx.x == 0) {
+    mbar_init(full_q, 1);
+    mbar_init(q_free, TC);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full_k + i, 1);
+      mbar_init(empty_k + i, TC);
+      mbar_init(full_v + i, 1);
+      mbar_init(empty_v + i, kTransposers);
+      mbar_init(full_vt + i, kTransposers);
+      mbar_init(empty_vt + i, TC);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == NWG) {
+    // ---- producer ---------------------------------------------------------------------------
+    regs_decrease<C.producer_regs>();
+    const int pt = threadIdx.x - TC;
+    if (pt == 0) {
+      // Copies, in the order the consumers need them: Q; K_0; then K_{t+1} before V_t.
+      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
+      mbar_expect_tx(full_q, TQ::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk)
+        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), hh, bb);
+      auto load = [&](const CUtensorMap* map, unsigned char* base, uint64_t* full, uint64_t* empty, int t) {
+        const int st = t & 1;
+        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, TK::kBytes);
+#pragma unroll
+        for (int blk = 0; blk < DP / 32; ++blk)
+          tma_load_4d(base + st * TK::kBytes + blk * TK::kBlockBytes, map, full + st, 32 * blk, t * BN, hk, bb);
+      };
+      if (ntiles > 0) load(&A.tk, sK, full_k, empty_k, 0);
+      for (int t = 0; t < ntiles; ++t) {
+        if (t + 1 < ntiles) load(&A.tk, sK, full_k, empty_k, t + 1);
+        load(&A.tv, sV, full_v, empty_v, t);
+      }
+    } else if (pt >= 32) {
+      // Transposing warps: V_t (rows = keys) -> Vt_t (rows = head dim, key n in slot sigma(n)),
+      // rounded to tf32. A warp takes 32 consecutive keys of one 4-column chunk: its 16-byte
+      // reads hit 8 different chunks per 8 rows (the swizzle) and its 4-byte writes fill one
+      // 128-byte row, so neither side has bank conflicts.
+      const int tid = pt - 32;
+      mbar_wait(q_free, 0);
+      for (int t = 0; t < ntiles; ++t) {
+        const int st = t & 1;
+        mbar_wait(full_v + st, (t >> 1) & 1);
+        mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
+        const unsigned char* src = sV + st * TK::kBytes;
+        unsigned char* dst = sVt + st * TVt::kBytes;
+        for (int idx = tid; idx < BN * DP / 4; idx += kTransposers) {
+          const int n = idx % BN, c4 = idx / BN;
+          const float4 v = *reinterpret_cast<const float4*>(src + TK::offset(n, 4 * c4));
+          const int slot = (n & ~7) | ((n & 7) >> 1) | ((n & 1) << 2);
+          *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 0, slot)) = to_tf32(v.x);
+          *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 1, slot)) = to_tf32(v.y);
+          *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 2, slot)) = to_tf32(v.z);
+          *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 3, slot)) = to_tf32(v.w);
+        }
+        mbar_arrive(empty_v + st);
+        fence_proxy_async();  // the writes, before the tensor cores read them
+        mbar_arrive(full_vt + st);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------------
+  regs_increase<C.consumer_regs()>();
+  const int warp = threadIdx.x / 32, lane = lane_id(), g = lane >> 2, t4 = lane & 3;
+  const int64_t row_w = m0 + 16 * warp;  // the warp's first query row
+  const uint32_t k_addr = smem_addr(sK), vt_addr = smem_addr(sVt);
+
+  // Q fragments (tf32) of the warp's 16 rows: k-step kk holds columns 8kk + t and 8kk + t + 4.
+  uint32_t qa[DP / 8][4];
+  mbar_wait(full_q, 0);
+#pragma unroll
+  for (int kk = 0; kk < DP / 8; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 16 * warp + g + 8 * (i & 1), c = 8 * kk + t4 + 4 * (i >> 1);
+      qa[kk][i] = to_tf32(*reinterpret_cast<const float*>(sQ + TQ::offset(r, c)));
+    }
+  mbar_arrive(q_free);
+
+  float o[1][NO][4];
+  zero(o[0]);
+  SoftmaxState st;
+  float s[1][NS][4];
+  uint32_t pa[NS][4];
+
+  const int64_t vis_end[2] = {rule.visible_end(row_w + g, Skv), rule.visible_end(row_w + g + 8, Skv)};
+  const bool fused = a.sl2 > 0.0f;  // uniform
+  auto softmax_tile = [&](int tile, float(&alpha)[2]) {
+    const int64_t n0 = static_cast<int64_t>(tile) * BN;
+    if (qb.tile_masked(n0, BN, Skv)) {
+      int end[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t e = vis_end[r] - n0;
+        end[r] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
+      }
+      mask_cols(s[0], end);
+    }
+    if (fused) {
+      softmax_rows<NS, true, true>(st, s[0], alpha, a.sl2);
+    } else {
+      scale_scores(s[0], a.sl2);
+      softmax_rows<NS, true>(st, s[0], alpha);
+    }
+  };
+  // P (fp32 in s) -> tf32 A fragments, k-slot t = column 2t, slot t + 4 = column 2t + 1.
+  auto to_pa = [&] {
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      pa[j][0] = to_tf32(s[0][j][0]);
+      pa[j][1] = to_tf32(s[0][j][2]);
+      pa[j][2] = to_tf32(s[0][j][1]);
+      pa[j][3] = to_tf32(s[0][j][3]);
+    }
+  };
+  auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
+  auto wait_vt = [&](int t) { mbar_wait(full_vt + (t & 1), (t >> 1) & 1); };
+
+  if (ntiles > 0) {
+    wait_k(0);
+    fence_regs(s[0]);
+    wgmma_fence();
+    wg_gemm_rs_tf32<DP / 8, TK>(s[0], qa, k_addr, 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s[0]);
+    mbar_arrive(empty_k);
+    float alpha[2];
+    softmax_tile(0, alpha);
+    to_pa();
+  }
+  // As the 16-bit kernel: the last tile is peeled so every wgmma in the loop is unconditional.
+  for (int it = 0; it + 1 < ntiles; ++it) {
+    wait_k(it + 1);
+    wait_vt(it);
+    fence_regs(o[0]);
+    fence_regs(s[0]);
+    wgmma_fence();
+    wg_gemm_rs_tf32<DP / 8, TK>(s[0], qa, k_addr + ((it + 1) & 1) * TK::kBytes, 0, false);
+    wgmma_commit();
+    wg_gemm_rs_tf32<NS, TVt>(o[0], pa, vt_addr + (it & 1) * TVt::kBytes, 0, true);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(s[0]);
+    mbar_arrive(empty_k + ((it + 1) & 1));
+    float alpha[2];
+    softmax_tile(it + 1, alpha);
+    wgmma_wait<0>();
+    fence_regs(o[0]);
+    mbar_arrive(empty_vt + (it & 1));
+    rescale_rows(o[0], alpha);
+    to_pa();
+  }
+  if (ntiles > 0) {
+    const int it = ntiles - 1;
+    wait_vt(it);
+    fence_regs(o[0]);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NS, TVt>(o[0], pa, vt_addr + (it & 1) * TVt::kBytes, 0, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o[0]);
+    mbar_arrive(empty_vt + (it & 1));
+  }
+
+  // Epilogue: O /= l, LSE; O straight from the accumulators (each quad writes 32 contiguous
+  // bytes of a row: whole sectors).
+  float inv[2], lse[2];
+  finish_rows(st, inv, lse);
+  rescale_rows(o[0], inv);
+  store_lse(p.lse, b, h, row_w, Sq, lse);
+  const int D = static_cast<int>(p.shape.head_dim);
+  float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_w + g + 8 * r;
+    if (row >= Sq) continue;
+    float* dst = out + row * p.out.ss;
+#pragma unroll
+    for (int j = 0; j < NO; ++j) {
+      const int col = 8 * j + 2 * t4;
+      if (col + 1 < D) {
+        *reinterpret_cast<float2*>(dst + col) = make_float2(o[0][j][2 * r], o[0][j][2 * r + 1]);
+      } else if (col < D) {
+        dst[col] = o[0][j][2 * r];
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace flashattn::cuda::dev
