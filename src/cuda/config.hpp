@@ -252,9 +252,9 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0)
 FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32(int dp) { return dp == 64 || dp == 128; }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32(int /*dp*/) { return TileConfig90{128, 64, 2, 1, 1, 40}; }
 // Q (whose space then holds the two transposed V stages), two stages of K and of V as stored,
-// 1 KiB for alignment, 14 mbarriers.
+// 1 KiB for alignment, 16 mbarriers.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
-  return (tile_config90_tf32(dp).block_m + 4 * tile_config90_tf32(dp).block_n) * dp * 4 + 1024 + 14 * 8;
+  return (tile_config90_tf32(dp).block_m + 4 * tile_config90_tf32(dp).block_n) * dp * 4 + 1024 + 16 * 8;
 }
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 

@@ -7,7 +7,8 @@
 //     stored (rows = keys, k = head dim);
 //   - V must be transposed: three producer warps copy each V tile into Vt (rows = head dim,
 //     k = keys), rounding to tf32, in the slot order that lets the S accumulators serve as the
-//     A operand of O += P V unshuffled (below);
+//     A operand of O += P V unshuffled (below); they also round each K tile to tf32 in place
+//     (the tensor cores would truncate it: measured 2-3.5x the error of rounded operands);
 //   - the Vt stages live in the Q tile's shared memory, free once both warpgroups hold Q in
 //     registers.
 // P as the A operand: a thread's accumulator holds columns 2t and 2t+1 of each 8-column block,
@@ -91,6 +92,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
   uint64_t* empty_v = bars + 8;   // [2] V as stored read by the transposing warps
   uint64_t* full_vt = bars + 10;  // [2] Vt written
   uint64_t* empty_vt = bars + 12; // [2] Vt read by both warpgroups' products
+  uint64_t* round_k = bars + 14;  // [2] K rounded to tf32 in place
 
   const FwdArgs& a = A.f;
   const ForwardParams& p = a.p;
@@ -110,6 +112,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       mbar_init(empty_v + i, kTransposers);
       mbar_init(full_vt + i, kTransposers);
       mbar_init(empty_vt + i, TC);
+      mbar_init(round_k + i, kTransposers);
     }
     mbar_init_fence();
   }
@@ -146,8 +149,27 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       // reads hit 8 different chunks per 8 rows (the swizzle) and its 4-byte writes fill one
       // 128-byte row, so neither side has bank conflicts.
       const int tid = pt - 32;
+      // K_t, rounded in place (contiguous 16-byte words: no bank conflicts), then published.
+      auto round_tile_k = [&](int t) {
+        const int st = t & 1;
+        mbar_wait(full_k + st, (t >> 1) & 1);
+        float4* kp = reinterpret_cast<float4*>(sK + st * TK::kBytes);
+        for (int i = tid; i < TK::kBytes / 16; i += kTransposers) {
+          float4 v = kp[i];
+          v.x = __uint_as_float(to_tf32(v.x));
+          v.y = __uint_as_float(to_tf32(v.y));
+          v.z = __uint_as_float(to_tf32(v.z));
+          v.w = __uint_as_float(to_tf32(v.w));
+          kp[i] = v;
+        }
+        fence_proxy_async();
+        mbar_arrive(round_k + st);
+      };
+      // In the order the consumers need them: K_0, then K_{t+1} before Vt_t.
+      if (ntiles > 0) round_tile_k(0);
       mbar_wait(q_free, 0);
       for (int t = 0; t < ntiles; ++t) {
+        if (t + 1 < ntiles) round_tile_k(t + 1);
         const int st = t & 1;
         mbar_wait(full_v + st, (t >> 1) & 1);
         mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
@@ -224,7 +246,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       pa[j][3] = to_tf32(s[0][j][3]);
     }
   };
-  auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
+  auto wait_k = [&](int t) { mbar_wait(round_k + (t & 1), (t >> 1) & 1); };
   auto wait_vt = [&](int t) { mbar_wait(full_vt + (t & 1), (t >> 1) & 1); };
 
   if (ntiles > 0) {
