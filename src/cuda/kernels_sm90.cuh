@@ -87,28 +87,10 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC) {
-      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
-      mbar_expect_tx(full_q, TQ::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < DP / 64; ++blk)
-        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 64 * blk, static_cast<int>(m0), hh, bb);
-      // Tile t goes into stage t & 1 once the consumers released tile t - 2 from it.
-      auto load = [&](const CUtensorMap* map, unsigned char* base, uint64_t* full, uint64_t* empty, int t) {
-        const int st = t & 1;
-        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, TK::kBytes);
-#pragma unroll
-        for (int blk = 0; blk < DP / 64; ++blk)
-          tma_load_4d(base + st * TK::kBytes + blk * TK::kBlockBytes, map, full + st, 64 * blk, t * BN, hk, bb);
-      };
-      // In the order the consumers need them: K_0, then K_{t+1} before V_t.
-      if (ntiles > 0) load(&A.tk, sK, full_k, empty_k, 0);
-      for (int t = 0; t < ntiles; ++t) {
-        if (t + 1 < ntiles) load(&A.tk, sK, full_k, empty_k, t + 1);
-        load(&A.tv, sV, full_v, empty_v, t);
-      }
-    }
+    if (threadIdx.x == TC)
+      copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
+                                         static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
+                                         static_cast<int>(b), ntiles);
     return;
   }
 

@@ -124,25 +124,9 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     regs_decrease<C.producer_regs>();
     const int pt = threadIdx.x - TC;
     if (pt == 0) {
-      // Copies, in the order the consumers need them: Q; K_0; then K_{t+1} before V_t.
-      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
-      mbar_expect_tx(full_q, TQ::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk)
-        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), hh, bb);
-      auto load = [&](const CUtensorMap* map, unsigned char* base, uint64_t* full, uint64_t* empty, int t) {
-        const int st = t & 1;
-        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, TK::kBytes);
-#pragma unroll
-        for (int blk = 0; blk < DP / 32; ++blk)
-          tma_load_4d(base + st * TK::kBytes + blk * TK::kBlockBytes, map, full + st, 32 * blk, t * BN, hk, bb);
-      };
-      if (ntiles > 0) load(&A.tk, sK, full_k, empty_k, 0);
-      for (int t = 0; t < ntiles; ++t) {
-        if (t + 1 < ntiles) load(&A.tk, sK, full_k, empty_k, t + 1);
-        load(&A.tv, sV, full_v, empty_v, t);
-      }
+      copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
+                                         static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
+                                         static_cast<int>(b), ntiles);
     } else if (pt >= 32) {
       // Transposing warps: V_t (rows = keys) -> Vt_t (rows = head dim, key n in slot sigma(n)),
       // rounded to tf32. A warp takes 32 consecutive keys of one 4-column chunk: its 16-byte

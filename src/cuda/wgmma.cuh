@@ -170,6 +170,34 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, uint64_
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
 }
+// The forward kernels' copy schedule, run by one producer thread: Q once (full_q), then K_0, and
+// K_{t+1} before V_t (the order the consumers need them), tile t into stage t & 1 once the
+// consumers released tile t - 2 from it (empty). TQ/TK: the shared-memory tile types (one box of
+// 128 bytes' columns per column block); BN keys per tile; coordinates (column, row, head, batch).
+template <class TQ, class TK, int DP, int BN>
+__device__ __forceinline__ void copy_forward_tiles(const void* tq, const void* tk, const void* tv, unsigned char* sQ,
+                                                   unsigned char* sK, unsigned char* sV, uint64_t* full_q,
+                                                   uint64_t* full_k, uint64_t* empty_k, uint64_t* full_v,
+                                                   uint64_t* empty_v, int m0, int h, int hk, int b, int ntiles) {
+  constexpr int kBlocks = TQ::kBytes / TQ::kBlockBytes, kCols = DP / kBlocks;  // boxes per row, their width
+  mbar_expect_tx(full_q, TQ::kBytes);
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk) tma_load_4d(sQ + blk * TQ::kBlockBytes, tq, full_q, kCols * blk, m0, h, b);
+  auto load = [&](const void* map, unsigned char* base, uint64_t* full, uint64_t* empty, int t) {
+    const int st = t & 1;
+    mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+    mbar_expect_tx(full + st, TK::kBytes);
+#pragma unroll
+    for (int blk = 0; blk < kBlocks; ++blk)
+      tma_load_4d(base + st * TK::kBytes + blk * TK::kBlockBytes, map, full + st, kCols * blk, t * BN, hk, b);
+  };
+  if (ntiles > 0) load(tk, sK, full_k, empty_k, 0);
+  for (int t = 0; t < ntiles; ++t) {
+    if (t + 1 < ntiles) load(tk, sK, full_k, empty_k, t + 1);
+    load(tv, sV, full_v, empty_v, t);
+  }
+}
+
 // Registers per thread of this warpgroup from here on (the kernel starts with an even split).
 template <int N>
 __device__ __forceinline__ void regs_increase() {
