@@ -485,6 +485,32 @@ __device__ __forceinline__ void mask_cols(float (&s)[NS][4], const int (&end)[2]
       if (8 * j + 2 * t + (e & 1) >= end[e >> 1]) s[j][e] = -INFINITY;
 }
 
+// One key tile of the sm_90a forwards' online softmax: the scores of keys [n0, n0 + BN) in s
+// become P, the statistics are updated and alpha (for O) is returned. Keys at or past vis_end[r]
+// (sequence end and causal rule in one bound) are hidden from the lane's rows g and g + 8; only
+// tiles that cross such a bound (`masked`) pay for the test. fused (sl2 > 0): the scale folds into
+// the exponent's FFMA; a negative scale turns the max into a min, so it scales first.
+template <int BN, int NS>
+__device__ __forceinline__ void softmax_tile_sm90(float (&s)[NS][4], SoftmaxState& st, float (&alpha)[2],
+                                                  const int64_t (&vis_end)[2], int64_t n0, bool masked, bool fused,
+                                                  float sl2) {
+  if (masked) {
+    int end[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t e = vis_end[r] - n0;
+      end[r] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
+    }
+    mask_cols(s, end);
+  }
+  if (fused) {
+    softmax_rows<NS, true, true>(st, s, alpha, sl2);
+  } else {
+    scale_scores(s, sl2);
+    softmax_rows<NS, true>(st, s, alpha);
+  }
+}
+
 template <int NO>
 __device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&alpha)[2]) {
 #pragma unroll

@@ -115,21 +115,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   // Scores of tile `tile` (in s) -> P in s, statistics updated, alpha for O.
   auto softmax_tile = [&](int tile, float(&alpha)[2]) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
-    if (qb.tile_masked(n0, BN, Skv)) {
-      int end[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t e = vis_end[r] - n0;
-        end[r] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
-      }
-      mask_cols(s[0], end);
-    }
-    if (fused) {
-      softmax_rows<NS, true, true>(st, s[0], alpha, a.sl2);
-    } else {
-      scale_scores(s[0], a.sl2);  // a negative scale turns the max into a min: scale first
-      softmax_rows<NS, true>(st, s[0], alpha);
-    }
+    softmax_tile_sm90<BN>(s[0], st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
   };
   auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
   auto wait_v = [&](int t) { mbar_wait(full_v + (t & 1), (t >> 1) & 1); };

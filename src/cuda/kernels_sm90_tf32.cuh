@@ -202,23 +202,10 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
 
   const int64_t vis_end[2] = {rule.visible_end(row_w + g, Skv), rule.visible_end(row_w + g + 8, Skv)};
   const bool fused = a.sl2 > 0.0f;  // uniform
+  // Scores of tile `tile` (in s) -> P in s, statistics updated, alpha for O.
   auto softmax_tile = [&](int tile, float(&alpha)[2]) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
-    if (qb.tile_masked(n0, BN, Skv)) {
-      int end[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t e = vis_end[r] - n0;
-        end[r] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
-      }
-      mask_cols(s[0], end);
-    }
-    if (fused) {
-      softmax_rows<NS, true, true>(st, s[0], alpha, a.sl2);
-    } else {
-      scale_scores(s[0], a.sl2);
-      softmax_rows<NS, true>(st, s[0], alpha);
-    }
+    softmax_tile_sm90<BN>(s[0], st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
   };
   // P (fp32 in s) -> tf32 A fragments, k-slot t = column 2t, slot t + 4 = column 2t + 1.
   auto to_pa = [&] {
