@@ -3,7 +3,7 @@
 // warpgroup tensor-core products (wgmma) reading them there (no fragment loads through the
 // register file), a producer warpgroup and two consumer warpgroups synchronised by mbarriers, and
 // in-warpgroup software pipelining (the forward overlaps the softmax of key tile j+1 with
-// O += P_j V_j). docs/ALGORITHM.md ("CUDA sm_90a (Hopper) float16/bfloat16 kernels") has the
+// O += P_j V_j). docs/ALGORITHM.md ("CUDA sm_90a (Hopper) kernels") has the
 // pseudocode and the work model. Masks, statistics and epilogues are the mma.sync kernels' pieces.
 #pragma once
 

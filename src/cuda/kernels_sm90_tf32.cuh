@@ -15,7 +15,7 @@
 // while a tf32 A fragment wants k = t and t+4. The product sums over k in any order as long as A
 // and B agree, so k-slot t takes key 2t and slot t+4 key 2t+1: A is the accumulator as it is, and
 // the transposing warps write key n of each group of 8 into slot (n >> 1) + 4 (n & 1).
-// docs/ALGORITHM.md ("tf32 forward on sm_90a") has the pseudocode and the work model.
+// docs/ALGORITHM.md ("float32 forward in tf32 mode on sm_90a") has the pseudocode and the work model.
 #pragma once
 
 #include <cuda.h>
