@@ -174,6 +174,9 @@ int vec_group(const BwdArgs& a, const Op1& o1, const Op2& o2, int per16) {
   if (d % per16 != 0 || d / per16 > 32 || !ok(o1) || !ok(o2)) return 0;
   int g = 1;
   while (g < d / per16) g *= 2;
+  // The kernels number threads in 32 bits: rows * g must stay below 2^32 (else the scalar path).
+  const Shape& s = a.p.shape;
+  if (s.batch * s.heads_q * s.seq_q * g >= (int64_t{1} << 32)) return 0;
   return g;
 }
 
