@@ -1,0 +1,138 @@
+// Kernel selection of the CUDA backend (select.hpp). Host code only.
+#include "cuda/select.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+
+namespace flashattn::cuda {
+namespace {
+
+// The override variables below exist for testing and benchmarking and are read on every call:
+// the index of the variable's value in `names`, or -1 when it is unset or empty; any other value
+// is an InvalidArgument that lists the choices.
+int env_choice(const char* var, std::initializer_list<const char*> names) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return -1;
+  int i = 0;
+  std::string list;
+  for (const char* n : names) {
+    if (std::strcmp(env, n) == 0) return i;
+    list += (i == 0 ? "" : i + 1 == static_cast<int>(names.size()) ? " or " : ", ") + std::string(n);
+    ++i;
+  }
+  throw Error(Status::InvalidArgument, std::string(var) + " = '" + env + "' is unknown (" + list + ")");
+}
+
+// FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic (the
+// FMA kernels are the float32 baseline that the accuracy tests compare against).
+bool math_override(Math* m) {
+  const int i = env_choice("FLASHATTN_CUDA_MATH", {math_name(Math::Fma), math_name(Math::Tf32),
+                                                   math_name(Math::Tf32x3)});
+  if (i >= 0) *m = static_cast<Math>(i);
+  return i >= 0;
+}
+
+// FLASHATTN_CUDA_BWD=split|atomic chooses the 16-bit backward design when the caller did not ask
+// for a deterministic one (tests and benchmarks measure both).
+bool bwd_override(bool* atomic) {
+  const int i = env_choice("FLASHATTN_CUDA_BWD", {"split", "atomic"});
+  if (i >= 0) *atomic = i == 1;
+  return i >= 0;
+}
+
+// FLASHATTN_CUDA_ARCH=sm80 keeps a compute capability 9.0 device on the mma.sync (sm_80) kernels,
+// so that tests and benchmarks can compare both families on one GPU.
+bool sm90_disabled() { return env_choice("FLASHATTN_CUDA_ARCH", {"sm80", "sm90"}) == 0; }
+
+// The sm_90a dK/dV kernel's CTA shape: variant 1 (D = 64: one consumer warpgroup, 64 keys, two
+// CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop). Measured on the
+// H200 (docs/PERF.md, run 7): 3-10% faster with a causal mask at S <= 1024, where CTAs have few
+// and unequal tiles; 2-12% slower elsewhere (dQ is added twice as often per key).
+// FLASHATTN_CUDA_SM90_VARIANT=0|1 overrides.
+int sm90_bwd_variant(const Shape& s, Mask mask, int dp) {
+  if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
+  const int i = env_choice("FLASHATTN_CUDA_SM90_VARIANT", {"0", "1"});
+  if (i >= 0) return i;
+  return mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
+}
+
+}  // namespace
+
+KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
+  KernelChoice c;
+  if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
+    if (cc_major < 8) {
+      c.why = std::string("q.dtype = ") + dtype_name(n.dtype) +
+              ": the float16/bfloat16 kernels need sm_80 or newer (this device is sm_" +
+              std::to_string(cc_major) + "x)";
+      return c;
+    }
+    c.half16 = true;
+    c.h = n.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
+    c.dp = padded_head_dim16(s.head_dim);
+    // Default: the faster design per head dim on the H200 (bench/gpu.py, docs/PERF.md run 4):
+    // the single pass with atomic dQ at D <= 64 (+2-6%), the split passes (dQ pass + dK/dV pass)
+    // from D = 96 up (+3-7%). FLASHATTN_CUDA_BWD overrides it; a deterministic caller always gets
+    // the split passes, whose every sum has a fixed order.
+    // On compute capability 9.0 the sm_90a kernels (the "a" features are not forward compatible,
+    // so exactly 9.0) take the forward and, where compiled, the single-pass backward.
+    const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
+    c.atomic_bwd = c.dp <= 64 || (sm90 && has_sm90(Pass::Dkv, c.dp));
+    bool forced;
+    if (bwd_override(&forced)) c.atomic_bwd = forced;
+    if (n.deterministic) c.atomic_bwd = false;
+    c.sm90_fwd = sm90 && has_sm90(Pass::Forward, c.dp);
+    c.sm90_bwd = sm90 && c.atomic_bwd && has_sm90(Pass::Dkv, c.dp);
+    if (c.sm90_bwd) c.sm90_variant = sm90_bwd_variant(s, n.mask, c.dp);
+  } else if (n.dtype != DType::Float32) {
+    c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
+    return c;
+  } else {
+    c.dp = padded_head_dim(s.head_dim);
+  }
+  if (c.dp == 0) {
+    c.why = "head_dim = " + std::to_string(s.head_dim) + " is not supported on CUDA (1..256)";
+    return c;
+  }
+  if (s.batch > 65535 || s.heads_q > 65535) {
+    c.why = "batch = " + std::to_string(s.batch) + ", heads = " + std::to_string(s.heads_q) +
+            ": the CUDA grid allows at most 65535 of each";
+    return c;
+  }
+  if ((s.seq_q + 15) / 16 > 0x7fffffff || (s.seq_kv + 15) / 16 > 0x7fffffff) {
+    c.why = "sequence too long for the CUDA grid";
+    return c;
+  }
+  if (c.half16) {
+    c.ok = true;
+    return c;
+  }
+  // TF32 mma.sync needs sm_80; older devices get the FMA kernels in both precisions.
+  c.math = cc_major < 8 ? Math::Fma : n.precision == Precision::Tf32 ? Math::Tf32 : Math::Tf32x3;
+  Math forced;
+  if (math_override(&forced)) {
+    if (forced != Math::Fma && cc_major < 8) {
+      c.why = std::string("FLASHATTN_CUDA_MATH = ") + math_name(forced) + " needs sm_80 or newer";
+      return c;
+    }
+    c.math = forced;
+  }
+  // tf32 mode's forward on Hopper: the wgmma kernel (the 3xTF32 and FMA arithmetics, and the
+  // backward, stay on the mma.sync / CUDA-core kernels).
+  c.sm90_fwd = cc_major == 9 && cc_minor == 0 && !sm90_disabled() && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
+  c.ok = true;
+  return c;
+}
+
+// Ping-pong scheduling of the sm_90a forward's two consumer warpgroups: measured faster at
+// D = 64 at every length and at Skv <= 4096 for D = 128 and 256, slower beyond (docs/PERF.md,
+// 16-bit run 6). FLASHATTN_CUDA_PINGPONG=0|1 overrides, for measurement.
+bool use_pingpong(const Shape& s, int dp) {
+  const int i = env_choice("FLASHATTN_CUDA_PINGPONG", {"0", "1"});
+  if (i >= 0) return i == 1;
+  return dp <= 64 || s.seq_kv <= 4096;
+}
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,33 @@
+// Kernel selection of the CUDA backend: the single answer to "which kernel runs this problem on
+// this device, and is it supported?". Host code only, no CUDA runtime calls, so that the rules can
+// be unit-tested without a GPU (tests/cuda/test_select.cpp).
+#pragma once
+
+#include <string>
+
+#include "core/params.hpp"
+#include "cuda/config.hpp"
+
+namespace flashattn::cuda {
+
+struct KernelChoice {
+  bool ok = false;
+  std::string why;  // when !ok: the reason, for an Unsupported error
+  int dp = 0;       // padded head dim
+  Math math = Math::Tf32x3;  // float32 kernels
+  bool half16 = false;       // float16/bfloat16 kernels (kernels16.cuh)
+  Half16 h = Half16::BF16;
+  bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
+  bool sm90_fwd = false;     // forward on an sm_90a kernel (16-bit: kernels_sm90.cuh; tf32: kernels_sm90_tf32.cuh)
+  bool sm90_bwd = false;     // 16-bit single-pass backward on the sm_90a kernel
+  int sm90_variant = 0;      // its tile_config90 variant
+};
+
+// The choice for a problem on a device of compute capability cc_major.cc_minor, with the
+// FLASHATTN_CUDA_* override variables applied (an unknown value throws InvalidArgument).
+KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor);
+
+// Whether the sm_90a 16-bit forward's two consumer warpgroups take turns issuing products.
+bool use_pingpong(const Shape& s, int dp);
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,168 @@
+// The CUDA backend's kernel selection (src/cuda/select.cpp) without a GPU: which kernel family,
+// design and variant each (dtype, head dim, mask, lengths, precision, determinism, compute
+// capability, override variable) gets, and the reasons given for what is unsupported. The rules
+// come from measurements (docs/PERF.md); these tests pin them so that a change is deliberate.
+// Runs everywhere the CUDA backend is built, CI included (no device needed).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "cuda/select.hpp"
+
+namespace flashattn::cuda {
+namespace {
+
+// Sets an environment variable for the scope, unsets it after.
+class EnvScope {
+ public:
+  EnvScope(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~EnvScope() { unsetenv(name_); }
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+
+ private:
+  const char* name_;
+};
+
+Shape shape(int64_t s, int64_t d, int64_t skv = -1) { return Shape{2, 8, 8, s, skv < 0 ? s : skv, d}; }
+Numerics num(DType t, Mask m = Mask::None, Precision p = Precision::Fp32, bool det = false) {
+  return Numerics{t, 0.125f, m, p, det};
+}
+
+TEST(CudaSelect, Hopper16BitUsesTheSm90KernelsAndTheAtomicBackward) {
+  for (int64_t d : {64, 128, 256}) {
+    const KernelChoice c = select_kernel(shape(4096, d), num(DType::BFloat16), 9, 0);
+    ASSERT_TRUE(c.ok) << c.why;
+    EXPECT_TRUE(c.half16);
+    EXPECT_EQ(c.dp, d);
+    EXPECT_TRUE(c.sm90_fwd) << "D = " << d;
+    EXPECT_TRUE(c.sm90_bwd) << "D = " << d;
+    EXPECT_TRUE(c.atomic_bwd) << "D = " << d;
+    EXPECT_EQ(c.sm90_variant, 0) << "D = " << d;
+  }
+  // Head dims padded to 96 have no sm_90a kernels: mma.sync forward, split backward.
+  const KernelChoice c96 = select_kernel(shape(4096, 80), num(DType::Float16), 9, 0);
+  ASSERT_TRUE(c96.ok);
+  EXPECT_EQ(c96.dp, 96);
+  EXPECT_FALSE(c96.sm90_fwd);
+  EXPECT_FALSE(c96.sm90_bwd);
+  EXPECT_FALSE(c96.atomic_bwd);
+}
+
+TEST(CudaSelect, TwoCtaBackwardOnlyForShortCausalAtD64) {
+  EXPECT_EQ(select_kernel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 1);
+  EXPECT_EQ(select_kernel(shape(1024, 64), num(DType::BFloat16, Mask::CausalBottomRight), 9, 0).sm90_variant, 1);
+  EXPECT_EQ(select_kernel(shape(2048, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(select_kernel(shape(512, 64, 2048), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(select_kernel(shape(2048, 64, 512), num(DType::BFloat16, Mask::CausalBottomRight), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(select_kernel(shape(512, 64), num(DType::BFloat16), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(select_kernel(shape(512, 128), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  {
+    EnvScope e("FLASHATTN_CUDA_SM90_VARIANT", "1");
+    EXPECT_EQ(select_kernel(shape(8192, 64), num(DType::BFloat16), 9, 0).sm90_variant, 1);
+    EXPECT_EQ(select_kernel(shape(8192, 128), num(DType::BFloat16), 9, 0).sm90_variant, 0);  // none at D = 128
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_SM90_VARIANT", "0");
+    EXPECT_EQ(select_kernel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  }
+}
+
+TEST(CudaSelect, DeterministicMeansTheSplitBackward) {
+  for (int cc : {8, 9}) {
+    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::BFloat16, Mask::None, Precision::Fp32, true), cc, 0);
+    ASSERT_TRUE(c.ok);
+    EXPECT_FALSE(c.atomic_bwd) << "sm_" << cc << "0";
+    EXPECT_FALSE(c.sm90_bwd) << "sm_" << cc << "0";
+  }
+  // ... whatever FLASHATTN_CUDA_BWD says.
+  EnvScope e("FLASHATTN_CUDA_BWD", "atomic");
+  EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::BFloat16, Mask::None, Precision::Fp32, true), 9, 0).atomic_bwd);
+  EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::BFloat16), 8, 0).atomic_bwd);
+}
+
+TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
+  for (auto [major, minor] : {std::pair{8, 0}, std::pair{8, 9}, std::pair{9, 1}, std::pair{10, 0}, std::pair{12, 0}}) {
+    const KernelChoice c = select_kernel(shape(4096, 128), num(DType::BFloat16), major, minor);
+    ASSERT_TRUE(c.ok);
+    EXPECT_FALSE(c.sm90_fwd) << major << "." << minor;
+    EXPECT_FALSE(c.sm90_bwd) << major << "." << minor;
+    EXPECT_FALSE(c.atomic_bwd) << major << "." << minor << ": D = 128 defaults to split off sm_90";
+  }
+  EnvScope e("FLASHATTN_CUDA_ARCH", "sm80");
+  const KernelChoice c = select_kernel(shape(4096, 128), num(DType::BFloat16), 9, 0);
+  EXPECT_FALSE(c.sm90_fwd);
+  EXPECT_FALSE(c.sm90_bwd);
+}
+
+TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperForward) {
+  // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0.
+  EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
+  EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+  for (int64_t d : {1, 64, 100, 128}) {
+    const KernelChoice c = select_kernel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
+    ASSERT_TRUE(c.ok);
+    EXPECT_EQ(c.math, Math::Tf32);
+    EXPECT_TRUE(c.sm90_fwd) << "D = " << d;
+    EXPECT_FALSE(c.sm90_bwd);
+  }
+  EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0).sm90_fwd);
+  EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 8, 0).sm90_fwd);
+  {
+    EnvScope e("FLASHATTN_CUDA_ARCH", "sm80");
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0).sm90_fwd);
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_MATH", "3xtf32");  // the override wins over the precision option
+    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
+    EXPECT_EQ(c.math, Math::Tf32x3);
+    EXPECT_FALSE(c.sm90_fwd);
+  }
+  // Before sm_80 there is no TF32: the FMA kernels in both precisions; asking for TF32 is an error.
+  EXPECT_EQ(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 7, 5).math, Math::Fma);
+  EnvScope e("FLASHATTN_CUDA_MATH", "tf32");
+  const KernelChoice old = select_kernel(shape(4096, 64), num(DType::Float32), 7, 5);
+  EXPECT_FALSE(old.ok);
+  EXPECT_NE(old.why.find("sm_80"), std::string::npos) << old.why;
+}
+
+TEST(CudaSelect, UnsupportedProblemsSayWhy) {
+  const KernelChoice old16 = select_kernel(shape(128, 64), num(DType::Float16), 7, 5);
+  EXPECT_FALSE(old16.ok);
+  EXPECT_NE(old16.why.find("sm_80"), std::string::npos) << old16.why;
+  EXPECT_NE(old16.why.find("float16"), std::string::npos) << old16.why;
+  const KernelChoice wide = select_kernel(shape(128, 300), num(DType::BFloat16), 9, 0);
+  EXPECT_FALSE(wide.ok);
+  EXPECT_NE(wide.why.find("300"), std::string::npos) << wide.why;
+  const KernelChoice f64 = select_kernel(shape(128, 64), num(DType::Float64), 9, 0);
+  EXPECT_FALSE(f64.ok);
+  EXPECT_NE(f64.why.find("float64"), std::string::npos) << f64.why;
+}
+
+TEST(CudaSelect, UnknownOverrideValuesAreErrorsNamingTheVariable) {
+  for (const char* var : {"FLASHATTN_CUDA_MATH", "FLASHATTN_CUDA_BWD", "FLASHATTN_CUDA_ARCH", "FLASHATTN_CUDA_SM90_VARIANT"}) {
+    EnvScope e(var, "bogus");
+    try {
+      (void)select_kernel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0);
+      (void)select_kernel(shape(512, 64), num(DType::Float32), 9, 0);
+      ADD_FAILURE() << var << "=bogus was accepted";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.status(), Status::InvalidArgument) << var;
+      EXPECT_NE(std::string(err.what()).find(var), std::string::npos) << err.what();
+      EXPECT_NE(std::string(err.what()).find("bogus"), std::string::npos) << err.what();
+    }
+  }
+}
+
+TEST(CudaSelect, PingPongRule) {
+  EXPECT_TRUE(use_pingpong(shape(16384, 64), 64));
+  EXPECT_TRUE(use_pingpong(shape(4096, 128), 128));
+  EXPECT_FALSE(use_pingpong(shape(8192, 128), 128));
+  EXPECT_FALSE(use_pingpong(shape(512, 256, 8192), 256));
+  EnvScope e("FLASHATTN_CUDA_PINGPONG", "1");
+  EXPECT_TRUE(use_pingpong(shape(8192, 128), 128));
+}
+
+}  // namespace
+}  // namespace flashattn::cuda
