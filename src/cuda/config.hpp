@@ -223,7 +223,7 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
 // them (the 2 of 5 products done twice) and each keeping half of dK's and dV's columns.
 // variant 1 (dK/dV at D = 64 only): one consumer warpgroup per CTA (64 keys) and two CTAs per SM,
 // so one CTA's prologue, epilogue and softmax overlap the other's products; it streams Q and dO
-// and adds dQ twice as often per key (selection: sm90_bwd_variant() in backend.cu).
+// and adds dQ twice as often per key (selection: sm90_bwd_variant() in select.cpp).
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90(Pass pass, int dp, int variant = 0) {
   return pass == Pass::Forward ? (dp <= 128 ? TileConfig90{128, 128, 2} : TileConfig90{128, 64, 2})
        : pass == Pass::Dkv
