@@ -1,10 +1,8 @@
-// The CUDA backend: device checks, kernel selection, workspace, launches.
+// The CUDA backend: device checks, the device-dependent half of kernel selection (shared memory;
+// the rules are in select.cpp), workspace, launches.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
-#include <initializer_list>
-#include <mutex>
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <type_traits>
