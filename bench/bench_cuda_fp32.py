@@ -11,7 +11,6 @@ device pointers, on torch's current stream.
 usage: bench_cuda_fp32.py --lib build/src/libflashattn.so [--quick] [--csv out.csv]
 """
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -20,58 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-class Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
-                ("ndim", ctypes.c_int32), ("shape", ctypes.c_int64 * 4), ("stride", ctypes.c_int64 * 4)]
+from cabi import Library
 
 
-class Options(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("softmax_scale", ctypes.c_float),
-                ("mask", ctypes.c_int32), ("stream", ctypes.c_void_p),
-                ("num_threads", ctypes.c_int32), ("precision", ctypes.c_int32)]
-
-
-def view(t):
-    assert t.dtype == torch.float32 and t.is_cuda
-    v = Tensor()
-    v.data = t.data_ptr()
-    v.dtype = 0
-    v.device = t.device.index or 0
-    v.ndim = t.dim()
-    for i in range(t.dim()):
-        v.shape[i] = t.shape[i]
-        v.stride[i] = t.stride(i)
-    return v
-
-
-class FlashAttn:
-    def __init__(self, path):
-        self.lib = ctypes.CDLL(path)
-        self.lib.flashattn_last_error.restype = ctypes.c_char_p
-        p = ctypes.POINTER(Tensor)
-        self.lib.flashattn_forward.argtypes = [p] * 5 + [ctypes.POINTER(Options)]
-        self.lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(Options)]
+class FlashAttn(Library):
+    """The C ABI (cabi.py) with this script's option set: causal or not, precision 0/1."""
 
     def options(self, causal, precision):
-        o = Options()
-        o.struct_size = ctypes.sizeof(Options)
-        o.mask = 1 if causal else 0
-        o.stream = torch.cuda.current_stream().cuda_stream
-        o.precision = precision
-        return o
-
-    def check(self, rc):
-        if rc != 0:
-            raise RuntimeError(self.lib.flashattn_last_error().decode())
-
-    def forward(self, q, k, v, out, lse, opts):
-        vs = [view(t) for t in (q, k, v, out, lse)]
-        self.check(self.lib.flashattn_forward(*[ctypes.byref(x) for x in vs], ctypes.byref(opts)))
-
-    def backward(self, q, k, v, out, dout, lse, dq, dk, dv, opts):
-        vs = [view(t) for t in (q, k, v, out, dout, lse, dq, dk, dv)]
-        self.check(self.lib.flashattn_backward(*[ctypes.byref(x) for x in vs], ctypes.byref(opts)))
+        return Library.options(causal=causal, precision=precision)
 
 
 def time_ms(fn, warmup, reps):

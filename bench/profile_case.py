@@ -11,33 +11,14 @@ usage: profile_case.py --lib build-gpu/src/libflashattn.so [--dtype bfloat16|flo
                        [--precision fp32|tf32] [--deterministic]
 """
 import argparse
-import ctypes
 import sys
 
 import torch
 
-
-class Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
-                ("ndim", ctypes.c_int32), ("shape", ctypes.c_int64 * 4), ("stride", ctypes.c_int64 * 4)]
+from cabi import Library
 
 
-class Options(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("softmax_scale", ctypes.c_float),
-                ("mask", ctypes.c_int32), ("stream", ctypes.c_void_p),
-                ("num_threads", ctypes.c_int32), ("precision", ctypes.c_int32),
-                ("deterministic", ctypes.c_int32)]
-
-
-DTYPES = {"float32": (torch.float32, 0), "float16": (torch.float16, 1), "bfloat16": (torch.bfloat16, 2)}
-
-
-def view(t, code):
-    v = Tensor()
-    v.data, v.dtype, v.device, v.ndim = t.data_ptr(), code, t.device.index or 0, t.dim()
-    for i in range(t.dim()):
-        v.shape[i], v.stride[i] = t.shape[i], t.stride(i)
-    return v
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main():
@@ -51,35 +32,21 @@ def main():
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32"))
     ap.add_argument("--deterministic", action="store_true")
     a = ap.parse_args()
-    lib = ctypes.CDLL(a.lib)
-    lib.flashattn_last_error.restype = ctypes.c_char_p
-    p = ctypes.POINTER(Tensor)
-    lib.flashattn_forward.argtypes = [p] * 5 + [ctypes.POINTER(Options)]
-    lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(Options)]
-    dt, code = DTYPES[a.dtype]
+    lib = Library(a.lib)
+    dt = DTYPES[a.dtype]
     s, d = a.seq, a.head_dim
     b, h = max(1, 16384 // s), max(1, 2048 // d)
     q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(4))
     out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    o = Options()
-    o.struct_size = ctypes.sizeof(Options)
-    o.mask = 1 if a.causal else 0
-    o.stream = torch.cuda.current_stream().cuda_stream
-    o.precision = 1 if a.precision == "tf32" else 0
-    o.deterministic = int(a.deterministic)
-
-    def check(rc):
-        if rc != 0:
-            sys.exit(f"flashattn: {lib.flashattn_last_error().decode()}")
+    o = lib.options(causal=a.causal, precision=1 if a.precision == "tf32" else 0,
+                    deterministic=int(a.deterministic))
 
     def fwd():
-        check(lib.flashattn_forward(*(ctypes.byref(view(t, code)) for t in (q, k, v, out)),
-                                    ctypes.byref(view(lse, 0)), ctypes.byref(o)))
+        lib.forward(q, k, v, out, lse, o)
 
     def bwd():
-        ts = [view(t, code) for t in (q, k, v, out, do)] + [view(lse, 0)] + [view(t, code) for t in (dq, dk, dv)]
-        check(lib.flashattn_backward(*(ctypes.byref(x) for x in ts), ctypes.byref(o)))
+        lib.backward(q, k, v, out, do, lse, dq, dk, dv, o)
 
     fwd()
     run = fwd if a.which == "fwd" else bwd
