@@ -19,14 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cabi import Library
+from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib
 
 
-class FlashAttn(Library):
+class FlashAttn(CtypesLib):
     """The C ABI (cabi.py) with this script's option set: causal or not, precision 0/1."""
 
-    def options(self, causal, precision):
-        return Library.options(causal=causal, precision=precision)
+    def __init__(self, path):
+        super().__init__(path, torch)
+
+    @staticmethod
+    def options(causal, precision):
+        return (MASK_CAUSAL_TOP_LEFT if causal else MASK_NONE, precision, False)
 
 
 def time_ms(fn, warmup, reps):

@@ -55,6 +55,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402  (imports torch only when it needs it)
+from cabi import CtypesLib  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
@@ -200,80 +201,6 @@ def dry_run(args):
 
 
 # ---- flashattn callers ---------------------------------------------------------------------------
-
-
-class _Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
-                ("ndim", ctypes.c_int32), ("shape", ctypes.c_int64 * 4),
-                ("stride", ctypes.c_int64 * 4)]
-
-
-class _Options(ctypes.Structure):
-    # include/flashattn/flashattn.h; struct_size tells the library which fields we have.
-    _fields_ = [("struct_size", ctypes.c_uint32), ("softmax_scale", ctypes.c_float),
-                ("mask", ctypes.c_int32), ("stream", ctypes.c_void_p),
-                ("num_threads", ctypes.c_int32), ("precision", ctypes.c_int32),
-                ("deterministic", ctypes.c_int32)]
-
-
-class CtypesLib:
-    """The C ABI of one libflashattn, on torch tensors (device pointers, torch's stream)."""
-
-    UNSUPPORTED = 2
-
-    def __init__(self, path, torch):
-        self.path = path
-        self.torch = torch
-        self.lib = ctypes.CDLL(path)
-        self.lib.flashattn_last_error.restype = ctypes.c_char_p
-        self.lib.flashattn_version.restype = ctypes.c_char_p
-        p = ctypes.POINTER(_Tensor)
-        self.lib.flashattn_forward.argtypes = [p] * 5 + [ctypes.POINTER(_Options)]
-        self.lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(_Options)]
-        t = torch
-        self.codes = {t.float32: 0, t.float16: 1, t.bfloat16: 2, t.float64: 3}
-
-    def version(self):
-        return self.lib.flashattn_version().decode()
-
-    def cuda_available(self):
-        return bool(self.lib.flashattn_cuda_available())
-
-    def _view(self, x):
-        v = _Tensor()
-        v.data = x.data_ptr()
-        v.dtype = self.codes[x.dtype]
-        v.device = (x.device.index or 0) if x.is_cuda else -1
-        v.ndim = x.dim()
-        for i in range(x.dim()):
-            v.shape[i] = x.shape[i]
-            v.stride[i] = x.stride(i)
-        return v
-
-    def _options(self, q, mask, precision, deterministic):
-        o = _Options()
-        o.struct_size = ctypes.sizeof(_Options)
-        o.mask = mask
-        o.stream = self.torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
-        o.num_threads = 0 if q.is_cuda else self.torch.get_num_threads()
-        o.precision = precision
-        o.deterministic = int(deterministic)
-        return o
-
-    def _check(self, rc):
-        if rc != 0:
-            msg = self.lib.flashattn_last_error().decode()
-            raise (NotImplementedError if rc == self.UNSUPPORTED else RuntimeError)(msg)
-
-    def forward(self, q, k, v, out, lse, opts):
-        vs = [self._view(x) for x in (q, k, v, out, lse)]
-        self._check(self.lib.flashattn_forward(*[ctypes.byref(x) for x in vs],
-                                               ctypes.byref(self._options(q, *opts))))
-
-    def backward(self, q, k, v, out, dout, lse, dq, dk, dv, opts):
-        vs = [self._view(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)]
-        self._check(self.lib.flashattn_backward(*[ctypes.byref(x) for x in vs],
-                                                ctypes.byref(self._options(q, *opts))))
 
 
 def ctypes_attention(torch, lib):

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from cabi import Library
+from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -32,15 +32,14 @@ def main():
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32"))
     ap.add_argument("--deterministic", action="store_true")
     a = ap.parse_args()
-    lib = Library(a.lib)
+    lib = CtypesLib(a.lib, torch)
     dt = DTYPES[a.dtype]
     s, d = a.seq, a.head_dim
     b, h = max(1, 16384 // s), max(1, 2048 // d)
     q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(4))
     out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    o = lib.options(causal=a.causal, precision=1 if a.precision == "tf32" else 0,
-                    deterministic=int(a.deterministic))
+    o = (MASK_CAUSAL_TOP_LEFT if a.causal else MASK_NONE, 1 if a.precision == "tf32" else 0, a.deterministic)
 
     def fwd():
         lib.forward(q, k, v, out, lse, o)
