@@ -102,14 +102,6 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   return c;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-// 16-byte copies need an aligned base and strides that are whole multiples of 16 bytes
-// (`per16` elements).
-template <class Op>
-bool vec_ok(const Op& o, int64_t per16) {
-  return aligned16(o.ptr) && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
-}
-
 // The backward's D workspace, freed on the stream on every path out.
 class Workspace {
  public:

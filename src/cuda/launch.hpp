@@ -4,10 +4,19 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "core/params.hpp"
 #include "cuda/config.hpp"
 
 namespace flashattn::cuda {
+
+// 16-byte vector accesses of an operand: an aligned base and strides that are whole multiples of
+// 16 bytes (`per16` elements), so that every row starts 16-byte aligned.
+template <class Op>
+bool vec_ok(const Op& o, int64_t per16) {
+  return reinterpret_cast<uintptr_t>(o.ptr) % 16 == 0 && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
+}
 
 // Kernel arguments (passed by value as __grid_constant__): the validated params plus values
 // derived once on the host.

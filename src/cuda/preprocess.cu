@@ -168,10 +168,7 @@ int64_t row_count_checked(const BwdArgs& a, const char* what) {
 template <class Op1, class Op2>
 int vec_group(const BwdArgs& a, const Op1& o1, const Op2& o2, int per16) {
   const int64_t d = a.p.shape.head_dim;
-  auto ok = [&](const auto& o) {
-    return reinterpret_cast<uintptr_t>(o.ptr) % 16 == 0 && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
-  };
-  if (d % per16 != 0 || d / per16 > 32 || !ok(o1) || !ok(o2)) return 0;
+  if (d % per16 != 0 || d / per16 > 32 || !vec_ok(o1, per16) || !vec_ok(o2, per16)) return 0;
   int g = 1;
   while (g < d / per16) g *= 2;
   // The kernels number threads in 32 bits: rows * g must stay below 2^32 (else the scalar path).
