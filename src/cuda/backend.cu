@@ -102,24 +102,6 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   return c;
 }
 
-// The backward's D workspace, freed on the stream on every path out.
-class Workspace {
- public:
-  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    FLASHATTN_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
-  }
-  ~Workspace() {
-    if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  float* get() const { return static_cast<float*>(ptr_); }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
-
 }  // namespace
 
 bool built() { return true; }
@@ -222,6 +204,7 @@ void backward(const BackwardParams& p) {
   a.delta = ws.get();
   a.dq_accum = c.atomic_bwd ? ws.get() + accum_at : nullptr;
   a.sm90_variant = c.sm90_variant;
+  a.tf32_dkv_wgmma = c.tf32_dkv_wgmma;
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);
@@ -242,8 +225,13 @@ void backward(const BackwardParams& p) {
     return;
   }
   dispatch(c, [&](auto dp, auto math) {
-    launch_dq<decltype(dp)::value, decltype(math)::value>(a, stream);
-    launch_dkv<decltype(dp)::value, decltype(math)::value>(a, stream);
+    constexpr int DP = decltype(dp)::value;
+    constexpr Math M = decltype(math)::value;
+    if constexpr (M == Math::Tf32 && has_sm90_tf32_bwd(DP)) {
+      if (c.sm90_bwd && a.vec16 && launch_bwd_tf32_sm90<DP>(a, stream)) return;
+    }
+    launch_dq<DP, M>(a, stream);
+    launch_dkv<DP, M>(a, stream);
   });
 }
 

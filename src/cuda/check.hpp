@@ -41,6 +41,25 @@ void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_
   check_launch(name);
 }
 
+// Device scratch of the backward (D workspace, dQ accumulator, tf32 operand copies): stream-ordered
+// memory, freed on the stream on every path out (also when a later step throws).
+class Workspace {
+ public:
+  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
+    FLASHATTN_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+  }
+  ~Workspace() {
+    if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  float* get() const { return static_cast<float*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
 // Blocks of `per` that cover n.
 inline unsigned grid_blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 

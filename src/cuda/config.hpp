@@ -258,6 +258,30 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
 }
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 
+// tf32 backward (kernels_sm90_tf32_bwd.cuh), padded D = 64: the split design's two passes on
+// wgmma, reading operands that a pre-pass rounded to tf32 and transposed (k contiguous for every
+// B operand). dQ: 128 queries (two consumer warpgroups) x 64-key tiles; Q and dO as tf32
+// fragments (DP/2 registers each), dQ, S, dP and dS's fragments DP/2 and block_n/2 each.
+// dK/dV: 128 keys (64 per warpgroup) x 64-query tiles; K and V as fragments, dK, dV, S^T, dP^T.
+// At D = 128 neither fits: K and V (or Q and dO) alone would take 128 registers per thread, and
+// their tiles with two stages of four streamed operands exceed shared memory.
+FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64; }
+// The producer keeps 48 registers (its 64-bit tile and pointer arithmetic spilled at 24 and 40),
+// which leaves 224 per consumer thread.
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, int /*dp*/) {
+  return TileConfig90{128, 64, 2, 1, 1, 48};
+}
+// dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim).
+// dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors.
+// Each: 1 KiB for alignment and 8 mbarriers.
+FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp) {
+  const TileConfig90 c = tile_config90_tf32_bwd(pass, dp);
+  return pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * c.block_n) * dp * 4 + 1024 + 8 * 8
+                          : (2 * c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 + 1024 + 8 * 8;
+}
+static_assert(smem_bytes90_tf32_bwd(Pass::Dq, 64) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 64) <= 227 * 1024,
+              "tile_config90_tf32_bwd exceeds shared memory");
+
 constexpr bool tiles90_fit() {
   for (Pass p : {Pass::Forward, Pass::Dkv})
     for (int d : {64, 128, 256})

@@ -128,6 +128,24 @@ __device__ __forceinline__ void tf32_split(float x, uint32_t& big, uint32_t& sma
   small = tf32_round(x - __uint_as_float(big));
 }
 
+// float32 -> tf32 (round to nearest, ties away) on the conversion unit, as the bit pattern the
+// tensor cores read; unlike tf32_round it keeps infinities and NaNs what they are.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+#else
+  return tf32_round(x);
+#endif
+}
+
+// Key (query) slots of the Hopper tf32 kernels: a tf32 A fragment holds k = t and t + 4 of each
+// k-step, an accumulator columns 2t and 2t + 1 of each 8-column block, so an accumulator serves as
+// the A operand of the next product unshuffled when that product's B operand stores position n
+// of each group of 8 in slot tf32_slot(n): k-slot t = position 2t, slot t + 4 = position 2t + 1.
+__host__ __device__ constexpr int tf32_slot(int n) { return (n & ~7) | ((n & 7) >> 1) | ((n & 1) << 2); }
+
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"

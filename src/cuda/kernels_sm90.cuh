@@ -309,14 +309,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         const int st = it & 1;
         const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);
         mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
-        const float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
-        const float* delta = a.delta + (b * p.shape.heads_q + h) * Sq;
-        for (int c = lane; c < BQ; c += 32) {
-          const int64_t q = n0 + c;
-          // Past the last query: P = exp2(s - inf) = 0 (those entries are masked as well).
-          sL[st * BQ + c] = q < Sq ? lse_to_log2(lse[q * p.lse.ss]) : INFINITY;
-          sD[st * BQ + c] = q < Sq ? delta[q] : 0.0f;
-        }
+        fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, h, n0);
         mbar_arrive(full + st);
       }
     }

@@ -30,37 +30,6 @@
 
 namespace flashattn::cuda::dev {
 
-// A float32 tile in the copy engine's 128-byte swizzle: [COLS / 32 column blocks][ROWS][128 B],
-// 16-byte chunk c of row r at chunk c ^ (r & 7) (the 16-bit TileSw128 with 4-byte elements).
-template <int ROWS, int COLS>
-struct TileSw128F {
-  static_assert(COLS % 32 == 0 && ROWS % 8 == 0, "TileSw128F shape");
-  static constexpr int kBytes = ROWS * COLS * 4;
-  static constexpr int kBlockBytes = ROWS * 128;
-  __device__ __forceinline__ static uint32_t offset(int r, int c) {
-    return static_cast<uint32_t>((c >> 5) * kBlockBytes + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + (c & 3) * 4);
-  }
-};
-
-// float32 -> tf32 (round to nearest, ties away), as the bit pattern wgmma reads.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-
-// D[64 x N] (+)= A[64 x 8 KS] B[N x 8 KS]^T: A as KS tf32 fragments in registers, B a K-major
-// TileSw128F (rows = n from b_row0, columns = k).
-template <int KS, class TB, int NT>
-__device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const uint32_t (&a)[KS][4], uint32_t sB, int b_row0,
-                                                bool accumulate) {
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
-    wgmma_rs_tf32(d, a[kk], desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
-  }
-}
-
 struct Sm90Tf32FwdArgs {
   FwdArgs f;
   CUtensorMap tq, tk, tv;
@@ -162,7 +131,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
         for (int idx = tid; idx < BN * DP / 4; idx += kTransposers) {
           const int n = idx % BN, c4 = idx / BN;
           const float4 v = *reinterpret_cast<const float4*>(src + TK::offset(n, 4 * c4));
-          const int slot = (n & ~7) | ((n & 7) >> 1) | ((n & 1) << 2);
+          const int slot = tf32_slot(n);
           *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 0, slot)) = to_tf32(v.x);
           *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 1, slot)) = to_tf32(v.y);
           *reinterpret_cast<uint32_t*>(dst + TVt::offset(4 * c4 + 2, slot)) = to_tf32(v.z);
@@ -178,20 +147,14 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
 
   // ---- consumers ----------------------------------------------------------------------------------
   regs_increase<C.consumer_regs()>();
-  const int warp = threadIdx.x / 32, lane = lane_id(), g = lane >> 2, t4 = lane & 3;
+  const int warp = threadIdx.x / 32, g = lane_id() >> 2;
   const int64_t row_w = m0 + 16 * warp;  // the warp's first query row
   const uint32_t k_addr = smem_addr(sK), vt_addr = smem_addr(sVt);
 
   // Q fragments (tf32) of the warp's 16 rows: k-step kk holds columns 8kk + t and 8kk + t + 4.
   uint32_t qa[DP / 8][4];
   mbar_wait(full_q, 0);
-#pragma unroll
-  for (int kk = 0; kk < DP / 8; ++kk)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 16 * warp + g + 8 * (i & 1), c = 8 * kk + t4 + 4 * (i >> 1);
-      qa[kk][i] = to_tf32(*reinterpret_cast<const float*>(sQ + TQ::offset(r, c)));
-    }
+  load_afrag_tf32<TQ>(qa, sQ, 16 * warp);
   mbar_arrive(q_free);
 
   float o[1][NO][4];
@@ -208,15 +171,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     softmax_tile_sm90<BN>(s[0], st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
   };
   // P (fp32 in s) -> tf32 A fragments, k-slot t = column 2t, slot t + 4 = column 2t + 1.
-  auto to_pa = [&] {
-#pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      pa[j][0] = to_tf32(s[0][j][0]);
-      pa[j][1] = to_tf32(s[0][j][2]);
-      pa[j][2] = to_tf32(s[0][j][1]);
-      pa[j][3] = to_tf32(s[0][j][3]);
-    }
-  };
+  auto to_pa = [&] { acc_to_afrag_tf32(pa, s[0]); };
   auto wait_k = [&](int t) { mbar_wait(round_k + (t & 1), (t >> 1) & 1); };
   auto wait_vt = [&](int t) { mbar_wait(full_vt + (t & 1), (t >> 1) & 1); };
 
@@ -273,23 +228,8 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
   finish_rows(st, inv, lse);
   rescale_rows(o[0], inv);
   store_lse(p.lse, b, h, row_w, Sq, lse);
-  const int D = static_cast<int>(p.shape.head_dim);
-  float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row_w + g + 8 * r;
-    if (row >= Sq) continue;
-    float* dst = out + row * p.out.ss;
-#pragma unroll
-    for (int j = 0; j < NO; ++j) {
-      const int col = 8 * j + 2 * t4;
-      if (col + 1 < D) {
-        *reinterpret_cast<float2*>(dst + col) = make_float2(o[0][j][2 * r], o[0][j][2 * r + 1]);
-      } else if (col < D) {
-        dst[col] = o[0][j][2 * r];
-      }
-    }
-  }
+  float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
+  store_rows(out, p.out.ss, 16 * warp, qb.rows, 0, static_cast<int>(p.shape.head_dim), o[0], 1.0f, true);
 #endif
 }
 

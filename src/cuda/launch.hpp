@@ -35,6 +35,10 @@ struct BwdArgs {
   float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]
   float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, contiguous [B, Hq, Sq, DP]
   int sm90_variant;  // sm_90a dK/dV: tile_config90 variant (1: one warpgroup, two CTAs per SM)
+  // tf32 backward on sm_90a: the dK/dV pass on the wgmma kernel too (FLASHATTN_CUDA_TF32_BWD=wgmma;
+  // experimental: wrong results when a key block has more than one query tile, see docs/PERF.md);
+  // otherwise (wgmma-dq) the wgmma dQ pass is followed by the mma.sync dK/dV pass.
+  bool tf32_dkv_wgmma;
 };
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.
@@ -67,5 +71,15 @@ template <int DP, Half16 H>
 bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);
 // dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
+// The float32 backward in tf32 mode on sm_90a (kernels_sm90_tf32_bwd.cuh), padded D = 64: the
+// operand copies, the wgmma dQ pass and the dK/dV pass (mma.sync unless a.tf32_dkv_wgmma), after
+// launch_preprocess. False (nothing
+// launched) when the copy engine cannot address K or V: the caller runs the mma.sync kernels.
+template <int DP>
+bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
+// Rounded (and, with xt, transposed) tf32 copies of a float32 [B, H, S, D] operand for that
+// backward: xr [B, H, S, dp], xt [B, H, dp, S rounded up to 8] (preprocess.cu).
+void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
+                          float* xr, float* xt, cudaStream_t stream);
 
 }  // namespace flashattn::cuda

@@ -5,6 +5,7 @@
 #include "cuda/check.hpp"
 #include "cuda/kernels_sm90.cuh"
 #include "cuda/kernels_sm90_tf32.cuh"
+#include "cuda/kernels_sm90_tf32_bwd.cuh"
 #include "cuda/launch.hpp"
 #include "cuda/tma.hpp"
 
@@ -44,6 +45,64 @@ bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
+template <int DP>
+bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP), ck = tile_config90_tf32_bwd(Pass::Dkv, DP);
+  dev::Sm90Tf32BwdArgs dq, dkv;
+  dq.f = dkv.f = a;
+  // The dK/dV pass reads K and V as the caller stores them (rounded when loaded into registers).
+  if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
+      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m))
+    return false;
+  // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8]; K, V [B, Hkv, Skv, DP] and
+  // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded),
+  // freed on the stream after the passes.
+  const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
+  const size_t nq = static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP;
+  const size_t nqt = a.tf32_dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
+  const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
+  const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
+  Workspace ws((2 * nq + 2 * nqt + 2 * nk + nkt) * sizeof(float), stream);
+  float* qr = ws.get();
+  float* dor = qr + nq;
+  float* qt = dor + nq;
+  float* dot = qt + nqt;
+  float* kr = dot + nqt;
+  float* vr = kr + nk;
+  float* kt = vr + nk;
+  // As [B, H, rows, columns] operands: row-major copies (DP columns) and transposed ones (DP rows).
+  auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
+  auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
+  if (!make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      (a.tf32_dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
+      (a.tf32_dkv_wgmma && !make_tensor_map32(&dkv.tdot, cols(dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
+      !make_tensor_map32(&dq.tk, rows(kr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, 64) ||
+      !make_tensor_map32(&dq.tv, rows(vr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, 64) ||
+      !make_tensor_map32(&dq.tkt, cols(kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP))
+    throw Error(Status::Internal, "cuda tf32 backward: tensor maps of the operand copies failed");
+  dq.tq = dkv.tq;
+  dq.tdo = dkv.tdo;
+  // Q^T and dO^T only feed the wgmma dK/dV kernel.
+  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qr, a.tf32_dkv_wgmma ? qt : nullptr, stream);
+  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dor, a.tf32_dkv_wgmma ? dot : nullptr,
+                       stream);
+  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kr, kt, stream);
+  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, vr, nullptr, stream);
+  launch_checked(dev::dq_tf32_sm90_kernel<DP>,
+                 dim3(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch)),
+                 cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream, dq, "dq_tf32_sm90 kernel launch");
+  if (!a.tf32_dkv_wgmma) {
+    launch_dkv<DP, Math::Tf32>(a, stream);
+    return true;
+  }
+  launch_checked(dev::dkv_tf32_sm90_kernel<DP>,
+                 dim3(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv), static_cast<unsigned>(s.batch)),
+                 ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP), stream, dkv, "dkv_tf32_sm90 kernel launch");
+  return true;
+}
+
 template <int DP, Half16 H, int V>
 bool launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
@@ -73,6 +132,8 @@ bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
 #define FLASHATTN_INSTANTIATE_SM90_dkv(DP)                                                   \
   template bool launch_dkv_sm90<DP, Half16::F16>(const BwdArgs&, cudaStream_t);             \
   template bool launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
+
+#define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template bool launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward_tf32(DP) template bool launch_forward_tf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 

@@ -1,5 +1,6 @@
 // The backward's small memory-bound passes, shared by every dtype: D = rowsum(dO * O) before the
-// main loops, and the float32 dQ accumulator -> dQ conversion after the atomic dK/dV pass.
+// main loops, the float32 dQ accumulator -> dQ conversion after the atomic dK/dV pass, and the
+// tf32 operand copies of the Hopper tf32 backward.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -150,6 +151,36 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
 }
 
+// The Hopper tf32 backward's operand copies (kernels_sm90_tf32_bwd.cuh): from X [B, H, S, D] (any
+// strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and when xt
+// is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8) with
+// position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN there
+// would survive its zero probability). One CTA: 64 rows of one (b, h), staged in shared memory so
+// that both outputs are written in whole coalesced rows.
+template <int DP>
+__global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
+                                                           float* xr, float* xt) {
+  __shared__ float tile[64][DP + 1];
+  const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
+  const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
+  float* dst = xr + bh * seq * DP;
+  for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
+    const int r = i / DP, c = i % DP;
+    const int64_t n = n0 + r;
+    const float v = n < seq && c < head_dim ? __uint_as_float(to_tf32(src[n * x.ss + c])) : 0.0f;
+    tile[r][c] = v;
+    if (n < seq) dst[n * DP + c] = v;
+  }
+  if (xt == nullptr) return;
+  __syncthreads();
+  float* dt = xt + bh * DP * seq8;
+  for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
+    const int d = i / 64, r = i % 64;
+    const int64_t col = n0 + tf32_slot(r);
+    if (col < seq8) dt[d * seq8 + col] = tile[r][d];
+  }
+}
+
 }  // namespace dev
 
 namespace {
@@ -237,6 +268,19 @@ void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream) {
     default: throw Error(Status::Internal, "cuda dq convert: unexpected dtype");
   }
   check_launch("dq convert kernel launch");
+}
+
+void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
+                          float* xr, float* xt, cudaStream_t stream) {
+  const dim3 grid(grid_blocks(seq, 64), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+  const int64_t seq8 = (seq + 7) / 8 * 8;
+  const int d = static_cast<int>(head_dim);
+  switch (dp) {
+    case 64: dev::tf32_operand_kernel<64><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt); break;
+    case 128: dev::tf32_operand_kernel<128><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt); break;
+    default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
+  }
+  check_launch("tf32 operand kernel launch");
 }
 
 }  // namespace flashattn::cuda

@@ -119,9 +119,17 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     }
     c.math = forced;
   }
-  // tf32 mode's forward on Hopper: the wgmma kernel (the 3xTF32 and FMA arithmetics, and the
-  // backward, stay on the mma.sync / CUDA-core kernels).
-  c.sm90_fwd = cc_major == 9 && cc_minor == 0 && !sm90_disabled() && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
+  // tf32 mode's forward on Hopper: the wgmma kernel (the 3xTF32 and FMA arithmetics stay on the
+  // mma.sync / CUDA-core kernels),
+  // and, opt-in, its backward at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|wgmma): the
+  // wgmma dQ pass is correct but with the operand pre-pass measured no faster than mma.sync
+  // (0.81-1.08x, docs/PERF.md float32 run 5); the wgmma dK/dV kernel fails the tests whenever a key
+  // block sees more than one query tile (cause not found yet). Both stay off by default.
+  const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
+  c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
+  const int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});
+  c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;
+  c.tf32_dkv_wgmma = c.sm90_bwd && tf32_bwd == 2;
   c.ok = true;
   return c;
 }

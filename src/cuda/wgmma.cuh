@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "cuda/config.hpp"
+#include "cuda/launch.hpp"
 #include "cuda/mma16.cuh"
 #include "cuda/wgmma_ops.cuh"
 
@@ -127,6 +128,94 @@ __device__ __forceinline__ void wg_gemm_tt(float (&d)[NT][4], uint32_t sA, int a
     const uint32_t b = sB + (b_col0 >> 6) * TB::kBlockBytes + (b_col0 & 63) * 2 + 16 * kk * 128;
     wgmma_ss<H, 1, 1>(d, desc_sw128(a, TA::kBlockBytes, 1024), desc_sw128(b, TB::kBlockBytes, 1024),
                       (accumulate || kk > 0) ? 1 : 0);
+  }
+}
+
+// ---- tf32 (float32 kernels) -------------------------------------------------------------------
+// tf32 wgmma reads both shared-memory operands K-major only (no transposing descriptor as for
+// 16 bits): every B operand is stored with k contiguous, A comes from registers.
+// A float32 tile in the copy engine's 128-byte swizzle: [COLS / 32 column blocks][ROWS][128 B],
+// 16-byte chunk c of row r at chunk c ^ (r & 7) (TileSw128 with 4-byte elements).
+template <int ROWS, int COLS>
+struct TileSw128F {
+  static_assert(COLS % 32 == 0 && ROWS % 8 == 0, "TileSw128F shape");
+  static constexpr int kBytes = ROWS * COLS * 4;
+  static constexpr int kBlockBytes = ROWS * 128;
+  __device__ __forceinline__ static uint32_t offset(int r, int c) {
+    return static_cast<uint32_t>((c >> 5) * kBlockBytes + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + (c & 3) * 4);
+  }
+};
+
+// tf32 bit patterns kept in uint32_t or (after acc_to_tf32_inplace) in float registers.
+__device__ __forceinline__ uint32_t tf32_bits(uint32_t x) { return x; }
+__device__ __forceinline__ uint32_t tf32_bits(float x) { return __float_as_uint(x); }
+
+// D[64 x N] (+)= A[64 x 8 KS] B[N x 8 KS]^T: A as KS tf32 fragments in registers, B a K-major
+// TileSw128F (rows = n from b_row0, columns = k).
+template <int KS, class TB, int NT, class AT>
+__device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const AT (&a)[KS][4], uint32_t sB, int b_row0,
+                                                bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
+    const uint32_t ak[4] = {tf32_bits(a[kk][0]), tf32_bits(a[kk][1]), tf32_bits(a[kk][2]), tf32_bits(a[kk][3])};
+    wgmma_rs_tf32(d, ak, desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+  }
+}
+
+// The warp's tf32 A fragments of rows row0 + [0, 16) of a float32 TileSw128F (columns = k),
+// rounded: k-step kk holds columns 8kk + t and 8kk + t + 4 of rows g and g + 8.
+template <class T, int KS>
+__device__ __forceinline__ void load_afrag_tf32(uint32_t (&a)[KS][4], const unsigned char* tile, int row0) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      a[kk][i] = to_tf32(*reinterpret_cast<const float*>(tile + T::offset(row0 + g + 8 * (i & 1), 8 * kk + t + 4 * (i >> 1))));
+}
+
+// An accumulator (P, dS, ...) as the tf32 A fragments of the next product, whose B operand stores
+// its k positions in tf32_slot order (device.cuh): no shuffles, one conversion per element.
+template <int NS>
+__device__ __forceinline__ void acc_to_afrag_tf32(uint32_t (&a)[NS][4], const float (&s)[NS][4]) {
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    a[j][0] = to_tf32(s[j][0]);
+    a[j][1] = to_tf32(s[j][2]);
+    a[j][2] = to_tf32(s[j][1]);
+    a[j][3] = to_tf32(s[j][3]);
+  }
+}
+
+// The same in place, for a kernel whose registers cannot hold both: s then holds the fragments'
+// bit patterns (pass it as the A operand of wg_gemm_rs_tf32).
+template <int NS>
+__device__ __forceinline__ void acc_to_tf32_inplace(float (&s)[NS][4]) {
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const float x1 = s[j][1];
+    s[j][0] = __uint_as_float(to_tf32(s[j][0]));
+    s[j][1] = __uint_as_float(to_tf32(s[j][2]));
+    s[j][2] = __uint_as_float(to_tf32(x1));
+    s[j][3] = __uint_as_float(to_tf32(s[j][3]));
+  }
+}
+
+// The dK/dV kernels' per-query vectors of one streamed tile (query head h, queries n0 + [0, BQ)),
+// written by the 32 lanes of one producer warp: LSE in the log2 domain and D = rowsum(dO * O).
+// Past the last query LSE = +inf, so P = exp2(s - inf) = 0 there (those entries are masked too).
+template <int BQ>
+__device__ __forceinline__ void fill_lse_delta(float* sL, float* sD, const BwdArgs& a, int64_t b, int64_t h,
+                                               int64_t n0) {
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q;
+  const float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
+  const float* delta = a.delta + (b * p.shape.heads_q + h) * Sq;
+  for (int c = lane_id(); c < BQ; c += 32) {
+    const int64_t q = n0 + c;
+    sL[c] = q < Sq ? lse_to_log2(lse[q * p.lse.ss]) : INFINITY;
+    sD[c] = q < Sq ? delta[q] : 0.0f;
   }
 }
 

@@ -96,28 +96,51 @@ TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
   EXPECT_FALSE(c.sm90_bwd);
 }
 
-TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperForward) {
-  // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0.
+TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
+  // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0
+  // and the wgmma backward at D <= 64.
   EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
   EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+  EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
   for (int64_t d : {1, 64, 100, 128}) {
     const KernelChoice c = select_kernel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
     ASSERT_TRUE(c.ok);
     EXPECT_EQ(c.math, Math::Tf32);
     EXPECT_TRUE(c.sm90_fwd) << "D = " << d;
-    EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_FALSE(c.sm90_bwd) << "D = " << d;  // opt-in only (FLASHATTN_CUDA_TF32_BWD)
   }
-  EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0).sm90_fwd);
-  EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 8, 0).sm90_fwd);
+  const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
+  EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_fwd);
+  EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 8, 0).sm90_fwd);
+  EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 8, 0).sm90_bwd);
   {
     EnvScope e("FLASHATTN_CUDA_ARCH", "sm80");
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
   }
   {
     EnvScope e("FLASHATTN_CUDA_MATH", "3xtf32");  // the override wins over the precision option
-    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
+    const KernelChoice c = select_kernel(shape(4096, 64), tf32, 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_FALSE(c.sm90_fwd);
+    EXPECT_FALSE(c.sm90_bwd);
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_MATH", "tf32");  // and the other way round
+    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
+    EXPECT_TRUE(c.sm90_fwd);
+    EXPECT_FALSE(c.sm90_bwd);
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma-dq");
+    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
+    EXPECT_FALSE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma");
+    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
   }
   // Before sm_80 there is no TF32: the FMA kernels in both precisions; asking for TF32 is an error.
   EXPECT_EQ(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 7, 5).math, Math::Fma);

@@ -1,0 +1,374 @@
+// The Hopper (sm_90a) float32 backward in tf32 mode: the split design of the mma.sync kernels (a
+// dQ pass over query blocks and a dK/dV pass over key blocks; every sum in a fixed order, no
+// atomics) with tf32 wgmma (m64nNk8). tf32 wgmma reads shared memory K-major only, so every B
+// operand must be stored with its k dimension contiguous: the products contract over the head dim
+// (S = Q K^T, dP = dO V^T: K, V, Q, dO as stored) and over keys or queries (dQ = dS K,
+// dV = P^T dO, dK = dS^T Q: K, dO, Q transposed). A pre-pass (preprocess.cu,
+// launch_tf32_operands) writes each operand once rounded to tf32 and, where needed, transposed,
+// with positions in tf32_slot order so that the P / dS accumulators serve as A fragments as they
+// are (device.cuh); the copy engine then streams those copies like the 16-bit kernels' tiles.
+// The stationary operands (Q and dO of a query block, K and V of a key block) are tf32 register
+// fragments. docs/ALGORITHM.md ("float32 backward in tf32 mode on sm_90a") has the pseudocode.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/config.hpp"
+#include "cuda/device.cuh"
+#include "cuda/launch.hpp"
+#include "cuda/wgmma.cuh"
+
+namespace flashattn::cuda::dev {
+
+// Tensor maps (4-d, boxes of 32 columns): dQ pass: tq, tdo (rounded Q, dO; 64-row boxes),
+// tk, tv (rounded K, V; 64-row boxes), tkt (K^T: rows = head dim, columns = key slots);
+// dK/dV pass: tk, tv (K, V as the caller stores them; 128-row boxes), tq, tdo (rounded Q, dO),
+// tqt, tdot (Q^T, dO^T: rows = head dim, columns = query slots).
+struct Sm90Tf32BwdArgs {
+  BwdArgs f;
+  CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;
+};
+
+// ================================================================================================
+// dQ pass. CTA = 128 query rows of one (batch, head), warpgroup w owning rows 64w..64w+63; the
+// producer streams 64-key tiles of K, V and K^T (two stages). Per consumer warpgroup, with
+// S_0, dP_0 issued before the loop and P_0, dS_0 computed:
+//   iteration j: dS_j -> A fragments; issue S_{j+1} = Q K_{j+1}^T, dP_{j+1} = dO V_{j+1}^T and
+//   dQ += dS_j K_j (asynchronous, in that order); wait for S_{j+1}, dP_{j+1}; P_{j+1} =
+//   exp2(S sl2 - lse2), dS_{j+1} = P (dP - D) while dQ += dS_j K_j runs; wait; release stage j.
+// ================================================================================================
+template <int DP>
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads(), 1)
+    dq_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, DP);
+  constexpr int BM = C.block_m, BN = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
+  constexpr int NS = BN / 8, NO = DP / 8, KS = DP / 8;
+  using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
+  using TK = TileSw128F<BN, DP>;  // K, V: rows = keys
+  using TT = TileSw128F<DP, BN>;  // K^T: rows = head dim, k = key slots
+  constexpr int kStage = 2 * TK::kBytes + TT::kBytes;
+  extern __shared__ float4 smem4[];
+  unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sdO = sQ + TQ::kBytes;
+  unsigned char* sStage = sdO + TQ::kBytes;  // [2][K, V, K^T]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sStage + 2 * kStage);
+  uint64_t* full_q = bars;
+  uint64_t* full = bars + 1;   // [2]
+  uint64_t* empty = bars + 3;  // [2]
+
+  const BwdArgs& a = A.f;
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
+  const int ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
+
+  if (threadIdx.x == 0) {
+    mbar_init(full_q, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, TC);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == NWG) {
+    // ---- producer: one thread issues every copy ---------------------------------------------
+    regs_decrease<C.producer_regs>();
+    if (threadIdx.x == TC) {
+      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
+      mbar_expect_tx(full_q, 2 * TQ::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk)
+#pragma unroll
+        for (int rb = 0; rb < BM / 64; ++rb) {
+          const int off = blk * TQ::kBlockBytes + rb * 64 * 128, row = static_cast<int>(m0) + 64 * rb;
+          tma_load_4d(sQ + off, &A.tq, full_q, 32 * blk, row, hh, bb);
+          tma_load_4d(sdO + off, &A.tdo, full_q, 32 * blk, row, hh, bb);
+        }
+      for (int t = 0; t < ntiles; ++t) {
+        const int st = t & 1, n0 = t * BN;
+        unsigned char* s0 = sStage + st * kStage;
+        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, kStage);
+#pragma unroll
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          tma_load_4d(s0 + blk * TK::kBlockBytes, &A.tk, full + st, 32 * blk, n0, hk, bb);
+          tma_load_4d(s0 + TK::kBytes + blk * TK::kBlockBytes, &A.tv, full + st, 32 * blk, n0, hk, bb);
+        }
+#pragma unroll
+        for (int blk = 0; blk < BN / 32; ++blk)
+          tma_load_4d(s0 + 2 * TK::kBytes + blk * TT::kBlockBytes, &A.tkt, full + st, n0 + 32 * blk, 0, hk, bb);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------------
+  regs_increase<C.consumer_regs()>();
+  const int warp = threadIdx.x / 32, g = lane_id() >> 2;
+  const int64_t row_w = m0 + 16 * warp;  // the warp's first query row
+  const uint32_t stage_addr = smem_addr(sStage);
+
+  float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain) and D
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_w + g + 8 * r;
+    const bool in = row < Sq;
+    l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
+    dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+  }
+  uint32_t qa[KS][4], doa[KS][4];
+  mbar_wait(full_q, 0);
+  load_afrag_tf32<TQ>(qa, sQ, 16 * warp);
+  load_afrag_tf32<TQ>(doa, sdO, 16 * warp);
+
+  float dq[NO][4];
+  zero(dq);
+  float s[NS][4], dp[NS][4];
+  uint32_t dsa[NS][4];
+
+  auto issue_sdp = [&](int t) {
+    const int st = t & 1;
+    const uint32_t s0 = stage_addr + st * kStage;
+    mbar_wait(full + st, (t >> 1) & 1);
+    fence_regs(s);
+    fence_regs(dp);
+    wgmma_fence();
+    wg_gemm_rs_tf32<KS, TK>(s, qa, s0, 0, false);
+    wg_gemm_rs_tf32<KS, TK>(dp, doa, s0 + TK::kBytes, 0, false);
+    wgmma_commit();
+  };
+  // P = exp2(S sl2 - lse2) (0 where masked), dS = P (dP - D) into dp.
+  auto probs = [&](int t) {
+    const int64_t n0 = static_cast<int64_t>(t) * BN;
+    const bool masked = qb.tile_masked(n0, BN, Skv);
+    for_each_entry<NS>([&](int j, int e, int r, int c) {
+      float pe = exp2f(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
+      if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
+      dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);
+    });
+  };
+  // Tile t's dQ product, overlapped with tile t + 1's scores (the last tile is a separate
+  // instantiation, so that no wgmma is issued conditionally: see the forward's main loop).
+  auto tile = [&](int t, auto has_next) {
+    constexpr bool kNext = decltype(has_next)::value;
+    acc_to_afrag_tf32(dsa, dp);
+    if constexpr (kNext) issue_sdp(t + 1);
+    fence_regs(dq);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NS, TT>(dq, dsa, stage_addr + (t & 1) * kStage + 2 * TK::kBytes, 0, true);
+    wgmma_commit();
+    if constexpr (kNext) {
+      wgmma_wait<1>();
+      fence_regs(s);
+      fence_regs(dp);
+      probs(t + 1);
+    }
+    wgmma_wait<0>();
+    fence_regs(dq);
+    mbar_arrive(empty + (t & 1));
+  };
+
+  if (ntiles > 0) {
+    issue_sdp(0);
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+    probs(0);
+    for (int t = 0; t + 1 < ntiles; ++t) tile(t, std::true_type{});
+    tile(ntiles - 1, std::false_type{});
+  }
+
+  float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
+  store_rows(out, p.dq.ss, 16 * warp, qb.rows, 0, static_cast<int>(p.shape.head_dim), dq, p.num.scale, true);
+#endif
+}
+
+// ================================================================================================
+// dK/dV pass. CTA = 128 keys of one (batch, kv head), warpgroup w owning keys 64w..64w+63; the
+// producer streams 64-query tiles of Q, dO, Q^T and dO^T (one thread, copy engine) and their LSE
+// and D vectors (one warp) over every query head of the group, two stages deep. Per consumer
+// warpgroup and query tile:
+//   S^T = K_w Q^T, dP^T = V_w dO^T                       (K_w, V_w: register fragments)
+//   P^T = exp2(S^T sl2 - lse2), dS^T = P^T (dP^T - D)    (registers; masks)
+//   dV_w += P^T dO, dK_w += dS^T Q                        (P^T, dS^T as A fragments; B = dO^T, Q^T)
+// K_w and V_w (64 of the 240 registers), dK_w, dV_w, S^T and dP^T leave no room for a second set
+// of scores (P^T and dS^T become A fragments in place), so a warpgroup's products do not overlap
+// its own softmax; the other warpgroup's do.
+// ================================================================================================
+template <int DP>
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(), 1)
+    dkv_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, DP);
+  constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
+  constexpr int NS = BQ / 8, NO = DP / 8, KS = DP / 8;
+  using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys
+  using TQ = TileSw128F<BQ, DP>;  // Q, dO: rows = queries
+  using TT = TileSw128F<DP, BQ>;  // Q^T, dO^T: rows = head dim, k = query slots
+  constexpr int kStage = 2 * TQ::kBytes + 2 * TT::kBytes;  // Q, dO, Q^T, dO^T
+  extern __shared__ float4 smem4[];
+  unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sV = sK + TK::kBytes;
+  unsigned char* sStage = sV + TK::kBytes;  // [2][kStage]
+  float* sL = reinterpret_cast<float*>(sStage + 2 * kStage);  // [2][BQ]
+  float* sD = sL + 2 * BQ;                                    // [2][BQ]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
+  uint64_t* full_kv = bars;
+  uint64_t* full = bars + 1;   // [2]: the copies and the 32 LSE/D lanes
+  uint64_t* empty = bars + 3;  // [2]
+
+  const BwdArgs& a = A.f;
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
+  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+  const int ntiles = kb.ntiles;
+  const MaskRule& rule = kb.rule;
+
+  if (threadIdx.x == 0) {
+    mbar_init(full_kv, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 1 + 32);
+      mbar_init(empty + i, TC);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == NWG) {
+    // ---- producer -------------------------------------------------------------------------------
+    regs_decrease<C.producer_regs>();
+    const int pw = (threadIdx.x - TC) / 32;
+    const int bb = static_cast<int>(b);
+    if (threadIdx.x == TC) {
+      mbar_expect_tx(full_kv, 2 * TK::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk) {
+        tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+        tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+      }
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it & 1;
+        const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
+        unsigned char* s0 = sStage + st * kStage;
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, kStage);
+#pragma unroll
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          tma_load_4d(s0 + blk * TQ::kBlockBytes, &A.tq, full + st, 32 * blk, n0, h, bb);
+          tma_load_4d(s0 + TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 32 * blk, n0, h, bb);
+        }
+#pragma unroll
+        for (int blk = 0; blk < BQ / 32; ++blk) {
+          tma_load_4d(s0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, &A.tqt, full + st, n0 + 32 * blk, 0, h, bb);
+          tma_load_4d(s0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, &A.tdot, full + st, n0 + 32 * blk, 0,
+                      h, bb);
+        }
+      }
+    } else if (pw == 1) {
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it & 1;
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, kb.head(it), kb.q0(it, BQ));
+        mbar_arrive(full + st);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------------
+  regs_increase<C.consumer_regs()>();
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  const int krow = 64 * wg + 16 * (warp & 3);  // the warp's first key row in the CTA
+  const int64_t row_w = m0 + krow;
+  const uint32_t stage_addr = smem_addr(sStage);
+
+  uint32_t ka[KS][4], va[KS][4];
+  mbar_wait(full_kv, 0);
+  load_afrag_tf32<TK>(ka, sK, krow);
+  load_afrag_tf32<TK>(va, sV, krow);
+  float dk[NO][4], dv[NO][4];
+  zero(dk);
+  zero(dv);
+
+  // The lane's key rows g and g + 8: the queries that see each form one column range
+  // [first_row(key), Sq) (none for keys past Skv); per tile they become tile-relative bounds.
+  int64_t q_lo[2], q_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = row_w + lane / 4 + 8 * r;
+    q_lo[r] = rule.first_row(key, Sq);
+    q_hi[r] = key < Skv ? Sq : 0;
+  }
+
+  float s[NS][4], dp[NS][4];
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1;
+    const uint32_t s0 = stage_addr + st * kStage;
+    mbar_wait(full + st, (it >> 1) & 1);
+    fence_regs(s);
+    fence_regs(dp);
+    wgmma_fence();
+    wg_gemm_rs_tf32<KS, TQ>(s, ka, s0, 0, false);
+    wg_gemm_rs_tf32<KS, TQ>(dp, va, s0 + TQ::kBytes, 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+
+    const int64_t n0 = kb.q0(it, BQ);  // first query row
+    const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
+    int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
+    if (masked) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t l = q_lo[r] - n0, u = q_hi[r] - n0;
+        lo[r] = l < 0 ? 0 : (l > BQ ? BQ : static_cast<int>(l));
+        hi[r] = u < 0 ? 0 : (u > BQ ? BQ : static_cast<int>(u));
+      }
+    }
+    const float* sLs = sL + st * BQ;
+    const float* sDs = sD + st * BQ;
+    for_each_entry<NS>([&](int j, int e, int r, int c) {
+      float pe = exp2f(fmaf(s[j][e], a.sl2, -sLs[c]));
+      if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+      s[j][e] = pe;
+      dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
+    });
+    acc_to_tf32_inplace(s);   // P^T's A fragments
+    acc_to_tf32_inplace(dp);  // dS^T's
+    fence_regs(dv);
+    fence_regs(dk);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NS, TT>(dv, s, s0 + 2 * TQ::kBytes + TT::kBytes, 0, true);
+    wg_gemm_rs_tf32<NS, TT>(dk, dp, s0 + 2 * TQ::kBytes, 0, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dv);
+    fence_regs(dk);
+    // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
+    // sL/sD reads above), which the producer's next writes to this stage must follow.
+    mbar_arrive(empty + st);
+  }
+
+  const int D = static_cast<int>(p.shape.head_dim);
+  float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
+  float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;
+  store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, dk, p.num.scale, true);
+  store_rows(dvp, p.dv.ss, krow, kb.rows, 0, D, dv, 1.0f, true);
+#endif
+}
+
+}  // namespace flashattn::cuda::dev
