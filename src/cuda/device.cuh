@@ -422,6 +422,34 @@ __device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
   return k;
 }
 
+// The lane's key rows (g and g + 8 of the warp's 16 from key0) in the sm_90a dK/dV kernels: the
+// queries that see each form one column range [first_row(key), Sq) (none for keys past Skv); per
+// query tile they become tile-relative bounds [lo, hi) of the S^T columns kept.
+struct KeyRowQueries {
+  int64_t q_lo[2], q_hi[2];
+  __device__ __forceinline__ KeyRowQueries(const MaskRule& rule, int64_t key0, int64_t sq, int64_t skv) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = key0 + 8 * r;
+      q_lo[r] = rule.first_row(key, sq);
+      q_hi[r] = key < skv ? sq : 0;
+    }
+  }
+  // The bounds in the tile of bn queries from n0 (all columns when the tile is not masked).
+  __device__ __forceinline__ void tile_bounds(int64_t n0, int bn, bool masked, int (&lo)[2], int (&hi)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      lo[r] = 0;
+      hi[r] = bn;
+      if (masked) {
+        const int64_t l = q_lo[r] - n0, u = q_hi[r] - n0;
+        lo[r] = l < 0 ? 0 : (l > bn ? bn : static_cast<int>(l));
+        hi[r] = u < 0 ? 0 : (u > bn ? bn : static_cast<int>(u));
+      }
+    }
+  }
+};
+
 // Reductions over the 4 lanes of a quad (they hold one row between them).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

@@ -270,15 +270,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int rot = ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0;
   auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
 
-  if (threadIdx.x == 0) {
-    mbar_init(full_kv, 1);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, 1 + 32);
-      mbar_init(empty + i, TC);  // every consumer thread: see the arrival below
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_stage_barriers(full_kv, full, 1 + 32, empty, TC);  // empty: every consumer thread (see below)
 
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
@@ -328,15 +320,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   zero(dk[0]);
   zero(dv[0]);
 
-  // The lane's key rows g and g + 8: the queries that see each form one column range
-  // [first_row(key), Sq) (none for keys past Skv); per tile they become tile-relative bounds.
-  int64_t q_lo[2], q_hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = row_w + lane / 4 + 8 * r;
-    q_lo[r] = rule.first_row(key, Sq);
-    q_hi[r] = key < Skv ? Sq : 0;
-  }
+  const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
   float s[1][NS][4], dp[1][NS][4];
   // S^T and dP^T of tile it, issued as one wgmma group.
   auto issue_sdp = [&](int it) {
@@ -367,15 +351,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 
     const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
-    int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
-    if (masked) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t l = q_lo[r] - n0, u = q_hi[r] - n0;
-        lo[r] = l < 0 ? 0 : (l > BQ ? BQ : static_cast<int>(l));
-        hi[r] = u < 0 ? 0 : (u > BQ ? BQ : static_cast<int>(u));
-      }
-    }
+    int lo[2], hi[2];
+    kq.tile_bounds(n0, BQ, masked, lo, hi);
     for_each_entry<NS>([&](int j, int e, int r, int cw) {
       const int c = qc0 + cw;  // query column in the tile
       float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -sLs[c]));

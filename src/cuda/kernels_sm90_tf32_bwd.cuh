@@ -32,6 +32,7 @@ namespace flashattn::cuda::dev {
 struct Sm90Tf32BwdArgs {
   BwdArgs f;
   CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;
+  uint32_t opaque_zero;  // 0, unknown to the compiler (keep_live_in_loop, wgmma.cuh)
 };
 
 // ================================================================================================
@@ -70,15 +71,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
 
-  if (threadIdx.x == 0) {
-    mbar_init(full_q, 1);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, 1);
-      mbar_init(empty + i, TC);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_stage_barriers(full_q, full, 1, empty, TC);
 
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
@@ -163,6 +156,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   auto tile = [&](int t, auto has_next) {
     constexpr bool kNext = decltype(has_next)::value;
     acc_to_afrag_tf32(dsa, dp);
+    fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
     if constexpr (kNext) issue_sdp(t + 1);
     fence_regs(dq);
     wgmma_fence();
@@ -202,8 +196,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
 //   S^T = K_w Q^T, dP^T = V_w dO^T                       (K_w, V_w: register fragments)
 //   P^T = exp2(S^T sl2 - lse2), dS^T = P^T (dP^T - D)    (registers; masks)
 //   dV_w += P^T dO, dK_w += dS^T Q                        (P^T, dS^T as A fragments; B = dO^T, Q^T)
-// K_w and V_w (64 of the 240 registers), dK_w, dV_w, S^T and dP^T leave no room for a second set
-// of scores (P^T and dS^T become A fragments in place), so a warpgroup's products do not overlap
+// K_w and V_w (64 of the 240 registers), dK_w, dV_w and S^T, dP^T (then P^T, dS^T as A
+// fragments) leave no room for a second set of scores, so a warpgroup's products do not overlap
 // its own softmax; the other warpgroup's do.
 // ================================================================================================
 template <int DP>
@@ -236,15 +230,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
 
-  if (threadIdx.x == 0) {
-    mbar_init(full_kv, 1);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, 1 + 32);
-      mbar_init(empty + i, TC);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
 
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
@@ -303,26 +289,16 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   zero(dk);
   zero(dv);
 
-  // The lane's key rows g and g + 8: the queries that see each form one column range
-  // [first_row(key), Sq) (none for keys past Skv); per tile they become tile-relative bounds.
-  int64_t q_lo[2], q_hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = row_w + lane / 4 + 8 * r;
-    q_lo[r] = rule.first_row(key, Sq);
-    q_hi[r] = key < Skv ? Sq : 0;
-  }
+  const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
 
   float s[NS][4], dp[NS][4];
   for (int it = 0; it < ntiles; ++it) {
     const int st = it & 1;
     const uint32_t s0 = stage_addr + st * kStage;
     mbar_wait(full + st, (it >> 1) & 1);
-    fence_regs(s);
-    fence_regs(dp);
-    wgmma_fence();
-    wg_gemm_rs_tf32<KS, TQ>(s, ka, s0, 0, false);
-    wg_gemm_rs_tf32<KS, TQ>(dp, va, s0 + TQ::kBytes, 0, false);
+    wgmma_fence();  // s, dp: written only (the last tile's P^T, dS^T are in pa, dsa)
+    wg_gemm_rs_tf32<KS, TQ, true>(s, ka, s0, 0, false);
+    wg_gemm_rs_tf32<KS, TQ, true>(dp, va, s0 + TQ::kBytes, 0, false);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
@@ -330,15 +306,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
 
     const int64_t n0 = kb.q0(it, BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
-    int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
-    if (masked) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t l = q_lo[r] - n0, u = q_hi[r] - n0;
-        lo[r] = l < 0 ? 0 : (l > BQ ? BQ : static_cast<int>(l));
-        hi[r] = u < 0 ? 0 : (u > BQ ? BQ : static_cast<int>(u));
-      }
-    }
+    int lo[2], hi[2];
+    kq.tile_bounds(n0, BQ, masked, lo, hi);
     const float* sLs = sL + st * BQ;
     const float* sDs = sD + st * BQ;
     for_each_entry<NS>([&](int j, int e, int r, int c) {
@@ -347,17 +316,22 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
     });
-    acc_to_tf32_inplace(s);   // P^T's A fragments
-    acc_to_tf32_inplace(dp);  // dS^T's
+    uint32_t pa[NS][4], dsa[NS][4];
+    acc_to_afrag_tf32(pa, s);   // P^T's A fragments
+    acc_to_afrag_tf32(dsa, dp);  // dS^T's
+    fence_regs(pa);  // written before the fence (wgmma.cuh, fence_regs)
+    fence_regs(dsa);
     fence_regs(dv);
     fence_regs(dk);
     wgmma_fence();
-    wg_gemm_rs_tf32<NS, TT>(dv, s, s0 + 2 * TQ::kBytes + TT::kBytes, 0, true);
-    wg_gemm_rs_tf32<NS, TT>(dk, dp, s0 + 2 * TQ::kBytes, 0, true);
+    wg_gemm_rs_tf32<NS, TT>(dv, pa, s0 + 2 * TQ::kBytes + TT::kBytes, 0, true);
+    wg_gemm_rs_tf32<NS, TT>(dk, dsa, s0 + 2 * TQ::kBytes, 0, true);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dv);
     fence_regs(dk);
+    keep_live_in_loop(ka, A.opaque_zero);  // a ptxas fault otherwise reuses their registers
+    keep_live_in_loop(va, A.opaque_zero);
     // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
     // sL/sD reads above), which the producer's next writes to this stage must follow.
     mbar_arrive(empty + st);

@@ -51,6 +51,7 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP), ck = tile_config90_tf32_bwd(Pass::Dkv, DP);
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
+  dq.opaque_zero = dkv.opaque_zero = 0;
   // The dK/dV pass reads K and V as the caller stores them (rounded when loaded into registers).
   if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
       !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m))

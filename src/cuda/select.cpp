@@ -123,8 +123,9 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // mma.sync / CUDA-core kernels),
   // and, opt-in, its backward at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|wgmma): the
   // wgmma dQ pass is correct but with the operand pre-pass measured no faster than mma.sync
-  // (0.81-1.08x, docs/PERF.md float32 run 5); the wgmma dK/dV kernel fails the tests whenever a key
-  // block sees more than one query tile (cause not found yet). Both stay off by default.
+  // (0.81-1.08x, docs/PERF.md float32 run 5); the wgmma dK/dV kernel failed the tests whenever a
+  // key block saw more than one query tile (a ptxas fault, worked around since, not yet re-run on
+  // a GPU: run 6). Both stay off by default until measured correct and faster.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
   const int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/config.hpp"
 #include "cuda/launch.hpp"
@@ -63,13 +64,35 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving accesses of registers an in-flight wgmma writes across this
-// point (used after every wait and before every issue).
-template <int NT>
-__device__ __forceinline__ void fence_regs(float (&d)[NT][4]) {
+// point (used after every wait and before every issue): accumulators (float) and A fragments
+// (uint32_t). The tf32 backward pins A fragments before the wgmma_fence() of the products that
+// read them: PTX forbids writing a register that a wgmma reads between wgmma.fence and the wgmma,
+// and to the compiler the fence is an opaque statement below which it could sink the instructions
+// that build the fragments. (No fault was traced to this; keep_live_in_loop's was.)
+template <class T, int NT>
+__device__ __forceinline__ void fence_regs(T (&d)[NT][4]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>, "accumulators or A fragments");
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<T, float>) asm volatile("" : "+f"(d[j][e])::"memory");
+      else asm volatile("" : "+r"(d[j][e])::"memory");
+    }
+}
+// Re-defines A fragments that stay fixed across a loop of wgmma products (one XOR with a zero
+// the compiler cannot see per register and iteration; call it once per iteration). Seen with
+// ptxas of CUDA 13.0 (SASS of dkv_tf32_sm90_kernel): the registers of K and V fragments defined
+// before the loop and read by the loop's wgmmas were handed to other values inside the loop (the
+// softmax's LSE loads, P^T's fragments), so from the second iteration on S^T = K Q^T read P^T:
+// dK and dV wrong whenever a key block saw two or more query tiles. A definition inside the
+// loop makes them loop-carried values, which ptxas keeps; docs/ALGORITHM.md has the details.
+template <int NT>
+__device__ __forceinline__ void keep_live_in_loop(uint32_t (&a)[NT][4], uint32_t opaque_zero) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[j][e] ^= opaque_zero;
 }
 // Shared memory written by the threads' own stores or cp.async (the generic proxy) becomes
 // visible to the tensor cores' reads (the async proxy) only through this fence, issued by every
@@ -146,20 +169,19 @@ struct TileSw128F {
   }
 };
 
-// tf32 bit patterns kept in uint32_t or (after acc_to_tf32_inplace) in float registers.
-__device__ __forceinline__ uint32_t tf32_bits(uint32_t x) { return x; }
-__device__ __forceinline__ uint32_t tf32_bits(float x) { return __float_as_uint(x); }
-
 // D[64 x N] (+)= A[64 x 8 KS] B[N x 8 KS]^T: A as KS tf32 fragments in registers, B a K-major
-// TileSw128F (rows = n from b_row0, columns = k).
-template <int KS, class TB, int NT, class AT>
-__device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const AT (&a)[KS][4], uint32_t sB, int b_row0,
-                                                bool accumulate) {
+// TileSw128F (rows = n from b_row0, columns = k). kWriteOnly (with accumulate = false): the first
+// k-step's d operands are outputs only, so d's old contents are not live into the product (the
+// dK/dV kernel needs that to fit its registers; the dQ kernel spills with it: its allocation is
+// better with the old values tied).
+template <int KS, class TB, bool kWriteOnly = false, int NT>
+__device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const uint32_t (&a)[KS][4], uint32_t sB,
+                                                int b_row0, bool accumulate) {
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
     const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
-    const uint32_t ak[4] = {tf32_bits(a[kk][0]), tf32_bits(a[kk][1]), tf32_bits(a[kk][2]), tf32_bits(a[kk][3])};
-    wgmma_rs_tf32(d, ak, desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+    if (kWriteOnly && kk == 0 && !accumulate) wgmma_rs_tf32_init(d, a[kk], desc_sw128(b, 16, 1024));
+    else wgmma_rs_tf32(d, a[kk], desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
   }
 }
 
@@ -185,20 +207,6 @@ __device__ __forceinline__ void acc_to_afrag_tf32(uint32_t (&a)[NS][4], const fl
     a[j][1] = to_tf32(s[j][2]);
     a[j][2] = to_tf32(s[j][1]);
     a[j][3] = to_tf32(s[j][3]);
-  }
-}
-
-// The same in place, for a kernel whose registers cannot hold both: s then holds the fragments'
-// bit patterns (pass it as the A operand of wg_gemm_rs_tf32).
-template <int NS>
-__device__ __forceinline__ void acc_to_tf32_inplace(float (&s)[NS][4]) {
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    const float x1 = s[j][1];
-    s[j][0] = __uint_as_float(to_tf32(s[j][0]));
-    s[j][1] = __uint_as_float(to_tf32(s[j][2]));
-    s[j][2] = __uint_as_float(to_tf32(x1));
-    s[j][3] = __uint_as_float(to_tf32(s[j][3]));
   }
 }
 
@@ -230,6 +238,21 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 }
 // Makes initialised barriers visible to the copy engine (the async proxy).
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// The split backward kernels' barriers: `once` for the block's stationary tiles (one copy-engine
+// arrival) and two stages of full / empty barriers; initialised by thread 0 and published to the
+// whole CTA (and the copy engine) before return.
+__device__ __forceinline__ void init_stage_barriers(uint64_t* once, uint64_t* full, int full_count, uint64_t* empty,
+                                                    int empty_count) {
+  if (threadIdx.x == 0) {
+    mbar_init(once, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, full_count);
+      mbar_init(empty + i, empty_count);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
 // One arrival that also announces `bytes` of copies completing on this barrier's phase.
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashattn/flashattn.h"
@@ -38,15 +39,22 @@ class MathScope {
   }
   ~MathScope() { unsetenv("FLASHATTN_CUDA_MATH"); }
 };
-// Keeps a compute capability 9.0 device on the sm_80 (mma.sync) kernels for the scope, so that
-// both tf32 forwards (that one and the sm_90a wgmma kernel, the default there) are checked.
-class ArchScope {
+// Sets an environment override of the kernel selection for the scope (nullptr: leaves it unset).
+// FLASHATTN_CUDA_ARCH=sm80 keeps a compute capability 9.0 device on the mma.sync kernels, so that
+// both tf32 forwards (those and the sm_90a wgmma kernel, the default there) are checked;
+// FLASHATTN_CUDA_TF32_BWD picks the tf32 backward on sm_90a (kTf32BwdOther: the one that is not
+// the default, so both are checked).
+class EnvScope {
  public:
-  explicit ArchScope(const char* arch) {
-    if (arch) setenv("FLASHATTN_CUDA_ARCH", arch, 1);
+  EnvScope(const char* var, const char* value) : var_(var) {
+    if (value) setenv(var, value, 1);
   }
-  ~ArchScope() { unsetenv("FLASHATTN_CUDA_ARCH"); }
+  ~EnvScope() { unsetenv(var_); }
+
+ private:
+  const char* var_;
 };
+constexpr const char* kTf32BwdOther = "wgmma";
 
 Options cuda_options(const ProblemConfig& c, Precision prec) {
   Options o = options_for(c);
@@ -76,9 +84,11 @@ struct Errors {
 };
 
 // One forward + backward on the device with the given arithmetic; errors against `ref`.
-Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math, const char* arch = nullptr) {
+Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math, const char* arch = nullptr,
+                const char* tf32_bwd = nullptr) {
   MathScope scope(math);
-  ArchScope arch_scope(arch);
+  EnvScope arch_scope("FLASHATTN_CUDA_ARCH", arch);
+  EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
   DeviceProblem d(p);
   Errors r;
   if (!d.ok()) {
@@ -108,14 +118,20 @@ void check_all_maths(const ProblemConfig& cfg) {
   const Errors fp32 = run_case(p, ref, Precision::Fp32, nullptr);
   const Errors tf32 = run_case(p, ref, Precision::Tf32, nullptr);
   const Errors tf32_80 = run_case(p, ref, Precision::Tf32, nullptr, "sm80");
+  // The other tf32 backward of sm_90a exists for head dims up to 64 only (elsewhere this repeats
+  // the default choice, checked again at no gain).
+  const bool other_bwd = cfg.head_dim <= 64;
+  const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
-                           fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str();
+                           fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
+                           "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
     EXPECT_EQ(0, fma.e[i].nan) << n << " (fma) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, fp32.e[i].nan) << n << " (fp32) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32.e[i].nan) << n << " (tf32) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_80.e[i].nan) << n << " (tf32, sm80 kernels) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, tf32_ob.e[i].nan) << n << " (tf32, other sm_90a backward) has NaN / unwritten elements\n" << info;
     EXPECT_LE(rel(fma.e[i]), kFmaTol) << n << " (fma)\n" << info;
     EXPECT_LE(rel(fp32.e[i]), kFmaTol) << n << " (fp32)\n" << info;
     // The fp32-accurate mode: within 2x of the plain float32 kernel. Floor 3e-7 relative to
@@ -128,10 +144,12 @@ void check_all_maths(const ProblemConfig& cfg) {
     EXPECT_LE(rel(fp32.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 vs fma)\n" << info;
     EXPECT_LE(rel(tf32.e[i]), kTf32Tol) << n << " (tf32)\n" << info;
     EXPECT_LE(rel(tf32_80.e[i]), kTf32Tol) << n << " (tf32, sm80 kernels)\n" << info;
+    EXPECT_LE(rel(tf32_ob.e[i]), kTf32Tol) << n << " (tf32, other sm_90a backward)\n" << info;
   }
   // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
-  std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e\n",
-              cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst());
+  std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e"
+              " | tf32 other sm90 bwd %.2e\n",
+              cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst(), tf32_ob.worst());
 }
 
 // ---- the grid ------------------------------------------------------------------------------
@@ -237,8 +255,11 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
     ProblemConfig c;
     c.batch = 2; c.heads_q = 8; c.heads_kv = 2; c.seq_q = 300; c.seq_kv = 257; c.head_dim = d;
     c.mask = Mask::CausalBottomRight; c.layout = testing::Layout::BSHD; c.seed = 5;
-    for (const char* math : {"fma", "tf32", "3xtf32"}) {
+    const std::pair<const char*, const char*> runs_of[] = {
+        {"fma", nullptr}, {"tf32", nullptr}, {"tf32", kTf32BwdOther}, {"3xtf32", nullptr}};
+    for (const auto& [math, tf32_bwd] : runs_of) {
       MathScope scope(math);
+      EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
       Problem p(c);
       DeviceProblem dp(p);
       ASSERT_TRUE(dp.ok());
@@ -252,7 +273,8 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
         dp.download();
         runs.push_back(snapshot(p));
       }
-      EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << "D=" << d << " math=" << math;
+      EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2])
+          << "D=" << d << " math=" << math << " tf32 backward=" << (tf32_bwd ? tf32_bwd : "default");
     }
   }
 }
