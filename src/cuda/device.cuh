@@ -349,9 +349,10 @@ __device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j,
 }
 
 // 2^x on the special-function unit, subnormal results flushed to zero: one MUFU.EX2, where
-// exp2f() adds range scaling for subnormal results. Used by the 16-bit kernels, whose P is
-// rounded to 16 bits anyway (a float32 subnormal is far below the smallest 16-bit subnormal
-// of bfloat16's P and at the edge of float16's).
+// exp2f() adds range scaling for subnormal results (three more instructions per element). Used
+// by the 16-bit kernels, whose P is rounded to 16 bits anyway (a float32 subnormal is far below
+// the smallest 16-bit subnormal of bfloat16's P and at the edge of float16's), and by the tf32
+// wgmma kernels, whose P has 10 mantissa bits: a dropped 2^-126 is far below its rounding.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
     const int64_t n0 = static_cast<int64_t>(t) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
+      float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);
     });
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
     const float* sLs = sL + st * BQ;
     const float* sDs = sD + st * BQ;
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(fmaf(s[j][e], a.sl2, -sLs[c]));
+      float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
       if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
