@@ -160,21 +160,26 @@ struct AFrag {
   uint32_t big[4];
   uint32_t small[M == Math::Tf32x3 ? 4 : 1];
 };
-template <Math M>
+// kRounded: the values are tf32 already (a tile rounded in shared memory, see round_tile_tf32).
+template <Math M, bool kRounded = false>
 __device__ __forceinline__ AFrag<M> make_afrag(const float (&a)[4]) {
   AFrag<M> f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if constexpr (M == Math::Tf32x3) tf32_split(a[i], f.big[i], f.small[i]);
+    else if constexpr (kRounded) f.big[i] = __float_as_uint(a[i]);
     else f.big[i] = tf32_round(a[i]);
   }
   return f;
 }
 
 // c += A*B for one m16n8k8 step, in the precision of M.
-template <Math M>
+template <Math M, bool kBRounded = false>
 __device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const float (&b)[2]) {
-  if constexpr (M == Math::Tf32) {
+  if constexpr (M == Math::Tf32 && kBRounded) {
+    const uint32_t bb[2] = {__float_as_uint(b[0]), __float_as_uint(b[1])};
+    mma_tf32(c, a.big, bb);
+  } else if constexpr (M == Math::Tf32) {
     const uint32_t bb[2] = {tf32_round(b[0]), tf32_round(b[1])};
     mma_tf32(c, a.big, bb);
   } else {
@@ -188,11 +193,33 @@ __device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const
   }
 }
 
+// Rounds a tile of shared memory (ROWS x DP floats, row stride LD) to tf32 in place, all T
+// threads of the CTA taking 16-byte words (callers synchronise before and after). In tf32
+// mode the mma.sync kernels round each tile once per CTA this way instead of every warp
+// rounding every fragment it loads (two integer ops per element per warp: measured in the
+// SASS, a fifth of the backward's instructions; the kernels are issue-bound). Results are
+// bitwise the same: tf32_round is idempotent.
+template <int ROWS, int DP, int LD, int T>
+__device__ __forceinline__ void round_tile_tf32(float* tile) {
+  static_assert(DP % 4 == 0 && LD % 4 == 0, "16-byte words");
+  for (int i = static_cast<int>(threadIdx.x); i < ROWS * DP / 4; i += T) {
+    float4* w = reinterpret_cast<float4*>(tile + (i / (DP / 4)) * LD + (i % (DP / 4)) * 4);
+    float4 v = *w;
+    v.x = __uint_as_float(tf32_round(v.x));
+    v.y = __uint_as_float(tf32_round(v.y));
+    v.z = __uint_as_float(tf32_round(v.z));
+    v.w = __uint_as_float(tf32_round(v.w));
+    *w = v;
+  }
+}
+
 // ---- warp matrix products -------------------------------------------------------------------
 // C[16 x 8*NT] += A[16 x K] * B[8*NT x K]^T, A and B row-major in shared memory (row stride LD),
-// A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8).
-template <Math M, int NT, int KD, int LD>
+// A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8). kRounded (tf32 only): A and
+// B were rounded in shared memory (round_tile_tf32).
+template <Math M, int NT, int KD, int LD, bool kRounded = false>
 __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, const float* B) {
+  static_assert(!kRounded || M == Math::Tf32, "only tf32 operands are rounded in shared memory");
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   if constexpr (M == Math::Fma) {
     // Each lane computes its 4 accumulator entries as full dot products, 4 k at a time (16-byte
@@ -231,7 +258,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
         const int k = 8 * (k0 + u) + t;
         // Fragment loads: lane (g, t) reads row g at column t: banks 4g + t, conflict free.
         const float af[4] = {A[g * LD + k], A[(g + 8) * LD + k], A[g * LD + k + 4], A[(g + 8) * LD + k + 4]};
-        a[u] = make_afrag<M>(af);
+        a[u] = make_afrag<M, kRounded>(af);
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -248,7 +275,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
         } else {
           const float* bp = B + (8 * j + g) * LD + 8 * k0 + t;
           const float b[2] = {bp[0], bp[4]};
-          mma_step<M>(acc[j], a[0], b);
+          mma_step<M, kRounded>(acc[j], a[0], b);
         }
       }
     }
@@ -256,9 +283,11 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
 }
 
 // C[16 x 8*NT] += P[16 x 8*NK] * B[8*NK x 8*NT], P in registers in the accumulator layout
-// (P[kk] holds columns 8kk..8kk+7), B row-major in shared memory (row stride LD).
-template <Math M, int NT, int NK, int LD>
+// (P[kk] holds columns 8kk..8kk+7), B row-major in shared memory (row stride LD). kRounded (tf32
+// only): B was rounded in shared memory (round_tile_tf32); P is rounded here.
+template <Math M, int NT, int NK, int LD, bool kRounded = false>
 __device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK][4], const float* B) {
+  static_assert(!kRounded || M == Math::Tf32, "only tf32 operands are rounded in shared memory");
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   if constexpr (M == Math::Fma) {
     // P[row][k] lives in lane 4*row' + k/2 of the quad: broadcast it with shuffles, then FMA
@@ -318,7 +347,7 @@ __device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK
         } else {
           const float* r0 = B + (8 * k0 + 2 * t) * LD + g + 8 * j;
           const float b[2] = {r0[0], r0[LD]};
-          mma_step<M>(acc[j], a[0], b);
+          mma_step<M, kRounded>(acc[j], a[0], b);
         }
       }
     }

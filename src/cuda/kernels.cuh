@@ -149,16 +149,26 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   }
   float dq[NO][4];
   zero(dq);
+  constexpr bool kR = M == Math::Tf32;  // tf32: tiles rounded once in shared memory
 
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
+    if constexpr (kR) {
+      if (it == 0) {
+        round_tile_tf32<BM, DP, LD, T>(sQ);
+        round_tile_tf32<BM, DP, LD, T>(sdO);
+      }
+      round_tile_tf32<BN, DP, LD, T>(sK + stage * BN * LD);
+      round_tile_tf32<BN, DP, LD, T>(sV + stage * BN * LD);
+      __syncthreads();
+    }
     const float* sKs = sK + stage * BN * LD;
     float s[NS][4], dp[NS][4];
     zero(s);
     zero(dp);
-    gemm_nt<M, NS, DP, LD>(s, sQ + warp * 16 * LD, sKs);
-    gemm_nt<M, NS, DP, LD>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
+    gemm_nt<M, NS, DP, LD, kR>(s, sQ + warp * 16 * LD, sKs);
+    gemm_nt<M, NS, DP, LD, kR>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
 
     const int64_t n0 = static_cast<int64_t>(it) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
@@ -167,7 +177,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
     });
-    gemm_rn<M, NO, NS, LD>(dq, dp, sKs);
+    gemm_rn<M, NO, NS, LD, kR>(dq, dp, sKs);
     pipeline_release<C.stages>(it, ntiles, load_kv);
   }
   pipeline_drain();
@@ -232,9 +242,19 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   zero(dk);
   zero(dv);
 
+  constexpr bool kR = M == Math::Tf32;  // tf32: tiles rounded once in shared memory
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_q);
     const int stage = C.stages == 2 ? (it & 1) : 0;
+    if constexpr (kR) {
+      if (it == 0) {
+        round_tile_tf32<BM, DP, LD, T>(sK);
+        round_tile_tf32<BM, DP, LD, T>(sV);
+      }
+      round_tile_tf32<BN, DP, LD, T>(sQ + stage * BN * LD);
+      round_tile_tf32<BN, DP, LD, T>(sdO + stage * BN * LD);
+      __syncthreads();
+    }
     const float* sQs = sQ + stage * BN * LD;
     const float* sdOs = sdO + stage * BN * LD;
     const float* sLs = sL + stage * BN;
@@ -242,8 +262,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
     float s[NS][4], dp[NS][4];
     zero(s);
     zero(dp);
-    gemm_nt<M, NS, DP, LD>(s, sK + kw * 16 * LD, sQs);
-    gemm_nt<M, NS, DP, LD>(dp, sV + kw * 16 * LD, sdOs);
+    gemm_nt<M, NS, DP, LD, kR>(s, sK + kw * 16 * LD, sQs);
+    gemm_nt<M, NS, DP, LD, kR>(dp, sV + kw * 16 * LD, sdOs);
 
     const int64_t n0 = kb.q0(it, BN);  // first query row
     const bool masked = kb.tile_masked(n0, BN, BM, Sq, Skv);
@@ -253,8 +273,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
     });
-    gemm_rn<M, NO, NS, LD>(dv, s, sdOs + cw * DW);
-    gemm_rn<M, NO, NS, LD>(dk, dp, sQs + cw * DW);
+    gemm_rn<M, NO, NS, LD, kR>(dv, s, sdOs + cw * DW);
+    gemm_rn<M, NO, NS, LD, kR>(dk, dp, sQs + cw * DW);
     pipeline_release<C.stages>(it, ntiles, load_q);
   }
   pipeline_drain();
