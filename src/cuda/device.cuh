@@ -213,13 +213,45 @@ __device__ __forceinline__ void round_tile_tf32(float* tile) {
   }
 }
 
+// 3xTF32 with B split beforehand (split_tile_tf32): the same three products as mma_step.
+__device__ __forceinline__ void mma_step_split(float (&c)[4], const AFrag<Math::Tf32x3>& a, const uint32_t (&bb)[2],
+                                               const uint32_t (&bs)[2]) {
+  mma_tf32(c, a.small, bb);
+  mma_tf32(c, a.big, bs);
+  mma_tf32(c, a.big, bb);
+}
+
+// Splits a tile of shared memory (ROWS x DP floats, row stride LD) into tf32 big (in place) and
+// small (at +SOFF floats) with tf32_split, all T threads of the CTA taking 16-byte words
+// (callers synchronise before and after). The warp products then read both parts (gemm_nt /
+// gemm_rn with SOFF): the same values, so bitwise the same results as splitting per fragment.
+template <int ROWS, int DP, int LD, int T, int SOFF>
+__device__ __forceinline__ void split_tile_tf32(float* tile) {
+  static_assert(DP % 4 == 0 && LD % 4 == 0 && SOFF % 4 == 0, "16-byte words");
+  for (int i = static_cast<int>(threadIdx.x); i < ROWS * DP / 4; i += T) {
+    float* w = tile + (i / (DP / 4)) * LD + (i % (DP / 4)) * 4;
+    const float4 v = *reinterpret_cast<const float4*>(w);
+    uint32_t b[4], sm[4];
+    tf32_split(v.x, b[0], sm[0]);
+    tf32_split(v.y, b[1], sm[1]);
+    tf32_split(v.z, b[2], sm[2]);
+    tf32_split(v.w, b[3], sm[3]);
+    *reinterpret_cast<float4*>(w) = make_float4(__uint_as_float(b[0]), __uint_as_float(b[1]), __uint_as_float(b[2]),
+                                                __uint_as_float(b[3]));
+    *reinterpret_cast<float4*>(w + SOFF) = make_float4(__uint_as_float(sm[0]), __uint_as_float(sm[1]),
+                                                       __uint_as_float(sm[2]), __uint_as_float(sm[3]));
+  }
+}
+
 // ---- warp matrix products -------------------------------------------------------------------
 // C[16 x 8*NT] += A[16 x K] * B[8*NT x K]^T, A and B row-major in shared memory (row stride LD),
 // A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8). kRounded (tf32 only): A and
 // B were rounded in shared memory (round_tile_tf32).
-template <Math M, int NT, int KD, int LD, bool kRounded = false>
+// SOFF (3xTF32 only, nonzero): B was split in shared memory, its small part SOFF floats further.
+template <Math M, int NT, int KD, int LD, bool kRounded = false, int SOFF = 0>
 __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, const float* B) {
   static_assert(!kRounded || M == Math::Tf32, "only tf32 operands are rounded in shared memory");
+  static_assert(SOFF == 0 || M == Math::Tf32x3, "only 3xtf32 operands are split in shared memory");
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   if constexpr (M == Math::Fma) {
     // Each lane computes its 4 accumulator entries as full dot products, 4 k at a time (16-byte
@@ -267,8 +299,14 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
 #pragma unroll
           for (int u = 0; u < KG; ++u) {
             const float* bp = B + (8 * j + g) * LD + 8 * (k0 + u) + t;
-            const float b[2] = {bp[0], bp[4]};
-            mma_step<M>(part, a[u], b);
+            if constexpr (SOFF != 0) {
+              const uint32_t bb[2] = {__float_as_uint(bp[0]), __float_as_uint(bp[4])};
+              const uint32_t bs[2] = {__float_as_uint(bp[SOFF]), __float_as_uint(bp[SOFF + 4])};
+              mma_step_split(part, a[u], bb, bs);
+            } else {
+              const float b[2] = {bp[0], bp[4]};
+              mma_step<M>(part, a[u], b);
+            }
           }
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] += part[e];
@@ -285,9 +323,10 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
 // C[16 x 8*NT] += P[16 x 8*NK] * B[8*NK x 8*NT], P in registers in the accumulator layout
 // (P[kk] holds columns 8kk..8kk+7), B row-major in shared memory (row stride LD). kRounded (tf32
 // only): B was rounded in shared memory (round_tile_tf32); P is rounded here.
-template <Math M, int NT, int NK, int LD, bool kRounded = false>
+template <Math M, int NT, int NK, int LD, bool kRounded = false, int SOFF = 0>
 __device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK][4], const float* B) {
   static_assert(!kRounded || M == Math::Tf32, "only tf32 operands are rounded in shared memory");
+  static_assert(SOFF == 0 || M == Math::Tf32x3, "only 3xtf32 operands are split in shared memory");
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   if constexpr (M == Math::Fma) {
     // P[row][k] lives in lane 4*row' + k/2 of the quad: broadcast it with shuffles, then FMA
@@ -339,8 +378,14 @@ __device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK
 #pragma unroll
           for (int u = 0; u < KG; ++u) {
             const float* r0 = B + (8 * (k0 + u) + 2 * t) * LD + g + 8 * j;
-            const float b[2] = {r0[0], r0[LD]};
-            mma_step<M>(part, a[u], b);
+            if constexpr (SOFF != 0) {
+              const uint32_t bb[2] = {__float_as_uint(r0[0]), __float_as_uint(r0[LD])};
+              const uint32_t bs[2] = {__float_as_uint(r0[SOFF]), __float_as_uint(r0[SOFF + LD])};
+              mma_step_split(part, a[u], bb, bs);
+            } else {
+              const float b[2] = {r0[0], r0[LD]};
+              mma_step<M>(part, a[u], b);
+            }
           }
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] += part[e];

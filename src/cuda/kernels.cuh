@@ -150,6 +150,9 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   float dq[NO][4];
   zero(dq);
   constexpr bool kR = M == Math::Tf32;  // tf32: tiles rounded once in shared memory
+  // 3xtf32: K and V split once in shared memory; their small parts [stages][BN][LD] each follow
+  // sV, SOFF floats past the big parts (split_smem_bytes).
+  constexpr int SOFF = split_smem_bytes(Pass::Dq, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD : 0;
 
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
@@ -163,12 +166,17 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
       round_tile_tf32<BN, DP, LD, T>(sV + stage * BN * LD);
       __syncthreads();
     }
+    if constexpr (SOFF != 0) {
+      split_tile_tf32<BN, DP, LD, T, SOFF>(sK + stage * BN * LD);
+      split_tile_tf32<BN, DP, LD, T, SOFF>(sV + stage * BN * LD);
+      __syncthreads();
+    }
     const float* sKs = sK + stage * BN * LD;
     float s[NS][4], dp[NS][4];
     zero(s);
     zero(dp);
-    gemm_nt<M, NS, DP, LD, kR>(s, sQ + warp * 16 * LD, sKs);
-    gemm_nt<M, NS, DP, LD, kR>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
+    gemm_nt<M, NS, DP, LD, kR, SOFF>(s, sQ + warp * 16 * LD, sKs);
+    gemm_nt<M, NS, DP, LD, kR, SOFF>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
 
     const int64_t n0 = static_cast<int64_t>(it) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
@@ -177,7 +185,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
     });
-    gemm_rn<M, NO, NS, LD, kR>(dq, dp, sKs);
+    gemm_rn<M, NO, NS, LD, kR, SOFF>(dq, dp, sKs);
     pipeline_release<C.stages>(it, ntiles, load_kv);
   }
   pipeline_drain();
@@ -243,6 +251,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   zero(dv);
 
   constexpr bool kR = M == Math::Tf32;  // tf32: tiles rounded once in shared memory
+  // 3xtf32: Q and dO split once in shared memory; their small parts [stages][BN][LD] each follow
+  // sD, SOFF floats past the big parts (split_smem_bytes).
+  constexpr int SOFF =
+      split_smem_bytes(Pass::Dkv, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD + 2 * C.stages * BN : 0;
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_q);
     const int stage = C.stages == 2 ? (it & 1) : 0;
@@ -255,6 +267,11 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
       round_tile_tf32<BN, DP, LD, T>(sdO + stage * BN * LD);
       __syncthreads();
     }
+    if constexpr (SOFF != 0) {
+      split_tile_tf32<BN, DP, LD, T, SOFF>(sQ + stage * BN * LD);
+      split_tile_tf32<BN, DP, LD, T, SOFF>(sdO + stage * BN * LD);
+      __syncthreads();
+    }
     const float* sQs = sQ + stage * BN * LD;
     const float* sdOs = sdO + stage * BN * LD;
     const float* sLs = sL + stage * BN;
@@ -262,8 +279,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
     float s[NS][4], dp[NS][4];
     zero(s);
     zero(dp);
-    gemm_nt<M, NS, DP, LD, kR>(s, sK + kw * 16 * LD, sQs);
-    gemm_nt<M, NS, DP, LD, kR>(dp, sV + kw * 16 * LD, sdOs);
+    gemm_nt<M, NS, DP, LD, kR, SOFF>(s, sK + kw * 16 * LD, sQs);
+    gemm_nt<M, NS, DP, LD, kR, SOFF>(dp, sV + kw * 16 * LD, sdOs);
 
     const int64_t n0 = kb.q0(it, BN);  // first query row
     const bool masked = kb.tile_masked(n0, BN, BM, Sq, Skv);
@@ -273,8 +290,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
     });
-    gemm_rn<M, NO, NS, LD, kR>(dv, s, sdOs + cw * DW);
-    gemm_rn<M, NO, NS, LD, kR>(dk, dp, sQs + cw * DW);
+    gemm_rn<M, NO, NS, LD, kR, SOFF>(dv, s, sdOs + cw * DW);
+    gemm_rn<M, NO, NS, LD, kR, SOFF>(dk, dp, sQs + cw * DW);
     pipeline_release<C.stages>(it, ntiles, load_q);
   }
   pipeline_drain();

@@ -9,10 +9,10 @@ namespace flashattn::cuda {
 
 namespace detail {
 template <class Kernel, class Args>
-void launch(Kernel kernel, Pass pass, int dp, bool big, dim3 grid, const Args& a,
+void launch(Kernel kernel, Pass pass, int dp, bool big, Math m, dim3 grid, const Args& a,
             cudaStream_t stream, const char* name) {
-  launch_checked(kernel, grid, tile_config(pass, dp, big).threads(), smem_bytes(pass, dp, big), stream,
-                 a, name);
+  launch_checked(kernel, grid, tile_config(pass, dp, big).threads(),
+                 smem_bytes(pass, dp, big) + split_smem_bytes(pass, dp, big, m), stream, a, name);
 }
 }  // namespace detail
 
@@ -21,7 +21,7 @@ void launch_forward(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const dim3 grid(grid_blocks(s.seq_q, tile_config(Pass::Forward, DP, a.big).block_m),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  detail::launch(dev::forward_kernel<DP, M>, Pass::Forward, DP, a.big, grid, a, stream, "forward kernel launch");
+  detail::launch(dev::forward_kernel<DP, M>, Pass::Forward, DP, a.big, M, grid, a, stream, "forward kernel launch");
 }
 
 template <int DP, Math M>
@@ -29,7 +29,7 @@ void launch_dq(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const dim3 grid(grid_blocks(s.seq_q, tile_config(Pass::Dq, DP, a.big).block_m),
                   static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  detail::launch(dev::dq_kernel<DP, M>, Pass::Dq, DP, a.big, grid, a, stream, "dq kernel launch");
+  detail::launch(dev::dq_kernel<DP, M>, Pass::Dq, DP, a.big, M, grid, a, stream, "dq kernel launch");
 }
 
 template <int DP, Math M>
@@ -37,7 +37,7 @@ void launch_dkv(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const dim3 grid(grid_blocks(s.seq_kv, tile_config(Pass::Dkv, DP, a.big).block_m),
                   static_cast<unsigned>(s.heads_kv), static_cast<unsigned>(s.batch));
-  detail::launch(dev::dkv_kernel<DP, M>, Pass::Dkv, DP, a.big, grid, a, stream, "dkv kernel launch");
+  detail::launch(dev::dkv_kernel<DP, M>, Pass::Dkv, DP, a.big, M, grid, a, stream, "dkv kernel launch");
 }
 
 #define FLASHATTN_INSTANTIATE(PASS, DP)                                                  \
