@@ -89,14 +89,15 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes(Pass pass, int dp, bool big) {
   return 0;
 }
 
-// 3xTF32 (fp32 mode) dQ and dK/dV: the streamed tiles (K, V or Q, dO) are split into big + small
-// once per CTA in shared memory - big in place, small in a buffer of the same shape - instead
-// of every warp splitting every fragment it loads (eight warps share each tile; the splits were
-// a third of the kernels' SASS instructions). At D = 64 only for now: at D = 128 the dQ tile's
-// small buffers do not fit and the dK/dV kernel spills 28 bytes more with them (to be measured
-// first); elsewhere the warps keep splitting (split_smem_bytes = 0).
+// 3xTF32 (fp32 mode): the streamed tiles (K, V in the forward and dQ; Q, dO in dK/dV) are split
+// into big + small once per CTA in shared memory - big in place, small in a buffer of the same
+// shape - instead of every warp splitting every fragment it loads (eight warps share each tile;
+// the splits were a third of the kernels' SASS instructions). The forward up to D = 128; the
+// backward at D = 64 only for now: at D = 128 the dQ tile's small buffers do not fit and the dK/dV
+// kernel spills 28 bytes more with them (to be measured first). Elsewhere the warps keep
+// splitting (split_smem_bytes = 0).
 FLASHATTN_CUDA_HD constexpr int split_smem_bytes(Pass pass, int dp, bool big, Math m) {
-  if (m != Math::Tf32x3 || pass == Pass::Forward || dp > 64) return 0;
+  if (m != Math::Tf32x3 || dp > (pass == Pass::Forward ? 128 : 64)) return 0;
   const TileConfig c = tile_config(pass, dp, big);
   const int extra = 2 * c.stages * c.block_n * smem_row(dp) * 4;
   return smem_bytes(pass, dp, big) + extra <= (big ? 227 : 163) * 1024 ? extra : 0;

@@ -61,14 +61,29 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   float o[NO][4];
   zero(o);
   SoftmaxState st;
+  // tf32: tiles rounded once in shared memory; 3xtf32: K and V split once, their small parts
+  // [stages][BN][LD] each following sV, SOFF floats past the big parts (split_smem_bytes).
+  constexpr bool kR = M == Math::Tf32;
+  constexpr int SOFF = split_smem_bytes(Pass::Forward, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD : 0;
 
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
+    if constexpr (kR) {
+      if (it == 0) round_tile_tf32<BM, DP, LD, T>(sQ);
+      round_tile_tf32<BN, DP, LD, T>(sK + stage * BN * LD);
+      round_tile_tf32<BN, DP, LD, T>(sV + stage * BN * LD);
+      __syncthreads();
+    }
+    if constexpr (SOFF != 0) {
+      split_tile_tf32<BN, DP, LD, T, SOFF>(sK + stage * BN * LD);
+      split_tile_tf32<BN, DP, LD, T, SOFF>(sV + stage * BN * LD);
+      __syncthreads();
+    }
 
     float s[NS][4];
     zero(s);
-    gemm_nt<M, NS, DP, LD>(s, sQw, sK + stage * BN * LD);
+    gemm_nt<M, NS, DP, LD, kR, SOFF>(s, sQw, sK + stage * BN * LD);
 
     scale_scores(s, a.sl2);
     const int64_t n0 = static_cast<int64_t>(it) * BN;
@@ -78,7 +93,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
       });
     }
     online_softmax(st, s, o);
-    gemm_rn<M, NO, NS, LD>(o, s, sV + stage * BN * LD);
+    gemm_rn<M, NO, NS, LD, kR, SOFF>(o, s, sV + stage * BN * LD);
     pipeline_release<C.stages>(it, ntiles, load_kv);
   }
   pipeline_drain();
