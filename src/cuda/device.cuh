@@ -243,6 +243,26 @@ __device__ __forceinline__ void split_tile_tf32(float* tile) {
   }
 }
 
+// One tile step's operand conversion in the mma.sync kernels (then a barrier): in tf32 mode the
+// stationary tiles (at the first step; `stat1` may be null) and the stage's two streamed tiles
+// are rounded in place; in 3xTF32 mode with SOFF the streamed tiles are split. Nothing otherwise.
+template <Math M, int SOFF, int RS, int RB, int DP, int LD, int T>
+__device__ __forceinline__ void convert_step_tiles(int it, float* stat0, float* stat1, float* b0, float* b1) {
+  if constexpr (M == Math::Tf32) {
+    if (it == 0) {
+      round_tile_tf32<RS, DP, LD, T>(stat0);
+      if (stat1 != nullptr) round_tile_tf32<RS, DP, LD, T>(stat1);
+    }
+    round_tile_tf32<RB, DP, LD, T>(b0);
+    round_tile_tf32<RB, DP, LD, T>(b1);
+    __syncthreads();
+  } else if constexpr (SOFF != 0) {
+    split_tile_tf32<RB, DP, LD, T, SOFF>(b0);
+    split_tile_tf32<RB, DP, LD, T, SOFF>(b1);
+    __syncthreads();
+  }
+}
+
 // ---- warp matrix products -------------------------------------------------------------------
 // C[16 x 8*NT] += A[16 x K] * B[8*NT x K]^T, A and B row-major in shared memory (row stride LD),
 // A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8). kRounded (tf32 only): A and

@@ -69,17 +69,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    if constexpr (kR) {
-      if (it == 0) round_tile_tf32<BM, DP, LD, T>(sQ);
-      round_tile_tf32<BN, DP, LD, T>(sK + stage * BN * LD);
-      round_tile_tf32<BN, DP, LD, T>(sV + stage * BN * LD);
-      __syncthreads();
-    }
-    if constexpr (SOFF != 0) {
-      split_tile_tf32<BN, DP, LD, T, SOFF>(sK + stage * BN * LD);
-      split_tile_tf32<BN, DP, LD, T, SOFF>(sV + stage * BN * LD);
-      __syncthreads();
-    }
+    convert_step_tiles<M, SOFF, BM, BN, DP, LD, T>(it, sQ, nullptr, sK + stage * BN * LD, sV + stage * BN * LD);
 
     float s[NS][4];
     zero(s);
@@ -172,20 +162,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    if constexpr (kR) {
-      if (it == 0) {
-        round_tile_tf32<BM, DP, LD, T>(sQ);
-        round_tile_tf32<BM, DP, LD, T>(sdO);
-      }
-      round_tile_tf32<BN, DP, LD, T>(sK + stage * BN * LD);
-      round_tile_tf32<BN, DP, LD, T>(sV + stage * BN * LD);
-      __syncthreads();
-    }
-    if constexpr (SOFF != 0) {
-      split_tile_tf32<BN, DP, LD, T, SOFF>(sK + stage * BN * LD);
-      split_tile_tf32<BN, DP, LD, T, SOFF>(sV + stage * BN * LD);
-      __syncthreads();
-    }
+    convert_step_tiles<M, SOFF, BM, BN, DP, LD, T>(it, sQ, sdO, sK + stage * BN * LD, sV + stage * BN * LD);
     const float* sKs = sK + stage * BN * LD;
     float s[NS][4], dp[NS][4];
     zero(s);
@@ -273,20 +250,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_q);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    if constexpr (kR) {
-      if (it == 0) {
-        round_tile_tf32<BM, DP, LD, T>(sK);
-        round_tile_tf32<BM, DP, LD, T>(sV);
-      }
-      round_tile_tf32<BN, DP, LD, T>(sQ + stage * BN * LD);
-      round_tile_tf32<BN, DP, LD, T>(sdO + stage * BN * LD);
-      __syncthreads();
-    }
-    if constexpr (SOFF != 0) {
-      split_tile_tf32<BN, DP, LD, T, SOFF>(sQ + stage * BN * LD);
-      split_tile_tf32<BN, DP, LD, T, SOFF>(sdO + stage * BN * LD);
-      __syncthreads();
-    }
+    convert_step_tiles<M, SOFF, BM, BN, DP, LD, T>(it, sK, sV, sQ + stage * BN * LD, sdO + stage * BN * LD);
     const float* sQs = sQ + stage * BN * LD;
     const float* sdOs = sdO + stage * BN * LD;
     const float* sLs = sL + stage * BN;
