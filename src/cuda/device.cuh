@@ -173,6 +173,15 @@ __device__ __forceinline__ AFrag<M> make_afrag(const float (&a)[4]) {
   return f;
 }
 
+// c += A*B for one 3xTF32 m16n8k8 step with B split already (by mma_step below, or once per CTA
+// by split_tile_tf32). Small terms first: they are added while the accumulator is still small.
+__device__ __forceinline__ void mma_step_split(float (&c)[4], const AFrag<Math::Tf32x3>& a, const uint32_t (&bb)[2],
+                                               const uint32_t (&bs)[2]) {
+  mma_tf32(c, a.small, bb);
+  mma_tf32(c, a.big, bs);
+  mma_tf32(c, a.big, bb);
+}
+
 // c += A*B for one m16n8k8 step, in the precision of M.
 template <Math M, bool kBRounded = false>
 __device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const float (&b)[2]) {
@@ -186,10 +195,7 @@ __device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const
     uint32_t bb[2], bs[2];
     tf32_split(b[0], bb[0], bs[0]);
     tf32_split(b[1], bb[1], bs[1]);
-    // Small terms first: they are added while the accumulator is still small.
-    mma_tf32(c, a.small, bb);
-    mma_tf32(c, a.big, bs);
-    mma_tf32(c, a.big, bb);
+    mma_step_split(c, a, bb, bs);
   }
 }
 
@@ -211,14 +217,6 @@ __device__ __forceinline__ void round_tile_tf32(float* tile) {
     v.w = __uint_as_float(tf32_round(v.w));
     *w = v;
   }
-}
-
-// 3xTF32 with B split beforehand (split_tile_tf32): the same three products as mma_step.
-__device__ __forceinline__ void mma_step_split(float (&c)[4], const AFrag<Math::Tf32x3>& a, const uint32_t (&bb)[2],
-                                               const uint32_t (&bs)[2]) {
-  mma_tf32(c, a.small, bb);
-  mma_tf32(c, a.big, bs);
-  mma_tf32(c, a.big, bb);
 }
 
 // Splits a tile of shared memory (ROWS x DP floats, row stride LD) into tf32 big (in place) and
