@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -103,6 +105,30 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
 }
 
 }  // namespace
+
+cudaMemPool_t workspace_pool() {
+  int device = 0;
+  FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<int, cudaMemPool_t> pools;  // one per device, for the process's lifetime
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = pools.find(device);
+  if (it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  FLASHATTN_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+  uint64_t keep = UINT64_MAX;
+  const cudaError_t e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  if (e != cudaSuccess) {
+    (void)cudaMemPoolDestroy(pool);
+    throw_cuda(e, "cudaMemPoolSetAttribute(workspace pool, release threshold)");
+  }
+  pools.emplace(device, pool);
+  return pool;
+}
 
 bool built() { return true; }
 
@@ -250,7 +276,9 @@ std::string describe() {
          << prop.multiProcessorCount << " SMs)";
   }
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
-        "3xtf32 (precision fp32), tf32 (precision tf32), fma (fallback); float16/bfloat16 kernels "
+        "3xtf32 (precision fp32), tf32 (precision tf32; on sm_90 the forward by wgmma for {64,128} "
+        "and the backward by wgmma for 64, FLASHATTN_CUDA_TF32_BWD=mma keeps mma.sync), fma "
+        "(fallback); float16/bfloat16 kernels "
         "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, forward on sm_90 "
         "by wgmma for {64,128,256} and single-pass backward by wgmma for {64,128,256} "
         "(FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward single pass with atomic dQ (default "

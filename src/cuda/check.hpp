@@ -41,12 +41,21 @@ void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_
   check_launch(name);
 }
 
+// The library's stream-ordered memory pool on the current device (backend.cu): created on first
+// use with no release threshold, so the pages of one call's scratch stay mapped for the next.
+// (The device's default pool hands its pages back to the driver at every synchronisation; mapping
+// the tf32 backward's 0.9 GB of operand copies again cost ~1 ms per call at S = 1k - a quarter of
+// the call: docs/PERF.md, float32 run 7b.) A private pool leaves the caller's default-pool
+// settings alone; what it holds is at most the largest scratch of one call in flight per stream.
+cudaMemPool_t workspace_pool();
+
 // Device scratch of the backward (D workspace, dQ accumulator, tf32 operand copies): stream-ordered
-// memory, freed on the stream on every path out (also when a later step throws).
+// memory from workspace_pool(), freed on the stream on every path out (also when a later step
+// throws).
 class Workspace {
  public:
   Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    FLASHATTN_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
+    FLASHATTN_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes, workspace_pool(), stream));
   }
   ~Workspace() {
     if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);

@@ -160,14 +160,12 @@ struct AFrag {
   uint32_t big[4];
   uint32_t small[M == Math::Tf32x3 ? 4 : 1];
 };
-// kRounded: the values are tf32 already (a tile rounded in shared memory, see round_tile_tf32).
-template <Math M, bool kRounded = false>
+template <Math M>
 __device__ __forceinline__ AFrag<M> make_afrag(const float (&a)[4]) {
   AFrag<M> f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if constexpr (M == Math::Tf32x3) tf32_split(a[i], f.big[i], f.small[i]);
-    else if constexpr (kRounded) f.big[i] = __float_as_uint(a[i]);
     else f.big[i] = tf32_round(a[i]);
   }
   return f;
@@ -183,12 +181,9 @@ __device__ __forceinline__ void mma_step_split(float (&c)[4], const AFrag<Math::
 }
 
 // c += A*B for one m16n8k8 step, in the precision of M.
-template <Math M, bool kBRounded = false>
+template <Math M>
 __device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const float (&b)[2]) {
-  if constexpr (M == Math::Tf32 && kBRounded) {
-    const uint32_t bb[2] = {__float_as_uint(b[0]), __float_as_uint(b[1])};
-    mma_tf32(c, a.big, bb);
-  } else if constexpr (M == Math::Tf32) {
+  if constexpr (M == Math::Tf32) {
     const uint32_t bb[2] = {tf32_round(b[0]), tf32_round(b[1])};
     mma_tf32(c, a.big, bb);
   } else {
@@ -196,26 +191,6 @@ __device__ __forceinline__ void mma_step(float (&c)[4], const AFrag<M>& a, const
     tf32_split(b[0], bb[0], bs[0]);
     tf32_split(b[1], bb[1], bs[1]);
     mma_step_split(c, a, bb, bs);
-  }
-}
-
-// Rounds a tile of shared memory (ROWS x DP floats, row stride LD) to tf32 in place, all T
-// threads of the CTA taking 16-byte words (callers synchronise before and after). In tf32
-// mode the mma.sync kernels round each tile once per CTA this way instead of every warp
-// rounding every fragment it loads (two integer ops per element per warp: measured in the
-// SASS, a fifth of the backward's instructions; the kernels are issue-bound). Results are
-// bitwise the same: tf32_round is idempotent.
-template <int ROWS, int DP, int LD, int T>
-__device__ __forceinline__ void round_tile_tf32(float* tile) {
-  static_assert(DP % 4 == 0 && LD % 4 == 0, "16-byte words");
-  for (int i = static_cast<int>(threadIdx.x); i < ROWS * DP / 4; i += T) {
-    float4* w = reinterpret_cast<float4*>(tile + (i / (DP / 4)) * LD + (i % (DP / 4)) * 4);
-    float4 v = *w;
-    v.x = __uint_as_float(tf32_round(v.x));
-    v.y = __uint_as_float(tf32_round(v.y));
-    v.z = __uint_as_float(tf32_round(v.z));
-    v.w = __uint_as_float(tf32_round(v.w));
-    *w = v;
   }
 }
 
@@ -241,20 +216,13 @@ __device__ __forceinline__ void split_tile_tf32(float* tile) {
   }
 }
 
-// One tile step's operand conversion in the mma.sync kernels (then a barrier): in tf32 mode the
-// stationary tiles (at the first step; `stat1` may be null) and the stage's two streamed tiles
-// are rounded in place; in 3xTF32 mode with SOFF the streamed tiles are split. Nothing otherwise.
-template <Math M, int SOFF, int RS, int RB, int DP, int LD, int T>
-__device__ __forceinline__ void convert_step_tiles(int it, float* stat0, float* stat1, float* b0, float* b1) {
-  if constexpr (M == Math::Tf32) {
-    if (it == 0) {
-      round_tile_tf32<RS, DP, LD, T>(stat0);
-      if (stat1 != nullptr) round_tile_tf32<RS, DP, LD, T>(stat1);
-    }
-    round_tile_tf32<RB, DP, LD, T>(b0);
-    round_tile_tf32<RB, DP, LD, T>(b1);
-    __syncthreads();
-  } else if constexpr (SOFF != 0) {
+// One tile step's operand conversion in the mma.sync kernels (then a barrier): in 3xTF32 mode
+// with SOFF the stage's two streamed tiles are split. Nothing otherwise. (tf32 mode rounds per
+// fragment: rounding its tiles once per CTA the same way measured 10-19% slower in the backward,
+// docs/PERF.md float32 run 7 - the extra barrier per tile costs more than the adds it saves.)
+template <Math M, int SOFF, int RB, int DP, int LD, int T>
+__device__ __forceinline__ void convert_step_tiles(float* b0, float* b1) {
+  if constexpr (SOFF != 0) {
     split_tile_tf32<RB, DP, LD, T, SOFF>(b0);
     split_tile_tf32<RB, DP, LD, T, SOFF>(b1);
     __syncthreads();
@@ -263,12 +231,10 @@ __device__ __forceinline__ void convert_step_tiles(int it, float* stat0, float* 
 
 // ---- warp matrix products -------------------------------------------------------------------
 // C[16 x 8*NT] += A[16 x K] * B[8*NT x K]^T, A and B row-major in shared memory (row stride LD),
-// A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8). kRounded (tf32 only): A and
-// B were rounded in shared memory (round_tile_tf32).
+// A = the warp's 16 rows, B = rows [0, 8*NT). K = KD (multiple of 8).
 // SOFF (3xTF32 only, nonzero): B was split in shared memory, its small part SOFF floats further.
-template <Math M, int NT, int KD, int LD, bool kRounded = false, int SOFF = 0>
+template <Math M, int NT, int KD, int LD, int SOFF = 0>
 __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, const float* B) {
-  static_assert(!kRounded || M == Math::Tf32, "only tf32 operands are rounded in shared memory");
   static_assert(SOFF == 0 || M == Math::Tf32x3, "only 3xtf32 operands are split in shared memory");
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   if constexpr (M == Math::Fma) {
@@ -308,7 +274,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
         const int k = 8 * (k0 + u) + t;
         // Fragment loads: lane (g, t) reads row g at column t: banks 4g + t, conflict free.
         const float af[4] = {A[g * LD + k], A[(g + 8) * LD + k], A[g * LD + k + 4], A[(g + 8) * LD + k + 4]};
-        a[u] = make_afrag<M, kRounded>(af);
+        a[u] = make_afrag<M>(af);
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -331,7 +297,7 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
         } else {
           const float* bp = B + (8 * j + g) * LD + 8 * k0 + t;
           const float b[2] = {bp[0], bp[4]};
-          mma_step<M, kRounded>(acc[j], a[0], b);
+          mma_step<M>(acc[j], a[0], b);
         }
       }
     }
@@ -339,11 +305,9 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[NT][4], const float* A, con
 }
 
 // C[16 x 8*NT] += P[16 x 8*NK] * B[8*NK x 8*NT], P in registers in the accumulator layout
-// (P[kk] holds columns 8kk..8kk+7), B row-major in shared memory (row stride LD). kRounded (tf32
-// only): B was rounded in shared memory (round_tile_tf32); P is rounded here.
-template <Math M, int NT, int NK, int LD, bool kRounded = false, int SOFF = 0>
+// (P[kk] holds columns 8kk..8kk+7), B row-major in shared memory (row stride LD).
+template <Math M, int NT, int NK, int LD, int SOFF = 0>
 __device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK][4], const float* B) {
-  static_assert(!kRounded || M == Math::Tf32, "only tf32 operands are rounded in shared memory");
   static_assert(SOFF == 0 || M == Math::Tf32x3, "only 3xtf32 operands are split in shared memory");
   const int lane = lane_id(), g = lane >> 2, t = lane & 3;
   if constexpr (M == Math::Fma) {
@@ -410,7 +374,7 @@ __device__ __forceinline__ void gemm_rn(float (&acc)[NT][4], const float (&P)[NK
         } else {
           const float* r0 = B + (8 * k0 + 2 * t) * LD + g + 8 * j;
           const float b[2] = {r0[0], r0[LD]};
-          mma_step<M, kRounded>(acc[j], a[0], b);
+          mma_step<M>(acc[j], a[0], b);
         }
       }
     }

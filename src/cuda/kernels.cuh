@@ -61,19 +61,18 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   float o[NO][4];
   zero(o);
   SoftmaxState st;
-  // tf32: tiles rounded once in shared memory; 3xtf32: K and V split once, their small parts
+  // 3xtf32: K and V split once per CTA, their small parts
   // [stages][BN][LD] each following sV, SOFF floats past the big parts (split_smem_bytes).
-  constexpr bool kR = M == Math::Tf32;
   constexpr int SOFF = split_smem_bytes(Pass::Forward, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD : 0;
 
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    convert_step_tiles<M, SOFF, BM, BN, DP, LD, T>(it, sQ, nullptr, sK + stage * BN * LD, sV + stage * BN * LD);
+    convert_step_tiles<M, SOFF, BN, DP, LD, T>(sK + stage * BN * LD, sV + stage * BN * LD);
 
     float s[NS][4];
     zero(s);
-    gemm_nt<M, NS, DP, LD, kR, SOFF>(s, sQw, sK + stage * BN * LD);
+    gemm_nt<M, NS, DP, LD, SOFF>(s, sQw, sK + stage * BN * LD);
 
     scale_scores(s, a.sl2);
     const int64_t n0 = static_cast<int64_t>(it) * BN;
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
       });
     }
     online_softmax(st, s, o);
-    gemm_rn<M, NO, NS, LD, kR, SOFF>(o, s, sV + stage * BN * LD);
+    gemm_rn<M, NO, NS, LD, SOFF>(o, s, sV + stage * BN * LD);
     pipeline_release<C.stages>(it, ntiles, load_kv);
   }
   pipeline_drain();
@@ -154,7 +153,6 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   }
   float dq[NO][4];
   zero(dq);
-  constexpr bool kR = M == Math::Tf32;  // tf32: tiles rounded once in shared memory
   // 3xtf32: K and V split once in shared memory; their small parts [stages][BN][LD] each follow
   // sV, SOFF floats past the big parts (split_smem_bytes).
   constexpr int SOFF = split_smem_bytes(Pass::Dq, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD : 0;
@@ -162,13 +160,13 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_kv);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    convert_step_tiles<M, SOFF, BM, BN, DP, LD, T>(it, sQ, sdO, sK + stage * BN * LD, sV + stage * BN * LD);
+    convert_step_tiles<M, SOFF, BN, DP, LD, T>(sK + stage * BN * LD, sV + stage * BN * LD);
     const float* sKs = sK + stage * BN * LD;
     float s[NS][4], dp[NS][4];
     zero(s);
     zero(dp);
-    gemm_nt<M, NS, DP, LD, kR, SOFF>(s, sQ + warp * 16 * LD, sKs);
-    gemm_nt<M, NS, DP, LD, kR, SOFF>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
+    gemm_nt<M, NS, DP, LD, SOFF>(s, sQ + warp * 16 * LD, sKs);
+    gemm_nt<M, NS, DP, LD, SOFF>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
 
     const int64_t n0 = static_cast<int64_t>(it) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
@@ -177,7 +175,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
     });
-    gemm_rn<M, NO, NS, LD, kR, SOFF>(dq, dp, sKs);
+    gemm_rn<M, NO, NS, LD, SOFF>(dq, dp, sKs);
     pipeline_release<C.stages>(it, ntiles, load_kv);
   }
   pipeline_drain();
@@ -242,7 +240,6 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   zero(dk);
   zero(dv);
 
-  constexpr bool kR = M == Math::Tf32;  // tf32: tiles rounded once in shared memory
   // 3xtf32: Q and dO split once in shared memory; their small parts [stages][BN][LD] each follow
   // sD, SOFF floats past the big parts (split_smem_bytes).
   constexpr int SOFF =
@@ -250,7 +247,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   for (int it = 0; it < ntiles; ++it) {
     pipeline_acquire<C.stages>(it, ntiles, load_q);
     const int stage = C.stages == 2 ? (it & 1) : 0;
-    convert_step_tiles<M, SOFF, BM, BN, DP, LD, T>(it, sK, sV, sQ + stage * BN * LD, sdO + stage * BN * LD);
+    convert_step_tiles<M, SOFF, BN, DP, LD, T>(sQ + stage * BN * LD, sdO + stage * BN * LD);
     const float* sQs = sQ + stage * BN * LD;
     const float* sdOs = sdO + stage * BN * LD;
     const float* sLs = sL + stage * BN;
@@ -258,8 +255,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
     float s[NS][4], dp[NS][4];
     zero(s);
     zero(dp);
-    gemm_nt<M, NS, DP, LD, kR, SOFF>(s, sK + kw * 16 * LD, sQs);
-    gemm_nt<M, NS, DP, LD, kR, SOFF>(dp, sV + kw * 16 * LD, sdOs);
+    gemm_nt<M, NS, DP, LD, SOFF>(s, sK + kw * 16 * LD, sQs);
+    gemm_nt<M, NS, DP, LD, SOFF>(dp, sV + kw * 16 * LD, sdOs);
 
     const int64_t n0 = kb.q0(it, BN);  // first query row
     const bool masked = kb.tile_masked(n0, BN, BM, Sq, Skv);
@@ -269,8 +266,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
     });
-    gemm_rn<M, NO, NS, LD, kR, SOFF>(dv, s, sdOs + cw * DW);
-    gemm_rn<M, NO, NS, LD, kR, SOFF>(dk, dp, sQs + cw * DW);
+    gemm_rn<M, NO, NS, LD, SOFF>(dv, s, sdOs + cw * DW);
+    gemm_rn<M, NO, NS, LD, SOFF>(dk, dp, sQs + cw * DW);
     pipeline_release<C.stages>(it, ntiles, load_q);
   }
   pipeline_drain();

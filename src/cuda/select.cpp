@@ -119,16 +119,15 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     }
     c.math = forced;
   }
-  // tf32 mode's forward on Hopper: the wgmma kernel (the 3xTF32 and FMA arithmetics stay on the
-  // mma.sync / CUDA-core kernels),
-  // and, opt-in, its backward at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|wgmma): the
-  // wgmma dQ pass is correct but with the operand pre-pass measured no faster than mma.sync
-  // (0.81-1.08x, docs/PERF.md float32 run 5); the wgmma dK/dV kernel failed the tests whenever a
-  // key block saw more than one query tile (a ptxas fault, worked around since, not yet re-run on
-  // a GPU: run 6). Both stay off by default until measured correct and faster.
+  // tf32 mode on Hopper: the wgmma forward, and at padded D = 64 the wgmma backward (dQ pass and
+  // dK/dV pass on wgmma after the operand pre-pass): 1.4-2.3x the mma.sync backward's kernel time
+  // at every benchmark shape (docs/PERF.md, float32 runs 7 and 7b). The 3xTF32 and FMA arithmetics
+  // stay on the mma.sync / CUDA-core kernels. FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|wgmma overrides
+  // the backward (wgmma-dq: the dK/dV pass on mma.sync), for tests and measurement.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
-  const int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});
+  int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});
+  if (tf32_bwd < 0) tf32_bwd = 2;
   c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;
   c.tf32_dkv_wgmma = c.sm90_bwd && tf32_bwd == 2;
   c.ok = true;

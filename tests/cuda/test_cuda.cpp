@@ -54,7 +54,7 @@ class EnvScope {
  private:
   const char* var_;
 };
-constexpr const char* kTf32BwdOther = "wgmma";
+constexpr const char* kTf32BwdOther = "mma";
 
 Options cuda_options(const ProblemConfig& c, Precision prec) {
   Options o = options_for(c);

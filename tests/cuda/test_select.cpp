@@ -98,7 +98,7 @@ TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
 
 TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0
-  // and the wgmma backward at D <= 64.
+  // and the wgmma backward (both passes) at padded D = 64.
   EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
   EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
   EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
@@ -107,8 +107,13 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     ASSERT_TRUE(c.ok);
     EXPECT_EQ(c.math, Math::Tf32);
     EXPECT_TRUE(c.sm90_fwd) << "D = " << d;
-    EXPECT_FALSE(c.sm90_bwd) << "D = " << d;  // opt-in only (FLASHATTN_CUDA_TF32_BWD)
+    EXPECT_EQ(c.sm90_bwd, d <= 64) << "D = " << d;
+    EXPECT_EQ(c.tf32_dkv_wgmma, d <= 64) << "D = " << d;
   }
+  for (Mask m : {Mask::None, Mask::CausalTopLeft})
+    for (int64_t s : {1, 1024, 16384})
+      EXPECT_TRUE(select_kernel(shape(s, 64), num(DType::Float32, m, Precision::Tf32), 9, 0).tf32_dkv_wgmma)
+          << "S = " << s;
   const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
   EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_fwd);
   EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 8, 0).sm90_fwd);
@@ -126,10 +131,10 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(c.sm90_bwd);
   }
   {
-    EnvScope e("FLASHATTN_CUDA_MATH", "tf32");  // and the other way round
+    EnvScope e("FLASHATTN_CUDA_MATH", "tf32");  // and the other way round: tf32's kernels
     const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
     EXPECT_TRUE(c.sm90_fwd);
-    EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_TRUE(c.sm90_bwd);
   }
   {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma-dq");
@@ -139,8 +144,9 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
   }
   {
-    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma");
-    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
+    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
   }
   // Before sm_80 there is no TF32: the FMA kernels in both precisions; asking for TF32 is an error.
   EXPECT_EQ(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 7, 5).math, Math::Fma);

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Where a flashattn call's time goes, kernel by kernel (CUDA, torch.profiler's CUPTI timings).
+
+For each case, the issue benchmarks' shape (B = 16384 / S, H = 2048 / D, Sq = Skv = S): one warm-up
+call, then REPS calls under torch.profiler; prints per kernel its mean time per call (us), its
+share of the call's kernel time and the call's total, so that a slow shape can be traced to its
+kernel (a pre-pass, the dQ pass, the dK/dV pass) before anything is changed. Environment
+variables that steer kernel selection (FLASHATTN_CUDA_*) apply as in any call; CASE may set
+them per case: "env=FLASHATTN_CUDA_TF32_BWD=wgmma".
+
+usage: kernel_times.py --lib build-gpu/src/libflashattn.so CASE [CASE ...]
+  CASE: comma-separated key=value: pass=fwd|bwd, dtype=float32|bfloat16|float16, d=64, s=4096,
+        causal=0|1, precision=fp32|tf32, env=VAR=VALUE (repeatable)
+  e.g.  pass=bwd,precision=tf32,d=64,s=1024,causal=1,env=FLASHATTN_CUDA_TF32_BWD=wgmma
+"""
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_case(text):
+    c = {"pass": "bwd", "dtype": "float32", "d": 64, "s": 4096, "causal": 0, "precision": "fp32", "env": []}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key == "env":
+            c["env"].append(value)
+        elif key in ("d", "s", "causal"):
+            c[key] = int(value)
+        elif key in c:
+            c[key] = value
+        else:
+            raise SystemExit(f"unknown case key '{key}' in '{text}'")
+    return c
+
+
+def short(name, width=70):
+    name = name.replace("flashattn::cuda::dev::", "")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def run_case(lib, c, reps):
+    saved = {}
+    for assignment in c["env"]:
+        var, _, value = assignment.partition("=")
+        saved[var] = os.environ.get(var)
+        os.environ[var] = value
+    try:
+        s, d, dt = c["s"], c["d"], DTYPES[c["dtype"]]
+        b, h = max(1, 16384 // s), max(1, 2048 // d)
+        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(4))
+        out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        opts = (MASK_CAUSAL_TOP_LEFT if c["causal"] else MASK_NONE, 1 if c["precision"] == "tf32" else 0, False)
+
+        def call():
+            if c["pass"] == "fwd":
+                lib.forward(q, k, v, out, lse, opts)
+            else:
+                lib.backward(q, k, v, out, do, lse, dq, dk, dv, opts)
+
+        lib.forward(q, k, v, out, lse, opts)
+        call()
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(reps):
+                call()
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        count = defaultdict(int)
+        for e in prof.key_averages():
+            # Kernels and memsets are the rows with time of their own on the device (the launch
+            # API rows have none); torch < 2.4 spells the field self_cuda_time_total.
+            t = getattr(e, "self_device_time_total", None)
+            t = e.self_cuda_time_total if t is None else t
+            if t > 0:
+                per[e.key] += t
+                count[e.key] += e.count
+        total = sum(per.values()) / reps
+        flops = 4.0 * b * h * s * s * d * (0.5 if c["causal"] else 1.0) * (2.5 if c["pass"] == "bwd" else 1.0)
+        label = " ".join(f"{k}={c[k]}" for k in ("pass", "dtype", "precision", "d", "s", "causal")) + (
+            " " + " ".join(c["env"]) if c["env"] else "")
+        print(f"== {label}: B={b} H={h}; kernels {total:.1f} us per call = {flops / total * 1e-6:.1f} TFLOP/s")
+        for name, t in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"   {t / reps:9.1f} us {100 * t / reps / total:5.1f}%  x{count[name] // reps}  {short(name)}")
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("cases", nargs="+")
+    a = ap.parse_args()
+    lib = CtypesLib(a.lib, torch)
+    for text in a.cases:
+        run_case(lib, parse_case(text), a.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
