@@ -277,23 +277,30 @@ static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds 
 // B operand). dQ: 128 queries (two consumer warpgroups) x 64-key tiles; Q and dO as tf32
 // fragments (DP/2 registers each), dQ, S, dP and dS's fragments DP/2 and block_n/2 each.
 // dK/dV: 128 keys (64 per warpgroup) x 64-query tiles; K and V as fragments, dK, dV, S^T, dP^T.
-// At D = 128 neither fits: K and V (or Q and dO) alone would take 128 registers per thread, and
-// their tiles with two stages of four streamed operands exceed shared memory.
-FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64; }
+// At D = 128 that does not fit: K and V (or Q and dO) alone would take 128 registers per thread,
+// and their tiles with two stages of four streamed operands exceed shared memory. So D = 128 has
+// the pair design (kernels_sm90_tf32_bwd_pair.cuh): 64 rows per CTA, both warpgroups on the same
+// rows, one stationary operand and one accumulator each (~160 registers), 32-row streamed tiles.
+FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp) { return dp == 128; }
 // The producer keeps 48 registers (its 64-bit tile and pointer arithmetic spilled at 24 and 40),
 // which leaves 224 per consumer thread.
-FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, int /*dp*/) {
-  return TileConfig90{128, 64, 2, 1, 1, 48};
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, int dp) {
+  return tf32_bwd_pair(dp) ? TileConfig90{64, 32, 2, 1, 1, 48} : TileConfig90{128, 64, 2, 1, 1, 48};
 }
-// dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim).
-// dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors.
+// dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim); pair
+// design: the P and dS exchange buffers (block_m x block_n floats each).
+// dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
+// design: the P^T exchange buffer.
 // Each: 1 KiB for alignment and 8 mbarriers.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp) {
   const TileConfig90 c = tile_config90_tf32_bwd(pass, dp);
-  return pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * c.block_n) * dp * 4 + 1024 + 8 * 8
-                          : (2 * c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 + 1024 + 8 * 8;
+  const int exchange = tf32_bwd_pair(dp) ? (pass == Pass::Dq ? 2 : 1) * c.block_m * c.block_n * 4 : 0;
+  return exchange + (pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * c.block_n) * dp * 4 + 1024 + 8 * 8
+                                      : (2 * c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 + 1024 + 8 * 8);
 }
-static_assert(smem_bytes90_tf32_bwd(Pass::Dq, 64) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 64) <= 227 * 1024,
+static_assert(smem_bytes90_tf32_bwd(Pass::Dq, 64) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 64) <= 227 * 1024 &&
+                  smem_bytes90_tf32_bwd(Pass::Dq, 128) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 128) <= 227 * 1024,
               "tile_config90_tf32_bwd exceeds shared memory");
 
 constexpr bool tiles90_fit() {

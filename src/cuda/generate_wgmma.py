@@ -7,7 +7,7 @@ Run from anywhere: python3 src/cuda/generate_wgmma.py"""
 import pathlib
 
 NS = [32, 64, 96, 128, 192, 256]  # the N of every 16-bit product the sm_90 kernels issue
-NS_TF32 = [64, 128]  # and of every tf32 one
+NS_TF32 = [32, 64, 128]  # and of every tf32 one
 
 
 def acc_list(n):

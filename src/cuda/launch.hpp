@@ -71,9 +71,9 @@ template <int DP, Half16 H>
 bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);
 // dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
-// The float32 backward in tf32 mode on sm_90a (kernels_sm90_tf32_bwd.cuh), padded D = 64: the
-// operand copies, the wgmma dQ pass and the dK/dV pass (mma.sync unless a.tf32_dkv_wgmma), after
-// launch_preprocess. False (nothing
+// The float32 backward in tf32 mode on sm_90a, padded D = 64 (kernels_sm90_tf32_bwd.cuh) and 128
+// (kernels_sm90_tf32_bwd_pair.cuh): the operand copies, the wgmma dQ pass and the dK/dV pass (at
+// D = 64 on mma.sync unless a.tf32_dkv_wgmma), after launch_preprocess. False (nothing
 // launched) when the copy engine cannot address K or V: the caller runs the mma.sync kernels.
 template <int DP>
 bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);

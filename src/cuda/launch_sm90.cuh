@@ -6,6 +6,7 @@
 #include "cuda/kernels_sm90.cuh"
 #include "cuda/kernels_sm90_tf32.cuh"
 #include "cuda/kernels_sm90_tf32_bwd.cuh"
+#include "cuda/kernels_sm90_tf32_bwd_pair.cuh"
 #include "cuda/launch.hpp"
 #include "cuda/tma.hpp"
 
@@ -49,6 +50,10 @@ template <int DP>
 bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP), ck = tile_config90_tf32_bwd(Pass::Dkv, DP);
+  // D = 128: the pair kernels (both warpgroups on one tile's rows, split by product); the dK/dV
+  // pass always on wgmma there (FLASHATTN_CUDA_TF32_BWD=wgmma-dq is a D = 64 choice).
+  constexpr bool kPair = tf32_bwd_pair(DP);
+  const bool dkv_wgmma = kPair || a.tf32_dkv_wgmma;
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
   dq.opaque_zero = dkv.opaque_zero = 0;
@@ -61,7 +66,7 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // freed on the stream after the passes.
   const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
   const size_t nq = static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP;
-  const size_t nqt = a.tf32_dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
+  const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
   Workspace ws((2 * nq + 2 * nqt + 2 * nk + nkt) * sizeof(float), stream);
@@ -73,34 +78,42 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   float* vr = kr + nk;
   float* kt = vr + nk;
   // As [B, H, rows, columns] operands: row-major copies (DP columns) and transposed ones (DP rows).
+  // Box rows: each pass's tile of that operand (stationary: block_m; streamed: block_n).
   auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
   auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
-  if (!make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
-      !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
-      (a.tf32_dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
-      (a.tf32_dkv_wgmma && !make_tensor_map32(&dkv.tdot, cols(dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
-      !make_tensor_map32(&dq.tk, rows(kr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, 64) ||
-      !make_tensor_map32(&dq.tv, rows(vr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, 64) ||
+  if (!make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) ||
+      !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) ||
+      (dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
+      (dkv_wgmma && !make_tensor_map32(&dkv.tdot, cols(dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
+      !make_tensor_map32(&dq.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      !make_tensor_map32(&dq.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      !make_tensor_map32(&dq.tk, rows(kr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
+      !make_tensor_map32(&dq.tv, rows(vr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
       !make_tensor_map32(&dq.tkt, cols(kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP))
     throw Error(Status::Internal, "cuda tf32 backward: tensor maps of the operand copies failed");
-  dq.tq = dkv.tq;
-  dq.tdo = dkv.tdo;
   // Q^T and dO^T only feed the wgmma dK/dV kernel.
-  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qr, a.tf32_dkv_wgmma ? qt : nullptr, stream);
-  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dor, a.tf32_dkv_wgmma ? dot : nullptr,
-                       stream);
+  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qr, dkv_wgmma ? qt : nullptr, stream);
+  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dor, dkv_wgmma ? dot : nullptr, stream);
   launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kr, kt, stream);
   launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, vr, nullptr, stream);
-  launch_checked(dev::dq_tf32_sm90_kernel<DP>,
-                 dim3(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch)),
-                 cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream, dq, "dq_tf32_sm90 kernel launch");
-  if (!a.tf32_dkv_wgmma) {
-    launch_dkv<DP, Math::Tf32>(a, stream);
-    return true;
+  const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+  const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
+                    static_cast<unsigned>(s.batch));
+  if constexpr (kPair) {
+    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream,
+                   dq, "dq_tf32_sm90_pair kernel launch");
+    launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP),
+                   stream, dkv, "dkv_tf32_sm90_pair kernel launch");
+  } else {
+    launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream, dq,
+                   "dq_tf32_sm90 kernel launch");
+    if (!dkv_wgmma) {
+      launch_dkv<DP, Math::Tf32>(a, stream);
+      return true;
+    }
+    launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP), stream,
+                   dkv, "dkv_tf32_sm90 kernel launch");
   }
-  launch_checked(dev::dkv_tf32_sm90_kernel<DP>,
-                 dim3(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv), static_cast<unsigned>(s.batch)),
-                 ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP), stream, dkv, "dkv_tf32_sm90 kernel launch");
   return true;
 }
 

@@ -119,11 +119,12 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
     }
     c.math = forced;
   }
-  // tf32 mode on Hopper: the wgmma forward, and at padded D = 64 the wgmma backward (dQ pass and
-  // dK/dV pass on wgmma after the operand pre-pass): 1.4-2.3x the mma.sync backward's kernel time
-  // at every benchmark shape (docs/PERF.md, float32 runs 7 and 7b). The 3xTF32 and FMA arithmetics
-  // stay on the mma.sync / CUDA-core kernels. FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|wgmma overrides
-  // the backward (wgmma-dq: the dK/dV pass on mma.sync), for tests and measurement.
+  // tf32 mode on Hopper: the wgmma forward, and at padded D = 64 and 128 the wgmma backward (dQ
+  // pass and dK/dV pass on wgmma after the operand pre-pass; at D = 64 1.4-2.3x faster than the
+  // mma.sync kernels at every benchmark shape, docs/PERF.md float32 runs 7 and 7b). The 3xTF32 and
+  // FMA arithmetics stay on the mma.sync / CUDA-core kernels. FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|
+  // wgmma overrides the backward (wgmma-dq: the dK/dV pass on mma.sync, at D = 64 only), for tests
+  // and measurement.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
   int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});

@@ -118,9 +118,9 @@ void check_all_maths(const ProblemConfig& cfg) {
   const Errors fp32 = run_case(p, ref, Precision::Fp32, nullptr);
   const Errors tf32 = run_case(p, ref, Precision::Tf32, nullptr);
   const Errors tf32_80 = run_case(p, ref, Precision::Tf32, nullptr, "sm80");
-  // The other tf32 backward of sm_90a exists for head dims up to 64 only (elsewhere this repeats
-  // the default choice, checked again at no gain).
-  const bool other_bwd = cfg.head_dim <= 64;
+  // The other tf32 backward (mma.sync; the wgmma kernels are the default on sm_90a) matters for
+  // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain).
+  const bool other_bwd = cfg.head_dim <= 128;
   const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +

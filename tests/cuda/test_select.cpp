@@ -98,7 +98,7 @@ TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
 
 TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0
-  // and the wgmma backward (both passes) at padded D = 64.
+  // and the wgmma backward (both passes) at padded D = 64 and 128.
   EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
   EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
   EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
@@ -107,8 +107,8 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     ASSERT_TRUE(c.ok);
     EXPECT_EQ(c.math, Math::Tf32);
     EXPECT_TRUE(c.sm90_fwd) << "D = " << d;
-    EXPECT_EQ(c.sm90_bwd, d <= 64) << "D = " << d;
-    EXPECT_EQ(c.tf32_dkv_wgmma, d <= 64) << "D = " << d;
+    EXPECT_TRUE(c.sm90_bwd) << "D = " << d;
+    EXPECT_TRUE(c.tf32_dkv_wgmma) << "D = " << d;
   }
   for (Mask m : {Mask::None, Mask::CausalTopLeft})
     for (int64_t s : {1, 1024, 16384})
@@ -140,12 +140,14 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma-dq");
     EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
-    EXPECT_FALSE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
+    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);  // (both passes on wgmma there)
+    EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
   }
   {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
   }
   // Before sm_80 there is no TF32: the FMA kernels in both precisions; asking for TF32 is an error.

@@ -1,0 +1,380 @@
+// The Hopper (sm_90a) float32 backward in tf32 mode at padded D = 128: the same split design, pre-pass
+// and operand copies as the D = 64 kernels (kernels_sm90_tf32_bwd.cuh), with the work of a tile
+// divided between two consumer warpgroups by product instead of by rows.
+//
+// Why: at D = 128 one warpgroup's stationary tf32 fragments (K and V, or Q and dO: 64 registers
+// each per thread) and its two head-dim-wide accumulators (dK and dV: 64 each) exceed the 240
+// registers a thread can have. Here both warpgroups cover the same 64 rows, and each holds one
+// stationary operand and one accumulator: ~160 registers.
+//   dK/dV pass (CTA = 64 keys; 32-query tiles):
+//     warpgroup 0 (scores side):   S^T = K Q^T; P^T = exp2(S^T sl2 - lse2), masked -> shared
+//                                  memory; dV += P^T dO
+//     warpgroup 1 (gradient side): dP^T = V dO^T; reads P^T; dS^T = P^T (dP^T - D); dK += dS^T Q
+//   dQ pass (CTA = 64 queries; 32-key tiles):
+//     warpgroup 0: S = Q K^T; P = exp2(S sl2 - lse2), masked -> shared memory; reads dS;
+//                  dQ[:, :64] += dS K
+//     warpgroup 1: dP = dO V^T; reads P; dS = P (dP - D) -> shared memory; dQ[:, 64:] += dS K
+// Each warpgroup issues 2 of the tile's 4 (dK/dV) or 3 (dQ, the last one split by columns)
+// products, so the tensor work is even; one warpgroup's softmax or dS runs while the other's
+// products do. The exchange goes through one buffer per direction in the accumulator layout
+// (thread i of one warpgroup owns the same entries as thread i of the other): float4 stores and
+// loads, conflict free, and two named barriers per tile order it (see exchange_* below).
+// docs/ALGORITHM.md ("float32 backward in tf32 mode on sm_90a") has the pseudocode.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/config.hpp"
+#include "cuda/device.cuh"
+#include "cuda/kernels_sm90_tf32_bwd.cuh"
+#include "cuda/launch.hpp"
+#include "cuda/wgmma.cuh"
+
+namespace flashattn::cuda::dev {
+
+// Named barriers of the pair kernels (0 is __syncthreads'): kPairAhead - the scores side's
+// values of this tile are in the exchange buffer; kPairBack - the gradient side has read them
+// (dK/dV pass) or has written dS (dQ pass). Each is arrived at by one warpgroup and waited on by
+// the other, once per tile, so an id never holds arrivals of two tiles.
+constexpr int kPairAhead = 1, kPairBack = 2;
+
+// The warpgroup's accumulator entries of one tile, in the exchange buffer: thread i's NS float4
+// at [j][i] (consecutive threads, consecutive 16 bytes).
+template <int NS>
+__device__ __forceinline__ void exchange_store(float* buf, const float (&v)[NS][4]) {
+  const int i = threadIdx.x & 127;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) reinterpret_cast<float4*>(buf)[j * 128 + i] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+}
+template <int NS>
+__device__ __forceinline__ void exchange_load(float (&v)[NS][4], const float* buf) {
+  const int i = threadIdx.x & 127;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const float4 x = reinterpret_cast<const float4*>(buf)[j * 128 + i];
+    v[j][0] = x.x;
+    v[j][1] = x.y;
+    v[j][2] = x.z;
+    v[j][3] = x.w;
+  }
+}
+
+// ================================================================================================
+// dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
+// tiles of K, V and K^T (two stages). Per key tile t:
+//   wg 0: S = Q K_t^T; P = exp2(S sl2 - lse2) (masked) -> xP; arrive(ahead); wait(back);
+//         dsa <- xdS; dQ[:, 0:64] += dS K_t
+//   wg 1: dP = dO V_t^T; wait(ahead); P <- xP; dS = P (dP - D); dsa = tf32(dS) -> xdS;
+//         arrive(back); dQ[:, 64:128] += dS K_t
+// Order of the buffers: wg 0 writes xP of tile t + 1 only after waiting for tile t's dS, which
+// wg 1 writes after reading tile t's P; wg 1 writes xdS of tile t + 1 only after tile t + 1's P
+// arrived, which wg 0 sends after reading tile t's dS. One buffer each suffices.
+// ================================================================================================
+template <int DP>
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads(), 1)
+    dq_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, DP);
+  constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
+  constexpr int NS = BN / 8, KS = DP / 8, NH = DP / 16;  // NH: 8-column blocks of a dQ half
+  static_assert(C.warpgroups == 2 && BM == 64 && 128 * NS * 4 == BM * BN, "pair design: two warpgroups, 64 rows");
+  using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
+  using TK = TileSw128F<BN, DP>;  // K, V: rows = keys
+  using TT = TileSw128F<DP, BN>;  // K^T: rows = head dim, k = key slots
+  constexpr int kStage = 2 * TK::kBytes + TT::kBytes;
+  extern __shared__ float4 smem4[];
+  unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sdO = sQ + TQ::kBytes;
+  unsigned char* sStage = sdO + TQ::kBytes;  // [2][K, V, K^T]
+  float* xP = reinterpret_cast<float*>(sStage + 2 * kStage);  // [BM x BN] in accumulator order
+  uint32_t* xdS = reinterpret_cast<uint32_t*>(xP + BM * BN);  // dS as tf32 A fragments
+  uint64_t* bars = reinterpret_cast<uint64_t*>(xdS + BM * BN);
+  uint64_t* full_q = bars;
+  uint64_t* full = bars + 1;   // [2]
+  uint64_t* empty = bars + 3;  // [2]
+
+  const BwdArgs& a = A.f;
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
+  const int ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
+
+  init_stage_barriers(full_q, full, 1, empty, TC);
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 2) {
+    // ---- producer: one thread issues every copy ---------------------------------------------
+    regs_decrease<C.producer_regs>();
+    if (threadIdx.x == TC) {
+      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
+      mbar_expect_tx(full_q, 2 * TQ::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk) {
+        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), hh, bb);
+        tma_load_4d(sdO + blk * TQ::kBlockBytes, &A.tdo, full_q, 32 * blk, static_cast<int>(m0), hh, bb);
+      }
+      for (int t = 0; t < ntiles; ++t) {
+        const int st = t & 1, n0 = t * BN;
+        unsigned char* s0 = sStage + st * kStage;
+        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, kStage);
+#pragma unroll
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          tma_load_4d(s0 + blk * TK::kBlockBytes, &A.tk, full + st, 32 * blk, n0, hk, bb);
+          tma_load_4d(s0 + TK::kBytes + blk * TK::kBlockBytes, &A.tv, full + st, 32 * blk, n0, hk, bb);
+        }
+#pragma unroll
+        for (int blk = 0; blk < BN / 32; ++blk)
+          tma_load_4d(s0 + 2 * TK::kBytes + blk * TT::kBlockBytes, &A.tkt, full + st, n0 + 32 * blk, 0, hk, bb);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: both warpgroups own query rows [m0, m0 + 64) ------------------------------
+  regs_increase<C.consumer_regs()>();
+  const int wq = (threadIdx.x / 32) & 3, g = lane_id() >> 2;
+  const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
+  const uint32_t stage_addr = smem_addr(sStage);
+
+  float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain; scores side), D (gradient side)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_w + g + 8 * r;
+    const bool in = row < Sq;
+    l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
+    dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+  }
+  uint32_t xa[KS][4];  // Q (scores side) or dO (gradient side)
+  mbar_wait(full_q, 0);
+  load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
+
+  float dq[NH][4];
+  zero(dq);
+  float x[NS][4];  // S or dP
+  uint32_t dsa[NS][4];
+  for (int t = 0; t < ntiles; ++t) {
+    const int st = t & 1;
+    const uint32_t s0 = stage_addr + st * kStage;
+    mbar_wait(full + st, (t >> 1) & 1);
+    wgmma_fence();  // x: written only
+    wg_gemm_rs_tf32<KS, TK, true>(x, xa, s0 + (wg == 0 ? 0 : TK::kBytes), 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+    keep_live_in_loop(xa, A.opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
+
+    if (wg == 0) {
+      const int64_t n0 = static_cast<int64_t>(t) * BN;
+      const bool masked = qb.tile_masked(n0, BN, Skv);
+      for_each_entry<NS>([&](int j, int e, int r, int c) {
+        float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1]));
+        if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
+        x[j][e] = pe;
+      });
+      exchange_store<NS>(xP, x);
+      named_barrier_arrive(kPairAhead, TC);
+      named_barrier(kPairBack, TC);
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        const uint4 v = reinterpret_cast<const uint4*>(xdS)[j * 128 + (threadIdx.x & 127)];
+        dsa[j][0] = v.x;
+        dsa[j][1] = v.y;
+        dsa[j][2] = v.z;
+        dsa[j][3] = v.w;
+      }
+    } else {
+      float pv[NS][4];
+      named_barrier(kPairAhead, TC);
+      exchange_load<NS>(pv, xP);
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = pv[j][e] * (x[j][e] - dl[e >> 1]);  // dS
+      acc_to_afrag_tf32(dsa, x);
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+        reinterpret_cast<uint4*>(xdS)[j * 128 + (threadIdx.x & 127)] = make_uint4(dsa[j][0], dsa[j][1], dsa[j][2], dsa[j][3]);
+      named_barrier_arrive(kPairBack, TC);
+    }
+    fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
+    fence_regs(dq);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NS, TT>(dq, dsa, s0 + 2 * TK::kBytes, 64 * wg, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    mbar_arrive(empty + st);
+  }
+
+  float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
+  store_rows(out, p.dq.ss, 16 * wq, qb.rows, 64 * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale, true);
+#endif
+}
+
+// ================================================================================================
+// dK/dV pass, pair design. CTA = BK = 64 keys of one (batch, kv head); the producer streams
+// BQ-query tiles of Q, dO, Q^T and dO^T (one thread) and their LSE and D vectors (one warp) over
+// every query head of the group, two stages deep. Per query tile:
+//   wg 0: S^T = K Q^T; P^T = exp2(S^T sl2 - lse2) (masked); wait(back) unless first;
+//         P^T -> xP; arrive(ahead); dV += P^T dO
+//   wg 1: dP^T = V dO^T; wait(ahead); P^T <- xP; arrive(back) unless last;
+//         dS^T = P^T (dP^T - D); dK += dS^T Q
+// ================================================================================================
+template <int DP>
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(), 1)
+    dkv_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, DP);
+  constexpr int BK = C.block_m, BQ = C.block_n, TC = 256;
+  constexpr int NS = BQ / 8, NO = DP / 8, KS = DP / 8;
+  static_assert(C.warpgroups == 2 && BK == 64 && 128 * NS * 4 == BK * BQ, "pair design: two warpgroups, 64 rows");
+  using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys
+  using TQ = TileSw128F<BQ, DP>;  // Q, dO: rows = queries
+  using TT = TileSw128F<DP, BQ>;  // Q^T, dO^T: rows = head dim, k = query slots
+  constexpr int kStage = 2 * TQ::kBytes + 2 * TT::kBytes;  // Q, dO, Q^T, dO^T
+  extern __shared__ float4 smem4[];
+  unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sV = sK + TK::kBytes;
+  unsigned char* sStage = sV + TK::kBytes;                     // [2][kStage]
+  float* xP = reinterpret_cast<float*>(sStage + 2 * kStage);  // [BK x BQ] in accumulator order
+  float* sL = xP + BK * BQ;                                   // [2][BQ]
+  float* sD = sL + 2 * BQ;                                    // [2][BQ]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
+  uint64_t* full_kv = bars;
+  uint64_t* full = bars + 1;   // [2]: the copies and the 32 LSE/D lanes
+  uint64_t* empty = bars + 3;  // [2]
+
+  const BwdArgs& a = A.f;
+  const BackwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
+  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+  const int ntiles = kb.ntiles;
+  const MaskRule& rule = kb.rule;
+
+  init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 2) {
+    // ---- producer -------------------------------------------------------------------------------
+    regs_decrease<C.producer_regs>();
+    const int pw = (threadIdx.x - TC) / 32;
+    const int bb = static_cast<int>(b);
+    if (threadIdx.x == TC) {
+      mbar_expect_tx(full_kv, 2 * TK::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk) {
+        tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+        tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+      }
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it & 1;
+        const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
+        unsigned char* s0 = sStage + st * kStage;
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, kStage);
+#pragma unroll
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          tma_load_4d(s0 + blk * TQ::kBlockBytes, &A.tq, full + st, 32 * blk, n0, h, bb);
+          tma_load_4d(s0 + TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 32 * blk, n0, h, bb);
+        }
+#pragma unroll
+        for (int blk = 0; blk < BQ / 32; ++blk) {
+          tma_load_4d(s0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, &A.tqt, full + st, n0 + 32 * blk, 0, h, bb);
+          tma_load_4d(s0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, &A.tdot, full + st, n0 + 32 * blk, 0,
+                      h, bb);
+        }
+      }
+    } else if (pw == 1) {
+      for (int it = 0; it < ntiles; ++it) {
+        const int st = it & 1;
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, kb.head(it), kb.q0(it, BQ));
+        mbar_arrive(full + st);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: both warpgroups own key rows [m0, m0 + 64) --------------------------------
+  regs_increase<C.consumer_regs()>();
+  const int wq = (threadIdx.x / 32) & 3, lane = lane_id();
+  const int krow = 16 * wq;  // the warp's first key row in the CTA
+  const int64_t row_w = m0 + krow;
+  const uint32_t stage_addr = smem_addr(sStage);
+
+  uint32_t xa[KS][4];  // K (scores side) or V (gradient side)
+  mbar_wait(full_kv, 0);
+  load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
+  float acc[NO][4];  // dV (scores side) or dK (gradient side)
+  zero(acc);
+
+  const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
+
+  float x[NS][4];  // S^T or dP^T
+  uint32_t fa[NS][4];  // P^T or dS^T as A fragments
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1;
+    const uint32_t s0 = stage_addr + st * kStage;
+    mbar_wait(full + st, (it >> 1) & 1);
+    wgmma_fence();  // x: written only
+    wg_gemm_rs_tf32<KS, TQ, true>(x, xa, s0 + (wg == 0 ? 0 : TQ::kBytes), 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+    keep_live_in_loop(xa, A.opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
+
+    if (wg == 0) {
+      const int64_t n0 = kb.q0(it, BQ);  // first query row
+      const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
+      int lo[2], hi[2];
+      kq.tile_bounds(n0, BQ, masked, lo, hi);
+      const float* sLs = sL + st * BQ;
+      for_each_entry<NS>([&](int j, int e, int r, int c) {
+        float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
+        if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+        x[j][e] = pe;
+      });
+      if (it > 0) named_barrier(kPairBack, TC);  // the other side has read the last tile's P^T
+      exchange_store<NS>(xP, x);
+      named_barrier_arrive(kPairAhead, TC);
+    } else {
+      float pv[NS][4];
+      named_barrier(kPairAhead, TC);
+      exchange_load<NS>(pv, xP);
+      if (it + 1 < ntiles) named_barrier_arrive(kPairBack, TC);
+      const float* sDs = sD + st * BQ;
+      for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
+    }
+    acc_to_afrag_tf32(fa, x);
+    fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+    fence_regs(acc);
+    wgmma_fence();
+    // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
+    wg_gemm_rs_tf32<NS, TT>(acc, fa, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), 0, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
+    // sL/sD reads above), which the producer's next writes to this stage must follow.
+    mbar_arrive(empty + st);
+  }
+
+  const int D = static_cast<int>(p.shape.head_dim);
+  if (wg == 0) {
+    float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;
+    store_rows(dvp, p.dv.ss, krow, kb.rows, 0, D, acc, 1.0f, true);
+  } else {
+    float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
+    store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, acc, p.num.scale, true);
+  }
+#endif
+}
+
+}  // namespace flashattn::cuda::dev
