@@ -18,7 +18,9 @@
 // products, so the tensor work is even; one warpgroup's softmax or dS runs while the other's
 // products do. The exchange goes through one buffer per direction in the accumulator layout
 // (thread i of one warpgroup owns the same entries as thread i of the other): float4 stores and
-// loads, conflict free, and two named barriers per tile order it (see exchange_* below).
+// loads, conflict free, ordered by two mbarriers (128 arrivals each, one phase per tile). Named
+// barriers (bar.arrive / bar.sync) would order it as well, but compute-sanitizer's racecheck does
+// not follow an arrive-then-sync hand-off (12 false hazards on these buffers); mbarriers it does.
 // docs/ALGORITHM.md ("float32 backward in tf32 mode on sm_90a") has the pseudocode.
 #pragma once
 
@@ -35,11 +37,16 @@
 
 namespace flashattn::cuda::dev {
 
-// Named barriers of the pair kernels (0 is __syncthreads'): kPairAhead - the scores side's
-// values of this tile are in the exchange buffer; kPairBack - the gradient side has read them
-// (dK/dV pass) or has written dS (dQ pass). Each is arrived at by one warpgroup and waited on by
-// the other, once per tile, so an id never holds arrivals of two tiles.
-constexpr int kPairAhead = 1, kPairBack = 2;
+// The exchange's two mbarriers, initialised before init_stage_barriers publishes them: `ahead` -
+// the scores side's values of a tile are in the buffer (128 arrivals of warpgroup 0); `back` - the
+// gradient side has read them (dK/dV pass) or has written dS (dQ pass; 128 arrivals of
+// warpgroup 1). Tile t completes phase t of each, so waits use parity t & 1.
+__device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t* back) {
+  if (threadIdx.x == 0) {
+    mbar_init(ahead, 128);
+    mbar_init(back, 128);
+  }
+}
 
 // The warpgroup's accumulator entries of one tile, in the exchange buffer: thread i's NS float4
 // at [j][i] (consecutive threads, consecutive 16 bytes).
@@ -65,9 +72,9 @@ __device__ __forceinline__ void exchange_load(float (&v)[NS][4], const float* bu
 // ================================================================================================
 // dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
 // tiles of K, V and K^T (two stages). Per key tile t:
-//   wg 0: S = Q K_t^T; P = exp2(S sl2 - lse2) (masked) -> xP; arrive(ahead); wait(back);
+//   wg 0: S = Q K_t^T; P = exp2(S sl2 - lse2) (masked) -> xP; arrive(ahead); wait(back, t);
 //         dsa <- xdS; dQ[:, 0:64] += dS K_t
-//   wg 1: dP = dO V_t^T; wait(ahead); P <- xP; dS = P (dP - D); dsa = tf32(dS) -> xdS;
+//   wg 1: dP = dO V_t^T; wait(ahead, t); P <- xP; dS = P (dP - D); dsa = tf32(dS) -> xdS;
 //         arrive(back); dQ[:, 64:128] += dS K_t
 // Order of the buffers: wg 0 writes xP of tile t + 1 only after waiting for tile t's dS, which
 // wg 1 writes after reading tile t's P; wg 1 writes xdS of tile t + 1 only after tile t + 1's P
@@ -95,6 +102,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   uint64_t* full_q = bars;
   uint64_t* full = bars + 1;   // [2]
   uint64_t* empty = bars + 3;  // [2]
+  uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
+  uint64_t* back = bars + 6;
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -104,6 +113,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
 
+  init_exchange_barriers(ahead, back);
   init_stage_barriers(full_q, full, 1, empty, TC);
 
   const int wg = threadIdx.x / 128;
@@ -178,8 +188,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
         x[j][e] = pe;
       });
       exchange_store<NS>(xP, x);
-      named_barrier_arrive(kPairAhead, TC);
-      named_barrier(kPairBack, TC);
+      mbar_arrive(ahead);
+      mbar_wait(back, t & 1);
 #pragma unroll
       for (int j = 0; j < NS; ++j) {
         const uint4 v = reinterpret_cast<const uint4*>(xdS)[j * 128 + (threadIdx.x & 127)];
@@ -190,7 +200,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
       }
     } else {
       float pv[NS][4];
-      named_barrier(kPairAhead, TC);
+      mbar_wait(ahead, t & 1);
       exchange_load<NS>(pv, xP);
 #pragma unroll
       for (int j = 0; j < NS; ++j)
@@ -200,7 +210,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
 #pragma unroll
       for (int j = 0; j < NS; ++j)
         reinterpret_cast<uint4*>(xdS)[j * 128 + (threadIdx.x & 127)] = make_uint4(dsa[j][0], dsa[j][1], dsa[j][2], dsa[j][3]);
-      named_barrier_arrive(kPairBack, TC);
+      mbar_arrive(back);
     }
     fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
     fence_regs(dq);
@@ -221,9 +231,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
 // dK/dV pass, pair design. CTA = BK = 64 keys of one (batch, kv head); the producer streams
 // BQ-query tiles of Q, dO, Q^T and dO^T (one thread) and their LSE and D vectors (one warp) over
 // every query head of the group, two stages deep. Per query tile:
-//   wg 0: S^T = K Q^T; P^T = exp2(S^T sl2 - lse2) (masked); wait(back) unless first;
+//   wg 0: S^T = K Q^T; P^T = exp2(S^T sl2 - lse2) (masked); wait(back, t - 1) unless first;
 //         P^T -> xP; arrive(ahead); dV += P^T dO
-//   wg 1: dP^T = V dO^T; wait(ahead); P^T <- xP; arrive(back) unless last;
+//   wg 1: dP^T = V dO^T; wait(ahead, t); P^T <- xP; arrive(back);
 //         dS^T = P^T (dP^T - D); dK += dS^T Q
 // ================================================================================================
 template <int DP>
@@ -249,6 +259,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   uint64_t* full_kv = bars;
   uint64_t* full = bars + 1;   // [2]: the copies and the 32 LSE/D lanes
   uint64_t* empty = bars + 3;  // [2]
+  uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
+  uint64_t* back = bars + 6;
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -258,6 +270,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
 
+  init_exchange_barriers(ahead, back);
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
 
   const int wg = threadIdx.x / 128;
@@ -341,14 +354,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
         if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
         x[j][e] = pe;
       });
-      if (it > 0) named_barrier(kPairBack, TC);  // the other side has read the last tile's P^T
+      if (it > 0) mbar_wait(back, (it - 1) & 1);  // the other side has read the last tile's P^T
       exchange_store<NS>(xP, x);
-      named_barrier_arrive(kPairAhead, TC);
+      mbar_arrive(ahead);
     } else {
       float pv[NS][4];
-      named_barrier(kPairAhead, TC);
+      mbar_wait(ahead, it & 1);
       exchange_load<NS>(pv, xP);
-      if (it + 1 < ntiles) named_barrier_arrive(kPairBack, TC);
+      mbar_arrive(back);
       const float* sDs = sD + st * BQ;
       for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
     }
