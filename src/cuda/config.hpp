@@ -292,12 +292,12 @@ FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, i
 // design: the P and dS exchange buffers (block_m x block_n floats each).
 // dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
 // design: the P^T exchange buffer.
-// Each: 1 KiB for alignment and 16 mbarriers.
+// Each: 1 KiB for alignment and 8 mbarriers.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp) {
   const TileConfig90 c = tile_config90_tf32_bwd(pass, dp);
   const int exchange = tf32_bwd_pair(dp) ? (pass == Pass::Dq ? 2 : 1) * c.block_m * c.block_n * 4 : 0;
-  return exchange + (pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * c.block_n) * dp * 4 + 1024 + 16 * 8
-                                      : (2 * c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 + 1024 + 16 * 8);
+  return exchange + (pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * c.block_n) * dp * 4 + 1024 + 8 * 8
+                                      : (2 * c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 + 1024 + 8 * 8);
 }
 static_assert(smem_bytes90_tf32_bwd(Pass::Dq, 64) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 64) <= 227 * 1024 &&
                   smem_bytes90_tf32_bwd(Pass::Dq, 128) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 128) <= 227 * 1024,

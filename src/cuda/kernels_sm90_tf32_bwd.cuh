@@ -4,11 +4,11 @@
 // operand must be stored with its k dimension contiguous: the products contract over the head dim
 // (S = Q K^T, dP = dO V^T: K, V, Q, dO as stored) and over keys or queries (dQ = dS K,
 // dV = P^T dO, dK = dS^T Q: K, dO, Q transposed). A pre-pass (preprocess.cu,
-// launch_tf32_operands) writes the transposed operands once, rounded to tf32, with positions in
-// tf32_slot order so that the P / dS accumulators serve as A fragments as they are (device.cuh);
-// the copy engine streams those and the caller's K, V (dQ pass) or Q, dO (dK/dV pass), which idle
-// producer warps round in shared memory (round_stage_tf32). The stationary operands (Q and dO of
-// a query block, K and V of a key block) are tf32 register fragments, rounded when loaded. docs/ALGORITHM.md ("float32 backward in tf32 mode on sm_90a") has the pseudocode.
+// launch_tf32_operands) writes each operand once rounded to tf32 and, where needed, transposed,
+// with positions in tf32_slot order so that the P / dS accumulators serve as A fragments as they
+// are (device.cuh); the copy engine then streams those copies like the 16-bit kernels' tiles.
+// The stationary operands (Q and dO of a query block, K and V of a key block) are tf32 register
+// fragments. docs/ALGORITHM.md ("float32 backward in tf32 mode on sm_90a") has the pseudocode.
 #pragma once
 
 #include <cuda.h>
@@ -25,10 +25,10 @@
 
 namespace flashattn::cuda::dev {
 
-// Tensor maps (4-d, boxes of 32 columns): dQ pass: tq, tdo (Q, dO as the caller stores them;
-// 64-row boxes), tk, tv (K, V as stored; block_n-row boxes), tkt (rounded K^T: rows = head dim,
-// columns = key slots); dK/dV pass: tk, tv (K, V as stored; block_m-row boxes), tq, tdo (Q, dO as
-// stored; block_n-row boxes), tqt, tdot (rounded Q^T, dO^T: rows = head dim, columns = query slots).
+// Tensor maps (4-d, boxes of 32 columns): dQ pass: tq, tdo (rounded Q, dO; 64-row boxes),
+// tk, tv (rounded K, V; 64-row boxes), tkt (K^T: rows = head dim, columns = key slots);
+// dK/dV pass: tk, tv (K, V as the caller stores them; 128-row boxes), tq, tdo (rounded Q, dO),
+// tqt, tdot (Q^T, dO^T: rows = head dim, columns = query slots).
 struct Sm90Tf32BwdArgs {
   BwdArgs f;
   CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;
@@ -62,7 +62,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   uint64_t* full_q = bars;
   uint64_t* full = bars + 1;   // [2]
   uint64_t* empty = bars + 3;  // [2]
-  uint64_t* ready = bars + 5;  // [2]: K and V rounded (round_stage_tf32)
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -72,18 +71,13 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
 
-  init_barrier_pair(ready, 96);
   init_stage_barriers(full_q, full, 1, empty, TC);
 
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
-    // ---- producer: one thread issues every copy, warps 1-3 round K and V ----------------------
+    // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x >= TC + 32) {
-      for (int t = 0; t < ntiles; ++t)
-        round_stage_tf32<2 * TK::kBytes, 96>(sStage + (t & 1) * kStage, threadIdx.x - TC - 32, full + (t & 1),
-                                             ready + (t & 1), t);
-    } else if (threadIdx.x == TC) {
+    if (threadIdx.x == TC) {
       const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
       mbar_expect_tx(full_q, 2 * TQ::kBytes);
 #pragma unroll
@@ -139,7 +133,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   auto issue_sdp = [&](int t) {
     const int st = t & 1;
     const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(ready + st, (t >> 1) & 1);
+    mbar_wait(full + st, (t >> 1) & 1);
     fence_regs(s);
     fence_regs(dp);
     wgmma_fence();
@@ -227,7 +221,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   uint64_t* full_kv = bars;
   uint64_t* full = bars + 1;   // [2]: the copies and the 32 LSE/D lanes
   uint64_t* empty = bars + 3;  // [2]
-  uint64_t* ready = bars + 5;  // [2]: Q and dO rounded (round_stage_tf32)
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -237,7 +230,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
 
-  init_barrier_pair(ready, 64);
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
 
   const int wg = threadIdx.x / 128;
@@ -278,10 +270,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
         fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, kb.head(it), kb.q0(it, BQ));
         mbar_arrive(full + st);
       }
-    } else if (pw >= 2) {
-      for (int it = 0; it < ntiles; ++it)
-        round_stage_tf32<2 * TQ::kBytes, 64>(sStage + (it & 1) * kStage, threadIdx.x - TC - 64, full + (it & 1),
-                                             ready + (it & 1), it);
     }
     return;
   }
@@ -307,7 +295,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   for (int it = 0; it < ntiles; ++it) {
     const int st = it & 1;
     const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(ready + st, (it >> 1) & 1);
+    mbar_wait(full + st, (it >> 1) & 1);
     wgmma_fence();  // s, dp: written only (the last tile's P^T, dS^T are in pa, dsa)
     wg_gemm_rs_tf32<KS, TQ, true>(s, ka, s0, 0, false);
     wg_gemm_rs_tf32<KS, TQ, true>(dp, va, s0 + TQ::kBytes, 0, false);

@@ -104,7 +104,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   uint64_t* empty = bars + 3;  // [2]
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
-  uint64_t* ready = bars + 7;  // [2]: K and V rounded (round_stage_tf32)
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -115,18 +114,13 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   const MaskRule& rule = qb.rule;
 
   init_exchange_barriers(ahead, back);
-  init_barrier_pair(ready, 96);
   init_stage_barriers(full_q, full, 1, empty, TC);
 
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
-    // ---- producer: one thread issues every copy, warps 1-3 round K and V ----------------------
+    // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x >= TC + 32) {
-      for (int t = 0; t < ntiles; ++t)
-        round_stage_tf32<2 * TK::kBytes, 96>(sStage + (t & 1) * kStage, threadIdx.x - TC - 32, full + (t & 1),
-                                             ready + (t & 1), t);
-    } else if (threadIdx.x == TC) {
+    if (threadIdx.x == TC) {
       const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
       mbar_expect_tx(full_q, 2 * TQ::kBytes);
 #pragma unroll
@@ -177,7 +171,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   for (int t = 0; t < ntiles; ++t) {
     const int st = t & 1;
     const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(ready + st, (t >> 1) & 1);
+    mbar_wait(full + st, (t >> 1) & 1);
     wgmma_fence();  // x: written only
     wg_gemm_rs_tf32<KS, TK, true>(x, xa, s0 + (wg == 0 ? 0 : TK::kBytes), 0, false);
     wgmma_commit();
@@ -267,7 +261,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   uint64_t* empty = bars + 3;  // [2]
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
-  uint64_t* ready = bars + 7;  // [2]: Q and dO rounded (round_stage_tf32)
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -278,7 +271,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   const MaskRule& rule = kb.rule;
 
   init_exchange_barriers(ahead, back);
-  init_barrier_pair(ready, 64);
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
 
   const int wg = threadIdx.x / 128;
@@ -319,10 +311,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
         fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, kb.head(it), kb.q0(it, BQ));
         mbar_arrive(full + st);
       }
-    } else if (pw >= 2) {
-      for (int it = 0; it < ntiles; ++it)
-        round_stage_tf32<2 * TQ::kBytes, 64>(sStage + (it & 1) * kStage, threadIdx.x - TC - 64, full + (it & 1),
-                                             ready + (it & 1), it);
     }
     return;
   }
@@ -347,7 +335,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   for (int it = 0; it < ntiles; ++it) {
     const int st = it & 1;
     const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(ready + st, (it >> 1) & 1);
+    mbar_wait(full + st, (it >> 1) & 1);
     wgmma_fence();  // x: written only
     wg_gemm_rs_tf32<KS, TQ, true>(x, xa, s0 + (wg == 0 ? 0 : TQ::kBytes), 0, false);
     wgmma_commit();

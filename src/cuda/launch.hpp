@@ -77,9 +77,9 @@ void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
 // launched) when the copy engine cannot address K or V: the caller runs the mma.sync kernels.
 template <int DP>
 bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
-// The rounded, transposed tf32 copy of a float32 [B, H, S, D] operand for that backward:
-// xt [B, H, dp, S rounded up to 8] (preprocess.cu).
+// Rounded (and, with xt, transposed) tf32 copies of a float32 [B, H, S, D] operand for that
+// backward: xr [B, H, S, dp], xt [B, H, dp, S rounded up to 8] (preprocess.cu).
 void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
-                          float* xt, cudaStream_t stream);
+                          float* xr, float* xt, cudaStream_t stream);
 
 }  // namespace flashattn::cuda

@@ -57,39 +57,45 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
   dq.opaque_zero = dkv.opaque_zero = 0;
-  // The operands as the caller stores them: the stationary ones (rounded when loaded into
-  // registers) and the streamed untransposed ones (rounded in shared memory by the kernels).
-  // False (nothing launched yet) when the copy engine cannot address one: the mma.sync kernels.
-  if (!make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
-      !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
-      !make_tensor_map32(&dq.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, cq.block_n) ||
-      !make_tensor_map32(&dq.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, cq.block_n) ||
-      !make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dkv.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, ck.block_n) ||
-      !make_tensor_map32(&dkv.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, ck.block_n))
+  // The dK/dV pass reads K and V as the caller stores them (rounded when loaded into registers).
+  if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
+      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m))
     return false;
-  // The transposed copies (k = keys or queries contiguous, rounded): Q^T, dO^T [B, Hq, DP, Sq8]
-  // (wgmma dK/dV pass only) and K^T [B, Hkv, DP, Skv8]: 2 |Q| + |K| floats (padded), freed on the
-  // stream after the passes.
+  // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8]; K, V [B, Hkv, Skv, DP] and
+  // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded),
+  // freed on the stream after the passes.
   const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
+  const size_t nq = static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP;
   const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
+  const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
-  Workspace ws((2 * nqt + nkt) * sizeof(float), stream);
-  float* qt = ws.get();
+  Workspace ws((2 * nq + 2 * nqt + 2 * nk + nkt) * sizeof(float), stream);
+  float* qr = ws.get();
+  float* dor = qr + nq;
+  float* qt = dor + nq;
   float* dot = qt + nqt;
-  float* kt = dot + nqt;
-  // As [B, H, rows = DP, columns] operands; box rows: the whole head dim.
+  float* kr = dot + nqt;
+  float* vr = kr + nk;
+  float* kt = vr + nk;
+  // As [B, H, rows, columns] operands: row-major copies (DP columns) and transposed ones (DP rows).
+  // Box rows: each pass's tile of that operand (stationary: block_m; streamed: block_n).
+  auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
   auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
-  if ((dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
+  if (!make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) ||
+      !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) ||
+      (dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
       (dkv_wgmma && !make_tensor_map32(&dkv.tdot, cols(dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
+      !make_tensor_map32(&dq.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      !make_tensor_map32(&dq.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      !make_tensor_map32(&dq.tk, rows(kr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
+      !make_tensor_map32(&dq.tv, rows(vr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
       !make_tensor_map32(&dq.tkt, cols(kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP))
     throw Error(Status::Internal, "cuda tf32 backward: tensor maps of the operand copies failed");
-  if (dkv_wgmma) {
-    launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qt, stream);
-    launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dot, stream);
-  }
-  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kt, stream);
+  // Q^T and dO^T only feed the wgmma dK/dV kernel.
+  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qr, dkv_wgmma ? qt : nullptr, stream);
+  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dor, dkv_wgmma ? dot : nullptr, stream);
+  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kr, kt, stream);
+  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, vr, nullptr, stream);
   const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));

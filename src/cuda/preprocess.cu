@@ -151,20 +151,21 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
 }
 
-// The Hopper tf32 backward's transposed operands (kernels_sm90_tf32_bwd*.cuh): from X [B, H, S, D]
-// (any strides), xt = X rounded to tf32 and transposed, contiguous [B, H, DP, S8] (S8 = S rounded
-// up to 8; rows D..DP zero) with position n of each group of 8 in column tf32_slot(n) and the
-// columns past S zero (a NaN there would survive its zero probability). One CTA: 64 rows of one
-// (b, h), staged in shared memory so that the output is written in whole coalesced rows. kVec
-// (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads, four in flight per thread.
-// (The untransposed operands are rounded by the kernels in shared memory: this pass once also
-// wrote rounded copies of Q, dO, K and V - 4 of its 7 outputs, ~45% of its time: float32 run 7c.)
+// The Hopper tf32 backward's operand copies (kernels_sm90_tf32_bwd.cuh): from X [B, H, S, D] (any
+// strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and when xt
+// is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8) with
+// position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN there
+// would survive its zero probability). One CTA: 64 rows of one (b, h), staged in shared memory so
+// that both outputs are written in whole coalesced rows. kVec (D = DP and X's rows 16-byte
+// aligned, the usual case): 16-byte loads and stores, four rows in flight per thread - the scalar
+// loop moved 2.4 TB/s (docs/PERF.md, float32 run 7b), a quarter of the call at S = 1k.
 template <int DP, bool kVec>
-__global__ void __launch_bounds__(256) tf32_transpose_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
-                                                             float* xt) {
+__global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
+                                                           float* xr, float* xt) {
   __shared__ float tile[64][DP + 1];
   const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
   const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
+  float* dst = xr + bh * seq * DP;
   if constexpr (kVec) {
     constexpr int kChunks = DP / 4;  // 16-byte chunks per row
 #pragma unroll 4
@@ -172,19 +173,27 @@ __global__ void __launch_bounds__(256) tf32_transpose_kernel(In4 x, int64_t seq,
       const int r = i / kChunks, c = (i % kChunks) * 4;
       const int64_t n = n0 + r;
       float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (n < seq) v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
-      tile[r][c] = __uint_as_float(to_tf32(v.x));
-      tile[r][c + 1] = __uint_as_float(to_tf32(v.y));
-      tile[r][c + 2] = __uint_as_float(to_tf32(v.z));
-      tile[r][c + 3] = __uint_as_float(to_tf32(v.w));
+      if (n < seq) {
+        v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
+        v = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)), __uint_as_float(to_tf32(v.z)),
+                        __uint_as_float(to_tf32(v.w)));
+        *reinterpret_cast<float4*>(dst + n * DP + c) = v;
+      }
+      tile[r][c] = v.x;
+      tile[r][c + 1] = v.y;
+      tile[r][c + 2] = v.z;
+      tile[r][c + 3] = v.w;
     }
   } else {
     for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
       const int r = i / DP, c = i % DP;
       const int64_t n = n0 + r;
-      tile[r][c] = n < seq && c < head_dim ? __uint_as_float(to_tf32(src[n * x.ss + c])) : 0.0f;
+      const float v = n < seq && c < head_dim ? __uint_as_float(to_tf32(src[n * x.ss + c])) : 0.0f;
+      tile[r][c] = v;
+      if (n < seq) dst[n * DP + c] = v;
     }
   }
+  if (xt == nullptr) return;
   __syncthreads();
   float* dt = xt + bh * DP * seq8;
 #pragma unroll 4
@@ -285,22 +294,22 @@ void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream) {
 }
 
 void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
-                          float* xt, cudaStream_t stream) {
+                          float* xr, float* xt, cudaStream_t stream) {
   const dim3 grid(grid_blocks(seq, 64), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
   const int64_t seq8 = (seq + 7) / 8 * 8;
   const int d = static_cast<int>(head_dim);
   const bool vec = head_dim == dp && vec_ok(x, 4);
   auto run = [&](auto dpc) {
     constexpr int DP = decltype(dpc)::value;
-    if (vec) dev::tf32_transpose_kernel<DP, true><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xt);
-    else dev::tf32_transpose_kernel<DP, false><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xt);
+    if (vec) dev::tf32_operand_kernel<DP, true><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt);
+    else dev::tf32_operand_kernel<DP, false><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt);
   };
   switch (dp) {
     case 64: run(std::integral_constant<int, 64>{}); break;
     case 128: run(std::integral_constant<int, 128>{}); break;
     default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
   }
-  check_launch("tf32 transpose kernel launch");
+  check_launch("tf32 operand kernel launch");
 }
 
 }  // namespace flashattn::cuda

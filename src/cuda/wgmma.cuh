@@ -253,14 +253,6 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* once, uint64_t* fu
   }
   __syncthreads();
 }
-// Two more barriers of `count` arrivals each (a stage pair), initialised by thread 0; call before
-// init_stage_barriers, which publishes them with its own.
-__device__ __forceinline__ void init_barrier_pair(uint64_t* bars, int count) {
-  if (threadIdx.x == 0) {
-    mbar_init(bars, count);
-    mbar_init(bars + 1, count);
-  }
-}
 // One arrival that also announces `bytes` of copies completing on this barrier's phase.
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
@@ -316,28 +308,6 @@ __device__ __forceinline__ void copy_forward_tiles(const void* tq, const void* t
     if (t + 1 < ntiles) load(tk, sK, full_k, empty_k, t + 1);
     load(tv, sV, full_v, empty_v, t);
   }
-}
-
-// The tf32 backward's streamed B operands that are not transposed (K and V in the dQ pass, Q and
-// dO in the dK/dV pass) arrive as the caller stores them; idle producer warps round them in shared
-// memory instead of a pre-pass writing rounded copies (the tensor cores would truncate: 2-3.5x the
-// error). Per tile t: wait for the copies (full), round BYTES bytes from `base` in place (THREADS
-// threads, numbered tid, 16-byte words), make the writes visible to the tensor cores' reads (the
-// async proxy), arrive on ready (THREADS arrivals): the consumers wait on ready instead of full.
-template <int BYTES, int THREADS>
-__device__ __forceinline__ void round_stage_tf32(unsigned char* base, int tid, uint64_t* full, uint64_t* ready,
-                                                 int t) {
-  static_assert(BYTES % 16 == 0, "16-byte words");
-  mbar_wait(full, (t >> 1) & 1);
-  float4* w = reinterpret_cast<float4*>(base);
-#pragma unroll 4
-  for (int i = tid; i < BYTES / 16; i += THREADS) {
-    const float4 v = w[i];
-    w[i] = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)), __uint_as_float(to_tf32(v.z)),
-                       __uint_as_float(to_tf32(v.w)));
-  }
-  fence_proxy_async();
-  mbar_arrive(ready);
 }
 
 // Registers per thread of this warpgroup from here on (the kernel starts with an even split).
