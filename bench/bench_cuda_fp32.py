@@ -5,8 +5,11 @@ memory-efficient backend in float32, same process, same inputs.
 Shapes (issue 3): 16k tokens per batch (B = 16384 / S), hidden 2048 (H = 2048 / D),
 S in {1k, 4k, 16k}, D in {64, 128}, causal and not. Forward, backward and forward+backward
 TFLOP/s (FLOPs: forward 4*B*H*S*S*D, halved when causal; backward 2.5x), medians of CUDA-event
-timings after warm-up. flashattn is called through its C ABI (ctypes) on the torch tensors'
-device pointers, on torch's current stream.
+timings after warm-up (each call timed alone: events around it, then a synchronisation).
+flashattn is called through its C ABI (ctypes) on the torch tensors' device pointers, on torch's
+current stream, with the argument structures built once outside the timed call (cabi.py
+bind_forward / bind_backward: the Python that fills them is not the library's time); the peer
+is timed as called from Python (SDPA; torch.autograd.grad for its backward).
 
 usage: bench_cuda_fp32.py --lib build/src/libflashattn.so [--quick] [--csv out.csv]
 """
@@ -80,15 +83,15 @@ def main():
                 res = {}
                 for name, prec in (("fp32", 0), ("tf32", 1)):
                     o = fa.options(causal, prec)
-                    tf = time_ms(lambda: fa.forward(q, k, v, out, lse, o), 2, args.reps)
-                    tb = time_ms(lambda: fa.backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
+                    tf = time_ms(fa.bind_forward(q, k, v, out, lse, o), 2, args.reps)
+                    tb = time_ms(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
                     res[name] = (tf, tb)
                 # tf32 on the mma.sync kernels too (the sm_90a wgmma kernels are the default on
                 # compute capability 9.0: forward at D <= 128, backward at D <= 64): what they gained.
                 os.environ["FLASHATTN_CUDA_ARCH"] = "sm80"
                 o = fa.options(causal, 1)
-                tf80 = time_ms(lambda: fa.forward(q, k, v, out, lse, o), 2, args.reps)
-                tb80 = time_ms(lambda: fa.backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
+                tf80 = time_ms(fa.bind_forward(q, k, v, out, lse, o), 2, args.reps)
+                tb80 = time_ms(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
                 del os.environ["FLASHATTN_CUDA_ARCH"]
                 qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
                 with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):

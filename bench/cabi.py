@@ -72,11 +72,24 @@ class CtypesLib:
             raise (NotImplementedError if rc == self.UNSUPPORTED else RuntimeError)(msg)
 
     def forward(self, q, k, v, out, lse, opts):
-        vs = [self._view(x) for x in (q, k, v, out, lse)]
-        self._check(self.lib.flashattn_forward(*[ctypes.byref(x) for x in vs],
-                                               ctypes.byref(self._options(q, *opts))))
+        self.bind_forward(q, k, v, out, lse, opts)()
 
     def backward(self, q, k, v, out, dout, lse, dq, dk, dv, opts):
-        vs = [self._view(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)]
-        self._check(self.lib.flashattn_backward(*[ctypes.byref(x) for x in vs],
-                                                ctypes.byref(self._options(q, *opts))))
+        self.bind_backward(q, k, v, out, dout, lse, dq, dk, dv, opts)()
+
+    # The same calls with their argument structures built once: a callable that only crosses into
+    # the library (and checks the status). Benchmarks time these, so that the ~60 us of Python
+    # that fills nine tensor structures per call (measured, docs/PERF.md float32 run 7d) is not
+    # counted as the library's time; the tensors must stay alive and in place, and torch's current
+    # stream at bind time is the one used.
+    def bind_forward(self, q, k, v, out, lse, opts):
+        args = [self._view(x) for x in (q, k, v, out, lse)] + [self._options(q, *opts)]
+        refs = [ctypes.byref(x) for x in args]  # (each keeps its structure alive)
+        fn = self.lib.flashattn_forward
+        return lambda: self._check(fn(*refs))
+
+    def bind_backward(self, q, k, v, out, dout, lse, dq, dk, dv, opts):
+        args = [self._view(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)] + [self._options(q, *opts)]
+        refs = [ctypes.byref(x) for x in args]
+        fn = self.lib.flashattn_backward
+        return lambda: self._check(fn(*refs))
