@@ -35,6 +35,91 @@ struct Sm90Tf32BwdArgs {
   uint32_t opaque_zero;  // 0, unknown to the compiler (keep_live_in_loop, wgmma.cuh)
 };
 
+// The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
+// copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile K, V (rows =
+// keys) and K^T (rows = head dim) into stage t & 1 once the consumers released tile t - 2 from it.
+template <int DP, int BM, int BN>
+__device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const QueryBlock& qb, unsigned char* sQ,
+                                              unsigned char* sdO, unsigned char* sStage, uint64_t* full_q,
+                                              uint64_t* full, uint64_t* empty) {
+  using TQ = TileSw128F<BM, DP>;
+  using TK = TileSw128F<BN, DP>;
+  using TT = TileSw128F<DP, BN>;
+  constexpr int kStage = 2 * TK::kBytes + TT::kBytes;
+  const int bb = static_cast<int>(qb.b), hh = static_cast<int>(qb.h), hk = static_cast<int>(qb.hk);
+  mbar_expect_tx(full_q, 2 * TQ::kBytes);
+#pragma unroll
+  for (int blk = 0; blk < DP / 32; ++blk)
+#pragma unroll
+    for (int rb = 0; rb < BM / 64; ++rb) {
+      const int off = blk * TQ::kBlockBytes + rb * 64 * 128, row = static_cast<int>(qb.m0) + 64 * rb;
+      tma_load_4d(sQ + off, &A.tq, full_q, 32 * blk, row, hh, bb);
+      tma_load_4d(sdO + off, &A.tdo, full_q, 32 * blk, row, hh, bb);
+    }
+  for (int t = 0; t < qb.ntiles; ++t) {
+    const int st = t & 1, n0 = t * BN;
+    unsigned char* s0 = sStage + st * kStage;
+    mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+    mbar_expect_tx(full + st, kStage);
+#pragma unroll
+    for (int blk = 0; blk < DP / 32; ++blk) {
+      tma_load_4d(s0 + blk * TK::kBlockBytes, &A.tk, full + st, 32 * blk, n0, hk, bb);
+      tma_load_4d(s0 + TK::kBytes + blk * TK::kBlockBytes, &A.tv, full + st, 32 * blk, n0, hk, bb);
+    }
+#pragma unroll
+    for (int blk = 0; blk < BN / 32; ++blk)
+      tma_load_4d(s0 + 2 * TK::kBytes + blk * TT::kBlockBytes, &A.tkt, full + st, n0 + 32 * blk, 0, hk, bb);
+  }
+}
+
+// The producer warpgroups of the dK/dV kernels: producer warp pw = 0's first thread copies the
+// block's K and V (BK rows) once, then per BQ-query tile Q, dO (rows = queries), Q^T and dO^T
+// (rows = head dim) into stage it & 1; warp 1 writes the tile's LSE and D vectors there (32
+// arrivals on full, with the copies' one).
+template <int DP, int BK, int BQ>
+__device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const KeyBlock& kb, int pw, unsigned char* sK,
+                                               unsigned char* sV, unsigned char* sStage, float* sL, float* sD,
+                                               uint64_t* full_kv, uint64_t* full, uint64_t* empty) {
+  using TK = TileSw128F<BK, DP>;
+  using TQ = TileSw128F<BQ, DP>;
+  using TT = TileSw128F<DP, BQ>;
+  constexpr int kStage = 2 * TQ::kBytes + 2 * TT::kBytes;
+  const int bb = static_cast<int>(kb.b), hk = static_cast<int>(kb.hk), m0 = static_cast<int>(kb.m0);
+  if (pw == 0 && lane_id() == 0) {
+    mbar_expect_tx(full_kv, 2 * TK::kBytes);
+#pragma unroll
+    for (int blk = 0; blk < DP / 32; ++blk) {
+      tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 32 * blk, m0, hk, bb);
+      tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, m0, hk, bb);
+    }
+    for (int it = 0; it < kb.ntiles; ++it) {
+      const int st = it & 1;
+      const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
+      unsigned char* s0 = sStage + st * kStage;
+      mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+      mbar_expect_tx(full + st, kStage);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk) {
+        tma_load_4d(s0 + blk * TQ::kBlockBytes, &A.tq, full + st, 32 * blk, n0, h, bb);
+        tma_load_4d(s0 + TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 32 * blk, n0, h, bb);
+      }
+#pragma unroll
+      for (int blk = 0; blk < BQ / 32; ++blk) {
+        tma_load_4d(s0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, &A.tqt, full + st, n0 + 32 * blk, 0, h, bb);
+        tma_load_4d(s0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, &A.tdot, full + st, n0 + 32 * blk, 0, h,
+                    bb);
+      }
+    }
+  } else if (pw == 1) {
+    for (int it = 0; it < kb.ntiles; ++it) {
+      const int st = it & 1;
+      mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+      fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, A.f, kb.b, kb.head(it), kb.q0(it, BQ));
+      mbar_arrive(full + st);
+    }
+  }
+}
+
 // ================================================================================================
 // dQ pass. CTA = 128 query rows of one (batch, head), warpgroup w owning rows 64w..64w+63; the
 // producer streams 64-key tiles of K, V and K^T (two stages). Per consumer warpgroup, with
@@ -77,32 +162,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   if (wg == NWG) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC) {
-      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
-      mbar_expect_tx(full_q, 2 * TQ::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk)
-#pragma unroll
-        for (int rb = 0; rb < BM / 64; ++rb) {
-          const int off = blk * TQ::kBlockBytes + rb * 64 * 128, row = static_cast<int>(m0) + 64 * rb;
-          tma_load_4d(sQ + off, &A.tq, full_q, 32 * blk, row, hh, bb);
-          tma_load_4d(sdO + off, &A.tdo, full_q, 32 * blk, row, hh, bb);
-        }
-      for (int t = 0; t < ntiles; ++t) {
-        const int st = t & 1, n0 = t * BN;
-        unsigned char* s0 = sStage + st * kStage;
-        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, kStage);
-#pragma unroll
-        for (int blk = 0; blk < DP / 32; ++blk) {
-          tma_load_4d(s0 + blk * TK::kBlockBytes, &A.tk, full + st, 32 * blk, n0, hk, bb);
-          tma_load_4d(s0 + TK::kBytes + blk * TK::kBlockBytes, &A.tv, full + st, 32 * blk, n0, hk, bb);
-        }
-#pragma unroll
-        for (int blk = 0; blk < BN / 32; ++blk)
-          tma_load_4d(s0 + 2 * TK::kBytes + blk * TT::kBlockBytes, &A.tkt, full + st, n0 + 32 * blk, 0, hk, bb);
-      }
-    }
+    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN>(A, qb, sQ, sdO, sStage, full_q, full, empty);
     return;
   }
 
@@ -236,41 +296,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   if (wg == NWG) {
     // ---- producer -------------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    const int pw = (threadIdx.x - TC) / 32;
-    const int bb = static_cast<int>(b);
-    if (threadIdx.x == TC) {
-      mbar_expect_tx(full_kv, 2 * TK::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk) {
-        tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
-        tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
-      }
-      for (int it = 0; it < ntiles; ++it) {
-        const int st = it & 1;
-        const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
-        unsigned char* s0 = sStage + st * kStage;
-        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, kStage);
-#pragma unroll
-        for (int blk = 0; blk < DP / 32; ++blk) {
-          tma_load_4d(s0 + blk * TQ::kBlockBytes, &A.tq, full + st, 32 * blk, n0, h, bb);
-          tma_load_4d(s0 + TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 32 * blk, n0, h, bb);
-        }
-#pragma unroll
-        for (int blk = 0; blk < BQ / 32; ++blk) {
-          tma_load_4d(s0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, &A.tqt, full + st, n0 + 32 * blk, 0, h, bb);
-          tma_load_4d(s0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, &A.tdot, full + st, n0 + 32 * blk, 0,
-                      h, bb);
-        }
-      }
-    } else if (pw == 1) {
-      for (int it = 0; it < ntiles; ++it) {
-        const int st = it & 1;
-        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
-        fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, kb.head(it), kb.q0(it, BQ));
-        mbar_arrive(full + st);
-      }
-    }
+    copy_dkv_tiles<DP, BK, BQ>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty);
     return;
   }
 

@@ -120,29 +120,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC) {
-      const int bb = static_cast<int>(b), hh = static_cast<int>(h), hk = static_cast<int>(qb.hk);
-      mbar_expect_tx(full_q, 2 * TQ::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk) {
-        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), hh, bb);
-        tma_load_4d(sdO + blk * TQ::kBlockBytes, &A.tdo, full_q, 32 * blk, static_cast<int>(m0), hh, bb);
-      }
-      for (int t = 0; t < ntiles; ++t) {
-        const int st = t & 1, n0 = t * BN;
-        unsigned char* s0 = sStage + st * kStage;
-        mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, kStage);
-#pragma unroll
-        for (int blk = 0; blk < DP / 32; ++blk) {
-          tma_load_4d(s0 + blk * TK::kBlockBytes, &A.tk, full + st, 32 * blk, n0, hk, bb);
-          tma_load_4d(s0 + TK::kBytes + blk * TK::kBlockBytes, &A.tv, full + st, 32 * blk, n0, hk, bb);
-        }
-#pragma unroll
-        for (int blk = 0; blk < BN / 32; ++blk)
-          tma_load_4d(s0 + 2 * TK::kBytes + blk * TT::kBlockBytes, &A.tkt, full + st, n0 + 32 * blk, 0, hk, bb);
-      }
-    }
+    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN>(A, qb, sQ, sdO, sStage, full_q, full, empty);
     return;
   }
 
@@ -277,41 +255,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   if (wg == 2) {
     // ---- producer -------------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    const int pw = (threadIdx.x - TC) / 32;
-    const int bb = static_cast<int>(b);
-    if (threadIdx.x == TC) {
-      mbar_expect_tx(full_kv, 2 * TK::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk) {
-        tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
-        tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
-      }
-      for (int it = 0; it < ntiles; ++it) {
-        const int st = it & 1;
-        const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
-        unsigned char* s0 = sStage + st * kStage;
-        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, kStage);
-#pragma unroll
-        for (int blk = 0; blk < DP / 32; ++blk) {
-          tma_load_4d(s0 + blk * TQ::kBlockBytes, &A.tq, full + st, 32 * blk, n0, h, bb);
-          tma_load_4d(s0 + TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 32 * blk, n0, h, bb);
-        }
-#pragma unroll
-        for (int blk = 0; blk < BQ / 32; ++blk) {
-          tma_load_4d(s0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, &A.tqt, full + st, n0 + 32 * blk, 0, h, bb);
-          tma_load_4d(s0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, &A.tdot, full + st, n0 + 32 * blk, 0,
-                      h, bb);
-        }
-      }
-    } else if (pw == 1) {
-      for (int it = 0; it < ntiles; ++it) {
-        const int st = it & 1;
-        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
-        fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, kb.head(it), kb.q0(it, BQ));
-        mbar_arrive(full + st);
-      }
-    }
+    copy_dkv_tiles<DP, BK, BQ>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty);
     return;
   }
 
