@@ -92,7 +92,8 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
       const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
       const int need = c.half16 ? (sm90 ? smem_bytes90(p, c.dp, p == Pass::Dkv ? c.sm90_variant : 0)
                                         : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
-                                : (sm90 ? smem_bytes90_tf32(c.dp) : smem_bytes(p, c.dp, d.big()));
+                                : (sm90 ? (c.math == Math::Tf32x3 ? smem_bytes90_3xtf32(c.dp) : smem_bytes90_tf32(c.dp))
+                                        : smem_bytes(p, c.dp, d.big()));
       if (need > d.smem_optin) {
         c.ok = false;
         c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
@@ -203,6 +204,9 @@ void forward(const ForwardParams& p) {
     constexpr Math M = decltype(math)::value;
     if constexpr (M == Math::Tf32 && has_sm90_tf32(DP)) {
       if (c.sm90_fwd && a.vec16 && launch_forward_tf32_sm90<DP>(a, stream)) return;
+    }
+    if constexpr (M == Math::Tf32x3 && has_sm90_3xtf32(DP)) {
+      if (c.sm90_fwd && a.vec16 && launch_forward_3xtf32_sm90<DP>(a, stream)) return;
     }
     launch_forward<DP, M>(a, stream);
   });

@@ -272,6 +272,21 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
 }
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 
+// fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 128, opt-in: 64
+// queries (both consumer warpgroups, each half the head dim) x 32-key tiles; the producer keeps 40
+// registers (its three transposing warps split K and V), 232 per consumer thread: Q's big and small
+// fragments of a half (64), O and the tile's O (32 each), S, its second k-group and the partner's
+// partial (4 x ... 16 each), P's big and small fragments (32).
+FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 128; }
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_3xtf32(int /*dp*/) { return TileConfig90{64, 32, 2, 1, 1, 40}; }
+// Q; two stages of K big, K small, V as stored, Vt big, Vt small; the two warpgroups' partial
+// scores; 1 KiB for alignment, 24 mbarriers.
+FLASHATTN_CUDA_HD constexpr int smem_bytes90_3xtf32(int dp) {
+  const TileConfig90 c = tile_config90_3xtf32(dp);
+  return (c.block_m + 2 * 5 * c.block_n) * dp * 4 + 2 * c.block_m * c.block_n * 4 + 1024 + 24 * 8;
+}
+static_assert(smem_bytes90_3xtf32(128) <= 227 * 1024, "tile_config90_3xtf32 exceeds shared memory");
+
 // tf32 backward (kernels_sm90_tf32_bwd.cuh), padded D = 64: the split design's two passes on
 // wgmma, reading operands that a pre-pass rounded to tf32 and transposed (k contiguous for every
 // B operand). dQ: 128 queries (two consumer warpgroups) x 64-key tiles; Q and dO as tf32

@@ -35,6 +35,56 @@ struct Sm90Tf32FwdArgs {
   CUtensorMap tq, tk, tv;
 };
 
+// The transposing warps' work on one V tile (T threads, numbered tid): V (rows = keys,
+// TileSw128F<BN, DP>) -> Vt (rows = head dim, TileSw128F<DP, BN>, key n in slot tf32_slot(n)),
+// rounded to tf32; kSplit (3xTF32): tf32_split's big part into vt, the small part into
+// vt + dsmall (a same-shaped tile). A unit of work is 32 consecutive keys (one per lane) of one
+// 4-column chunk: its 16-byte reads hit 8 different chunks per 8 rows (the swizzle) and its 4-byte
+// writes fill one 128-byte row, so neither side has bank conflicts. Lane l always takes key
+// 32q + l, whose slot (32q + sigma(l)) and swizzle phase (l & 7) are fixed, so a unit's
+// addresses cost a few integer ops instead of two full TileSw128F::offset evaluations per
+// element (the transposing warps, not the tensor cores, were the tf32 forward's limit: 17.6
+// SASS instructions per element before, about 6 now).
+template <int BN, int DP, int T, bool kSplit>
+__device__ __forceinline__ void transpose_v_tf32(const unsigned char* v, unsigned char* vt, int dsmall, int tid) {
+  using TK = TileSw128F<BN, DP>;
+  using TVt = TileSw128F<DP, BN>;
+  static_assert(BN % 32 == 0 && DP % 8 == 0, "units of 32 keys x 4 columns");
+  const int lane = tid & 31, tw = tid >> 5;
+  const int l7 = lane & 7, sl = tf32_slot(lane);
+  const unsigned char* src = v + lane * 128;
+  unsigned char* dst = vt + (sl & 3) * 4;
+  const uint32_t sc4 = ((sl >> 2) & 7) << 4;
+  // A warp takes column chunks c4 = tw, tw + T/32, ... and, for each, every 32-key group q:
+  // the addresses depend on q only through constants (block and row offsets).
+  for (int c4 = tw; c4 < DP / 4; c4 += T / 32) {
+    // TK::offset(32q + lane, 4c4): block c4 / 8, row 32q + lane, 16-byte chunk (c4 ^ lane) & 7.
+    const unsigned char* s = src + (c4 >> 3) * TK::kBlockBytes + (((c4 ^ l7) & 7) << 4);
+    // TVt::offset(4c4 + i, 32q + sl): block q, row 4c4 + i, chunk ((sl >> 2) & 7) ^ ((4c4 + i) & 7);
+    // (4c4 + i) & 7 = 4 (c4 & 1) | i, so the chunk is x ^ i with x = ((sl >> 2) & 7) ^ 4 (c4 & 1).
+    const uint32_t x = sc4 ^ ((c4 & 1) << 6);
+    unsigned char* d = dst + c4 * 4 * 128;
+    unsigned char* dd[4] = {d + x, d + 128 + (x ^ 16), d + 256 + (x ^ 32), d + 384 + (x ^ 48)};
+#pragma unroll
+    for (int q = 0; q < BN / 32; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(s + q * 32 * 128);
+      const float e[4] = {f.x, f.y, f.z, f.w};
+      const int o = q * TVt::kBlockBytes;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (kSplit) {
+          uint32_t big, small;
+          tf32_split(e[i], big, small);
+          *reinterpret_cast<uint32_t*>(dd[i] + o) = big;
+          *reinterpret_cast<uint32_t*>(dd[i] + o + dsmall) = small;
+        } else {
+          *reinterpret_cast<uint32_t*>(dd[i] + o) = to_tf32(e[i]);
+        }
+      }
+    }
+  }
+}
+
 template <int DP>
 __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     forward_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32FwdArgs A) {
@@ -97,17 +147,8 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
                                          static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
                                          static_cast<int>(b), ntiles);
     } else if (pt >= 32) {
-      // Transposing warps: V_t (rows = keys) -> Vt_t (rows = head dim, key n in slot sigma(n)),
-      // rounded to tf32. A unit of work is 32 consecutive keys (one per lane) of one 4-column
-      // chunk: its 16-byte reads hit 8 different chunks per 8 rows (the swizzle) and its 4-byte
-      // writes fill one 128-byte row, so neither side has bank conflicts. Lane l always takes key
-      // 32q + l, whose slot (32q + sigma(l)) and swizzle phase (l & 7) are fixed, so a unit's
-      // addresses cost a few integer ops instead of two full TileSw128F::offset evaluations per
-      // element (the transposing warps, not the tensor cores, were the forward's limit: 17.6
-      // SASS instructions per element before, about 6 now).
-      const int tid = pt - 32, lane = tid & 31, tw = tid >> 5;
-      const int l7 = lane & 7, sl = tf32_slot(lane);
-      const uint32_t src_lane = lane * 128, dst_lane = (sl & 3) * 4, sc4 = ((sl >> 2) & 7) << 4;
+      // Transposing warps: V_t -> Vt_t (transpose_v_tf32) and K_t rounded in place.
+      const int tid = pt - 32;
       // K_t, rounded in place (contiguous 16-byte words: no bank conflicts), then published.
       auto round_tile_k = [&](int t) {
         const int st = t & 1;
@@ -132,32 +173,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
         const int st = t & 1;
         mbar_wait(full_v + st, (t >> 1) & 1);
         mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
-        const unsigned char* src = sV + st * TK::kBytes + src_lane;
-        unsigned char* dst = sVt + st * TVt::kBytes + dst_lane;
-        static_assert(BN % 32 == 0 && DP % 8 == 0, "units of 32 keys x 4 columns");
-        // A warp takes column chunks c4 = tw, tw + 3, ... and, for each, every 32-key group q:
-        // the addresses depend on q only through constants (block and row offsets).
-        for (int c4 = tw; c4 < DP / 4; c4 += kTransposers / 32) {
-          // TK::offset(32q + lane, 4c4): block c4 / 8, row 32q + lane, 16-byte chunk (c4 ^ lane) & 7.
-          const unsigned char* s = src + (c4 >> 3) * TK::kBlockBytes + (((c4 ^ l7) & 7) << 4);
-          // TVt::offset(4c4 + i, 32q + sl): block q, row 4c4 + i, chunk ((sl >> 2) & 7) ^ ((4c4 + i) & 7);
-          // (4c4 + i) & 7 = 4 (c4 & 1) | i, so the chunk is x ^ i with x = ((sl >> 2) & 7) ^ 4 (c4 & 1).
-          const uint32_t x = sc4 ^ ((c4 & 1) << 6);
-          unsigned char* d = dst + c4 * 4 * 128;
-          unsigned char* d0 = d + x;
-          unsigned char* d1 = d + 128 + (x ^ 16);
-          unsigned char* d2 = d + 256 + (x ^ 32);
-          unsigned char* d3 = d + 384 + (x ^ 48);
-#pragma unroll
-          for (int q = 0; q < BN / 32; ++q) {
-            const float4 v = *reinterpret_cast<const float4*>(s + q * 32 * 128);
-            const int o = q * TVt::kBlockBytes;
-            *reinterpret_cast<uint32_t*>(d0 + o) = to_tf32(v.x);
-            *reinterpret_cast<uint32_t*>(d1 + o) = to_tf32(v.y);
-            *reinterpret_cast<uint32_t*>(d2 + o) = to_tf32(v.z);
-            *reinterpret_cast<uint32_t*>(d3 + o) = to_tf32(v.w);
-          }
-        }
+        transpose_v_tf32<BN, DP, kTransposers, false>(sV + st * TK::kBytes, sVt + st * TVt::kBytes, 0, tid);
         mbar_arrive(empty_v + st);
         fence_proxy_async();  // the writes, before the tensor cores read them
         mbar_arrive(full_vt + st);

@@ -48,27 +48,6 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
   }
 }
 
-// The warpgroup's accumulator entries of one tile, in the exchange buffer: thread i's NS float4
-// at [j][i] (consecutive threads, consecutive 16 bytes).
-template <int NS>
-__device__ __forceinline__ void exchange_store(float* buf, const float (&v)[NS][4]) {
-  const int i = threadIdx.x & 127;
-#pragma unroll
-  for (int j = 0; j < NS; ++j) reinterpret_cast<float4*>(buf)[j * 128 + i] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
-}
-template <int NS>
-__device__ __forceinline__ void exchange_load(float (&v)[NS][4], const float* buf) {
-  const int i = threadIdx.x & 127;
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    const float4 x = reinterpret_cast<const float4*>(buf)[j * 128 + i];
-    v[j][0] = x.x;
-    v[j][1] = x.y;
-    v[j][2] = x.z;
-    v[j][3] = x.w;
-  }
-}
-
 // ================================================================================================
 // dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
 // tiles of K, V and K^T (two stages). Per key tile t:

@@ -4,6 +4,7 @@
 
 #include "cuda/check.hpp"
 #include "cuda/kernels_sm90.cuh"
+#include "cuda/kernels_sm90_3xtf32.cuh"
 #include "cuda/kernels_sm90_tf32.cuh"
 #include "cuda/kernels_sm90_tf32_bwd.cuh"
 #include "cuda/kernels_sm90_tf32_bwd_pair.cuh"
@@ -29,10 +30,12 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
-template <int DP>
-bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
+// Both float32 forwards on wgmma (tf32; 3xTF32, opt-in): Q, K, V tensor maps of the caller's
+// tensors (boxes of block_m / block_n rows), one CTA per block_m queries.
+template <class Kernel>
+bool launch_forward_f32_sm90(const FwdArgs& a, Kernel kernel, TileConfig90 c, int smem, const char* name,
+                             cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  constexpr TileConfig90 c = tile_config90_tf32(DP);
   dev::Sm90Tf32FwdArgs args;
   args.f = a;
   if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
@@ -41,9 +44,20 @@ bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
     return false;
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  launch_checked(dev::forward_tf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
-                 "forward_tf32_sm90 kernel launch");
+  launch_checked(kernel, grid, c.threads(), smem, stream, args, name);
   return true;
+}
+
+template <int DP>
+bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
+  return launch_forward_f32_sm90(a, dev::forward_tf32_sm90_kernel<DP>, tile_config90_tf32(DP), smem_bytes90_tf32(DP),
+                                 "forward_tf32_sm90 kernel launch", stream);
+}
+
+template <int DP>
+bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
+  return launch_forward_f32_sm90(a, dev::forward_3xtf32_sm90_kernel<DP>, tile_config90_3xtf32(DP),
+                                 smem_bytes90_3xtf32(DP), "forward_3xtf32_sm90 kernel launch", stream);
 }
 
 template <int DP>
@@ -148,6 +162,9 @@ bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
   template bool launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template bool launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
+
+#define FLASHATTN_INSTANTIATE_SM90_forward_3xtf32(DP) \
+  template bool launch_forward_3xtf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward_tf32(DP) template bool launch_forward_tf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 

@@ -127,6 +127,10 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // and measurement.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
+  // The fp32-accurate forward on wgmma (padded D = 128) is opt-in until it has run on a GPU:
+  // FLASHATTN_CUDA_FP32_FWD=wgmma (docs/PERF.md, "fp32 forward on wgmma").
+  if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp) && env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"}) == 1)
+    c.sm90_fwd = true;
   int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});
   if (tf32_bwd < 0) tf32_bwd = 2;
   c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;

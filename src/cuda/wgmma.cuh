@@ -210,6 +210,29 @@ __device__ __forceinline__ void acc_to_afrag_tf32(uint32_t (&a)[NS][4], const fl
   }
 }
 
+// The pair kernels' exchange between two warpgroups that own the same rows (kernels_sm90_tf32_bwd_pair.cuh,
+// kernels_sm90_3xtf32.cuh): a warpgroup's accumulator entries of one tile in a shared-memory buffer,
+// thread i's NS float4 at [j][i] (consecutive threads, consecutive 16 bytes: conflict free), read
+// back by thread i of the other warpgroup, which owns the same entries.
+template <int NS>
+__device__ __forceinline__ void exchange_store(float* buf, const float (&v)[NS][4]) {
+  const int i = threadIdx.x & 127;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) reinterpret_cast<float4*>(buf)[j * 128 + i] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+}
+template <int NS>
+__device__ __forceinline__ void exchange_load(float (&v)[NS][4], const float* buf) {
+  const int i = threadIdx.x & 127;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const float4 x = reinterpret_cast<const float4*>(buf)[j * 128 + i];
+    v[j][0] = x.x;
+    v[j][1] = x.y;
+    v[j][2] = x.z;
+    v[j][3] = x.w;
+  }
+}
+
 // The dK/dV kernels' per-query vectors of one streamed tile (query head h, queries n0 + [0, BQ)),
 // written by the 32 lanes of one producer warp: LSE in the log2 domain and D = rowsum(dO * O).
 // Past the last query LSE = +inf, so P = exp2(s - inf) = 0 there (those entries are masked too).

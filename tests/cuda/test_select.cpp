@@ -145,6 +145,17 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
   }
   {
+    // The fp32-accurate wgmma forward: opt-in, padded D = 128 on 9.0 only, the backward unchanged.
+    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+    EnvScope e("FLASHATTN_CUDA_FP32_FWD", "wgmma");
+    const KernelChoice c = select_kernel(shape(4096, 128), num(DType::Float32), 9, 0);
+    EXPECT_EQ(c.math, Math::Tf32x3);
+    EXPECT_TRUE(c.sm90_fwd);
+    EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
+  }
+  {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);

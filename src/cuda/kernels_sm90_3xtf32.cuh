@@ -1,0 +1,326 @@
+// The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) at padded D = 128, on
+// wgmma. OPT-IN and not yet run on a GPU (FLASHATTN_CUDA_FP32_FWD=wgmma; select.cpp): the default
+// fp32 forward stays the mma.sync 3xTF32 kernel (kernels.cuh) until this one has passed the GPU
+// tests and been measured faster (docs/PERF.md, "fp32 forward on wgmma").
+//
+// Every product X Y is X_big Y_big + X_big Y_small + X_small Y_big (tf32_split, device.cuh), small
+// terms first. With Q's big and small fragments (128 registers per thread at D = 128) a warpgroup
+// owning 64 rows as in the tf32 forward cannot also hold O, so both consumer warpgroups own the
+// same 64 query rows and split the head dim (the backward's pair design, kernels_sm90_tf32_bwd_pair.cuh):
+//   warpgroup w (dims [64w, 64w + 64)): qb, qs = split(Q[:, half w]) as A fragments (64 registers)
+//   per 32-key tile t:
+//     S_w = Q[:, half w] K_t[:, half w]^T            (3 products x 8 k-steps, two groups of 4 k-steps
+//                                                     in separate accumulators, added with FADD)
+//     exchange S_w through shared memory; S = S_0 + S_1 (both warpgroups: the same bits)
+//     P = online softmax of S (both, identically: the same statistics)
+//     O_t = P Vt_t[half w] (3 products x 4 k-steps, a fresh accumulator); O_w = alpha O_w + O_t
+// The fresh accumulators matter: the tensor cores add into their fp32 accumulator with truncation,
+// so a long chain drifts (the mma.sync kernels group two k-steps for the same reason, device.cuh).
+// The producer warpgroup: one thread copies Q once and K, V per tile (copy engine); warps 1-3 split
+// K in place (big; small into a same-shaped tile) and transpose V into Vt (rows = head dim, keys in
+// tf32_slot order, so P's accumulator is its A fragment unshuffled), big and small tiles.
+// docs/ALGORITHM.md ("fp32 forward on sm_90a") has the work model.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/config.hpp"
+#include "cuda/device.cuh"
+#include "cuda/kernels_sm90_tf32.cuh"
+#include "cuda/launch.hpp"
+#include "cuda/wgmma.cuh"
+
+namespace flashattn::cuda::dev {
+
+// The big and small tf32 A fragments of rows row0 + [0, 16) and columns col0 + [0, 8 KS) of a
+// float32 TileSw128F (columns = k).
+template <class T, int KS>
+__device__ __forceinline__ void load_afrag_split_tf32(uint32_t (&big)[KS][4], uint32_t (&small)[KS][4],
+                                                      const unsigned char* tile, int row0, int col0) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float x = *reinterpret_cast<const float*>(
+          tile + T::offset(row0 + g + 8 * (i & 1), col0 + 8 * kk + t + 4 * (i >> 1)));
+      tf32_split(x, big[kk][i], small[kk][i]);
+    }
+}
+
+// An accumulator (P) as the big and small tf32 A fragments of the next product (the order of
+// acc_to_afrag_tf32: B stores its k positions in tf32_slot order). The small part is computed from
+// a second rounding of x on the conversion unit (cvt.rna: the same value as tf32_round for the
+// finite P) rather than from big's register: otherwise ptxas reads big's register again after
+// writing it in the loop, the pattern scripts/check-sass-wgmma.py flags (it cannot tell that
+// use from the register reuse it exists to catch).
+__device__ __forceinline__ void split_p_tf32(float x, uint32_t& big, uint32_t& small) {
+  big = tf32_round(x);
+  small = tf32_round(x - __uint_as_float(to_tf32(x)));
+}
+template <int NS>
+__device__ __forceinline__ void acc_to_afrag_split_tf32(uint32_t (&big)[NS][4], uint32_t (&small)[NS][4],
+                                                        const float (&s)[NS][4]) {
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    split_p_tf32(s[j][0], big[j][0], small[j][0]);
+    split_p_tf32(s[j][2], big[j][1], small[j][1]);
+    split_p_tf32(s[j][1], big[j][2], small[j][2]);
+    split_p_tf32(s[j][3], big[j][3], small[j][3]);
+  }
+}
+
+// The KS k-steps of fragments a starting at k-step k0, as an array reference of their own (the
+// products below take a group of k-steps at a time).
+template <int KS, int N>
+__device__ __forceinline__ const uint32_t (&ksteps(const uint32_t (&a)[N][4], int k0))[KS][4] {
+  return *reinterpret_cast<const uint32_t(*)[KS][4]>(&a[k0]);
+}
+
+template <int DP>
+__global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
+    forward_3xtf32_sm90_kernel(const __grid_constant__ Sm90Tf32FwdArgs A) {  // the tf32 forward's arguments
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr TileConfig90 C = tile_config90_3xtf32(DP);
+  constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
+  constexpr int NS = BN / 8, NH = DP / 16, KH = DP / 16;  // NH: 8-column blocks of a half; KH: its k-steps
+  constexpr int kTransposers = 96;                        // producer warps 1-3
+  static_assert(C.warpgroups == 2 && BM == 64 && BN == 32 && DP == 128, "pair design at D = 128");
+  using TQ = TileSw128F<BM, DP>;
+  using TK = TileSw128F<BN, DP>;   // K (big in place, small alike) and V as stored: rows = keys
+  using TVt = TileSw128F<DP, BN>;  // Vt big and small: rows = head dim, k = key slots
+  extern __shared__ float4 smem4[];
+  unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sK = sQ + TQ::kBytes;        // [2] big
+  unsigned char* sKs = sK + 2 * TK::kBytes;   // [2] small
+  unsigned char* sV = sKs + 2 * TK::kBytes;   // [2] as stored
+  unsigned char* sVt = sV + 2 * TK::kBytes;   // [2] big
+  unsigned char* sVts = sVt + 2 * TVt::kBytes;  // [2] small
+  float* xS = reinterpret_cast<float*>(sVts + 2 * TVt::kBytes);  // [2 warpgroups][BM x BN]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(xS + 2 * BM * BN);
+  uint64_t* full_q = bars;
+  uint64_t* full_k = bars + 1;     // [2] K landed
+  uint64_t* split_k = bars + 3;    // [2] K split (transposing warps)
+  uint64_t* empty_k = bars + 5;    // [2] K big and small read by both warpgroups
+  uint64_t* full_v = bars + 7;     // [2] V landed
+  uint64_t* empty_v = bars + 9;    // [2] V read by the transposing warps
+  uint64_t* full_vt = bars + 11;   // [2] Vt big and small written
+  uint64_t* empty_vt = bars + 13;  // [2] Vt read by both warpgroups
+  uint64_t* ready = bars + 15;     // [2] warpgroup w's partial scores in xS[w]
+  uint64_t* taken = bars + 17;     // [2] warpgroup w's partial scores read by the other
+
+  const FwdArgs& a = A.f;
+  const ForwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
+  const int ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
+
+  if (threadIdx.x == 0) {
+    mbar_init(full_q, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full_k + i, 1);
+      mbar_init(split_k + i, kTransposers);
+      mbar_init(empty_k + i, TC);
+      mbar_init(full_v + i, 1);
+      mbar_init(empty_v + i, kTransposers);
+      mbar_init(full_vt + i, kTransposers);
+      mbar_init(empty_vt + i, TC);
+      mbar_init(ready + i, 128);
+      mbar_init(taken + i, 128);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 2) {
+    // ---- producer -----------------------------------------------------------------------------
+    regs_decrease<C.producer_regs>();
+    const int pt = threadIdx.x - TC;
+    if (pt == 0) {
+      copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
+                                         static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
+                                         static_cast<int>(b), ntiles);
+    } else if (pt >= 32) {
+      const int tid = pt - 32;
+      // K_t split: big in place, small into sKs (contiguous 16-byte words, same layout).
+      auto split_tile_k = [&](int t) {
+        const int st = t & 1;
+        mbar_wait(full_k + st, (t >> 1) & 1);
+        float4* kp = reinterpret_cast<float4*>(sK + st * TK::kBytes);
+        float4* ks = reinterpret_cast<float4*>(sKs + st * TK::kBytes);
+        for (int i = tid; i < TK::kBytes / 16; i += kTransposers) {
+          const float4 v = kp[i];
+          uint32_t bg[4], sm[4];
+          tf32_split(v.x, bg[0], sm[0]);
+          tf32_split(v.y, bg[1], sm[1]);
+          tf32_split(v.z, bg[2], sm[2]);
+          tf32_split(v.w, bg[3], sm[3]);
+          kp[i] = make_float4(__uint_as_float(bg[0]), __uint_as_float(bg[1]), __uint_as_float(bg[2]),
+                              __uint_as_float(bg[3]));
+          ks[i] = make_float4(__uint_as_float(sm[0]), __uint_as_float(sm[1]), __uint_as_float(sm[2]),
+                              __uint_as_float(sm[3]));
+        }
+        fence_proxy_async();
+        mbar_arrive(split_k + st);
+      };
+      // The consumers need K_0, then K_{t+1} before Vt_t. K's stage t & 1 is free again once both
+      // warpgroups released K_{t-2} (empty_k, which the copy thread waits on before copying).
+      if (ntiles > 0) split_tile_k(0);
+      for (int t = 0; t < ntiles; ++t) {
+        if (t + 1 < ntiles) split_tile_k(t + 1);
+        const int st = t & 1;
+        mbar_wait(full_v + st, (t >> 1) & 1);
+        mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
+        transpose_v_tf32<BN, DP, kTransposers, true>(sV + st * TK::kBytes, sVt + st * TVt::kBytes,
+                                                    static_cast<int>(sVts - sVt), tid);
+        mbar_arrive(empty_v + st);
+        fence_proxy_async();  // the writes, before the tensor cores read them
+        mbar_arrive(full_vt + st);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: both warpgroups own query rows [m0, m0 + 64); warpgroup wg the dims of half wg --
+  regs_increase<C.consumer_regs()>();
+  const int wq = (threadIdx.x / 32) & 3, g = lane_id() >> 2;
+  const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
+  const uint32_t k_addr = smem_addr(sK) + 2 * wg * TK::kBlockBytes;  // half wg: column blocks 2wg, 2wg + 1
+  const uint32_t ks_addr = smem_addr(sKs) + 2 * wg * TK::kBlockBytes;
+  const uint32_t vt_addr = smem_addr(sVt), vts_addr = smem_addr(sVts);
+
+  // Fixed across the tile loop; the SASS check (scripts/check-sass-wgmma.py, run on every build)
+  // finds no reuse of their registers there, so no keep_live_in_loop as in the dK/dV kernels.
+  uint32_t qb_[KH][4], qs_[KH][4];
+  mbar_wait(full_q, 0);
+  load_afrag_split_tf32<TQ>(qb_, qs_, sQ, 16 * wq, 64 * wg);
+
+  float o[NH][4], ot[NH][4];
+  zero(o);
+  SoftmaxState st;
+  float s[NS][4], s2[NS][4];
+  uint32_t pb[NS][4], ps[NS][4];
+  float alpha_prev[2] = {1.0f, 1.0f};
+
+  const int64_t vis_end[2] = {rule.visible_end(row_w + g, Skv), rule.visible_end(row_w + g + 8, Skv)};
+  const bool fused = a.sl2 > 0.0f;  // uniform
+  float* xmine = xS + wg * BM * BN;
+  const float* xother = xS + (1 - wg) * BM * BN;
+
+  // S_w of tile t: k-steps 0-3 into s, 4-7 into s2 (two commit groups).
+  auto issue_scores = [&](int t) {
+    const uint32_t kb = k_addr + (t & 1) * TK::kBytes, ks = ks_addr + (t & 1) * TK::kBytes;
+    fence_regs(s);
+    fence_regs(s2);
+    wgmma_fence();
+    wg_gemm_rs_tf32<KH / 2, TK, true>(s, ksteps<KH / 2>(qs_, 0), kb, 0, false);
+    wg_gemm_rs_tf32<KH / 2, TK>(s, ksteps<KH / 2>(qb_, 0), ks, 0, true);
+    wg_gemm_rs_tf32<KH / 2, TK>(s, ksteps<KH / 2>(qb_, 0), kb, 0, true);
+    wgmma_commit();
+    wg_gemm_rs_tf32<KH / 2, TK, true>(s2, ksteps<KH / 2>(qs_, KH / 2), kb + TK::kBlockBytes, 0, false);
+    wg_gemm_rs_tf32<KH / 2, TK>(s2, ksteps<KH / 2>(qb_, KH / 2), ks + TK::kBlockBytes, 0, true);
+    wg_gemm_rs_tf32<KH / 2, TK>(s2, ksteps<KH / 2>(qb_, KH / 2), kb + TK::kBlockBytes, 0, true);
+    wgmma_commit();
+  };
+  // O_t = P Vt_t[half] into ot (a fresh accumulator).
+  auto issue_pv = [&](int t) {
+    const uint32_t off = (t & 1) * TVt::kBytes + 64 * wg * 128;  // Vt rows [64 wg, 64 wg + 64)
+    fence_regs(ot);
+    fence_regs(pb);
+    fence_regs(ps);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NS, TVt, true>(ot, ps, vt_addr + off, 0, false);
+    wg_gemm_rs_tf32<NS, TVt>(ot, pb, vts_addr + off, 0, true);
+    wg_gemm_rs_tf32<NS, TVt>(ot, pb, vt_addr + off, 0, true);
+    wgmma_commit();
+  };
+  // After the scores of tile t completed: S = S_0 + S_1 through the exchange, softmax, P's
+  // fragments; alpha (for O) returned.
+  auto scores_to_p = [&](int t, float (&alpha)[2]) {
+    fence_regs(s);
+    fence_regs(s2);
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    if (t > 0) mbar_wait(taken + wg, (t - 1) & 1);  // the other side read our last partial
+    exchange_store<NS>(xmine, s);
+    mbar_arrive(ready + wg);
+    mbar_wait(ready + (1 - wg), t & 1);
+    exchange_load<NS>(s2, xother);
+    mbar_arrive(taken + (1 - wg));
+    // S_0 + S_1 in both warpgroups (addition commutes exactly): the same P and statistics.
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    const int64_t n0 = static_cast<int64_t>(t) * BN;
+    softmax_tile_sm90<BN>(s, st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
+  };
+  // P (in s) -> its big and small A fragments; only once no P V product still reads pb, ps.
+  auto to_pa = [&] { acc_to_afrag_split_tf32(pb, ps, s); };
+  // O = alpha O + O_t, alpha of the tile whose P made O_t.
+  auto add_tile = [&] {
+    fence_regs(ot);
+#pragma unroll
+    for (int j = 0; j < NH; ++j) {
+      o[j][0] = fmaf(o[j][0], alpha_prev[0], ot[j][0]);
+      o[j][1] = fmaf(o[j][1], alpha_prev[0], ot[j][1]);
+      o[j][2] = fmaf(o[j][2], alpha_prev[1], ot[j][2]);
+      o[j][3] = fmaf(o[j][3], alpha_prev[1], ot[j][3]);
+    }
+  };
+  auto wait_k = [&](int t) { mbar_wait(split_k + (t & 1), (t >> 1) & 1); };
+  auto wait_vt = [&](int t) { mbar_wait(full_vt + (t & 1), (t >> 1) & 1); };
+
+  if (ntiles > 0) {
+    wait_k(0);
+    issue_scores(0);
+    wgmma_wait<0>();
+    mbar_arrive(empty_k);
+    scores_to_p(0, alpha_prev);
+    to_pa();
+  }
+  // Tile t + 1's scores are issued before tile t's P V, so its exchange and softmax run while
+  // P V does; every wgmma in the loop is unconditional (the last tile is peeled).
+  for (int it = 0; it + 1 < ntiles; ++it) {
+    wait_k(it + 1);
+    wait_vt(it);
+    issue_scores(it + 1);
+    issue_pv(it);
+    wgmma_wait<1>();
+    mbar_arrive(empty_k + ((it + 1) & 1));
+    float alpha[2];
+    scores_to_p(it + 1, alpha);  // while P_it V_it runs
+    wgmma_wait<0>();
+    mbar_arrive(empty_vt + (it & 1));
+    add_tile();
+    alpha_prev[0] = alpha[0];
+    alpha_prev[1] = alpha[1];
+    to_pa();
+  }
+  if (ntiles > 0) {
+    const int it = ntiles - 1;
+    wait_vt(it);
+    issue_pv(it);
+    wgmma_wait<0>();
+    mbar_arrive(empty_vt + (it & 1));
+    add_tile();
+  }
+
+  float inv[2], lse[2];
+  finish_rows(st, inv, lse);
+  rescale_rows(o, inv);
+  if (wg == 0) store_lse(p.lse, b, h, row_w, Sq, lse);
+  float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
+  store_rows(out, p.out.ss, 16 * wq, qb.rows, 64 * wg, static_cast<int>(p.shape.head_dim), o, 1.0f, true);
+#endif
+}
+
+}  // namespace flashattn::cuda::dev
