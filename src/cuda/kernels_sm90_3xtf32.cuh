@@ -152,20 +152,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
       auto split_tile_k = [&](int t) {
         const int st = t & 1;
         mbar_wait(full_k + st, (t >> 1) & 1);
-        float4* kp = reinterpret_cast<float4*>(sK + st * TK::kBytes);
-        float4* ks = reinterpret_cast<float4*>(sKs + st * TK::kBytes);
-        for (int i = tid; i < TK::kBytes / 16; i += kTransposers) {
-          const float4 v = kp[i];
-          uint32_t bg[4], sm[4];
-          tf32_split(v.x, bg[0], sm[0]);
-          tf32_split(v.y, bg[1], sm[1]);
-          tf32_split(v.z, bg[2], sm[2]);
-          tf32_split(v.w, bg[3], sm[3]);
-          kp[i] = make_float4(__uint_as_float(bg[0]), __uint_as_float(bg[1]), __uint_as_float(bg[2]),
-                              __uint_as_float(bg[3]));
-          ks[i] = make_float4(__uint_as_float(sm[0]), __uint_as_float(sm[1]), __uint_as_float(sm[2]),
-                              __uint_as_float(sm[3]));
-        }
+        convert_tile_tf32<TK::kBytes, kTransposers, true>(sK + st * TK::kBytes, sKs + st * TK::kBytes, tid);
         fence_proxy_async();
         mbar_arrive(split_k + st);
       };

@@ -35,6 +35,31 @@ struct Sm90Tf32FwdArgs {
   CUtensorMap tq, tk, tv;
 };
 
+// A tile of shared memory (BYTES, 16-byte words, T threads numbered tid) rounded to tf32 in
+// place; kSplit (3xTF32): tf32_split's big part in place and its small part into `small` (a
+// same-shaped tile). The callers fence and publish.
+template <int BYTES, int T, bool kSplit>
+__device__ __forceinline__ void convert_tile_tf32(unsigned char* tile, unsigned char* small, int tid) {
+  static_assert(BYTES % 16 == 0, "16-byte words");
+  float4* w = reinterpret_cast<float4*>(tile);
+  for (int i = tid; i < BYTES / 16; i += T) {
+    const float4 v = w[i];
+    if constexpr (kSplit) {
+      uint32_t bg[4], sm[4];
+      tf32_split(v.x, bg[0], sm[0]);
+      tf32_split(v.y, bg[1], sm[1]);
+      tf32_split(v.z, bg[2], sm[2]);
+      tf32_split(v.w, bg[3], sm[3]);
+      w[i] = make_float4(__uint_as_float(bg[0]), __uint_as_float(bg[1]), __uint_as_float(bg[2]), __uint_as_float(bg[3]));
+      reinterpret_cast<float4*>(small)[i] =
+          make_float4(__uint_as_float(sm[0]), __uint_as_float(sm[1]), __uint_as_float(sm[2]), __uint_as_float(sm[3]));
+    } else {
+      w[i] = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)), __uint_as_float(to_tf32(v.z)),
+                         __uint_as_float(to_tf32(v.w)));
+    }
+  }
+}
+
 // The transposing warps' work on one V tile (T threads, numbered tid): V (rows = keys,
 // TileSw128F<BN, DP>) -> Vt (rows = head dim, TileSw128F<DP, BN>, key n in slot tf32_slot(n)),
 // rounded to tf32; kSplit (3xTF32): tf32_split's big part into vt, the small part into
@@ -153,15 +178,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       auto round_tile_k = [&](int t) {
         const int st = t & 1;
         mbar_wait(full_k + st, (t >> 1) & 1);
-        float4* kp = reinterpret_cast<float4*>(sK + st * TK::kBytes);
-        for (int i = tid; i < TK::kBytes / 16; i += kTransposers) {
-          float4 v = kp[i];
-          v.x = __uint_as_float(to_tf32(v.x));
-          v.y = __uint_as_float(to_tf32(v.y));
-          v.z = __uint_as_float(to_tf32(v.z));
-          v.w = __uint_as_float(to_tf32(v.w));
-          kp[i] = v;
-        }
+        convert_tile_tf32<TK::kBytes, kTransposers, false>(sK + st * TK::kBytes, nullptr, tid);
         fence_proxy_async();
         mbar_arrive(round_k + st);
       };
