@@ -95,16 +95,25 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // Box rows: each pass's tile of that operand (stationary: block_m; streamed: block_n).
   auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
   auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
-  if (!make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) ||
-      !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) ||
+  // The dQ pass reads Q and dO in 64-row boxes; the dK/dV pass in block_n-row boxes, the same maps
+  // when block_n is 64 (D = 64).
+  constexpr bool kSameQMaps = ck.block_n == 64;
+  if (!make_tensor_map32(&dq.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      !make_tensor_map32(&dq.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
+      (!kSameQMaps &&
+       !make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) ||
+      (!kSameQMaps &&
+       !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) ||
       (dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
       (dkv_wgmma && !make_tensor_map32(&dkv.tdot, cols(dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
-      !make_tensor_map32(&dq.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
-      !make_tensor_map32(&dq.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
       !make_tensor_map32(&dq.tk, rows(kr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
       !make_tensor_map32(&dq.tv, rows(vr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
       !make_tensor_map32(&dq.tkt, cols(kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP))
     throw Error(Status::Internal, "cuda tf32 backward: tensor maps of the operand copies failed");
+  if constexpr (kSameQMaps) {
+    dkv.tq = dq.tq;
+    dkv.tdo = dq.tdo;
+  }
   // Q^T and dO^T only feed the wgmma dK/dV kernel.
   launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qr, dkv_wgmma ? qt : nullptr, stream);
   launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dor, dkv_wgmma ? dot : nullptr, stream);
