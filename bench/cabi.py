@@ -93,3 +93,14 @@ class CtypesLib:
         refs = [ctypes.byref(x) for x in args]
         fn = self.lib.flashattn_backward
         return lambda: self._check(fn(*refs))
+
+
+def issue_problem(torch, s, d, dtype):
+    """The issue benchmarks' shape on CUDA (16k tokens per batch: B = 16384 / S; hidden 2048:
+    H = 2048 / D; Sq = Skv = S): random q, k, v, dout and empty out, lse, dq, dk, dv, as a dict
+    with b and h (profile_case.py, kernel_times.py)."""
+    b, h = max(1, 16384 // s), max(1, 2048 // d)
+    t = {n: torch.randn(b, h, s, d, device="cuda", dtype=dtype) for n in ("q", "k", "v", "do")}
+    t.update(out=torch.empty_like(t["q"]), lse=torch.empty(b, h, s, device="cuda"),
+             dq=torch.empty_like(t["q"]), dk=torch.empty_like(t["k"]), dv=torch.empty_like(t["v"]), b=b, h=h)
+    return t

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib
+from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib, issue_problem
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,10 +35,9 @@ def main():
     lib = CtypesLib(a.lib, torch)
     dt = DTYPES[a.dtype]
     s, d = a.seq, a.head_dim
-    b, h = max(1, 16384 // s), max(1, 2048 // d)
-    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(4))
-    out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    prob = issue_problem(torch, s, d, dt)
+    b, h = prob["b"], prob["h"]
+    q, k, v, do, out, lse, dq, dk, dv = (prob[n] for n in ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv"))
     o = (MASK_CAUSAL_TOP_LEFT if a.causal else MASK_NONE, 1 if a.precision == "tf32" else 0, a.deterministic)
 
     def fwd():
