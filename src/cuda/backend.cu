@@ -89,11 +89,20 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
   KernelChoice c = select_kernel(s, n, d.cc_major, d.cc_minor);
   if (c.ok) {
     for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
-      const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
-      const int need = c.half16 ? (sm90 ? smem_bytes90(p, c.dp, p == Pass::Dkv ? c.sm90_variant : 0)
-                                        : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd))
-                                : (sm90 ? (c.math == Math::Tf32x3 ? smem_bytes90_3xtf32(c.dp) : smem_bytes90_tf32(c.dp))
-                                        : smem_bytes(p, c.dp, d.big()));
+      // The kernel each pass runs: 16-bit sm_90a forward / single-pass backward (no dQ pass);
+      // float32 sm_90a forward (tf32 or 3xTF32) and tf32 backward passes; else mma.sync.
+      int need = 0;
+      if (c.half16) {
+        const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
+        need = sm90 ? smem_bytes90(p, c.dp, p == Pass::Dkv ? c.sm90_variant : 0)
+                    : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd);
+      } else if (p == Pass::Forward && c.sm90_fwd) {
+        need = c.math == Math::Tf32x3 ? smem_bytes90_3xtf32(c.dp) : smem_bytes90_tf32(c.dp);
+      } else if ((p == Pass::Dq && c.sm90_bwd) || (p == Pass::Dkv && c.tf32_dkv_wgmma)) {
+        need = smem_bytes90_tf32_bwd(p, c.dp);
+      } else {
+        need = smem_bytes(p, c.dp, d.big());
+      }
       if (need > d.smem_optin) {
         c.ok = false;
         c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
@@ -280,8 +289,8 @@ std::string describe() {
          << prop.multiProcessorCount << " SMs)";
   }
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
-        "3xtf32 (precision fp32), tf32 (precision tf32; on sm_90 the forward by wgmma for {64,128} "
-        "and the backward by wgmma for 64, FLASHATTN_CUDA_TF32_BWD=mma keeps mma.sync), fma "
+        "3xtf32 (precision fp32), tf32 (precision tf32; on sm_90 the forward and the backward by "
+        "wgmma for {64,128}, FLASHATTN_CUDA_TF32_BWD=mma keeps the mma.sync backward), fma "
         "(fallback); float16/bfloat16 kernels "
         "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, forward on sm_90 "
         "by wgmma for {64,128,256} and single-pass backward by wgmma for {64,128,256} "

@@ -64,8 +64,8 @@ template <int DP>
 bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP), ck = tile_config90_tf32_bwd(Pass::Dkv, DP);
-  // D = 128: the pair kernels (both warpgroups on one tile's rows, split by product); the dK/dV
-  // pass always on wgmma there (FLASHATTN_CUDA_TF32_BWD=wgmma-dq is a D = 64 choice).
+  // D = 128: the pair kernels (both warpgroups on one tile's rows, split by product), whose dK/dV
+  // pass is always on wgmma (selection sets tf32_dkv_wgmma there too).
   constexpr bool kPair = tf32_bwd_pair(DP);
   const bool dkv_wgmma = kPair || a.tf32_dkv_wgmma;
   dev::Sm90Tf32BwdArgs dq, dkv;

@@ -134,7 +134,8 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});
   if (tf32_bwd < 0) tf32_bwd = 2;
   c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;
-  c.tf32_dkv_wgmma = c.sm90_bwd && tf32_bwd == 2;
+  // (D = 128 has no mma.sync-dK/dV variant of the wgmma backward: wgmma-dq is a D = 64 choice.)
+  c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd == 2 || tf32_bwd_pair(c.dp));
   c.ok = true;
   return c;
 }

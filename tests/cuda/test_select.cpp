@@ -140,7 +140,8 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma-dq");
     EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
-    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);  // (both passes on wgmma there)
+    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
+    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).tf32_dkv_wgmma);  // (no mma.sync dK/dV variant there)
     EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
   }
