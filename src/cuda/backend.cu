@@ -99,7 +99,7 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
       } else if (p == Pass::Forward && c.sm90_fwd) {
         need = c.math == Math::Tf32x3 ? smem_bytes90_3xtf32(c.dp) : smem_bytes90_tf32(c.dp);
       } else if ((p == Pass::Dq && c.sm90_bwd) || (p == Pass::Dkv && c.tf32_dkv_wgmma)) {
-        need = smem_bytes90_tf32_bwd(p, c.dp);
+        need = smem_bytes90_tf32_bwd(p, c.dp, c.math == Math::Tf32x3);
       } else {
         need = smem_bytes(p, c.dp, d.big());
       }
@@ -268,6 +268,9 @@ void backward(const BackwardParams& p) {
     constexpr Math M = decltype(math)::value;
     if constexpr (M == Math::Tf32 && has_sm90_tf32_bwd(DP)) {
       if (c.sm90_bwd && a.vec16 && launch_bwd_tf32_sm90<DP>(a, stream)) return;
+    }
+    if constexpr (M == Math::Tf32x3 && has_sm90_3xtf32_bwd(DP)) {
+      if (c.sm90_bwd && a.vec16 && launch_bwd_3xtf32_sm90<DP>(a, stream)) return;
     }
     launch_dq<DP, M>(a, stream);
     launch_dkv<DP, M>(a, stream);

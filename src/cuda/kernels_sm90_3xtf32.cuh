@@ -35,51 +35,6 @@
 
 namespace flashattn::cuda::dev {
 
-// The big and small tf32 A fragments of rows row0 + [0, 16) and columns col0 + [0, 8 KS) of a
-// float32 TileSw128F (columns = k).
-template <class T, int KS>
-__device__ __forceinline__ void load_afrag_split_tf32(uint32_t (&big)[KS][4], uint32_t (&small)[KS][4],
-                                                      const unsigned char* tile, int row0, int col0) {
-  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float x = *reinterpret_cast<const float*>(
-          tile + T::offset(row0 + g + 8 * (i & 1), col0 + 8 * kk + t + 4 * (i >> 1)));
-      tf32_split(x, big[kk][i], small[kk][i]);
-    }
-}
-
-// An accumulator (P) as the big and small tf32 A fragments of the next product (the order of
-// acc_to_afrag_tf32: B stores its k positions in tf32_slot order). The small part is computed from
-// a second rounding of x on the conversion unit (cvt.rna: the same value as tf32_round for the
-// finite P) rather than from big's register: otherwise ptxas reads big's register again after
-// writing it in the loop, the pattern scripts/check-sass-wgmma.py flags (it cannot tell that
-// use from the register reuse it exists to catch).
-__device__ __forceinline__ void split_p_tf32(float x, uint32_t& big, uint32_t& small) {
-  big = tf32_round(x);
-  small = tf32_round(x - __uint_as_float(to_tf32(x)));
-}
-template <int NS>
-__device__ __forceinline__ void acc_to_afrag_split_tf32(uint32_t (&big)[NS][4], uint32_t (&small)[NS][4],
-                                                        const float (&s)[NS][4]) {
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    split_p_tf32(s[j][0], big[j][0], small[j][0]);
-    split_p_tf32(s[j][2], big[j][1], small[j][1]);
-    split_p_tf32(s[j][1], big[j][2], small[j][2]);
-    split_p_tf32(s[j][3], big[j][3], small[j][3]);
-  }
-}
-
-// The KS k-steps of fragments a starting at k-step k0, as an array reference of their own (the
-// products below take a group of k-steps at a time).
-template <int KS, int N>
-__device__ __forceinline__ const uint32_t (&ksteps(const uint32_t (&a)[N][4], int k0))[KS][4] {
-  return *reinterpret_cast<const uint32_t(*)[KS][4]>(&a[k0]);
-}
-
 template <int DP>
 __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     forward_3xtf32_sm90_kernel(const __grid_constant__ Sm90Tf32FwdArgs A) {  // the tf32 forward's arguments
@@ -206,13 +161,10 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     fence_regs(s);
     fence_regs(s2);
     wgmma_fence();
-    wg_gemm_rs_tf32<KH / 2, TK, true>(s, ksteps<KH / 2>(qs_, 0), kb, 0, false);
-    wg_gemm_rs_tf32<KH / 2, TK>(s, ksteps<KH / 2>(qb_, 0), ks, 0, true);
-    wg_gemm_rs_tf32<KH / 2, TK>(s, ksteps<KH / 2>(qb_, 0), kb, 0, true);
+    wg_gemm3_rs_tf32<KH / 2, TK, true>(s, ksteps<KH / 2>(qb_, 0), ksteps<KH / 2>(qs_, 0), kb, ks, 0, false);
     wgmma_commit();
-    wg_gemm_rs_tf32<KH / 2, TK, true>(s2, ksteps<KH / 2>(qs_, KH / 2), kb + TK::kBlockBytes, 0, false);
-    wg_gemm_rs_tf32<KH / 2, TK>(s2, ksteps<KH / 2>(qb_, KH / 2), ks + TK::kBlockBytes, 0, true);
-    wg_gemm_rs_tf32<KH / 2, TK>(s2, ksteps<KH / 2>(qb_, KH / 2), kb + TK::kBlockBytes, 0, true);
+    wg_gemm3_rs_tf32<KH / 2, TK, true>(s2, ksteps<KH / 2>(qb_, KH / 2), ksteps<KH / 2>(qs_, KH / 2),
+                                       kb + TK::kBlockBytes, ks + TK::kBlockBytes, 0, false);
     wgmma_commit();
   };
   // O_t = P Vt_t[half] into ot (a fresh accumulator).
@@ -222,9 +174,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     fence_regs(pb);
     fence_regs(ps);
     wgmma_fence();
-    wg_gemm_rs_tf32<NS, TVt, true>(ot, ps, vt_addr + off, 0, false);
-    wg_gemm_rs_tf32<NS, TVt>(ot, pb, vts_addr + off, 0, true);
-    wg_gemm_rs_tf32<NS, TVt>(ot, pb, vt_addr + off, 0, true);
+    wg_gemm3_rs_tf32<NS, TVt, true>(ot, pb, ps, vt_addr + off, vts_addr + off, 0, false);
     wgmma_commit();
   };
   // After the scores of tile t completed: S = S_0 + S_1 through the exchange, softmax, P's

@@ -28,24 +28,29 @@ namespace flashattn::cuda::dev {
 // Tensor maps (4-d, boxes of 32 columns): dQ pass: tq, tdo (rounded Q, dO; 64-row boxes),
 // tk, tv (rounded K, V; 64-row boxes), tkt (K^T: rows = head dim, columns = key slots);
 // dK/dV pass: tk, tv (K, V as the caller stores them; 128-row boxes), tq, tdo (rounded Q, dO),
-// tqt, tdot (Q^T, dO^T: rows = head dim, columns = query slots).
+// tqt, tdot (Q^T, dO^T: rows = head dim, columns = query slots). The fp32-accurate backward (the
+// pair kernels with X3) reads the stationary operands as the caller stores them (tq, tdo in the
+// dQ pass, tk, tv in the dK/dV pass; split into big and small when loaded into registers) and
+// every streamed one twice: the big copies above and the small parts in the *s maps.
 struct Sm90Tf32BwdArgs {
   BwdArgs f;
   CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;
+  CUtensorMap tks, tvs, tkts, tqs, tdos, tqts, tdots;
   uint32_t opaque_zero;  // 0, unknown to the compiler (keep_live_in_loop, wgmma.cuh)
 };
 
 // The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
 // copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile K, V (rows =
 // keys) and K^T (rows = head dim) into stage t & 1 once the consumers released tile t - 2 from it.
-template <int DP, int BM, int BN>
+// X3: the stage holds the three small tiles after the three big ones.
+template <int DP, int BM, int BN, bool X3 = false>
 __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const QueryBlock& qb, unsigned char* sQ,
                                               unsigned char* sdO, unsigned char* sStage, uint64_t* full_q,
                                               uint64_t* full, uint64_t* empty) {
   using TQ = TileSw128F<BM, DP>;
   using TK = TileSw128F<BN, DP>;
   using TT = TileSw128F<DP, BN>;
-  constexpr int kStage = 2 * TK::kBytes + TT::kBytes;
+  constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
   const int bb = static_cast<int>(qb.b), hh = static_cast<int>(qb.h), hk = static_cast<int>(qb.hk);
   mbar_expect_tx(full_q, 2 * TQ::kBytes);
 #pragma unroll
@@ -62,28 +67,33 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
     mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
     mbar_expect_tx(full + st, kStage);
 #pragma unroll
-    for (int blk = 0; blk < DP / 32; ++blk) {
-      tma_load_4d(s0 + blk * TK::kBlockBytes, &A.tk, full + st, 32 * blk, n0, hk, bb);
-      tma_load_4d(s0 + TK::kBytes + blk * TK::kBlockBytes, &A.tv, full + st, 32 * blk, n0, hk, bb);
-    }
+    for (int part = 0; part < (X3 ? 2 : 1); ++part) {
+      unsigned char* p0 = s0 + part * kPart;
+      const CUtensorMap *mk = part ? &A.tks : &A.tk, *mv = part ? &A.tvs : &A.tv, *mkt = part ? &A.tkts : &A.tkt;
 #pragma unroll
-    for (int blk = 0; blk < BN / 32; ++blk)
-      tma_load_4d(s0 + 2 * TK::kBytes + blk * TT::kBlockBytes, &A.tkt, full + st, n0 + 32 * blk, 0, hk, bb);
+      for (int blk = 0; blk < DP / 32; ++blk) {
+        tma_load_4d(p0 + blk * TK::kBlockBytes, mk, full + st, 32 * blk, n0, hk, bb);
+        tma_load_4d(p0 + TK::kBytes + blk * TK::kBlockBytes, mv, full + st, 32 * blk, n0, hk, bb);
+      }
+#pragma unroll
+      for (int blk = 0; blk < BN / 32; ++blk)
+        tma_load_4d(p0 + 2 * TK::kBytes + blk * TT::kBlockBytes, mkt, full + st, n0 + 32 * blk, 0, hk, bb);
+    }
   }
 }
 
 // The producer warpgroups of the dK/dV kernels: producer warp pw = 0's first thread copies the
 // block's K and V (BK rows) once, then per BQ-query tile Q, dO (rows = queries), Q^T and dO^T
 // (rows = head dim) into stage it & 1; warp 1 writes the tile's LSE and D vectors there (32
-// arrivals on full, with the copies' one).
-template <int DP, int BK, int BQ>
+// arrivals on full, with the copies' one). X3: the stage holds the four small tiles after the big.
+template <int DP, int BK, int BQ, bool X3 = false>
 __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const KeyBlock& kb, int pw, unsigned char* sK,
                                                unsigned char* sV, unsigned char* sStage, float* sL, float* sD,
                                                uint64_t* full_kv, uint64_t* full, uint64_t* empty) {
   using TK = TileSw128F<BK, DP>;
   using TQ = TileSw128F<BQ, DP>;
   using TT = TileSw128F<DP, BQ>;
-  constexpr int kStage = 2 * TQ::kBytes + 2 * TT::kBytes;
+  constexpr int kPart = 2 * TQ::kBytes + 2 * TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
   const int bb = static_cast<int>(kb.b), hk = static_cast<int>(kb.hk), m0 = static_cast<int>(kb.m0);
   if (pw == 0 && lane_id() == 0) {
     mbar_expect_tx(full_kv, 2 * TK::kBytes);
@@ -99,15 +109,21 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
       mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
       mbar_expect_tx(full + st, kStage);
 #pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk) {
-        tma_load_4d(s0 + blk * TQ::kBlockBytes, &A.tq, full + st, 32 * blk, n0, h, bb);
-        tma_load_4d(s0 + TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 32 * blk, n0, h, bb);
-      }
+      for (int part = 0; part < (X3 ? 2 : 1); ++part) {
+        unsigned char* p0 = s0 + part * kPart;
+        const CUtensorMap *mq = part ? &A.tqs : &A.tq, *mdo = part ? &A.tdos : &A.tdo;
+        const CUtensorMap *mqt = part ? &A.tqts : &A.tqt, *mdot = part ? &A.tdots : &A.tdot;
 #pragma unroll
-      for (int blk = 0; blk < BQ / 32; ++blk) {
-        tma_load_4d(s0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, &A.tqt, full + st, n0 + 32 * blk, 0, h, bb);
-        tma_load_4d(s0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, &A.tdot, full + st, n0 + 32 * blk, 0, h,
-                    bb);
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          tma_load_4d(p0 + blk * TQ::kBlockBytes, mq, full + st, 32 * blk, n0, h, bb);
+          tma_load_4d(p0 + TQ::kBytes + blk * TQ::kBlockBytes, mdo, full + st, 32 * blk, n0, h, bb);
+        }
+#pragma unroll
+        for (int blk = 0; blk < BQ / 32; ++blk) {
+          tma_load_4d(p0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, mqt, full + st, n0 + 32 * blk, 0, h, bb);
+          tma_load_4d(p0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, mdot, full + st, n0 + 32 * blk, 0, h,
+                      bb);
+        }
       }
     }
   } else if (pw == 1) {

@@ -59,25 +59,26 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
 // wg 1 writes after reading tile t's P; wg 1 writes xdS of tile t + 1 only after tile t + 1's P
 // arrived, which wg 0 sends after reading tile t's dS. One buffer each suffices.
 // ================================================================================================
-template <int DP>
-__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads(), 1)
+template <int DP, bool X3>
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threads(), 1)
     dq_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, DP);
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, DP, X3);
   constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
   constexpr int NS = BN / 8, KS = DP / 8, NH = DP / 16;  // NH: 8-column blocks of a dQ half
   static_assert(C.warpgroups == 2 && BM == 64 && 128 * NS * 4 == BM * BN, "pair design: two warpgroups, 64 rows");
+  static_assert(!X3 || (KS == 8 && NS == 4), "3xTF32: chains of 4 k-steps (KS / 2 and NS)");
   using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
   using TK = TileSw128F<BN, DP>;  // K, V: rows = keys
   using TT = TileSw128F<DP, BN>;  // K^T: rows = head dim, k = key slots
-  constexpr int kStage = 2 * TK::kBytes + TT::kBytes;
+  constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;  // X3: big, then small
   extern __shared__ float4 smem4[];
   unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sdO = sQ + TQ::kBytes;
-  unsigned char* sStage = sdO + TQ::kBytes;  // [2][K, V, K^T]
+  unsigned char* sStage = sdO + TQ::kBytes;  // [2][K, V, K^T (X3: and their small parts)]
   float* xP = reinterpret_cast<float*>(sStage + 2 * kStage);  // [BM x BN] in accumulator order
-  uint32_t* xdS = reinterpret_cast<uint32_t*>(xP + BM * BN);  // dS as tf32 A fragments
-  uint64_t* bars = reinterpret_cast<uint64_t*>(xdS + BM * BN);
+  uint32_t* xdS = reinterpret_cast<uint32_t*>(xP + BM * BN);  // dS as tf32 A fragments (X3: big, small)
+  uint64_t* bars = reinterpret_cast<uint64_t*>(xdS + (X3 ? 2 : 1) * BM * BN);
   uint64_t* full_q = bars;
   uint64_t* full = bars + 1;   // [2]
   uint64_t* empty = bars + 3;  // [2]
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN>(A, qb, sQ, sdO, sStage, full_q, full, empty);
+    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sStage, full_q, full, empty);
     return;
   }
 
@@ -117,23 +118,43 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
     l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
     dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
   }
-  uint32_t xa[KS][4];  // Q (scores side) or dO (gradient side)
+  // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs).
+  uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
   mbar_wait(full_q, 0);
-  load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
+  if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
+  else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
 
   float dq[NH][4];
   zero(dq);
   float x[NS][4];  // S or dP
-  uint32_t dsa[NS][4];
+  uint32_t dsa[NS][4], dss[X3 ? NS : 1][4];  // dS's fragments (X3: big, small)
   for (int t = 0; t < ntiles; ++t) {
     const int st = t & 1;
     const uint32_t s0 = stage_addr + st * kStage;
     mbar_wait(full + st, (t >> 1) & 1);
     wgmma_fence();  // x: written only
-    wg_gemm_rs_tf32<KS, TK, true>(x, xa, s0 + (wg == 0 ? 0 : TK::kBytes), 0, false);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(x);
+    const uint32_t bx = s0 + (wg == 0 ? 0 : TK::kBytes);  // K or V
+    if constexpr (X3) {
+      // Two chains of 4 k-steps (x2: the head dim's second half), added in float32.
+      float x2[NS][4];
+      wg_gemm3_rs_tf32<KS / 2, TK, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + kPart, 0, false);
+      wg_gemm3_rs_tf32<KS / 2, TK, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
+                                         bx + TK::kBlockBytes, bx + kPart + TK::kBlockBytes, 0, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(x);
+      fence_regs(x2);
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] += x2[j][e];
+      keep_live_in_loop(xs, A.opaque_zero);
+    } else {
+      wg_gemm_rs_tf32<KS, TK, true>(x, xa, bx, 0, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(x);
+    }
     keep_live_in_loop(xa, A.opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 
     if (wg == 0) {
@@ -147,14 +168,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
       exchange_store<NS>(xP, x);
       mbar_arrive(ahead);
       mbar_wait(back, t & 1);
-#pragma unroll
-      for (int j = 0; j < NS; ++j) {
-        const uint4 v = reinterpret_cast<const uint4*>(xdS)[j * 128 + (threadIdx.x & 127)];
-        dsa[j][0] = v.x;
-        dsa[j][1] = v.y;
-        dsa[j][2] = v.z;
-        dsa[j][3] = v.w;
-      }
+      exchange_load_frags(dsa, xdS);
+      if constexpr (X3) exchange_load_frags(dss, xdS + BM * BN);
     } else {
       float pv[NS][4];
       mbar_wait(ahead, t & 1);
@@ -163,24 +178,45 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
       for (int j = 0; j < NS; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[j][e] = pv[j][e] * (x[j][e] - dl[e >> 1]);  // dS
-      acc_to_afrag_tf32(dsa, x);
-#pragma unroll
-      for (int j = 0; j < NS; ++j)
-        reinterpret_cast<uint4*>(xdS)[j * 128 + (threadIdx.x & 127)] = make_uint4(dsa[j][0], dsa[j][1], dsa[j][2], dsa[j][3]);
+      if constexpr (X3) {
+        acc_to_afrag_split_tf32(dsa, dss, x);
+        exchange_store_frags(xdS + BM * BN, dss);
+      } else {
+        acc_to_afrag_tf32(dsa, x);
+      }
+      exchange_store_frags(xdS, dsa);
       mbar_arrive(back);
     }
     fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
-    fence_regs(dq);
-    wgmma_fence();
-    wg_gemm_rs_tf32<NS, TT>(dq, dsa, s0 + 2 * TK::kBytes, 64 * wg, true);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dq);
+    // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
+    const uint32_t bkt = s0 + 2 * TK::kBytes;
+    if constexpr (X3) {
+      // A fresh accumulator per tile, added in float32 (the long chain would drift).
+      float dqt[NH][4];
+      fence_regs(dss);
+      wgmma_fence();
+      wg_gemm3_rs_tf32<NS, TT, true>(dqt, dsa, dss, bkt, bkt + kPart, (DP / 2) * wg, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dqt);
+#pragma unroll
+      for (int j = 0; j < NH; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[j][e] += dqt[j][e];
+    } else {
+      fence_regs(dq);
+      wgmma_fence();
+      wg_gemm_rs_tf32<NS, TT>(dq, dsa, bkt, (DP / 2) * wg, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq);
+    }
     mbar_arrive(empty + st);
   }
 
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
-  store_rows(out, p.dq.ss, 16 * wq, qb.rows, 64 * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale, true);
+  store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale,
+             true);
 #endif
 }
 
@@ -193,18 +229,20 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
 //   wg 1: dP^T = V dO^T; wait(ahead, t); P^T <- xP; arrive(back);
 //         dS^T = P^T (dP^T - D); dK += dS^T Q
 // ================================================================================================
-template <int DP>
-__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(), 1)
+template <int DP, bool X3>
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).threads(), 1)
     dkv_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, DP);
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, DP, X3);
   constexpr int BK = C.block_m, BQ = C.block_n, TC = 256;
   constexpr int NS = BQ / 8, NO = DP / 8, KS = DP / 8;
   static_assert(C.warpgroups == 2 && BK == 64 && 128 * NS * 4 == BK * BQ, "pair design: two warpgroups, 64 rows");
+  static_assert(!X3 || (KS == 8 && NS == 4), "3xTF32: chains of 4 k-steps (KS / 2 and NS)");
   using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys
   using TQ = TileSw128F<BQ, DP>;  // Q, dO: rows = queries
   using TT = TileSw128F<DP, BQ>;  // Q^T, dO^T: rows = head dim, k = query slots
-  constexpr int kStage = 2 * TQ::kBytes + 2 * TT::kBytes;  // Q, dO, Q^T, dO^T
+  // Q, dO, Q^T, dO^T (X3: then their small parts)
+  constexpr int kPart = 2 * TQ::kBytes + 2 * TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
   extern __shared__ float4 smem4[];
   unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sV = sK + TK::kBytes;
@@ -234,7 +272,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   if (wg == 2) {
     // ---- producer -------------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    copy_dkv_tiles<DP, BK, BQ>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty);
+    copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty);
     return;
   }
 
@@ -245,25 +283,45 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
   const int64_t row_w = m0 + krow;
   const uint32_t stage_addr = smem_addr(sStage);
 
-  uint32_t xa[KS][4];  // K (scores side) or V (gradient side)
+  // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs).
+  uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
   mbar_wait(full_kv, 0);
-  load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
+  if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
+  else load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
   float acc[NO][4];  // dV (scores side) or dK (gradient side)
   zero(acc);
 
   const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
 
   float x[NS][4];  // S^T or dP^T
-  uint32_t fa[NS][4];  // P^T or dS^T as A fragments
+  uint32_t fa[NS][4], fs[X3 ? NS : 1][4];  // P^T or dS^T as A fragments (X3: big, small)
   for (int it = 0; it < ntiles; ++it) {
     const int st = it & 1;
     const uint32_t s0 = stage_addr + st * kStage;
     mbar_wait(full + st, (it >> 1) & 1);
     wgmma_fence();  // x: written only
-    wg_gemm_rs_tf32<KS, TQ, true>(x, xa, s0 + (wg == 0 ? 0 : TQ::kBytes), 0, false);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(x);
+    const uint32_t bx = s0 + (wg == 0 ? 0 : TQ::kBytes);  // Q or dO
+    if constexpr (X3) {
+      // Two chains of 4 k-steps (x2: the head dim's second half), added in float32.
+      float x2[NS][4];
+      wg_gemm3_rs_tf32<KS / 2, TQ, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + kPart, 0, false);
+      wg_gemm3_rs_tf32<KS / 2, TQ, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
+                                         bx + TQ::kBlockBytes, bx + kPart + TQ::kBlockBytes, 0, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(x);
+      fence_regs(x2);
+#pragma unroll
+      for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] += x2[j][e];
+      keep_live_in_loop(xs, A.opaque_zero);
+    } else {
+      wg_gemm_rs_tf32<KS, TQ, true>(x, xa, bx, 0, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(x);
+    }
     keep_live_in_loop(xa, A.opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 
     if (wg == 0) {
@@ -288,15 +346,33 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(
       const float* sDs = sD + st * BQ;
       for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
     }
-    acc_to_afrag_tf32(fa, x);
-    fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
-    fence_regs(acc);
-    wgmma_fence();
     // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
-    wg_gemm_rs_tf32<NS, TT>(acc, fa, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), 0, true);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(acc);
+    const uint32_t bt = s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0);
+    if constexpr (X3) {
+      // A fresh accumulator per tile, added in float32 (the long chain would drift).
+      float at[NO][4];
+      acc_to_afrag_split_tf32(fa, fs, x);
+      fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+      fence_regs(fs);
+      wgmma_fence();
+      wg_gemm3_rs_tf32<NS, TT, true>(at, fa, fs, bt, bt + kPart, 0, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(at);
+#pragma unroll
+      for (int j = 0; j < NO; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += at[j][e];
+    } else {
+      acc_to_afrag_tf32(fa, x);
+      fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+      fence_regs(acc);
+      wgmma_fence();
+      wg_gemm_rs_tf32<NS, TT>(acc, fa, bt, 0, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+    }
     // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
     // sL/sD reads above), which the producer's next writes to this stage must follow.
     mbar_arrive(empty + st);

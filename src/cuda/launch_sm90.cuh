@@ -60,73 +60,100 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
                                  smem_bytes90_3xtf32(DP), "forward_3xtf32_sm90 kernel launch", stream);
 }
 
-template <int DP>
-bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
+// Both float32 backwards on wgmma: tf32 (X3 = false; at D = 64 the split kernels, at D = 128 the
+// pair kernels) and fp32-accurate 3xTF32 (X3; the pair kernels at D = 64).
+template <int DP, bool X3>
+bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP), ck = tile_config90_tf32_bwd(Pass::Dkv, DP);
-  // D = 128: the pair kernels (both warpgroups on one tile's rows, split by product), whose dK/dV
-  // pass is always on wgmma (selection sets tf32_dkv_wgmma there too).
-  constexpr bool kPair = tf32_bwd_pair(DP);
+  constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP, X3), ck = tile_config90_tf32_bwd(Pass::Dkv, DP, X3);
+  // The pair kernels (both warpgroups on one tile's rows, split by product), whose dK/dV pass is
+  // always on wgmma (selection sets tf32_dkv_wgmma there too).
+  constexpr bool kPair = tf32_bwd_pair(DP, X3);
   const bool dkv_wgmma = kPair || a.tf32_dkv_wgmma;
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
   dq.opaque_zero = dkv.opaque_zero = 0;
-  // The dK/dV pass reads K and V as the caller stores them (rounded when loaded into registers).
+  // The dK/dV pass reads K and V as the caller stores them (rounded, or split, when loaded into
+  // registers); so does the 3xTF32 dQ pass with Q and dO.
   if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
       !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m))
     return false;
+  if constexpr (X3) {
+    if (!make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
+        !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
+      return false;
+  }
   // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8]; K, V [B, Hkv, Skv, DP] and
-  // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded),
-  // freed on the stream after the passes.
+  // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded), and
+  // as much again for the small parts (X3); freed on the stream after the passes.
   const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
   const size_t nq = static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP;
   const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
-  Workspace ws((2 * nq + 2 * nqt + 2 * nk + nkt) * sizeof(float), stream);
-  float* qr = ws.get();
-  float* dor = qr + nq;
-  float* qt = dor + nq;
-  float* dot = qt + nqt;
-  float* kr = dot + nqt;
-  float* vr = kr + nk;
-  float* kt = vr + nk;
+  const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
+  Workspace ws((X3 ? 2 : 1) * part * sizeof(float), stream);
+  struct Copies {
+    float *q, *dout, *qt, *dot, *k, *v, *kt;
+  };
+  auto carve = [&](float* base) {
+    Copies c;
+    c.q = base;
+    c.dout = c.q + nq;
+    c.qt = c.dout + nq;
+    c.dot = c.qt + nqt;
+    c.k = c.dot + nqt;
+    c.v = c.k + nk;
+    c.kt = c.v + nk;
+    return c;
+  };
+  const Copies big = carve(ws.get());
+  const Copies small = X3 ? carve(ws.get() + part) : Copies{};
   // As [B, H, rows, columns] operands: row-major copies (DP columns) and transposed ones (DP rows).
   // Box rows: each pass's tile of that operand (stationary: block_m; streamed: block_n).
   auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
   auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
-  // The dQ pass reads Q and dO in 64-row boxes; the dK/dV pass in block_n-row boxes, the same maps
-  // when block_n is 64 (D = 64).
-  constexpr bool kSameQMaps = ck.block_n == 64;
-  if (!make_tensor_map32(&dq.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
-      !make_tensor_map32(&dq.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) ||
-      (!kSameQMaps &&
-       !make_tensor_map32(&dkv.tq, rows(qr, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) ||
-      (!kSameQMaps &&
-       !make_tensor_map32(&dkv.tdo, rows(dor, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) ||
-      (dkv_wgmma && !make_tensor_map32(&dkv.tqt, cols(qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
-      (dkv_wgmma && !make_tensor_map32(&dkv.tdot, cols(dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) ||
-      !make_tensor_map32(&dq.tk, rows(kr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
-      !make_tensor_map32(&dq.tv, rows(vr, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) ||
-      !make_tensor_map32(&dq.tkt, cols(kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP))
-    throw Error(Status::Internal, "cuda tf32 backward: tensor maps of the operand copies failed");
-  if constexpr (kSameQMaps) {
-    dkv.tq = dq.tq;
-    dkv.tdo = dq.tdo;
+  // One part's maps: the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T.
+  auto maps = [&](const Copies& c, CUtensorMap* dk, CUtensorMap* dv, CUtensorMap* dkt, CUtensorMap* kq, CUtensorMap* kdo,
+                  CUtensorMap* kqt, CUtensorMap* kdot) {
+    return make_tensor_map32(kq, rows(c.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) &&
+           make_tensor_map32(kdo, rows(c.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) &&
+           (!dkv_wgmma || make_tensor_map32(kqt, cols(c.qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
+           (!dkv_wgmma || make_tensor_map32(kdot, cols(c.dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
+           make_tensor_map32(dk, rows(c.k, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) &&
+           make_tensor_map32(dv, rows(c.v, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) &&
+           make_tensor_map32(dkt, cols(c.kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP);
+  };
+  bool ok = maps(big, &dq.tk, &dq.tv, &dq.tkt, &dkv.tq, &dkv.tdo, &dkv.tqt, &dkv.tdot);
+  if constexpr (X3) ok = ok && maps(small, &dq.tks, &dq.tvs, &dq.tkts, &dkv.tqs, &dkv.tdos, &dkv.tqts, &dkv.tdots);
+  // The tf32 dQ pass reads the rounded Q and dO copies in 64-row boxes: the dK/dV pass's maps
+  // when its block_n is 64 (D = 64).
+  if constexpr (!X3) {
+    if constexpr (ck.block_n == 64) {
+      dq.tq = dkv.tq;
+      dq.tdo = dkv.tdo;
+    } else {
+      ok = ok &&
+           make_tensor_map32(&dq.tq, rows(big.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) &&
+           make_tensor_map32(&dq.tdo, rows(big.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64);
+    }
   }
+  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
   // Q^T and dO^T only feed the wgmma dK/dV kernel.
-  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, qr, dkv_wgmma ? qt : nullptr, stream);
-  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, dor, dkv_wgmma ? dot : nullptr, stream);
-  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kr, kt, stream);
-  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, vr, nullptr, stream);
+  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, big.q, dkv_wgmma ? big.qt : nullptr, stream,
+                       small.q, small.qt);
+  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, big.dout, dkv_wgmma ? big.dot : nullptr,
+                       stream, small.dout, small.dot);
+  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.k, big.kt, stream, small.k, small.kt);
+  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.v, nullptr, stream, small.v, nullptr);
   const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));
   if constexpr (kPair) {
-    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream,
-                   dq, "dq_tf32_sm90_pair kernel launch");
-    launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP),
-                   stream, dkv, "dkv_tf32_sm90_pair kernel launch");
+    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, X3),
+                   stream, dq, "dq_tf32_sm90_pair kernel launch");
+    launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, grid_k, ck.threads(),
+                   smem_bytes90_tf32_bwd(Pass::Dkv, DP, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
   } else {
     launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream, dq,
                    "dq_tf32_sm90 kernel launch");
@@ -138,6 +165,16 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
                    dkv, "dkv_tf32_sm90 kernel launch");
   }
   return true;
+}
+
+template <int DP>
+bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
+  return launch_bwd_f32_sm90<DP, false>(a, stream);
+}
+
+template <int DP>
+bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream) {
+  return launch_bwd_f32_sm90<DP, true>(a, stream);
 }
 
 template <int DP, Half16 H, int V>
@@ -171,6 +208,8 @@ bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
   template bool launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template bool launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
+
+#define FLASHATTN_INSTANTIATE_SM90_bwd_3xtf32(DP) template bool launch_bwd_3xtf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward_3xtf32(DP) \
   template bool launch_forward_3xtf32_sm90<DP>(const FwdArgs&, cudaStream_t);

@@ -151,21 +151,27 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
 }
 
-// The Hopper tf32 backward's operand copies (kernels_sm90_tf32_bwd.cuh): from X [B, H, S, D] (any
-// strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and when xt
-// is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8) with
-// position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN there
-// would survive its zero probability). One CTA: 64 rows of one (b, h), staged in shared memory so
-// that both outputs are written in whole coalesced rows. kVec (D = DP and X's rows 16-byte
-// aligned, the usual case): 16-byte loads and stores, four rows in flight per thread - the scalar
-// loop moved 2.4 TB/s (docs/PERF.md, float32 run 7b), a quarter of the call at S = 1k.
-template <int DP, bool kVec>
+// The Hopper float32 backwards' operand copies (kernels_sm90_tf32_bwd.cuh): from X [B, H, S, D]
+// (any strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and
+// when xt is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8)
+// with position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN
+// there would survive its zero probability). kSplit (the fp32-accurate backward): xs and xts take
+// the small parts X - tf32(X), rounded to tf32, in the same layouts (xts only with xt). One CTA:
+// 64 rows of one (b, h), staged in shared memory as read so that every output is written in whole
+// coalesced rows. kVec (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads and
+// stores, four rows in flight per thread - the scalar loop moved 2.4 TB/s (docs/PERF.md, float32
+// run 7b), a quarter of the call at S = 1k.
+template <int DP, bool kVec, bool kSplit>
 __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
-                                                           float* xr, float* xt) {
+                                                           float* xr, float* xt, float* xs, float* xts) {
   __shared__ float tile[64][DP + 1];
   const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
   const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
   float* dst = xr + bh * seq * DP;
+  float* dsts = kSplit ? xs + bh * seq * DP : nullptr;
+  // v's tf32 value and (kSplit) the tf32 value of the rest.
+  auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
+  auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
   if constexpr (kVec) {
     constexpr int kChunks = DP / 4;  // 16-byte chunks per row
 #pragma unroll 4
@@ -175,9 +181,9 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
       float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (n < seq) {
         v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
-        v = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)), __uint_as_float(to_tf32(v.z)),
-                        __uint_as_float(to_tf32(v.w)));
-        *reinterpret_cast<float4*>(dst + n * DP + c) = v;
+        *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+        if constexpr (kSplit)
+          *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
       }
       tile[r][c] = v.x;
       tile[r][c + 1] = v.y;
@@ -188,19 +194,27 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
     for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
       const int r = i / DP, c = i % DP;
       const int64_t n = n0 + r;
-      const float v = n < seq && c < head_dim ? __uint_as_float(to_tf32(src[n * x.ss + c])) : 0.0f;
+      const float v = n < seq && c < head_dim ? src[n * x.ss + c] : 0.0f;
       tile[r][c] = v;
-      if (n < seq) dst[n * DP + c] = v;
+      if (n < seq) {
+        dst[n * DP + c] = big(v);
+        if constexpr (kSplit) dsts[n * DP + c] = small(v);
+      }
     }
   }
   if (xt == nullptr) return;
   __syncthreads();
   float* dt = xt + bh * DP * seq8;
+  float* dts = kSplit ? xts + bh * DP * seq8 : nullptr;
 #pragma unroll 4
   for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
     const int d = i / 64, r = i % 64;
     const int64_t col = n0 + tf32_slot(r);
-    if (col < seq8) dt[d * seq8 + col] = tile[r][d];
+    if (col < seq8) {
+      const float v = tile[r][d];
+      dt[d * seq8 + col] = big(v);
+      if constexpr (kSplit) dts[d * seq8 + col] = small(v);
+    }
   }
 }
 
@@ -294,19 +308,24 @@ void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream) {
 }
 
 void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
-                          float* xr, float* xt, cudaStream_t stream) {
+                          float* xr, float* xt, cudaStream_t stream, float* xs, float* xts) {
   const dim3 grid(grid_blocks(seq, 64), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
   const int64_t seq8 = (seq + 7) / 8 * 8;
   const int d = static_cast<int>(head_dim);
   const bool vec = head_dim == dp && vec_ok(x, 4);
-  auto run = [&](auto dpc) {
+  auto run = [&](auto dpc, auto split) {
     constexpr int DP = decltype(dpc)::value;
-    if (vec) dev::tf32_operand_kernel<DP, true><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt);
-    else dev::tf32_operand_kernel<DP, false><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt);
+    constexpr bool S = decltype(split)::value;
+    if (vec) dev::tf32_operand_kernel<DP, true, S><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt, xs, xts);
+    else dev::tf32_operand_kernel<DP, false, S><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt, xs, xts);
+  };
+  auto run_dp = [&](auto dpc) {
+    if (xs != nullptr) run(dpc, std::true_type{});
+    else run(dpc, std::false_type{});
   };
   switch (dp) {
-    case 64: run(std::integral_constant<int, 64>{}); break;
-    case 128: run(std::integral_constant<int, 128>{}); break;
+    case 64: run_dp(std::integral_constant<int, 64>{}); break;
+    case 128: run_dp(std::integral_constant<int, 128>{}); break;
     default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
   }
   check_launch("tf32 operand kernel launch");

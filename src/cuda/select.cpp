@@ -136,6 +136,11 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;
   // (D = 128 has no mma.sync-dK/dV variant of the wgmma backward: wgmma-dq is a D = 64 choice.)
   c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd == 2 || tf32_bwd_pair(c.dp));
+  // The fp32-accurate backward on wgmma (padded D = 64, both passes) is opt-in until it has run on
+  // a GPU: FLASHATTN_CUDA_FP32_BWD=wgmma (docs/PERF.md, "fp32 backward on wgmma").
+  if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(c.dp) &&
+      env_choice("FLASHATTN_CUDA_FP32_BWD", {"mma", "wgmma"}) == 1)
+    c.sm90_bwd = c.tf32_dkv_wgmma = true;
   c.ok = true;
   return c;
 }

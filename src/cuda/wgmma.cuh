@@ -210,6 +210,64 @@ __device__ __forceinline__ void acc_to_afrag_tf32(uint32_t (&a)[NS][4], const fl
   }
 }
 
+// The big and small tf32 A fragments of rows row0 + [0, 16) and columns col0 + [0, 8 KS) of a
+// float32 TileSw128F (columns = k).
+template <class T, int KS>
+__device__ __forceinline__ void load_afrag_split_tf32(uint32_t (&big)[KS][4], uint32_t (&small)[KS][4],
+                                                      const unsigned char* tile, int row0, int col0) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float x = *reinterpret_cast<const float*>(
+          tile + T::offset(row0 + g + 8 * (i & 1), col0 + 8 * kk + t + 4 * (i >> 1)));
+      tf32_split(x, big[kk][i], small[kk][i]);
+    }
+}
+
+// An accumulator (P) as the big and small tf32 A fragments of the next product (the order of
+// acc_to_afrag_tf32: B stores its k positions in tf32_slot order). The small part is computed from
+// a second rounding of x on the conversion unit (cvt.rna: the same value as tf32_round for the
+// finite P) rather than from big's register: otherwise ptxas reads big's register again after
+// writing it in the loop, the pattern scripts/check-sass-wgmma.py flags (it cannot tell that
+// use from the register reuse it exists to catch).
+__device__ __forceinline__ void split_p_tf32(float x, uint32_t& big, uint32_t& small) {
+  big = tf32_round(x);
+  small = tf32_round(x - __uint_as_float(to_tf32(x)));
+}
+template <int NS>
+__device__ __forceinline__ void acc_to_afrag_split_tf32(uint32_t (&big)[NS][4], uint32_t (&small)[NS][4],
+                                                        const float (&s)[NS][4]) {
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    split_p_tf32(s[j][0], big[j][0], small[j][0]);
+    split_p_tf32(s[j][2], big[j][1], small[j][1]);
+    split_p_tf32(s[j][1], big[j][2], small[j][2]);
+    split_p_tf32(s[j][3], big[j][3], small[j][3]);
+  }
+}
+
+// The KS k-steps of fragments a starting at k-step k0, as an array reference of their own (the
+// products below take a group of k-steps at a time).
+template <int KS, int N>
+__device__ __forceinline__ const uint32_t (&ksteps(const uint32_t (&a)[N][4], int k0))[KS][4] {
+  return *reinterpret_cast<const uint32_t(*)[KS][4]>(&a[k0]);
+}
+
+// D (+)= A B^T in 3xTF32 (the fp32-accurate kernels): A as big and small fragments, B's big and
+// small tiles at b_big and b_small (the same layout): small terms first, while D is small, then
+// big * big; one accumulation chain of 3 KS wgmmas (keep KS at 4: see kernels_sm90_3xtf32.cuh on
+// why chains stay short).
+template <int KS, class TB, bool kWriteOnly = false, int NT>
+__device__ __forceinline__ void wg_gemm3_rs_tf32(float (&d)[NT][4], const uint32_t (&ab)[KS][4],
+                                                 const uint32_t (&as)[KS][4], uint32_t b_big, uint32_t b_small,
+                                                 int b_row0, bool accumulate) {
+  wg_gemm_rs_tf32<KS, TB, kWriteOnly>(d, as, b_big, b_row0, accumulate);
+  wg_gemm_rs_tf32<KS, TB>(d, ab, b_small, b_row0, true);
+  wg_gemm_rs_tf32<KS, TB>(d, ab, b_big, b_row0, true);
+}
+
 // The pair kernels' exchange between two warpgroups that own the same rows (kernels_sm90_tf32_bwd_pair.cuh,
 // kernels_sm90_3xtf32.cuh): a warpgroup's accumulator entries of one tile in a shared-memory buffer,
 // thread i's NS float4 at [j][i] (consecutive threads, consecutive 16 bytes: conflict free), read
@@ -230,6 +288,26 @@ __device__ __forceinline__ void exchange_load(float (&v)[NS][4], const float* bu
     v[j][1] = x.y;
     v[j][2] = x.z;
     v[j][3] = x.w;
+  }
+}
+
+// The same exchange for tf32 A fragments (the dQ pair kernel's dS): 16-byte words, conflict free.
+template <int NS>
+__device__ __forceinline__ void exchange_store_frags(uint32_t* buf, const uint32_t (&a)[NS][4]) {
+  const int i = threadIdx.x & 127;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) reinterpret_cast<uint4*>(buf)[j * 128 + i] = make_uint4(a[j][0], a[j][1], a[j][2], a[j][3]);
+}
+template <int NS>
+__device__ __forceinline__ void exchange_load_frags(uint32_t (&a)[NS][4], const uint32_t* buf) {
+  const int i = threadIdx.x & 127;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const uint4 v = reinterpret_cast<const uint4*>(buf)[j * 128 + i];
+    a[j][0] = v.x;
+    a[j][1] = v.y;
+    a[j][2] = v.z;
+    a[j][3] = v.w;
   }
 }
 

@@ -90,6 +90,7 @@ Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* ma
   EnvScope arch_scope("FLASHATTN_CUDA_ARCH", arch);
   EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
   EnvScope fwd_scope("FLASHATTN_CUDA_FP32_FWD", fp32_fwd);
+  EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", fp32_fwd);  // the wgmma fp32 kernels together
   DeviceProblem d(p);
   Errors r;
   if (!d.ok()) {
@@ -123,13 +124,14 @@ void check_all_maths(const ProblemConfig& cfg) {
   // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain).
   const bool other_bwd = cfg.head_dim <= 128;
   const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
-  // The opt-in fp32-accurate wgmma forward (FLASHATTN_CUDA_FP32_FWD=wgmma; padded D = 128).
-  const bool fp32_wgmma = cfg.head_dim > 64 && cfg.head_dim <= 128;
+  // The opt-in fp32-accurate wgmma kernels (FLASHATTN_CUDA_FP32_FWD=wgmma: the forward at padded
+  // D = 128; FLASHATTN_CUDA_FP32_BWD=wgmma: the backward at padded D = 64).
+  const bool fp32_wgmma = cfg.head_dim <= 128;
   const Errors fp32_w = fp32_wgmma ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, "wgmma") : fp32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str() +
-                           "fp32 (FLASHATTN_CUDA_FP32_FWD=wgmma):\n" + fp32_w.str();
+                           "fp32 (FLASHATTN_CUDA_FP32_FWD/BWD=wgmma):\n" + fp32_w.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
     EXPECT_EQ(0, fma.e[i].nan) << n << " (fma) has NaN / unwritten elements\n" << info;
@@ -137,7 +139,7 @@ void check_all_maths(const ProblemConfig& cfg) {
     EXPECT_EQ(0, tf32.e[i].nan) << n << " (tf32) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_80.e[i].nan) << n << " (tf32, sm80 kernels) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_ob.e[i].nan) << n << " (tf32, other sm_90a backward) has NaN / unwritten elements\n" << info;
-    EXPECT_EQ(0, fp32_w.e[i].nan) << n << " (fp32, wgmma forward) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, fp32_w.e[i].nan) << n << " (fp32, wgmma kernels) has NaN / unwritten elements\n" << info;
     EXPECT_LE(rel(fma.e[i]), kFmaTol) << n << " (fma)\n" << info;
     EXPECT_LE(rel(fp32.e[i]), kFmaTol) << n << " (fp32)\n" << info;
     // The fp32-accurate mode: within 2x of the plain float32 kernel. Floor 3e-7 relative to
@@ -148,14 +150,14 @@ void check_all_maths(const ProblemConfig& cfg) {
     // (2^-24): measured 2.3x on the H200 where D = rowsum(dO*O) nearly cancels dP.
     const double factor = (i == 2 || i == 3) ? 3.0 : 2.0;
     EXPECT_LE(rel(fp32.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 vs fma)\n" << info;
-    EXPECT_LE(rel(fp32_w.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 wgmma forward vs fma)\n" << info;
+    EXPECT_LE(rel(fp32_w.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 wgmma kernels vs fma)\n" << info;
     EXPECT_LE(rel(tf32.e[i]), kTf32Tol) << n << " (tf32)\n" << info;
     EXPECT_LE(rel(tf32_80.e[i]), kTf32Tol) << n << " (tf32, sm80 kernels)\n" << info;
     EXPECT_LE(rel(tf32_ob.e[i]), kTf32Tol) << n << " (tf32, other sm_90a backward)\n" << info;
   }
   // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
   std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e"
-              " | tf32 other sm90 bwd %.2e | fp32 wgmma fwd %.2e\n",
+              " | tf32 other sm90 bwd %.2e | fp32 wgmma %.2e\n",
               cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst(), tf32_ob.worst(),
               fp32_w.worst());
 }
@@ -275,6 +277,7 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
       MathScope scope(math);
       EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
       EnvScope fwd_scope("FLASHATTN_CUDA_FP32_FWD", fp32_fwd);
+      EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", fp32_fwd);
       Problem p(c);
       DeviceProblem dp(p);
       ASSERT_TRUE(dp.ok());
