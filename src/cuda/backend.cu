@@ -74,6 +74,7 @@ struct DeviceInfo {
   int cc_major = 0;
   int cc_minor = 0;
   int smem_optin = 0;  // bytes of shared memory one block may opt into
+  int sms = 0;         // multiprocessors
   bool big() const { return cc_major >= 9; }
 };
 
@@ -82,6 +83,7 @@ DeviceInfo device_info(int device) {
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
   return d;
 }
 
@@ -244,6 +246,7 @@ void backward(const BackwardParams& p) {
   a.dq_accum = c.atomic_bwd ? ws.get() + accum_at : nullptr;
   a.sm90_variant = c.sm90_variant;
   a.tf32_dkv_wgmma = c.tf32_dkv_wgmma;
+  a.sms = info.sms;
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);

@@ -304,10 +304,11 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || 
 // cores truncate as they accumulate), so at D = 128 neither registers nor shared memory suffice.
 FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return dp == 64; }
 FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp, bool x3 = false) { return x3 || dp == 128; }
-// The producer keeps 48 registers (its 64-bit tile and pointer arithmetic spilled at 24 and 40),
-// which leaves 224 per consumer thread.
+// The producer keeps 48 registers (its 64-bit tile and pointer arithmetic spilled at 24 and 40;
+// 56 in the persistent pair kernels, whose block loop spilled at 48), which leaves 224 per
+// consumer thread.
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, int dp, bool x3 = false) {
-  return tf32_bwd_pair(dp, x3) ? TileConfig90{64, 32, 2, 1, 1, 48} : TileConfig90{128, 64, 2, 1, 1, 48};
+  return tf32_bwd_pair(dp, x3) ? TileConfig90{64, 32, 2, 1, 1, 64} : TileConfig90{128, 64, 2, 1, 1, 48};
 }
 // dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim); pair
 // design: the P and dS exchange buffers (block_m x block_n floats each; x3: dS's big and small).

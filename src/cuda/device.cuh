@@ -429,20 +429,27 @@ struct QueryBlock {
     return n0 + bn > skv || (rule.causal && n0 + bn - 1 > m0 + rule.offset);
   }
 };
+// Row block x of (b, h) in launch order: x = 0 starts first.
 template <int BM, int BN>
-__device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask) {
+__device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask, int64_t b, int64_t h, int64_t x) {
   QueryBlock q;
-  q.b = blockIdx.z;
-  q.h = blockIdx.y;
+  q.b = b;
+  q.h = h;
   q.hk = q.h / (s.heads_q / s.heads_kv);
   q.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
   // Causal: the last query blocks see the most keys; start them first.
-  const int64_t mb = q.rule.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t nx = (s.seq_q + BM - 1) / BM;
+  const int64_t mb = q.rule.causal ? nx - 1 - x : x;
   q.m0 = mb * BM;
   q.rows = static_cast<int>(s.seq_q - q.m0 < BM ? s.seq_q - q.m0 : BM);
   const int64_t n_end = q.rule.visible_end(q.m0 + q.rows - 1, s.seq_kv);  // later keys: masked for all rows
   q.ntiles = static_cast<int>((n_end + BN - 1) / BN);
   return q;
+}
+// The CTA's block (grid: row blocks x heads x batch).
+template <int BM, int BN>
+__device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask) {
+  return query_block<BM, BN>(s, mask, blockIdx.z, blockIdx.y, blockIdx.x);
 }
 
 // A CTA of the dK/dV pass: BM key rows of one (batch, kv head) and, for each query head of its
@@ -465,18 +472,34 @@ struct KeyBlock {
   }
 };
 template <int BM, int BN>
-__device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
+__device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask, int64_t b, int64_t hk, int64_t x) {
   KeyBlock k;
-  k.b = blockIdx.z;
-  k.hk = blockIdx.y;
+  k.b = b;
+  k.hk = hk;
   k.group = s.heads_q / s.heads_kv;
   k.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
-  k.m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  k.m0 = x * BM;
   k.rows = static_cast<int>(s.seq_kv - k.m0 < BM ? s.seq_kv - k.m0 : BM);
   k.t_begin = static_cast<int>(k.rule.first_row(k.m0, s.seq_q) / BN);  // earlier queries see none
   k.per_head = static_cast<int>((s.seq_q + BN - 1) / BN) - k.t_begin;
   k.ntiles = static_cast<int>(k.group) * k.per_head;
   return k;
+}
+template <int BM, int BN>
+__device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
+  return key_block<BM, BN>(s, mask, blockIdx.z, blockIdx.y, blockIdx.x);
+}
+
+// The persistent kernels' work list (the pair kernels): item i of rows x heads x batch items is
+// row block i / (heads x batch) of head i % heads, batch i / heads % batch, so that every CTA
+// starting item blockIdx.x and stepping by gridDim.x meets the row blocks in launch order (for a
+// causal mask: the longest first).
+struct WorkItem {
+  int64_t b, h, x;
+};
+__device__ __forceinline__ WorkItem work_item(int64_t i, int64_t heads, int64_t batch) {
+  const int64_t hb = heads * batch;
+  return WorkItem{(i % hb) / heads, i % heads, i / hb};
 }
 
 // The lane's key rows (g and g + 8 of the warp's 16 from key0) in the sm_90a dK/dV kernels: the

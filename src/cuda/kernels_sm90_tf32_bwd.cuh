@@ -39,19 +39,33 @@ struct Sm90Tf32BwdArgs {
   uint32_t opaque_zero;  // 0, unknown to the compiler (keep_live_in_loop, wgmma.cuh)
 };
 
+// A block's place in a persistent CTA's sequence of blocks (the pair kernels): the block is the
+// k-th of the CTA, its first tile the g0-th of the CTA (stage g0 & 1, phase parity (g0 >> 1) & 1),
+// and its stationary tiles may be copied once the consumers released the last block's from
+// `empty_once` (none before the first block; a CTA of one block passes no barrier).
+struct ItemPhase {
+  uint64_t* empty_once = nullptr;
+  int k = 0, g0 = 0;
+  __device__ __forceinline__ void wait_once() const {
+    if (empty_once != nullptr) mbar_wait(empty_once, (k & 1) ^ 1);
+  }
+};
+
 // The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
 // copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile K, V (rows =
 // keys) and K^T (rows = head dim) into stage t & 1 once the consumers released tile t - 2 from it.
-// X3: the stage holds the three small tiles after the three big ones.
+// X3: the stage holds the three small tiles after the three big ones. ph: where the block sits in
+// a persistent CTA's sequence (the default: a CTA of one block).
 template <int DP, int BM, int BN, bool X3 = false>
 __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const QueryBlock& qb, unsigned char* sQ,
                                               unsigned char* sdO, unsigned char* sStage, uint64_t* full_q,
-                                              uint64_t* full, uint64_t* empty) {
+                                              uint64_t* full, uint64_t* empty, ItemPhase ph = ItemPhase{}) {
   using TQ = TileSw128F<BM, DP>;
   using TK = TileSw128F<BN, DP>;
   using TT = TileSw128F<DP, BN>;
   constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
   const int bb = static_cast<int>(qb.b), hh = static_cast<int>(qb.h), hk = static_cast<int>(qb.hk);
+  ph.wait_once();
   mbar_expect_tx(full_q, 2 * TQ::kBytes);
 #pragma unroll
   for (int blk = 0; blk < DP / 32; ++blk)
@@ -62,9 +76,9 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
       tma_load_4d(sdO + off, &A.tdo, full_q, 32 * blk, row, hh, bb);
     }
   for (int t = 0; t < qb.ntiles; ++t) {
-    const int st = t & 1, n0 = t * BN;
+    const int gt = ph.g0 + t, st = gt & 1, n0 = t * BN;
     unsigned char* s0 = sStage + st * kStage;
-    mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+    mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
     mbar_expect_tx(full + st, kStage);
 #pragma unroll
     for (int part = 0; part < (X3 ? 2 : 1); ++part) {
@@ -86,16 +100,19 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
 // block's K and V (BK rows) once, then per BQ-query tile Q, dO (rows = queries), Q^T and dO^T
 // (rows = head dim) into stage it & 1; warp 1 writes the tile's LSE and D vectors there (32
 // arrivals on full, with the copies' one). X3: the stage holds the four small tiles after the big.
+// ph: as for copy_dq_tiles.
 template <int DP, int BK, int BQ, bool X3 = false>
 __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const KeyBlock& kb, int pw, unsigned char* sK,
                                                unsigned char* sV, unsigned char* sStage, float* sL, float* sD,
-                                               uint64_t* full_kv, uint64_t* full, uint64_t* empty) {
+                                               uint64_t* full_kv, uint64_t* full, uint64_t* empty,
+                                               ItemPhase ph = ItemPhase{}) {
   using TK = TileSw128F<BK, DP>;
   using TQ = TileSw128F<BQ, DP>;
   using TT = TileSw128F<DP, BQ>;
   constexpr int kPart = 2 * TQ::kBytes + 2 * TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
   const int bb = static_cast<int>(kb.b), hk = static_cast<int>(kb.hk), m0 = static_cast<int>(kb.m0);
   if (pw == 0 && lane_id() == 0) {
+    ph.wait_once();
     mbar_expect_tx(full_kv, 2 * TK::kBytes);
 #pragma unroll
     for (int blk = 0; blk < DP / 32; ++blk) {
@@ -103,12 +120,12 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
       tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, m0, hk, bb);
     }
     for (int it = 0; it < kb.ntiles; ++it) {
-      const int st = it & 1;
+      const int gt = ph.g0 + it, st = gt & 1;
       const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
       unsigned char* s0 = sStage + st * kStage;
-      mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+      mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
       mbar_expect_tx(full + st, kStage);
-#pragma unroll
+#pragma unroll 1
       for (int part = 0; part < (X3 ? 2 : 1); ++part) {
         unsigned char* p0 = s0 + part * kPart;
         const CUtensorMap *mq = part ? &A.tqs : &A.tq, *mdo = part ? &A.tdos : &A.tdo;
@@ -128,8 +145,8 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
     }
   } else if (pw == 1) {
     for (int it = 0; it < kb.ntiles; ++it) {
-      const int st = it & 1;
-      mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+      const int gt = ph.g0 + it, st = gt & 1;
+      mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
       fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, A.f, kb.b, kb.head(it), kb.q0(it, BQ));
       mbar_arrive(full + st);
     }

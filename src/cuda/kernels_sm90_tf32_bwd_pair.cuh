@@ -41,10 +41,14 @@ namespace flashattn::cuda::dev {
 // the scores side's values of a tile are in the buffer (128 arrivals of warpgroup 0); `back` - the
 // gradient side has read them (dK/dV pass) or has written dS (dQ pass; 128 arrivals of
 // warpgroup 1). Tile t completes phase t of each, so waits use parity t & 1.
-__device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t* back) {
+// Also `empty_once` (count arrivals): the consumers have read the block's stationary tiles into
+// registers, so that a persistent CTA's producer may copy the next block's over them.
+__device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t* back, uint64_t* empty_once,
+                                                       int count) {
   if (threadIdx.x == 0) {
     mbar_init(ahead, 128);
     mbar_init(back, 128);
+    mbar_init(empty_once, count);
   }
 }
 
@@ -84,31 +88,46 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threa
   uint64_t* empty = bars + 3;  // [2]
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
+  uint64_t* empty_q = bars + 7;  // Q and dO read into registers (persistent: the next block's may land)
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
-  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
-  const int ntiles = qb.ntiles;
-  const MaskRule& rule = qb.rule;
+  const int64_t nitems = (Sq + BM - 1) / BM * p.shape.heads_q * p.shape.batch;
 
-  init_exchange_barriers(ahead, back);
+  init_exchange_barriers(ahead, back, empty_q, TC);
   init_stage_barriers(full_q, full, 1, empty, TC);
 
+  // Persistent: the CTA runs blocks blockIdx.x, + gridDim.x, ... (work_item); the tiles of all of
+  // them form one sequence through the stages and the exchange (g0: the block's first tile in it).
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sStage, full_q, full, empty);
+    if (threadIdx.x == TC) {
+      ItemPhase ph{empty_q, 0, 0};
+      for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
+        const WorkItem w = work_item(i, p.shape.heads_q, p.shape.batch);
+        const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
+        copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
+        ph.g0 += qb.ntiles;
+      }
+    }
     return;
   }
 
   // ---- consumers: both warpgroups own query rows [m0, m0 + 64) ------------------------------
   regs_increase<C.consumer_regs()>();
   const int wq = (threadIdx.x / 32) & 3, g = lane_id() >> 2;
-  const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
   const uint32_t stage_addr = smem_addr(sStage);
+  int g0 = 0, k = 0;
+  for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
+  const WorkItem w = work_item(i, p.shape.heads_q, p.shape.batch);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
+  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
+  const int ntiles = qb.ntiles;
+  const MaskRule& rule = qb.rule;
+  const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
 
   float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain; scores side), D (gradient side)
 #pragma unroll
@@ -120,18 +139,19 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threa
   }
   // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs).
   uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
-  mbar_wait(full_q, 0);
+  mbar_wait(full_q, k & 1);
   if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
   else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
+  mbar_arrive(empty_q);
 
   float dq[NH][4];
   zero(dq);
   float x[NS][4];  // S or dP
   uint32_t dsa[NS][4], dss[X3 ? NS : 1][4];  // dS's fragments (X3: big, small)
   for (int t = 0; t < ntiles; ++t) {
-    const int st = t & 1;
+    const int gt = g0 + t, st = gt & 1;
     const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(full + st, (t >> 1) & 1);
+    mbar_wait(full + st, (gt >> 1) & 1);
     wgmma_fence();  // x: written only
     const uint32_t bx = s0 + (wg == 0 ? 0 : TK::kBytes);  // K or V
     if constexpr (X3) {
@@ -167,12 +187,12 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threa
       });
       exchange_store<NS>(xP, x);
       mbar_arrive(ahead);
-      mbar_wait(back, t & 1);
+      mbar_wait(back, gt & 1);
       exchange_load_frags(dsa, xdS);
       if constexpr (X3) exchange_load_frags(dss, xdS + BM * BN);
     } else {
       float pv[NS][4];
-      mbar_wait(ahead, t & 1);
+      mbar_wait(ahead, gt & 1);
       exchange_load<NS>(pv, xP);
 #pragma unroll
       for (int j = 0; j < NS; ++j)
@@ -217,6 +237,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threa
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
   store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale,
              true);
+  g0 += ntiles;
+  }
 #endif
 }
 
@@ -256,23 +278,28 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).thre
   uint64_t* empty = bars + 3;  // [2]
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
+  uint64_t* empty_kv = bars + 7;  // K and V read into registers (persistent: the next block's may land)
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
-  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
-  const int ntiles = kb.ntiles;
-  const MaskRule& rule = kb.rule;
+  const int64_t nitems = (Skv + BK - 1) / BK * p.shape.heads_kv * p.shape.batch;
 
-  init_exchange_barriers(ahead, back);
+  init_exchange_barriers(ahead, back, empty_kv, TC);
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
 
+  // Persistent, as the dQ pair kernel: blocks blockIdx.x, + gridDim.x, ..., one tile sequence.
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     // ---- producer -------------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty);
+    ItemPhase ph{empty_kv, 0, 0};
+    for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
+      const WorkItem w = work_item(i, p.shape.heads_kv, p.shape.batch);
+      const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
+      copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
+      ph.g0 += kb.ntiles;
+    }
     return;
   }
 
@@ -280,14 +307,22 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).thre
   regs_increase<C.consumer_regs()>();
   const int wq = (threadIdx.x / 32) & 3, lane = lane_id();
   const int krow = 16 * wq;  // the warp's first key row in the CTA
-  const int64_t row_w = m0 + krow;
   const uint32_t stage_addr = smem_addr(sStage);
+  int g0 = 0, k = 0;
+  for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
+  const WorkItem w = work_item(i, p.shape.heads_kv, p.shape.batch);
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
+  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+  const int ntiles = kb.ntiles;
+  const MaskRule& rule = kb.rule;
+  const int64_t row_w = m0 + krow;
 
   // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs).
   uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
-  mbar_wait(full_kv, 0);
+  mbar_wait(full_kv, k & 1);
   if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
   else load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
+  mbar_arrive(empty_kv);
   float acc[NO][4];  // dV (scores side) or dK (gradient side)
   zero(acc);
 
@@ -296,9 +331,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).thre
   float x[NS][4];  // S^T or dP^T
   uint32_t fa[NS][4], fs[X3 ? NS : 1][4];  // P^T or dS^T as A fragments (X3: big, small)
   for (int it = 0; it < ntiles; ++it) {
-    const int st = it & 1;
+    const int gt = g0 + it, st = gt & 1;
     const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(full + st, (it >> 1) & 1);
+    mbar_wait(full + st, (gt >> 1) & 1);
     wgmma_fence();  // x: written only
     const uint32_t bx = s0 + (wg == 0 ? 0 : TQ::kBytes);  // Q or dO
     if constexpr (X3) {
@@ -335,12 +370,12 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).thre
         if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
         x[j][e] = pe;
       });
-      if (it > 0) mbar_wait(back, (it - 1) & 1);  // the other side has read the last tile's P^T
+      if (gt > 0) mbar_wait(back, (gt - 1) & 1);  // the other side has read the last tile's P^T
       exchange_store<NS>(xP, x);
       mbar_arrive(ahead);
     } else {
       float pv[NS][4];
-      mbar_wait(ahead, it & 1);
+      mbar_wait(ahead, gt & 1);
       exchange_load<NS>(pv, xP);
       mbar_arrive(back);
       const float* sDs = sD + st * BQ;
@@ -385,6 +420,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).thre
   } else {
     float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
     store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, acc, p.num.scale, true);
+  }
+  g0 += ntiles;
   }
 #endif
 }

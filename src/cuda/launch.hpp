@@ -35,10 +35,10 @@ struct BwdArgs {
   float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]
   float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, contiguous [B, Hq, Sq, DP]
   int sm90_variant;  // sm_90a dK/dV: tile_config90 variant (1: one warpgroup, two CTAs per SM)
-  // tf32 backward on sm_90a: the dK/dV pass on the wgmma kernel too (FLASHATTN_CUDA_TF32_BWD=wgmma;
-  // experimental: wrong results when a key block has more than one query tile, see docs/PERF.md);
-  // otherwise (wgmma-dq) the wgmma dQ pass is followed by the mma.sync dK/dV pass.
+  // float32 backward on sm_90a: the dK/dV pass on the wgmma kernel too (the default); otherwise
+  // (FLASHATTN_CUDA_TF32_BWD=wgmma-dq, D = 64) the wgmma dQ pass is followed by the mma.sync one.
   bool tf32_dkv_wgmma;
+  int sms;  // the device's multiprocessors: the persistent pair kernels' CTAs (persistent_ctas)
 };
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.

@@ -9,6 +9,7 @@
 #include "cuda/kernels_sm90_tf32_bwd.cuh"
 #include "cuda/kernels_sm90_tf32_bwd_pair.cuh"
 #include "cuda/launch.hpp"
+#include "cuda/select.hpp"
 #include "cuda/tma.hpp"
 
 namespace flashattn::cuda {
@@ -150,9 +151,12 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));
   if constexpr (kPair) {
-    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, X3),
+    // Persistent: one CTA per multiprocessor walks the blocks (work_item order).
+    const dim3 pq(persistent_ctas(static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z, a.sms));
+    const dim3 pk(persistent_ctas(static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z, a.sms));
+    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, X3),
                    stream, dq, "dq_tf32_sm90_pair kernel launch");
-    launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, grid_k, ck.threads(),
+    launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, pk, ck.threads(),
                    smem_bytes90_tf32_bwd(Pass::Dkv, DP, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
   } else {
     launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream, dq,

@@ -1,6 +1,7 @@
 // Kernel selection of the CUDA backend (select.hpp). Host code only.
 #include "cuda/select.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -152,6 +153,20 @@ bool use_pingpong(const Shape& s, int dp) {
   const int i = env_choice("FLASHATTN_CUDA_PINGPONG", {"0", "1"});
   if (i >= 0) return i == 1;
   return dp <= 64 || s.seq_kv <= 4096;
+}
+
+int persistent_ctas(int64_t items, int sms) {
+  int64_t n = sms > 0 ? sms : 1;
+  const char* env = std::getenv("FLASHATTN_CUDA_PERSISTENT_CTAS");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (*end != '\0' || v < 0 || v > 1000000)
+      throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_PERSISTENT_CTAS = '") + env +
+                                               "' is not a count (0: one CTA per block)");
+    n = v == 0 ? items : v;
+  }
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, n)));
 }
 
 }  // namespace flashattn::cuda

@@ -32,4 +32,9 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
 // Whether the sm_90a 16-bit forward's two consumer warpgroups take turns issuing products.
 bool use_pingpong(const Shape& s, int dp);
 
+// The CTAs of a persistent kernel (the sm_90a pair kernels, one CTA per multiprocessor) for
+// `items` blocks on `sms` multiprocessors: min(items, sms). FLASHATTN_CUDA_PERSISTENT_CTAS=N caps
+// it at N (0: one CTA per block, the non-persistent launch), for tests and measurement.
+int persistent_ctas(int64_t items, int sms);
+
 }  // namespace flashattn::cuda

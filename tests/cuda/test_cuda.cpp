@@ -298,6 +298,47 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
   }
 }
 
+// ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
+// The pair kernels (tf32 at padded D = 128, the opt-in fp32 backward at D = 64) run one CTA per
+// multiprocessor over all blocks; the grid tests' small problems mostly have fewer blocks than
+// multiprocessors, so here 3 and 7 CTAs walk many blocks each (tiles and exchanges continuing
+// across blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit
+// for bit, as the blocks' arithmetic does not depend on which CTA runs them.
+TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t d;
+    Mask mask;
+    Precision prec;
+  };
+  for (const Case& k : {Case{128, Mask::None, Precision::Tf32}, Case{128, Mask::CausalBottomRight, Precision::Tf32},
+                        Case{64, Mask::CausalTopLeft, Precision::Fp32}, Case{64, Mask::None, Precision::Fp32}}) {
+    ProblemConfig c;
+    c.batch = 1; c.heads_q = 4; c.heads_kv = 2; c.seq_q = 150; c.seq_kv = 133; c.head_dim = k.d;
+    c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 11;
+    EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", "wgmma");
+    Problem p(c);
+    DeviceProblem dp(p);
+    ASSERT_TRUE(dp.ok());
+    const Options o = cuda_options(c, k.prec);
+    std::vector<Snapshot> runs;
+    for (const char* ctas : {"0", "3", "7"}) {
+      EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", ctas);
+      dp.poison();
+      dp.forward(o);
+      dp.backward(o);
+      p.poison_outputs();
+      dp.download();
+      runs.push_back(snapshot(p));
+    }
+    EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
+    // And right: the 7-CTA results against the float64 reference.
+    const Reference ref = reference_for(p);
+    EXPECT_LE(rel(testing::compare(p.to_double(p.dk), ref.bwd.dk)), k.prec == Precision::Tf32 ? kTf32Tol : kFmaTol)
+        << c.describe();
+  }
+}
+
 // ---- streams: work goes to the options' stream; same bits as the default stream -------------
 TEST(CudaStream, UserStreamMatchesDefault) {
   REQUIRE_GPU();
