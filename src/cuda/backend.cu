@@ -101,7 +101,7 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
       } else if (p == Pass::Forward && c.sm90_fwd) {
         need = c.math == Math::Tf32x3 ? smem_bytes90_3xtf32(c.dp) : smem_bytes90_tf32(c.dp);
       } else if ((p == Pass::Dq && c.sm90_bwd) || (p == Pass::Dkv && c.tf32_dkv_wgmma)) {
-        need = smem_bytes90_tf32_bwd(p, c.dp, c.math == Math::Tf32x3);
+        need = smem_bytes90_tf32_bwd(p, c.dp, c.f32_pair, c.math == Math::Tf32x3);
       } else {
         need = smem_bytes(p, c.dp, d.big());
       }
@@ -246,6 +246,7 @@ void backward(const BackwardParams& p) {
   a.dq_accum = c.atomic_bwd ? ws.get() + accum_at : nullptr;
   a.sm90_variant = c.sm90_variant;
   a.tf32_dkv_wgmma = c.tf32_dkv_wgmma;
+  a.f32_pair = c.f32_pair;
   a.sms = info.sms;
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));

@@ -303,31 +303,35 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || 
 // tile's product goes to a fresh accumulator added to the long-lived one in float32 (the tensor
 // cores truncate as they accumulate), so at D = 128 neither registers nor shared memory suffice.
 FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return dp == 64; }
+// The pair kernels: always at D = 128 and in 3xTF32; a choice at D = 64 (select.cpp).
 FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp, bool x3 = false) { return x3 || dp == 128; }
 // The producer keeps 48 registers (its 64-bit tile and pointer arithmetic spilled at 24 and 40;
-// 56 in the persistent pair kernels, whose block loop spilled at 48), which leaves 224 per
-// consumer thread.
-FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, int dp, bool x3 = false) {
-  return tf32_bwd_pair(dp, x3) ? TileConfig90{64, 32, 2, 1, 1, 64} : TileConfig90{128, 64, 2, 1, 1, 48};
+// 64 in the persistent pair kernels, whose block loop spilled at 48 and 56), which leaves 224
+// (pair: 216) per consumer thread.
+FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, bool pair) {
+  return pair ? TileConfig90{64, 32, 2, 1, 1, 64} : TileConfig90{128, 64, 2, 1, 1, 48};
 }
 // dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim); pair
 // design: the P and dS exchange buffers (block_m x block_n floats each; x3: dS's big and small).
 // dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
 // design: the P^T exchange buffer. x3: every streamed tile twice (big, small).
 // Each: 1 KiB for alignment and 8 mbarriers.
-FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp, bool x3 = false) {
-  const TileConfig90 c = tile_config90_tf32_bwd(pass, dp, x3);
+FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp, bool pair, bool x3 = false) {
+  const TileConfig90 c = tile_config90_tf32_bwd(pass, pair);
   const int parts = x3 ? 2 : 1;
-  const int exchange = tf32_bwd_pair(dp, x3) ? (pass == Pass::Dq ? 1 + parts : 1) * c.block_m * c.block_n * 4 : 0;
+  const int exchange = pair ? (pass == Pass::Dq ? 1 + parts : 1) * c.block_m * c.block_n * 4 : 0;
   return exchange + (pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * parts * c.block_n) * dp * 4 + 1024 + 8 * 8
                                       : (2 * c.block_m + 2 * 4 * parts * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 +
                                             1024 + 8 * 8);
 }
-static_assert(smem_bytes90_tf32_bwd(Pass::Dq, 64) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 64) <= 227 * 1024 &&
-                  smem_bytes90_tf32_bwd(Pass::Dq, 128) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 128) <= 227 * 1024 &&
-                  smem_bytes90_tf32_bwd(Pass::Dq, 64, true) <= 227 * 1024 &&
-                  smem_bytes90_tf32_bwd(Pass::Dkv, 64, true) <= 227 * 1024,
-              "tile_config90_tf32_bwd exceeds shared memory");
+constexpr bool tiles90_tf32_bwd_fit() {
+  for (Pass p : {Pass::Dq, Pass::Dkv})
+    for (bool pair : {false, true})
+      for (bool x3 : {false, true})
+        if ((pair || !x3) && smem_bytes90_tf32_bwd(p, 64, pair, x3) > 227 * 1024) return false;
+  return smem_bytes90_tf32_bwd(Pass::Dq, 128, true) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 128, true) <= 227 * 1024;
+}
+static_assert(tiles90_tf32_bwd_fit(), "tile_config90_tf32_bwd exceeds shared memory");
 
 constexpr bool tiles90_fit() {
   for (Pass p : {Pass::Forward, Pass::Dkv})

@@ -162,10 +162,10 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
 //   exp2(S sl2 - lse2), dS_{j+1} = P (dP - D) while dQ += dS_j K_j runs; wait; release stage j.
 // ================================================================================================
 template <int DP>
-__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads(), 1)
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).threads(), 1)
     dq_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, DP);
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, false);
   constexpr int BM = C.block_m, BN = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
   constexpr int NS = BN / 8, NO = DP / 8, KS = DP / 8;
   using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
@@ -294,10 +294,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP).threads()
 // its own softmax; the other warpgroup's do.
 // ================================================================================================
 template <int DP>
-__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP).threads(), 1)
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threads(), 1)
     dkv_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, DP);
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, false);
   constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
   constexpr int NS = BQ / 8, NO = DP / 8, KS = DP / 8;
   using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys

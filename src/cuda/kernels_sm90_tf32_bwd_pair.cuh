@@ -64,10 +64,10 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
 // arrived, which wg 0 sends after reading tile t's dS. One buffer each suffices.
 // ================================================================================================
 template <int DP, bool X3>
-__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threads(), 1)
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads(), 1)
     dq_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, DP, X3);
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dq, true);
   constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
   constexpr int NS = BN / 8, KS = DP / 8, NH = DP / 16;  // NH: 8-column blocks of a dQ half
   static_assert(C.warpgroups == 2 && BM == 64 && 128 * NS * 4 == BM * BN, "pair design: two warpgroups, 64 rows");
@@ -252,10 +252,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, DP, X3).threa
 //         dS^T = P^T (dP^T - D); dK += dS^T Q
 // ================================================================================================
 template <int DP, bool X3>
-__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, DP, X3).threads(), 1)
+__global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).threads(), 1)
     dkv_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, DP, X3);
+  constexpr TileConfig90 C = tile_config90_tf32_bwd(Pass::Dkv, true);
   constexpr int BK = C.block_m, BQ = C.block_n, TC = 256;
   constexpr int NS = BQ / 8, NO = DP / 8, KS = DP / 8;
   static_assert(C.warpgroups == 2 && BK == 64 && 128 * NS * 4 == BK * BQ, "pair design: two warpgroups, 64 rows");

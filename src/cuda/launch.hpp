@@ -38,6 +38,7 @@ struct BwdArgs {
   // float32 backward on sm_90a: the dK/dV pass on the wgmma kernel too (the default); otherwise
   // (FLASHATTN_CUDA_TF32_BWD=wgmma-dq, D = 64) the wgmma dQ pass is followed by the mma.sync one.
   bool tf32_dkv_wgmma;
+  bool f32_pair;  // float32 backward on sm_90a: the pair kernels (a choice at D = 64 in tf32 mode)
   int sms;  // the device's multiprocessors: the persistent pair kernels' CTAs (persistent_ctas)
 };
 

@@ -61,15 +61,15 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
                                  smem_bytes90_3xtf32(DP), "forward_3xtf32_sm90 kernel launch", stream);
 }
 
-// Both float32 backwards on wgmma: tf32 (X3 = false; at D = 64 the split kernels, at D = 128 the
-// pair kernels) and fp32-accurate 3xTF32 (X3; the pair kernels at D = 64).
-template <int DP, bool X3>
+// Both float32 backwards on wgmma: tf32 (X3 = false; the split kernels at D = 64 unless
+// a.f32_pair, the pair kernels at D = 128) and fp32-accurate 3xTF32 (X3; the pair kernels at
+// D = 64).
+template <int DP, bool X3, bool kPair>
 bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
-  constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, DP, X3), ck = tile_config90_tf32_bwd(Pass::Dkv, DP, X3);
-  // The pair kernels (both warpgroups on one tile's rows, split by product), whose dK/dV pass is
+  constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, kPair), ck = tile_config90_tf32_bwd(Pass::Dkv, kPair);
+  // The pair kernels (both warpgroups on one tile's rows, split by product) have their dK/dV pass
   // always on wgmma (selection sets tf32_dkv_wgmma there too).
-  constexpr bool kPair = tf32_bwd_pair(DP, X3);
   const bool dkv_wgmma = kPair || a.tf32_dkv_wgmma;
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
@@ -154,18 +154,18 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     // Persistent: one CTA per multiprocessor walks the blocks (work_item order).
     const dim3 pq(persistent_ctas(static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z, a.sms));
     const dim3 pk(persistent_ctas(static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z, a.sms));
-    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, X3),
+    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3),
                    stream, dq, "dq_tf32_sm90_pair kernel launch");
     launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, pk, ck.threads(),
-                   smem_bytes90_tf32_bwd(Pass::Dkv, DP, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
+                   smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
   } else {
-    launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP), stream, dq,
+    launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, false), stream, dq,
                    "dq_tf32_sm90 kernel launch");
     if (!dkv_wgmma) {
       launch_dkv<DP, Math::Tf32>(a, stream);
       return true;
     }
-    launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP), stream,
+    launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, false), stream,
                    dkv, "dkv_tf32_sm90 kernel launch");
   }
   return true;
@@ -173,12 +173,14 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
 
 template <int DP>
 bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
-  return launch_bwd_f32_sm90<DP, false>(a, stream);
+  if constexpr (tf32_bwd_pair(DP)) return launch_bwd_f32_sm90<DP, false, true>(a, stream);
+  else if (a.f32_pair) return launch_bwd_f32_sm90<DP, false, true>(a, stream);
+  else return launch_bwd_f32_sm90<DP, false, false>(a, stream);
 }
 
 template <int DP>
 bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream) {
-  return launch_bwd_f32_sm90<DP, true>(a, stream);
+  return launch_bwd_f32_sm90<DP, true, true>(a, stream);
 }
 
 template <int DP, Half16 H, int V>

@@ -132,16 +132,18 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // FLASHATTN_CUDA_FP32_FWD=wgmma (docs/PERF.md, "fp32 forward on wgmma").
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp) && env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"}) == 1)
     c.sm90_fwd = true;
-  int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma"});
+  // =pair: at D = 64 the pair kernels (as at D = 128) instead of the 128-row split kernels.
+  int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma", "pair"});
   if (tf32_bwd < 0) tf32_bwd = 2;
   c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;
   // (D = 128 has no mma.sync-dK/dV variant of the wgmma backward: wgmma-dq is a D = 64 choice.)
-  c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd == 2 || tf32_bwd_pair(c.dp));
+  c.f32_pair = c.sm90_bwd && (tf32_bwd_pair(c.dp) || tf32_bwd == 3);
+  c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd >= 2 || c.f32_pair);
   // The fp32-accurate backward on wgmma (padded D = 64, both passes) is opt-in until it has run on
   // a GPU: FLASHATTN_CUDA_FP32_BWD=wgmma (docs/PERF.md, "fp32 backward on wgmma").
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(c.dp) &&
       env_choice("FLASHATTN_CUDA_FP32_BWD", {"mma", "wgmma"}) == 1)
-    c.sm90_bwd = c.tf32_dkv_wgmma = true;
+    c.sm90_bwd = c.tf32_dkv_wgmma = c.f32_pair = true;
   c.ok = true;
   return c;
 }

@@ -23,6 +23,7 @@ struct KernelChoice {
   bool sm90_bwd = false;     // backward on sm_90a kernels (16-bit: the single pass; tf32: both split passes)
   int sm90_variant = 0;      // its tile_config90 variant
   bool tf32_dkv_wgmma = false;  // tf32 backward: dK/dV on wgmma as well (else the mma.sync kernel)
+  bool f32_pair = false;        // float32 sm_90a backward: the pair kernels (kernels_sm90_tf32_bwd_pair.cuh)
 };
 
 // The choice for a problem on a device of compute capability cc_major.cc_minor, with the

@@ -128,10 +128,14 @@ void check_all_maths(const ProblemConfig& cfg) {
   // D = 128; FLASHATTN_CUDA_FP32_BWD=wgmma: the backward at padded D = 64).
   const bool fp32_wgmma = cfg.head_dim <= 128;
   const Errors fp32_w = fp32_wgmma ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, "wgmma") : fp32;
+  // The tf32 pair kernels at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=pair; the default at D = 128).
+  const bool tf32_pair = cfg.head_dim <= 64;
+  const Errors tf32_p = tf32_pair ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, "pair") : tf32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str() +
-                           "fp32 (FLASHATTN_CUDA_FP32_FWD/BWD=wgmma):\n" + fp32_w.str();
+                           "fp32 (FLASHATTN_CUDA_FP32_FWD/BWD=wgmma):\n" + fp32_w.str() +
+                           "tf32 (FLASHATTN_CUDA_TF32_BWD=pair):\n" + tf32_p.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
     EXPECT_EQ(0, fma.e[i].nan) << n << " (fma) has NaN / unwritten elements\n" << info;
@@ -140,6 +144,7 @@ void check_all_maths(const ProblemConfig& cfg) {
     EXPECT_EQ(0, tf32_80.e[i].nan) << n << " (tf32, sm80 kernels) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_ob.e[i].nan) << n << " (tf32, other sm_90a backward) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, fp32_w.e[i].nan) << n << " (fp32, wgmma kernels) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, tf32_p.e[i].nan) << n << " (tf32, pair kernels) has NaN / unwritten elements\n" << info;
     EXPECT_LE(rel(fma.e[i]), kFmaTol) << n << " (fma)\n" << info;
     EXPECT_LE(rel(fp32.e[i]), kFmaTol) << n << " (fp32)\n" << info;
     // The fp32-accurate mode: within 2x of the plain float32 kernel. Floor 3e-7 relative to
@@ -154,12 +159,13 @@ void check_all_maths(const ProblemConfig& cfg) {
     EXPECT_LE(rel(tf32.e[i]), kTf32Tol) << n << " (tf32)\n" << info;
     EXPECT_LE(rel(tf32_80.e[i]), kTf32Tol) << n << " (tf32, sm80 kernels)\n" << info;
     EXPECT_LE(rel(tf32_ob.e[i]), kTf32Tol) << n << " (tf32, other sm_90a backward)\n" << info;
+    EXPECT_LE(rel(tf32_p.e[i]), kTf32Tol) << n << " (tf32, pair kernels)\n" << info;
   }
   // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
   std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e"
-              " | tf32 other sm90 bwd %.2e | fp32 wgmma %.2e\n",
+              " | tf32 other sm90 bwd %.2e | fp32 wgmma %.2e | tf32 pair %.2e\n",
               cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst(), tf32_ob.worst(),
-              fp32_w.worst());
+              fp32_w.worst(), tf32_p.worst());
 }
 
 // ---- the grid ------------------------------------------------------------------------------
@@ -299,7 +305,7 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
 }
 
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
-// The pair kernels (tf32 at padded D = 128, the opt-in fp32 backward at D = 64) run one CTA per
+// The pair kernels (tf32 at padded D = 128 and opt-in at 64, the opt-in fp32 backward at D = 64) run one CTA per
 // multiprocessor over all blocks; the grid tests' small problems mostly have fewer blocks than
 // multiprocessors, so here 3 and 7 CTAs walk many blocks each (tiles and exchanges continuing
 // across blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit
@@ -312,11 +318,13 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
     Precision prec;
   };
   for (const Case& k : {Case{128, Mask::None, Precision::Tf32}, Case{128, Mask::CausalBottomRight, Precision::Tf32},
-                        Case{64, Mask::CausalTopLeft, Precision::Fp32}, Case{64, Mask::None, Precision::Fp32}}) {
+                        Case{64, Mask::CausalTopLeft, Precision::Fp32}, Case{64, Mask::None, Precision::Fp32},
+                        Case{64, Mask::CausalTopLeft, Precision::Tf32}}) {
     ProblemConfig c;
     c.batch = 1; c.heads_q = 4; c.heads_kv = 2; c.seq_q = 150; c.seq_kv = 133; c.head_dim = k.d;
     c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 11;
     EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", "wgmma");
+    EnvScope tbwd_scope("FLASHATTN_CUDA_TF32_BWD", "pair");
     Problem p(c);
     DeviceProblem dp(p);
     ASSERT_TRUE(dp.ok());

@@ -157,6 +157,26 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
   }
   {
+    // The pair kernels: the default at padded D = 128, a choice at 64.
+    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).f32_pair);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).f32_pair);
+    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "pair");
+    const KernelChoice c = select_kernel(shape(4096, 64), tf32, 9, 0);
+    EXPECT_TRUE(c.sm90_bwd && c.tf32_dkv_wgmma && c.f32_pair);
+    EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).f32_pair);
+  }
+  {
+    // The fp32-accurate wgmma backward: opt-in, padded D = 64 on 9.0 only (the pair kernels).
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
+    EnvScope e("FLASHATTN_CUDA_FP32_BWD", "wgmma");
+    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
+    EXPECT_EQ(c.math, Math::Tf32x3);
+    EXPECT_TRUE(c.sm90_bwd && c.tf32_dkv_wgmma && c.f32_pair);
+    EXPECT_FALSE(c.sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_bwd);
+  }
+  {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
@@ -205,6 +225,29 @@ TEST(CudaSelect, PingPongRule) {
   EXPECT_FALSE(use_pingpong(shape(512, 256, 8192), 256));
   EnvScope e("FLASHATTN_CUDA_PINGPONG", "1");
   EXPECT_TRUE(use_pingpong(shape(8192, 128), 128));
+}
+
+TEST(CudaSelect, PersistentCtas) {
+  // One CTA per multiprocessor, never more than the blocks; the override caps it (0: one per block).
+  EXPECT_EQ(persistent_ctas(1000, 132), 132);
+  EXPECT_EQ(persistent_ctas(17, 132), 17);
+  EXPECT_EQ(persistent_ctas(0, 132), 1);
+  {
+    EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "3");
+    EXPECT_EQ(persistent_ctas(1000, 132), 3);
+    EXPECT_EQ(persistent_ctas(2, 132), 2);
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "0");
+    EXPECT_EQ(persistent_ctas(1000, 132), 1000);
+  }
+  EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "many");
+  try {
+    persistent_ctas(1000, 132);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& x) {
+    EXPECT_NE(std::string(x.what()).find("FLASHATTN_CUDA_PERSISTENT_CTAS"), std::string::npos) << x.what();
+  }
 }
 
 }  // namespace
