@@ -491,9 +491,9 @@ __device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
 }
 
 // The persistent kernels' work list (the pair kernels): item i of rows x heads x batch items is
-// row block i / (heads x batch) of head i % heads, batch i / heads % batch, so that every CTA
-// starting item blockIdx.x and stepping by gridDim.x meets the row blocks in launch order (for a
-// causal mask: the longest first).
+// row block i / (heads x batch) of head i % heads, batch i / heads % batch: the row block varies
+// slowest, so the CTAs (item blockIdx.x, then + gridDim.x, ...) all take the first row blocks
+// first (for a causal mask the longest, query_block), then the later ones.
 struct WorkItem {
   int64_t b, h, x;
 };

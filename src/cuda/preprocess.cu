@@ -313,6 +313,8 @@ void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t se
   const int64_t seq8 = (seq + 7) / 8 * 8;
   const int d = static_cast<int>(head_dim);
   const bool vec = head_dim == dp && vec_ok(x, 4);
+  if (xs != nullptr && (xt == nullptr) != (xts == nullptr))
+    throw Error(Status::Internal, "cuda tf32 operands: the small parts need a transposed copy exactly when the big do");
   auto run = [&](auto dpc, auto split) {
     constexpr int DP = decltype(dpc)::value;
     constexpr bool S = decltype(split)::value;
