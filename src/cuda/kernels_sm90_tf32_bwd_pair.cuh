@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const int64_t nitems = (Sq + BM - 1) / BM * p.shape.heads_q * p.shape.batch;
+  const int64_t nx = (Sq + BM - 1) / BM, nitems = nx * p.shape.heads_q * p.shape.batch;
 
   init_exchange_barriers(ahead, back, empty_q, TC);
   init_stage_barriers(full_q, full, 1, empty, TC);
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     if (threadIdx.x == TC) {
       ItemPhase ph{empty_q, 0, 0};
       for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
-        const WorkItem w = work_item(i, p.shape.heads_q, p.shape.batch);
+        const WorkItem w = work_item(i, nx, p.shape.heads_q);
         const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
         copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
         ph.g0 += qb.ntiles;
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   const uint32_t stage_addr = smem_addr(sStage);
   int g0 = 0, k = 0;
   for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
-  const WorkItem w = work_item(i, p.shape.heads_q, p.shape.batch);
+  const WorkItem w = work_item(i, nx, p.shape.heads_q);
   const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
   const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
   const int ntiles = qb.ntiles;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const int64_t nitems = (Skv + BK - 1) / BK * p.shape.heads_kv * p.shape.batch;
+  const int64_t nx = (Skv + BK - 1) / BK, nitems = nx * p.shape.heads_kv * p.shape.batch;
 
   init_exchange_barriers(ahead, back, empty_kv, TC);
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     regs_decrease<C.producer_regs>();
     ItemPhase ph{empty_kv, 0, 0};
     for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
-      const WorkItem w = work_item(i, p.shape.heads_kv, p.shape.batch);
+      const WorkItem w = work_item(i, nx, p.shape.heads_kv);
       const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
       copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
       ph.g0 += kb.ntiles;
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   const uint32_t stage_addr = smem_addr(sStage);
   int g0 = 0, k = 0;
   for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
-  const WorkItem w = work_item(i, p.shape.heads_kv, p.shape.batch);
+  const WorkItem w = work_item(i, nx, p.shape.heads_kv);
   const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int ntiles = kb.ntiles;

@@ -139,10 +139,11 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // (D = 128 has no mma.sync-dK/dV variant of the wgmma backward: wgmma-dq is a D = 64 choice.)
   c.f32_pair = c.sm90_bwd && (tf32_bwd_pair(c.dp) || tf32_bwd == 3);
   c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd >= 2 || c.f32_pair);
-  // The fp32-accurate backward on wgmma (padded D = 64, both passes) is opt-in until it has run on
-  // a GPU: FLASHATTN_CUDA_FP32_BWD=wgmma (docs/PERF.md, "fp32 backward on wgmma").
+  // The fp32-accurate backward on wgmma (padded D = 64, the pair kernels in 3xTF32): the default
+  // there, 1.1-1.4x the mma.sync 3xTF32 kernels (docs/PERF.md, float32 run 8);
+  // FLASHATTN_CUDA_FP32_BWD=mma keeps those.
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(c.dp) &&
-      env_choice("FLASHATTN_CUDA_FP32_BWD", {"mma", "wgmma"}) == 1)
+      env_choice("FLASHATTN_CUDA_FP32_BWD", {"mma", "wgmma"}) != 0)
     c.sm90_bwd = c.tf32_dkv_wgmma = c.f32_pair = true;
   c.ok = true;
   return c;

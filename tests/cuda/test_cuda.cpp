@@ -85,12 +85,12 @@ struct Errors {
 
 // One forward + backward on the device with the given arithmetic; errors against `ref`.
 Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math, const char* arch = nullptr,
-                const char* tf32_bwd = nullptr, const char* fp32_fwd = nullptr) {
+                const char* tf32_bwd = nullptr, const char* fp32_fwd = nullptr, const char* fp32_bwd = nullptr) {
   MathScope scope(math);
   EnvScope arch_scope("FLASHATTN_CUDA_ARCH", arch);
   EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
   EnvScope fwd_scope("FLASHATTN_CUDA_FP32_FWD", fp32_fwd);
-  EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", fp32_fwd);  // the wgmma fp32 kernels together
+  EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", fp32_bwd);
   DeviceProblem d(p);
   Errors r;
   if (!d.ok()) {
@@ -124,17 +124,19 @@ void check_all_maths(const ProblemConfig& cfg) {
   // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain).
   const bool other_bwd = cfg.head_dim <= 128;
   const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
-  // The opt-in fp32-accurate wgmma kernels (FLASHATTN_CUDA_FP32_FWD=wgmma: the forward at padded
-  // D = 128; FLASHATTN_CUDA_FP32_BWD=wgmma: the backward at padded D = 64).
+  // The fp32-accurate kernels that are not the default on sm_90a: the opt-in wgmma forward at padded
+  // D = 128 (FLASHATTN_CUDA_FP32_FWD=wgmma) and the mma.sync backward at padded D = 64
+  // (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in 3xTF32 are the default there).
   const bool fp32_wgmma = cfg.head_dim <= 128;
-  const Errors fp32_w = fp32_wgmma ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, "wgmma") : fp32;
+  const Errors fp32_w =
+      fp32_wgmma ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, "wgmma", "mma") : fp32;
   // The tf32 pair kernels at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=pair; the default at D = 128).
   const bool tf32_pair = cfg.head_dim <= 64;
   const Errors tf32_p = tf32_pair ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, "pair") : tf32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str() +
-                           "fp32 (FLASHATTN_CUDA_FP32_FWD/BWD=wgmma):\n" + fp32_w.str() +
+                           "fp32 (FLASHATTN_CUDA_FP32_FWD=wgmma, FLASHATTN_CUDA_FP32_BWD=mma):\n" + fp32_w.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=pair):\n" + tf32_p.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
@@ -143,7 +145,7 @@ void check_all_maths(const ProblemConfig& cfg) {
     EXPECT_EQ(0, tf32.e[i].nan) << n << " (tf32) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_80.e[i].nan) << n << " (tf32, sm80 kernels) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_ob.e[i].nan) << n << " (tf32, other sm_90a backward) has NaN / unwritten elements\n" << info;
-    EXPECT_EQ(0, fp32_w.e[i].nan) << n << " (fp32, wgmma kernels) has NaN / unwritten elements\n" << info;
+    EXPECT_EQ(0, fp32_w.e[i].nan) << n << " (fp32, the other kernels) has NaN / unwritten elements\n" << info;
     EXPECT_EQ(0, tf32_p.e[i].nan) << n << " (tf32, pair kernels) has NaN / unwritten elements\n" << info;
     EXPECT_LE(rel(fma.e[i]), kFmaTol) << n << " (fma)\n" << info;
     EXPECT_LE(rel(fp32.e[i]), kFmaTol) << n << " (fp32)\n" << info;
@@ -155,7 +157,7 @@ void check_all_maths(const ProblemConfig& cfg) {
     // (2^-24): measured 2.3x on the H200 where D = rowsum(dO*O) nearly cancels dP.
     const double factor = (i == 2 || i == 3) ? 3.0 : 2.0;
     EXPECT_LE(rel(fp32.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 vs fma)\n" << info;
-    EXPECT_LE(rel(fp32_w.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32 wgmma kernels vs fma)\n" << info;
+    EXPECT_LE(rel(fp32_w.e[i]), factor * std::max(rel(fma.e[i]), 3e-7)) << n << " (fp32, the other kernels, vs fma)\n" << info;
     EXPECT_LE(rel(tf32.e[i]), kTf32Tol) << n << " (tf32)\n" << info;
     EXPECT_LE(rel(tf32_80.e[i]), kTf32Tol) << n << " (tf32, sm80 kernels)\n" << info;
     EXPECT_LE(rel(tf32_ob.e[i]), kTf32Tol) << n << " (tf32, other sm_90a backward)\n" << info;
@@ -163,7 +165,7 @@ void check_all_maths(const ProblemConfig& cfg) {
   }
   // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
   std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e"
-              " | tf32 other sm90 bwd %.2e | fp32 wgmma %.2e | tf32 pair %.2e\n",
+              " | tf32 other sm90 bwd %.2e | fp32 other kernels %.2e | tf32 pair %.2e\n",
               cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst(), tf32_ob.worst(),
               fp32_w.worst(), tf32_p.worst());
 }
@@ -272,18 +274,18 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
     c.batch = 2; c.heads_q = 8; c.heads_kv = 2; c.seq_q = 300; c.seq_kv = 257; c.head_dim = d;
     c.mask = Mask::CausalBottomRight; c.layout = testing::Layout::BSHD; c.seed = 5;
     struct Run {
-      const char *math, *tf32_bwd, *fp32_fwd;
+      const char *math, *tf32_bwd, *fp32_fwd, *fp32_bwd;
     };
-    const Run runs_of[] = {{"fma", nullptr, nullptr},
-                           {"tf32", nullptr, nullptr},
-                           {"tf32", kTf32BwdOther, nullptr},
-                           {"3xtf32", nullptr, nullptr},
-                           {"3xtf32", nullptr, "wgmma"}};
-    for (const auto& [math, tf32_bwd, fp32_fwd] : runs_of) {
+    const Run runs_of[] = {{"fma", nullptr, nullptr, nullptr},
+                           {"tf32", nullptr, nullptr, nullptr},
+                           {"tf32", kTf32BwdOther, nullptr, nullptr},
+                           {"3xtf32", nullptr, nullptr, nullptr},
+                           {"3xtf32", nullptr, "wgmma", "mma"}};
+    for (const auto& [math, tf32_bwd, fp32_fwd, fp32_bwd] : runs_of) {
       MathScope scope(math);
       EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
       EnvScope fwd_scope("FLASHATTN_CUDA_FP32_FWD", fp32_fwd);
-      EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", fp32_fwd);
+      EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", fp32_bwd);
       Problem p(c);
       DeviceProblem dp(p);
       ASSERT_TRUE(dp.ok());
@@ -299,7 +301,8 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
       }
       EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2])
           << "D=" << d << " math=" << math << " tf32 backward=" << (tf32_bwd ? tf32_bwd : "default")
-          << " fp32 forward=" << (fp32_fwd ? fp32_fwd : "default");
+          << " fp32 forward=" << (fp32_fwd ? fp32_fwd : "default")
+          << " fp32 backward=" << (fp32_bwd ? fp32_bwd : "default");
     }
   }
 }

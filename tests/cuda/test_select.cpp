@@ -101,7 +101,7 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   // and the wgmma backward (both passes) at padded D = 64 and 128.
   EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
   EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
-  EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
+  EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
   for (int64_t d : {1, 64, 100, 128}) {
     const KernelChoice c = select_kernel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
     ASSERT_TRUE(c.ok);
@@ -125,10 +125,11 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   }
   {
     EnvScope e("FLASHATTN_CUDA_MATH", "3xtf32");  // the override wins over the precision option
-    const KernelChoice c = select_kernel(shape(4096, 64), tf32, 9, 0);
+    const KernelChoice c = select_kernel(shape(4096, 128), tf32, 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_FALSE(c.sm90_fwd);
     EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).f32_pair);  // the 3xTF32 wgmma backward
   }
   {
     EnvScope e("FLASHATTN_CUDA_MATH", "tf32");  // and the other way round: tf32's kernels
@@ -143,7 +144,7 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
     EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).tf32_dkv_wgmma);  // (no mma.sync dK/dV variant there)
     EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
+    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
   }
   {
     // The fp32-accurate wgmma forward: opt-in, padded D = 128 on 9.0 only, the backward unchanged.
@@ -166,15 +167,15 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).f32_pair);
   }
   {
-    // The fp32-accurate wgmma backward: opt-in, padded D = 64 on 9.0 only (the pair kernels).
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
-    EnvScope e("FLASHATTN_CUDA_FP32_BWD", "wgmma");
+    // The fp32-accurate wgmma backward: the default at padded D = 64 on 9.0 only (the pair kernels).
     const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_bwd && c.tf32_dkv_wgmma && c.f32_pair);
     EXPECT_FALSE(c.sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_bwd);
+    EnvScope e("FLASHATTN_CUDA_FP32_BWD", "mma");
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
   }
   {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
