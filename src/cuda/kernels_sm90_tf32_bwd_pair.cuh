@@ -52,6 +52,67 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
   }
 }
 
+// A tile's scores in a pair kernel: x = A B^T over the head dim, A the warpgroup's stationary
+// fragments (X3: big xa, small xs), B the streamed K-major tile at bx (X3: its small part at
+// bx + part), waited for. X3: two chains of 4 k-steps (x2: the head dim's second half), added in
+// float32 (kernels_sm90_3xtf32.cuh on short chains).
+template <bool X3, class TB, int KS, int KX, int NS>
+__device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t (&xs)[KX][4],
+                                            uint32_t bx, int part, uint32_t opaque_zero) {
+  wgmma_fence();  // x: written only
+  if constexpr (X3) {
+    float x2[NS][4];
+    wg_gemm3_rs_tf32<KS / 2, TB, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + part, 0, false);
+    wg_gemm3_rs_tf32<KS / 2, TB, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
+                                       bx + TB::kBlockBytes, bx + part + TB::kBlockBytes, 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+    fence_regs(x2);
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[j][e] += x2[j][e];
+    keep_live_in_loop(xs, opaque_zero);
+  } else {
+    wg_gemm_rs_tf32<KS, TB, true>(x, xa, bx, 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+  }
+  keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
+}
+
+// A tile's gradient product in a pair kernel: acc += F B, F the P / dS fragments (X3: big fa,
+// small fs) over the tile's k-steps, B the transposed tile at bt from row b_row0 (X3: its small
+// part at bt + part), waited for. X3: into a fresh accumulator added in float32 (one chain over
+// all tiles would drift: the tensor cores truncate as they accumulate).
+template <bool X3, class TB, int NK, int KX, int NT>
+__device__ __forceinline__ void pair_accumulate(float (&acc)[NT][4], uint32_t (&fa)[NK][4], uint32_t (&fs)[KX][4],
+                                                uint32_t bt, int part, int b_row0) {
+  fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+  if constexpr (X3) {
+    float at[NT][4];
+    fence_regs(fs);
+    wgmma_fence();
+    wg_gemm3_rs_tf32<NK, TB, true>(at, fa, fs, bt, bt + part, b_row0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(at);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] += at[j][e];
+  } else {
+    fence_regs(acc);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NK, TB>(acc, fa, bt, b_row0, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+  }
+}
+
 // ================================================================================================
 // dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
 // tiles of K, V and K^T (two stages). Per key tile t:
@@ -152,30 +213,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     const int gt = g0 + t, st = gt & 1;
     const uint32_t s0 = stage_addr + st * kStage;
     mbar_wait(full + st, (gt >> 1) & 1);
-    wgmma_fence();  // x: written only
-    const uint32_t bx = s0 + (wg == 0 ? 0 : TK::kBytes);  // K or V
-    if constexpr (X3) {
-      // Two chains of 4 k-steps (x2: the head dim's second half), added in float32.
-      float x2[NS][4];
-      wg_gemm3_rs_tf32<KS / 2, TK, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + kPart, 0, false);
-      wg_gemm3_rs_tf32<KS / 2, TK, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
-                                         bx + TK::kBlockBytes, bx + kPart + TK::kBlockBytes, 0, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(x);
-      fence_regs(x2);
-#pragma unroll
-      for (int j = 0; j < NS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[j][e] += x2[j][e];
-      keep_live_in_loop(xs, A.opaque_zero);
-    } else {
-      wg_gemm_rs_tf32<KS, TK, true>(x, xa, bx, 0, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(x);
-    }
-    keep_live_in_loop(xa, A.opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
+    pair_scores<X3, TK>(x, xa, xs, s0 + (wg == 0 ? 0 : TK::kBytes), kPart, A.opaque_zero);  // S (K) or dP (V)
 
     if (wg == 0) {
       const int64_t n0 = static_cast<int64_t>(t) * BN;
@@ -207,30 +245,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
       exchange_store_frags(xdS, dsa);
       mbar_arrive(back);
     }
-    fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
     // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
-    const uint32_t bkt = s0 + 2 * TK::kBytes;
-    if constexpr (X3) {
-      // A fresh accumulator per tile, added in float32 (the long chain would drift).
-      float dqt[NH][4];
-      fence_regs(dss);
-      wgmma_fence();
-      wg_gemm3_rs_tf32<NS, TT, true>(dqt, dsa, dss, bkt, bkt + kPart, (DP / 2) * wg, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(dqt);
-#pragma unroll
-      for (int j = 0; j < NH; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[j][e] += dqt[j][e];
-    } else {
-      fence_regs(dq);
-      wgmma_fence();
-      wg_gemm_rs_tf32<NS, TT>(dq, dsa, bkt, (DP / 2) * wg, true);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(dq);
-    }
+    pair_accumulate<X3, TT>(dq, dsa, dss, s0 + 2 * TK::kBytes, kPart, (DP / 2) * wg);
     mbar_arrive(empty + st);
   }
 
@@ -334,30 +350,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     const int gt = g0 + it, st = gt & 1;
     const uint32_t s0 = stage_addr + st * kStage;
     mbar_wait(full + st, (gt >> 1) & 1);
-    wgmma_fence();  // x: written only
-    const uint32_t bx = s0 + (wg == 0 ? 0 : TQ::kBytes);  // Q or dO
-    if constexpr (X3) {
-      // Two chains of 4 k-steps (x2: the head dim's second half), added in float32.
-      float x2[NS][4];
-      wg_gemm3_rs_tf32<KS / 2, TQ, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + kPart, 0, false);
-      wg_gemm3_rs_tf32<KS / 2, TQ, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
-                                         bx + TQ::kBlockBytes, bx + kPart + TQ::kBlockBytes, 0, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(x);
-      fence_regs(x2);
-#pragma unroll
-      for (int j = 0; j < NS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[j][e] += x2[j][e];
-      keep_live_in_loop(xs, A.opaque_zero);
-    } else {
-      wg_gemm_rs_tf32<KS, TQ, true>(x, xa, bx, 0, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(x);
-    }
-    keep_live_in_loop(xa, A.opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
+    pair_scores<X3, TQ>(x, xa, xs, s0 + (wg == 0 ? 0 : TQ::kBytes), kPart, A.opaque_zero);  // S^T (Q) or dP^T (dO)
 
     if (wg == 0) {
       const int64_t n0 = kb.q0(it, BQ);  // first query row
@@ -381,33 +374,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       const float* sDs = sD + st * BQ;
       for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
     }
+    if constexpr (X3) acc_to_afrag_split_tf32(fa, fs, x);
+    else acc_to_afrag_tf32(fa, x);
     // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
-    const uint32_t bt = s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0);
-    if constexpr (X3) {
-      // A fresh accumulator per tile, added in float32 (the long chain would drift).
-      float at[NO][4];
-      acc_to_afrag_split_tf32(fa, fs, x);
-      fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
-      fence_regs(fs);
-      wgmma_fence();
-      wg_gemm3_rs_tf32<NS, TT, true>(at, fa, fs, bt, bt + kPart, 0, false);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(at);
-#pragma unroll
-      for (int j = 0; j < NO; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += at[j][e];
-    } else {
-      acc_to_afrag_tf32(fa, x);
-      fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
-      fence_regs(acc);
-      wgmma_fence();
-      wg_gemm_rs_tf32<NS, TT>(acc, fa, bt, 0, true);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc);
-    }
+    pair_accumulate<X3, TT>(acc, fa, fs, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), kPart, 0);
     // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
     // sL/sD reads above), which the producer's next writes to this stage must follow.
     mbar_arrive(empty + st);
