@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   init_exchange_barriers(ahead, back, empty_q, TC);
   init_stage_barriers(full_q, full, 1, empty, TC);
 
-  // Persistent: the CTA runs blocks blockIdx.x, + gridDim.x, ... (work_item); the tiles of all of
-  // them form one sequence through the stages and the exchange (g0: the block's first tile in it).
+  // Persistent-capable: the CTA runs blocks blockIdx.x, + gridDim.x, ... (work_item; one block per
+  // CTA by default, select.hpp persistent_ctas); the tiles of all of them form one sequence through the stages and the exchange (g0: the block's first tile in it).
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------

@@ -151,7 +151,8 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));
   if constexpr (kPair) {
-    // Persistent: one CTA per multiprocessor walks the blocks (work_item order).
+    // One CTA per block unless FLASHATTN_CUDA_PERSISTENT_CTAS asks for fewer walking the blocks
+    // (persistent_ctas; work_item order).
     const dim3 pq(persistent_ctas(static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z, a.sms));
     const dim3 pk(persistent_ctas(static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z, a.sms));
     launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3),

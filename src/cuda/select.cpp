@@ -159,16 +159,17 @@ bool use_pingpong(const Shape& s, int dp) {
 }
 
 int persistent_ctas(int64_t items, int sms) {
-  int64_t n = sms > 0 ? sms : 1;
+  int64_t n = items;
   const char* env = std::getenv("FLASHATTN_CUDA_PERSISTENT_CTAS");
   if (env != nullptr && *env != '\0') {
     char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    if (*end != '\0' || v < 0 || v > 1000000)
+    const long v = std::strcmp(env, "sms") == 0 ? (sms > 0 ? sms : 1) : std::strtol(env, &end, 10);
+    if ((end != nullptr && *end != '\0') || v < 0 || v > 1000000)
       throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_PERSISTENT_CTAS = '") + env +
-                                               "' is not a count (0: one CTA per block)");
-    n = v == 0 ? items : v;
+                                               "' is not a count or 'sms' (0: one CTA per block)");
+    if (v > 0) n = v;
   }
+  // (A grid dimension holds 2^31 - 1 blocks; select_kernel bounds the block counts far below.)
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, n)));
 }
 

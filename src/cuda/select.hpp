@@ -33,9 +33,12 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
 // Whether the sm_90a 16-bit forward's two consumer warpgroups take turns issuing products.
 bool use_pingpong(const Shape& s, int dp);
 
-// The CTAs of a persistent kernel (the sm_90a pair kernels, one CTA per multiprocessor) for
-// `items` blocks on `sms` multiprocessors: min(items, sms). FLASHATTN_CUDA_PERSISTENT_CTAS=N caps
-// it at N (0: one CTA per block, the non-persistent launch), for tests and measurement.
+// The CTAs of the sm_90a pair kernels, which can walk several blocks each, for `items` blocks:
+// one per block by default - one CTA per multiprocessor walking the blocks in a fixed order was
+// no faster without a mask and 15-20% slower with a causal one, whose blocks differ in length
+// (docs/PERF.md float32 run 8b); the hardware's dynamic CTA scheduling balances them.
+// FLASHATTN_CUDA_PERSISTENT_CTAS=N runs min(items, N) CTAs (0: the default; "sms": one per
+// multiprocessor), for tests and measurement.
 int persistent_ctas(int64_t items, int sms);
 
 }  // namespace flashattn::cuda

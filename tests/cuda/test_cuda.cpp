@@ -308,9 +308,9 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
 }
 
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
-// The pair kernels (tf32 at padded D = 128 and opt-in at 64, the opt-in fp32 backward at D = 64) run one CTA per
-// multiprocessor over all blocks; the grid tests' small problems mostly have fewer blocks than
-// multiprocessors, so here 2 and 4 CTAs walk several blocks each (tiles and exchanges continuing
+// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64) can run fewer CTAs
+// than blocks, each walking several (FLASHATTN_CUDA_PERSISTENT_CTAS; the default is one CTA per
+// block): here 2 and 4 CTAs walk several blocks each (tiles and exchanges continuing
 // across blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit
 // for bit, as the blocks' arithmetic does not depend on which CTA runs them.
 TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {

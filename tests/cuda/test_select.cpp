@@ -229,10 +229,15 @@ TEST(CudaSelect, PingPongRule) {
 }
 
 TEST(CudaSelect, PersistentCtas) {
-  // One CTA per multiprocessor, never more than the blocks; the override caps it (0: one per block).
-  EXPECT_EQ(persistent_ctas(1000, 132), 132);
+  // One CTA per block by default; the override runs fewer (a count, or one per multiprocessor).
+  EXPECT_EQ(persistent_ctas(1000, 132), 1000);
   EXPECT_EQ(persistent_ctas(17, 132), 17);
   EXPECT_EQ(persistent_ctas(0, 132), 1);
+  {
+    EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "sms");
+    EXPECT_EQ(persistent_ctas(1000, 132), 132);
+    EXPECT_EQ(persistent_ctas(17, 132), 17);
+  }
   {
     EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "3");
     EXPECT_EQ(persistent_ctas(1000, 132), 3);
