@@ -1,7 +1,7 @@
 // The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) at padded D = 128, on
-// wgmma. OPT-IN and not yet run on a GPU (FLASHATTN_CUDA_FP32_FWD=wgmma; select.cpp): the default
-// fp32 forward stays the mma.sync 3xTF32 kernel (kernels.cuh) until this one has passed the GPU
-// tests and been measured faster (docs/PERF.md, "fp32 forward on wgmma").
+// wgmma. OPT-IN (FLASHATTN_CUDA_FP32_FWD=wgmma; select.cpp): right on the GPU tests, but measured
+// 3-10% slower than the default mma.sync 3xTF32 kernel (kernels.cuh; docs/PERF.md float32 runs 8
+// and 8c: 40-48 against 40-52 TFLOP/s), so it is kept as the base of a faster one, not used.
 //
 // Every product X Y is X_big Y_big + X_big Y_small + X_small Y_big (tf32_split, device.cuh), small
 // terms first. With Q's big and small fragments (128 registers per thread at D = 128) a warpgroup

@@ -128,8 +128,8 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // and measurement.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
-  // The fp32-accurate forward on wgmma (padded D = 128) is opt-in until it has run on a GPU:
-  // FLASHATTN_CUDA_FP32_FWD=wgmma (docs/PERF.md, "fp32 forward on wgmma").
+  // The fp32-accurate forward on wgmma (padded D = 128) is opt-in, FLASHATTN_CUDA_FP32_FWD=wgmma:
+  // measured slower than the mma.sync kernel (docs/PERF.md, float32 run 8).
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp) && env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"}) == 1)
     c.sm90_fwd = true;
   // =pair: at D = 64 the pair kernels (as at D = 128) instead of the 128-row split kernels.
