@@ -160,7 +160,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   init_stage_barriers(full_q, full, 1, empty, TC);
 
   // Persistent-capable: the CTA runs blocks blockIdx.x, + gridDim.x, ... (work_item; one block per
-  // CTA by default, select.hpp persistent_ctas); the tiles of all of them form one sequence through the stages and the exchange (g0: the block's first tile in it).
+  // CTA by default, select.hpp persistent_ctas); the tiles of all of them form one sequence through
+  // the stages and the exchange (g0: the block's first tile in it).
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------
@@ -183,77 +184,77 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   const uint32_t stage_addr = smem_addr(sStage);
   int g0 = 0, k = 0;
   for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
-  const WorkItem w = work_item(i, nx, p.shape.heads_q);
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
-  const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
-  const int ntiles = qb.ntiles;
-  const MaskRule& rule = qb.rule;
-  const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
+    const WorkItem w = work_item(i, nx, p.shape.heads_q);
+    const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
+    const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
+    const int ntiles = qb.ntiles;
+    const MaskRule& rule = qb.rule;
+    const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
 
-  float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain; scores side), D (gradient side)
+    float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain; scores side), D (gradient side)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row_w + g + 8 * r;
-    const bool in = row < Sq;
-    l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
-    dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
-  }
-  // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs).
-  uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
-  mbar_wait(full_q, k & 1);
-  if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
-  else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
-  mbar_arrive(empty_q);
-
-  float dq[NH][4];
-  zero(dq);
-  float x[NS][4];  // S or dP
-  uint32_t dsa[NS][4], dss[X3 ? NS : 1][4];  // dS's fragments (X3: big, small)
-  for (int t = 0; t < ntiles; ++t) {
-    const int gt = g0 + t, st = gt & 1;
-    const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(full + st, (gt >> 1) & 1);
-    pair_scores<X3, TK>(x, xa, xs, s0 + (wg == 0 ? 0 : TK::kBytes), kPart, A.opaque_zero);  // S (K) or dP (V)
-
-    if (wg == 0) {
-      const int64_t n0 = static_cast<int64_t>(t) * BN;
-      const bool masked = qb.tile_masked(n0, BN, Skv);
-      for_each_entry<NS>([&](int j, int e, int r, int c) {
-        float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1]));
-        if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
-        x[j][e] = pe;
-      });
-      exchange_store<NS>(xP, x);
-      mbar_arrive(ahead);
-      mbar_wait(back, gt & 1);
-      exchange_load_frags(dsa, xdS);
-      if constexpr (X3) exchange_load_frags(dss, xdS + BM * BN);
-    } else {
-      float pv[NS][4];
-      mbar_wait(ahead, gt & 1);
-      exchange_load<NS>(pv, xP);
-#pragma unroll
-      for (int j = 0; j < NS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[j][e] = pv[j][e] * (x[j][e] - dl[e >> 1]);  // dS
-      if constexpr (X3) {
-        acc_to_afrag_split_tf32(dsa, dss, x);
-        exchange_store_frags(xdS + BM * BN, dss);
-      } else {
-        acc_to_afrag_tf32(dsa, x);
-      }
-      exchange_store_frags(xdS, dsa);
-      mbar_arrive(back);
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row_w + g + 8 * r;
+      const bool in = row < Sq;
+      l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
+      dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
     }
-    // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
-    pair_accumulate<X3, TT>(dq, dsa, dss, s0 + 2 * TK::kBytes, kPart, (DP / 2) * wg);
-    mbar_arrive(empty + st);
-  }
+    // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs).
+    uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
+    mbar_wait(full_q, k & 1);
+    if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
+    else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
+    mbar_arrive(empty_q);
 
-  float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
-  store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale,
-             true);
-  g0 += ntiles;
+    float dq[NH][4];
+    zero(dq);
+    float x[NS][4];  // S or dP
+    uint32_t dsa[NS][4], dss[X3 ? NS : 1][4];  // dS's fragments (X3: big, small)
+    for (int t = 0; t < ntiles; ++t) {
+      const int gt = g0 + t, st = gt & 1;
+      const uint32_t s0 = stage_addr + st * kStage;
+      mbar_wait(full + st, (gt >> 1) & 1);
+      pair_scores<X3, TK>(x, xa, xs, s0 + (wg == 0 ? 0 : TK::kBytes), kPart, A.opaque_zero);  // S (K) or dP (V)
+
+      if (wg == 0) {
+        const int64_t n0 = static_cast<int64_t>(t) * BN;
+        const bool masked = qb.tile_masked(n0, BN, Skv);
+        for_each_entry<NS>([&](int j, int e, int r, int c) {
+          float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1]));
+          if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
+          x[j][e] = pe;
+        });
+        exchange_store<NS>(xP, x);
+        mbar_arrive(ahead);
+        mbar_wait(back, gt & 1);
+        exchange_load_frags(dsa, xdS);
+        if constexpr (X3) exchange_load_frags(dss, xdS + BM * BN);
+      } else {
+        float pv[NS][4];
+        mbar_wait(ahead, gt & 1);
+        exchange_load<NS>(pv, xP);
+#pragma unroll
+        for (int j = 0; j < NS; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) x[j][e] = pv[j][e] * (x[j][e] - dl[e >> 1]);  // dS
+        if constexpr (X3) {
+          acc_to_afrag_split_tf32(dsa, dss, x);
+          exchange_store_frags(xdS + BM * BN, dss);
+        } else {
+          acc_to_afrag_tf32(dsa, x);
+        }
+        exchange_store_frags(xdS, dsa);
+        mbar_arrive(back);
+      }
+      // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
+      pair_accumulate<X3, TT>(dq, dsa, dss, s0 + 2 * TK::kBytes, kPart, (DP / 2) * wg);
+      mbar_arrive(empty + st);
+    }
+
+    float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
+    store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale,
+               true);
+    g0 += ntiles;
   }
 #endif
 }
@@ -326,72 +327,72 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   const uint32_t stage_addr = smem_addr(sStage);
   int g0 = 0, k = 0;
   for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
-  const WorkItem w = work_item(i, nx, p.shape.heads_kv);
-  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
-  const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
-  const int ntiles = kb.ntiles;
-  const MaskRule& rule = kb.rule;
-  const int64_t row_w = m0 + krow;
+    const WorkItem w = work_item(i, nx, p.shape.heads_kv);
+    const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
+    const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
+    const int ntiles = kb.ntiles;
+    const MaskRule& rule = kb.rule;
+    const int64_t row_w = m0 + krow;
 
-  // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs).
-  uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
-  mbar_wait(full_kv, k & 1);
-  if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
-  else load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
-  mbar_arrive(empty_kv);
-  float acc[NO][4];  // dV (scores side) or dK (gradient side)
-  zero(acc);
+    // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs).
+    uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
+    mbar_wait(full_kv, k & 1);
+    if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
+    else load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
+    mbar_arrive(empty_kv);
+    float acc[NO][4];  // dV (scores side) or dK (gradient side)
+    zero(acc);
 
-  const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
+    const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
 
-  float x[NS][4];  // S^T or dP^T
-  uint32_t fa[NS][4], fs[X3 ? NS : 1][4];  // P^T or dS^T as A fragments (X3: big, small)
-  for (int it = 0; it < ntiles; ++it) {
-    const int gt = g0 + it, st = gt & 1;
-    const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(full + st, (gt >> 1) & 1);
-    pair_scores<X3, TQ>(x, xa, xs, s0 + (wg == 0 ? 0 : TQ::kBytes), kPart, A.opaque_zero);  // S^T (Q) or dP^T (dO)
+    float x[NS][4];  // S^T or dP^T
+    uint32_t fa[NS][4], fs[X3 ? NS : 1][4];  // P^T or dS^T as A fragments (X3: big, small)
+    for (int it = 0; it < ntiles; ++it) {
+      const int gt = g0 + it, st = gt & 1;
+      const uint32_t s0 = stage_addr + st * kStage;
+      mbar_wait(full + st, (gt >> 1) & 1);
+      pair_scores<X3, TQ>(x, xa, xs, s0 + (wg == 0 ? 0 : TQ::kBytes), kPart, A.opaque_zero);  // S^T (Q) or dP^T (dO)
 
-    if (wg == 0) {
-      const int64_t n0 = kb.q0(it, BQ);  // first query row
-      const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
-      int lo[2], hi[2];
-      kq.tile_bounds(n0, BQ, masked, lo, hi);
-      const float* sLs = sL + st * BQ;
-      for_each_entry<NS>([&](int j, int e, int r, int c) {
-        float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
-        if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
-        x[j][e] = pe;
-      });
-      if (gt > 0) mbar_wait(back, (gt - 1) & 1);  // the other side has read the last tile's P^T
-      exchange_store<NS>(xP, x);
-      mbar_arrive(ahead);
-    } else {
-      float pv[NS][4];
-      mbar_wait(ahead, gt & 1);
-      exchange_load<NS>(pv, xP);
-      mbar_arrive(back);
-      const float* sDs = sD + st * BQ;
-      for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
+      if (wg == 0) {
+        const int64_t n0 = kb.q0(it, BQ);  // first query row
+        const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
+        int lo[2], hi[2];
+        kq.tile_bounds(n0, BQ, masked, lo, hi);
+        const float* sLs = sL + st * BQ;
+        for_each_entry<NS>([&](int j, int e, int r, int c) {
+          float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
+          if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+          x[j][e] = pe;
+        });
+        if (gt > 0) mbar_wait(back, (gt - 1) & 1);  // the other side has read the last tile's P^T
+        exchange_store<NS>(xP, x);
+        mbar_arrive(ahead);
+      } else {
+        float pv[NS][4];
+        mbar_wait(ahead, gt & 1);
+        exchange_load<NS>(pv, xP);
+        mbar_arrive(back);
+        const float* sDs = sD + st * BQ;
+        for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
+      }
+      if constexpr (X3) acc_to_afrag_split_tf32(fa, fs, x);
+      else acc_to_afrag_tf32(fa, x);
+      // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
+      pair_accumulate<X3, TT>(acc, fa, fs, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), kPart, 0);
+      // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
+      // sL/sD reads above), which the producer's next writes to this stage must follow.
+      mbar_arrive(empty + st);
     }
-    if constexpr (X3) acc_to_afrag_split_tf32(fa, fs, x);
-    else acc_to_afrag_tf32(fa, x);
-    // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
-    pair_accumulate<X3, TT>(acc, fa, fs, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), kPart, 0);
-    // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
-    // sL/sD reads above), which the producer's next writes to this stage must follow.
-    mbar_arrive(empty + st);
-  }
 
-  const int D = static_cast<int>(p.shape.head_dim);
-  if (wg == 0) {
-    float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;
-    store_rows(dvp, p.dv.ss, krow, kb.rows, 0, D, acc, 1.0f, true);
-  } else {
-    float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
-    store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, acc, p.num.scale, true);
-  }
-  g0 += ntiles;
+    const int D = static_cast<int>(p.shape.head_dim);
+    if (wg == 0) {
+      float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;
+      store_rows(dvp, p.dv.ss, krow, kb.rows, 0, D, acc, 1.0f, true);
+    } else {
+      float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
+      store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, acc, p.num.scale, true);
+    }
+    g0 += ntiles;
   }
 #endif
 }

@@ -115,8 +115,8 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
   auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
   // One part's maps: the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T.
-  auto maps = [&](const Copies& c, CUtensorMap* dk, CUtensorMap* dv, CUtensorMap* dkt, CUtensorMap* kq, CUtensorMap* kdo,
-                  CUtensorMap* kqt, CUtensorMap* kdot) {
+  auto maps = [&](const Copies& c, CUtensorMap* dk, CUtensorMap* dv, CUtensorMap* dkt, CUtensorMap* kq,
+                  CUtensorMap* kdo, CUtensorMap* kqt, CUtensorMap* kdot) {
     return make_tensor_map32(kq, rows(c.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) &&
            make_tensor_map32(kdo, rows(c.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) &&
            (!dkv_wgmma || make_tensor_map32(kqt, cols(c.qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
@@ -155,19 +155,19 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     // (persistent_ctas; work_item order).
     const dim3 pq(persistent_ctas(static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z, a.sms));
     const dim3 pk(persistent_ctas(static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z, a.sms));
-    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3),
-                   stream, dq, "dq_tf32_sm90_pair kernel launch");
+    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(),
+                   smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3), stream, dq, "dq_tf32_sm90_pair kernel launch");
     launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, pk, ck.threads(),
                    smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
   } else {
-    launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, false), stream, dq,
-                   "dq_tf32_sm90 kernel launch");
+    launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, false),
+                   stream, dq, "dq_tf32_sm90 kernel launch");
     if (!dkv_wgmma) {
       launch_dkv<DP, Math::Tf32>(a, stream);
       return true;
     }
-    launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, false), stream,
-                   dkv, "dkv_tf32_sm90 kernel launch");
+    launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, false),
+                   stream, dkv, "dkv_tf32_sm90 kernel launch");
   }
   return true;
 }
@@ -216,7 +216,8 @@ bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
 
 #define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template bool launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
-#define FLASHATTN_INSTANTIATE_SM90_bwd_3xtf32(DP) template bool launch_bwd_3xtf32_sm90<DP>(const BwdArgs&, cudaStream_t);
+#define FLASHATTN_INSTANTIATE_SM90_bwd_3xtf32(DP) \
+  template bool launch_bwd_3xtf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward_3xtf32(DP) \
   template bool launch_forward_3xtf32_sm90<DP>(const FwdArgs&, cudaStream_t);
