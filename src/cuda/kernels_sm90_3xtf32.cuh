@@ -16,9 +16,12 @@
 //     O_t = P Vt_t[half w] (3 products x 4 k-steps, a fresh accumulator); O_w = alpha O_w + O_t
 // The fresh accumulators matter: the tensor cores add into their fp32 accumulator with truncation,
 // so a long chain drifts (the mma.sync kernels group two k-steps for the same reason, device.cuh).
-// The producer warpgroup: one thread copies Q once and K, V per tile (copy engine); warps 1-3 split
-// K in place (big; small into a same-shaped tile) and transpose V into Vt (rows = head dim, keys in
-// tf32_slot order, so P's accumulator is its A fragment unshuffled), big and small tiles.
+// A pre-pass (launch_tf32_operands, as for the backward) writes K's big and small parts (rows =
+// keys) and V's transposed (rows = head dim, keys in tf32_slot order, so P's accumulator is its A
+// fragment unshuffled), big and small; the producer thread copies Q once and those four tiles per
+// key tile. (Splitting K and transposing V in shared memory by producer warps, the first version,
+// made the kernel shared-memory bound: ~1900 cycles of traffic per tile against ~1540 of tensor
+// work; 40-48 TFLOP/s, docs/PERF.md float32 run 8.)
 // docs/ALGORITHM.md ("fp32 forward on sm_90a") has the work model.
 #pragma once
 
@@ -42,30 +45,25 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   constexpr TileConfig90 C = tile_config90_3xtf32(DP);
   constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
   constexpr int NS = BN / 8, NH = DP / 16, KH = DP / 16;  // NH: 8-column blocks of a half; KH: its k-steps
-  constexpr int kTransposers = 96;                        // producer warps 1-3
   static_assert(C.warpgroups == 2 && BM == 64 && BN == 32 && DP == 128, "pair design at D = 128");
   using TQ = TileSw128F<BM, DP>;
-  using TK = TileSw128F<BN, DP>;   // K (big in place, small alike) and V as stored: rows = keys
+  using TK = TileSw128F<BN, DP>;   // K big and small: rows = keys
   using TVt = TileSw128F<DP, BN>;  // Vt big and small: rows = head dim, k = key slots
   extern __shared__ float4 smem4[];
   unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sK = sQ + TQ::kBytes;        // [2] big
   unsigned char* sKs = sK + 2 * TK::kBytes;   // [2] small
-  unsigned char* sV = sKs + 2 * TK::kBytes;   // [2] as stored
-  unsigned char* sVt = sV + 2 * TK::kBytes;   // [2] big
+  unsigned char* sVt = sKs + 2 * TK::kBytes;  // [2] big
   unsigned char* sVts = sVt + 2 * TVt::kBytes;  // [2] small
   float* xS = reinterpret_cast<float*>(sVts + 2 * TVt::kBytes);  // [2 warpgroups][BM x BN]
   uint64_t* bars = reinterpret_cast<uint64_t*>(xS + 2 * BM * BN);
   uint64_t* full_q = bars;
-  uint64_t* full_k = bars + 1;     // [2] K landed
-  uint64_t* split_k = bars + 3;    // [2] K split (transposing warps)
-  uint64_t* empty_k = bars + 5;    // [2] K big and small read by both warpgroups
-  uint64_t* full_v = bars + 7;     // [2] V landed
-  uint64_t* empty_v = bars + 9;    // [2] V read by the transposing warps
-  uint64_t* full_vt = bars + 11;   // [2] Vt big and small written
-  uint64_t* empty_vt = bars + 13;  // [2] Vt read by both warpgroups
-  uint64_t* ready = bars + 15;     // [2] warpgroup w's partial scores in xS[w]
-  uint64_t* taken = bars + 17;     // [2] warpgroup w's partial scores read by the other
+  uint64_t* full_k = bars + 1;     // [2] K big and small landed
+  uint64_t* empty_k = bars + 3;    // [2] K big and small read by both warpgroups
+  uint64_t* full_vt = bars + 5;    // [2] Vt big and small landed
+  uint64_t* empty_vt = bars + 7;   // [2] Vt read by both warpgroups
+  uint64_t* ready = bars + 9;      // [2] warpgroup w's partial scores in xS[w]
+  uint64_t* taken = bars + 11;     // [2] warpgroup w's partial scores read by the other
 
   const FwdArgs& a = A.f;
   const ForwardParams& p = a.p;
@@ -79,11 +77,8 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     mbar_init(full_q, 1);
     for (int i = 0; i < 2; ++i) {
       mbar_init(full_k + i, 1);
-      mbar_init(split_k + i, kTransposers);
       mbar_init(empty_k + i, TC);
-      mbar_init(full_v + i, 1);
-      mbar_init(empty_v + i, kTransposers);
-      mbar_init(full_vt + i, kTransposers);
+      mbar_init(full_vt + i, 1);
       mbar_init(empty_vt + i, TC);
       mbar_init(ready + i, 128);
       mbar_init(taken + i, 128);
@@ -96,34 +91,35 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   if (wg == 2) {
     // ---- producer -----------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    const int pt = threadIdx.x - TC;
-    if (pt == 0) {
-      copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
-                                         static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
-                                         static_cast<int>(b), ntiles);
-    } else if (pt >= 32) {
-      const int tid = pt - 32;
-      // K_t split: big in place, small into sKs (contiguous 16-byte words, same layout).
-      auto split_tile_k = [&](int t) {
-        const int st = t & 1;
-        mbar_wait(full_k + st, (t >> 1) & 1);
-        convert_tile_tf32<TK::kBytes, kTransposers, true>(sK + st * TK::kBytes, sKs + st * TK::kBytes, tid);
-        fence_proxy_async();
-        mbar_arrive(split_k + st);
+    if (threadIdx.x == TC) {
+      const int bb = static_cast<int>(b), hk = static_cast<int>(qb.hk);
+      mbar_expect_tx(full_q, TQ::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < DP / 32; ++blk)
+        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), static_cast<int>(h), bb);
+      // K_t (big, small) into stage t & 1 once both warpgroups released K_{t-2}; then Vt_t alike.
+      // The consumers need K_0, then K_{t+1} before Vt_t: that order.
+      auto load_k = [&](int t) {
+        const int st = t & 1, n0 = t * BN;
+        mbar_wait(empty_k + st, ((t >> 1) & 1) ^ 1);
+        mbar_expect_tx(full_k + st, 2 * TK::kBytes);
+#pragma unroll
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          tma_load_4d(sK + st * TK::kBytes + blk * TK::kBlockBytes, &A.tk, full_k + st, 32 * blk, n0, hk, bb);
+          tma_load_4d(sKs + st * TK::kBytes + blk * TK::kBlockBytes, &A.tks, full_k + st, 32 * blk, n0, hk, bb);
+        }
       };
-      // The consumers need K_0, then K_{t+1} before Vt_t. K's stage t & 1 is free again once both
-      // warpgroups released K_{t-2} (empty_k, which the copy thread waits on before copying).
-      if (ntiles > 0) split_tile_k(0);
-      for (int t = 0; t < ntiles; ++t) {
-        if (t + 1 < ntiles) split_tile_k(t + 1);
-        const int st = t & 1;
-        mbar_wait(full_v + st, (t >> 1) & 1);
+      auto load_vt = [&](int t) {
+        const int st = t & 1, n0 = t * BN;
         mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
-        transpose_v_tf32<BN, DP, kTransposers, true>(sV + st * TK::kBytes, sVt + st * TVt::kBytes,
-                                                    static_cast<int>(sVts - sVt), tid);
-        mbar_arrive(empty_v + st);
-        fence_proxy_async();  // the writes, before the tensor cores read them
-        mbar_arrive(full_vt + st);
+        mbar_expect_tx(full_vt + st, 2 * TVt::kBytes);
+        tma_load_4d(sVt + st * TVt::kBytes, &A.tv, full_vt + st, n0, 0, hk, bb);
+        tma_load_4d(sVts + st * TVt::kBytes, &A.tvs, full_vt + st, n0, 0, hk, bb);
+      };
+      if (ntiles > 0) load_k(0);
+      for (int t = 0; t < ntiles; ++t) {
+        if (t + 1 < ntiles) load_k(t + 1);
+        load_vt(t);
       }
     }
     return;
@@ -213,7 +209,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
       o[j][3] = fmaf(o[j][3], alpha_prev[1], ot[j][3]);
     }
   };
-  auto wait_k = [&](int t) { mbar_wait(split_k + (t & 1), (t >> 1) & 1); };
+  auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
   auto wait_vt = [&](int t) { mbar_wait(full_vt + (t & 1), (t >> 1) & 1); };
 
   if (ntiles > 0) {

@@ -30,48 +30,38 @@
 
 namespace flashattn::cuda::dev {
 
+// The 3xTF32 forward (kernels_sm90_3xtf32.cuh): tk, tks = K's big and small copies, tv, tvs = V's
+// transposed big and small copies (the pre-pass's), tq = Q as stored.
 struct Sm90Tf32FwdArgs {
   FwdArgs f;
   CUtensorMap tq, tk, tv;
+  CUtensorMap tks, tvs;
 };
 
 // A tile of shared memory (BYTES, 16-byte words, T threads numbered tid) rounded to tf32 in
-// place; kSplit (3xTF32): tf32_split's big part in place and its small part into `small` (a
-// same-shaped tile). The callers fence and publish.
-template <int BYTES, int T, bool kSplit>
-__device__ __forceinline__ void convert_tile_tf32(unsigned char* tile, unsigned char* small, int tid) {
+// place. The callers fence and publish.
+template <int BYTES, int T>
+__device__ __forceinline__ void convert_tile_tf32(unsigned char* tile, int tid) {
   static_assert(BYTES % 16 == 0, "16-byte words");
   float4* w = reinterpret_cast<float4*>(tile);
   for (int i = tid; i < BYTES / 16; i += T) {
     const float4 v = w[i];
-    if constexpr (kSplit) {
-      uint32_t bg[4], sm[4];
-      tf32_split(v.x, bg[0], sm[0]);
-      tf32_split(v.y, bg[1], sm[1]);
-      tf32_split(v.z, bg[2], sm[2]);
-      tf32_split(v.w, bg[3], sm[3]);
-      w[i] = make_float4(__uint_as_float(bg[0]), __uint_as_float(bg[1]), __uint_as_float(bg[2]), __uint_as_float(bg[3]));
-      reinterpret_cast<float4*>(small)[i] =
-          make_float4(__uint_as_float(sm[0]), __uint_as_float(sm[1]), __uint_as_float(sm[2]), __uint_as_float(sm[3]));
-    } else {
-      w[i] = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)), __uint_as_float(to_tf32(v.z)),
-                         __uint_as_float(to_tf32(v.w)));
-    }
+    w[i] = make_float4(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)), __uint_as_float(to_tf32(v.z)),
+                       __uint_as_float(to_tf32(v.w)));
   }
 }
 
 // The transposing warps' work on one V tile (T threads, numbered tid): V (rows = keys,
 // TileSw128F<BN, DP>) -> Vt (rows = head dim, TileSw128F<DP, BN>, key n in slot tf32_slot(n)),
-// rounded to tf32; kSplit (3xTF32): tf32_split's big part into vt, the small part into
-// vt + dsmall (a same-shaped tile). A unit of work is 32 consecutive keys (one per lane) of one
+// rounded to tf32. A unit of work is 32 consecutive keys (one per lane) of one
 // 4-column chunk: its 16-byte reads hit 8 different chunks per 8 rows (the swizzle) and its 4-byte
 // writes fill one 128-byte row, so neither side has bank conflicts. Lane l always takes key
 // 32q + l, whose slot (32q + sigma(l)) and swizzle phase (l & 7) are fixed, so a unit's
 // addresses cost a few integer ops instead of two full TileSw128F::offset evaluations per
 // element (the transposing warps, not the tensor cores, were the tf32 forward's limit: 17.6
 // SASS instructions per element before, about 6 now).
-template <int BN, int DP, int T, bool kSplit>
-__device__ __forceinline__ void transpose_v_tf32(const unsigned char* v, unsigned char* vt, int dsmall, int tid) {
+template <int BN, int DP, int T>
+__device__ __forceinline__ void transpose_v_tf32(const unsigned char* v, unsigned char* vt, int tid) {
   using TK = TileSw128F<BN, DP>;
   using TVt = TileSw128F<DP, BN>;
   static_assert(BN % 32 == 0 && DP % 8 == 0, "units of 32 keys x 4 columns");
@@ -96,16 +86,7 @@ __device__ __forceinline__ void transpose_v_tf32(const unsigned char* v, unsigne
       const float e[4] = {f.x, f.y, f.z, f.w};
       const int o = q * TVt::kBlockBytes;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (kSplit) {
-          uint32_t big, small;
-          tf32_split(e[i], big, small);
-          *reinterpret_cast<uint32_t*>(dd[i] + o) = big;
-          *reinterpret_cast<uint32_t*>(dd[i] + o + dsmall) = small;
-        } else {
-          *reinterpret_cast<uint32_t*>(dd[i] + o) = to_tf32(e[i]);
-        }
-      }
+      for (int i = 0; i < 4; ++i) *reinterpret_cast<uint32_t*>(dd[i] + o) = to_tf32(e[i]);
     }
   }
 }
@@ -178,7 +159,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       auto round_tile_k = [&](int t) {
         const int st = t & 1;
         mbar_wait(full_k + st, (t >> 1) & 1);
-        convert_tile_tf32<TK::kBytes, kTransposers, false>(sK + st * TK::kBytes, nullptr, tid);
+        convert_tile_tf32<TK::kBytes, kTransposers>(sK + st * TK::kBytes, tid);
         fence_proxy_async();
         mbar_arrive(round_k + st);
       };
@@ -190,7 +171,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
         const int st = t & 1;
         mbar_wait(full_v + st, (t >> 1) & 1);
         mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
-        transpose_v_tf32<BN, DP, kTransposers, false>(sV + st * TK::kBytes, sVt + st * TVt::kBytes, 0, tid);
+        transpose_v_tf32<BN, DP, kTransposers>(sV + st * TK::kBytes, sVt + st * TVt::kBytes, tid);
         mbar_arrive(empty_v + st);
         fence_proxy_async();  // the writes, before the tensor cores read them
         mbar_arrive(full_vt + st);

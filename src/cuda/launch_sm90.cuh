@@ -31,34 +31,55 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
-// Both float32 forwards on wgmma (tf32; 3xTF32, opt-in): Q, K, V tensor maps of the caller's
-// tensors (boxes of block_m / block_n rows), one CTA per block_m queries.
-template <class Kernel>
-bool launch_forward_f32_sm90(const FwdArgs& a, Kernel kernel, TileConfig90 c, int smem, const char* name,
-                             cudaStream_t stream) {
+// The tf32 forward on wgmma: Q, K, V tensor maps of the caller's tensors (boxes of block_m /
+// block_n rows), one CTA per block_m queries.
+template <int DP>
+bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
+  constexpr TileConfig90 c = tile_config90_tf32(DP);
   dev::Sm90Tf32FwdArgs args;
   args.f = a;
   if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
       !make_tensor_map32(&args.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) ||
       !make_tensor_map32(&args.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n))
     return false;
-  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
-                  static_cast<unsigned>(s.batch));
-  launch_checked(kernel, grid, c.threads(), smem, stream, args, name);
+  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+  launch_checked(dev::forward_tf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
+                 "forward_tf32_sm90 kernel launch");
   return true;
 }
 
-template <int DP>
-bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
-  return launch_forward_f32_sm90(a, dev::forward_tf32_sm90_kernel<DP>, tile_config90_tf32(DP), smem_bytes90_tf32(DP),
-                                 "forward_tf32_sm90 kernel launch", stream);
-}
-
+// The 3xTF32 forward: a pre-pass writes K's big and small parts (rows) and V's transposed big and
+// small parts (2 |K| + 2 |V| floats, padded; freed on the stream after the kernel), which the
+// kernel streams; Q is read as stored.
 template <int DP>
 bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
-  return launch_forward_f32_sm90(a, dev::forward_3xtf32_sm90_kernel<DP>, tile_config90_3xtf32(DP),
-                                 smem_bytes90_3xtf32(DP), "forward_3xtf32_sm90 kernel launch", stream);
+  const Shape& s = a.p.shape;
+  constexpr TileConfig90 c = tile_config90_3xtf32(DP);
+  dev::Sm90Tf32FwdArgs args;
+  args.f = a;
+  if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m)) return false;
+  const int64_t skv8 = (s.seq_kv + 7) / 8 * 8;
+  const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
+  const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
+  Workspace ws((2 * nk + 2 * nvt) * sizeof(float), stream);
+  float* kb = ws.get();
+  float* ks = kb + nk;
+  float* vtb = ks + nk;
+  float* vts = vtb + nvt;
+  auto rows = [&](float* ptr) { return In4{ptr, s.heads_kv * s.seq_kv * DP, s.seq_kv * DP, DP}; };
+  auto cols = [&](float* ptr) { return In4{ptr, s.heads_kv * DP * skv8, DP * skv8, skv8}; };
+  if (!make_tensor_map32(&args.tk, rows(kb), s.batch, s.heads_kv, s.seq_kv, DP, c.block_n) ||
+      !make_tensor_map32(&args.tks, rows(ks), s.batch, s.heads_kv, s.seq_kv, DP, c.block_n) ||
+      !make_tensor_map32(&args.tv, cols(vtb), s.batch, s.heads_kv, DP, skv8, DP) ||
+      !make_tensor_map32(&args.tvs, cols(vts), s.batch, s.heads_kv, DP, skv8, DP))
+    throw Error(Status::Internal, "cuda 3xtf32 forward: tensor maps of the operand copies failed");
+  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kb, nullptr, stream, ks, nullptr);
+  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, nullptr, vtb, stream, nullptr, vts);
+  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
+  launch_checked(dev::forward_3xtf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_3xtf32(DP), stream, args,
+                 "forward_3xtf32_sm90 kernel launch");
+  return true;
 }
 
 // Both float32 backwards on wgmma: tf32 (X3 = false; the split kernels at D = 64 unless

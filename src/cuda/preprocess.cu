@@ -155,8 +155,9 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
 // (any strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and
 // when xt is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8)
 // with position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN
-// there would survive its zero probability). kSplit (the fp32-accurate backward): xs and xts take
-// the small parts X - tf32(X), rounded to tf32, in the same layouts (xts only with xt). One CTA:
+// there would survive its zero probability). kSplit (the fp32-accurate kernels): xs and xts take
+// the small parts X - tf32(X), rounded to tf32, in the same layouts. Each output is optional
+// (nullptr: not written; the 3xTF32 forward wants K's rows and V's transposed only). One CTA:
 // 64 rows of one (b, h), staged in shared memory as read so that every output is written in whole
 // coalesced rows. kVec (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads and
 // stores, four rows in flight per thread - the scalar loop moved 2.4 TB/s (docs/PERF.md, float32
@@ -167,8 +168,8 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
   __shared__ float tile[64][DP + 1];
   const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
   const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
-  float* dst = xr + bh * seq * DP;
-  float* dsts = kSplit ? xs + bh * seq * DP : nullptr;
+  float* dst = xr != nullptr ? xr + bh * seq * DP : nullptr;
+  float* dsts = kSplit && xs != nullptr ? xs + bh * seq * DP : nullptr;
   // v's tf32 value and (kSplit) the tf32 value of the rest.
   auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
   auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
@@ -181,8 +182,9 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
       float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (n < seq) {
         v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
-        *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
-        if constexpr (kSplit)
+        if (dst != nullptr)
+          *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+        if (kSplit && dsts != nullptr)
           *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
       }
       tile[r][c] = v.x;
@@ -197,15 +199,15 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
       const float v = n < seq && c < head_dim ? src[n * x.ss + c] : 0.0f;
       tile[r][c] = v;
       if (n < seq) {
-        dst[n * DP + c] = big(v);
-        if constexpr (kSplit) dsts[n * DP + c] = small(v);
+        if (dst != nullptr) dst[n * DP + c] = big(v);
+        if (kSplit && dsts != nullptr) dsts[n * DP + c] = small(v);
       }
     }
   }
   if (xt == nullptr) return;
   __syncthreads();
   float* dt = xt + bh * DP * seq8;
-  float* dts = kSplit ? xts + bh * DP * seq8 : nullptr;
+  float* dts = kSplit && xts != nullptr ? xts + bh * DP * seq8 : nullptr;
 #pragma unroll 4
   for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
     const int d = i / 64, r = i % 64;
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
     if (col < seq8) {
       const float v = tile[r][d];
       dt[d * seq8 + col] = big(v);
-      if constexpr (kSplit) dts[d * seq8 + col] = small(v);
+      if (kSplit && dts != nullptr) dts[d * seq8 + col] = small(v);
     }
   }
 }
@@ -313,8 +315,8 @@ void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t se
   const int64_t seq8 = (seq + 7) / 8 * 8;
   const int d = static_cast<int>(head_dim);
   const bool vec = head_dim == dp && vec_ok(x, 4);
-  if (xs != nullptr && (xt == nullptr) != (xts == nullptr))
-    throw Error(Status::Internal, "cuda tf32 operands: the small parts need a transposed copy exactly when the big do");
+  if (xts != nullptr && xt == nullptr)
+    throw Error(Status::Internal, "cuda tf32 operands: a transposed small part needs the transposed copy");
   auto run = [&](auto dpc, auto split) {
     constexpr int DP = decltype(dpc)::value;
     constexpr bool S = decltype(split)::value;
@@ -322,7 +324,7 @@ void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t se
     else dev::tf32_operand_kernel<DP, false, S><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt, xs, xts);
   };
   auto run_dp = [&](auto dpc) {
-    if (xs != nullptr) run(dpc, std::true_type{});
+    if (xs != nullptr || xts != nullptr) run(dpc, std::true_type{});
     else run(dpc, std::false_type{});
   };
   switch (dp) {
