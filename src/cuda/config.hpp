@@ -280,7 +280,7 @@ static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds 
 FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 128; }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_3xtf32(int /*dp*/) { return TileConfig90{64, 32, 2, 1, 1, 40}; }
 // Q; two stages of K big, K small, Vt big, Vt small; the two warpgroups' partial scores; 1 KiB
-// for alignment, 24 mbarriers.
+// for alignment, room for 24 mbarriers (13 used).
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_3xtf32(int dp) {
   const TileConfig90 c = tile_config90_3xtf32(dp);
   return (c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * c.block_m * c.block_n * 4 + 1024 + 24 * 8;

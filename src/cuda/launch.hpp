@@ -83,13 +83,15 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
 // False (nothing launched) when the copy engine cannot address Q, dO, K or V.
 template <int DP>
 bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream);
-// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 128 (kernels_sm90_3xtf32.cuh; opt-in).
-// False (nothing launched) when the copy engine cannot address Q, K or V.
+// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 128 (kernels_sm90_3xtf32.cuh; opt-in):
+// the K and V copies, then the kernel. False (nothing launched) when the copy engine cannot
+// address Q.
 template <int DP>
 bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream);
-// Rounded (and, with xt, transposed) tf32 copies of a float32 [B, H, S, D] operand for the
-// float32 backwards on sm_90a: xr [B, H, S, dp], xt [B, H, dp, S rounded up to 8]; with xs (and
-// xts with xt) the small parts X - tf32(X) as well, for the fp32-accurate one (preprocess.cu).
+// Rounded (and transposed) tf32 copies of a float32 [B, H, S, D] operand for the float32 sm_90a
+// kernels: xr [B, H, S, dp], xt [B, H, dp, S rounded up to 8], and the small parts X - tf32(X)
+// in the same layouts, xs and xts (3xTF32); each output optional (nullptr), xts only with xt
+// (preprocess.cu).
 void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
                           float* xr, float* xt, cudaStream_t stream, float* xs = nullptr, float* xts = nullptr);
 

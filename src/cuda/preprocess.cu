@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
 }
 
-// The Hopper float32 backwards' operand copies (kernels_sm90_tf32_bwd.cuh): from X [B, H, S, D]
+// The Hopper float32 kernels' operand copies (the backwards, kernels_sm90_tf32_bwd.cuh; the 3xTF32
+// forward, kernels_sm90_3xtf32.cuh): from X [B, H, S, D]
 // (any strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and
 // when xt is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8)
 // with position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN
