@@ -266,6 +266,16 @@ std::vector<GridCase> sanitize_cases() {
 INSTANTIATE_TEST_SUITE_P(Small, CudaSanitize, ::testing::ValuesIn(sanitize_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& i) { return i.param.name; });
 
+// One forward and backward on poisoned outputs; the results as bits (p holds them too).
+Snapshot fresh_run(Problem& p, DeviceProblem& dp, const Options& o) {
+  dp.poison();
+  dp.forward(o);
+  dp.backward(o);
+  p.poison_outputs();
+  dp.download();
+  return snapshot(p);
+}
+
 // ---- determinism: bitwise identical outputs run to run, per math ----------------------------
 TEST(CudaDeterminism, BitwiseAcrossRuns) {
   REQUIRE_GPU();
@@ -291,14 +301,7 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
       ASSERT_TRUE(dp.ok());
       const Options o = cuda_options(c, Precision::Fp32);
       std::vector<Snapshot> runs;
-      for (int r = 0; r < 3; ++r) {
-        dp.poison();
-        dp.forward(o);
-        dp.backward(o);
-        p.poison_outputs();
-        dp.download();
-        runs.push_back(snapshot(p));
-      }
+      for (int r = 0; r < 3; ++r) runs.push_back(fresh_run(p, dp, o));
       EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2])
           << "D=" << d << " math=" << math << " tf32 backward=" << (tf32_bwd ? tf32_bwd : "default")
           << " fp32 forward=" << (fp32_fwd ? fp32_fwd : "default")
@@ -342,12 +345,7 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
     std::vector<Snapshot> runs;
     for (const char* ctas : {"0", "2", "4"}) {
       EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", ctas);
-      dp.poison();
-      dp.forward(o);
-      dp.backward(o);
-      p.poison_outputs();
-      dp.download();
-      runs.push_back(snapshot(p));
+      runs.push_back(fresh_run(p, dp, o));
     }
     EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
     // And right: the 4-CTA gradients against the float64 reference (scaled as run_case does).
