@@ -303,8 +303,9 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || 
 // tile's product goes to a fresh accumulator added to the long-lived one in float32 (the tensor
 // cores truncate as they accumulate), so at D = 128 neither registers nor shared memory suffice.
 FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return dp == 64; }
-// The pair kernels: always at D = 128 and in 3xTF32; a choice at D = 64 (select.cpp).
-FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp, bool x3 = false) { return x3 || dp == 128; }
+// The tf32 backward on the pair kernels: always at D = 128, a choice at D = 64 (select.cpp); the
+// 3xTF32 backward is on them always.
+FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp) { return dp == 128; }
 // The producer keeps 48 registers (its 64-bit tile and pointer arithmetic spilled at 24 and 40;
 // 64 in the persistent pair kernels, whose block loop spilled at 48 and 56), which leaves 224
 // (pair: 216) per consumer thread.

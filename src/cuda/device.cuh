@@ -386,6 +386,14 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 }
+// acc += x, entry by entry (the 3xTF32 wgmma kernels' short chains added in float32).
+template <int NT>
+__device__ __forceinline__ void add_into(float (&acc)[NT][4], const float (&x)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] += x[j][e];
+}
 
 // ---- masks ----------------------------------------------------------------------------------
 // Calls f(j, e, row, col) for every accumulator entry, with its row/column offsets inside the

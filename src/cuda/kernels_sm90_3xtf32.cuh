@@ -178,10 +178,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   auto scores_to_p = [&](int t, float (&alpha)[2]) {
     fence_regs(s);
     fence_regs(s2);
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    add_into(s, s2);
     if (t > 0) mbar_wait(taken + wg, (t - 1) & 1);  // the other side read our last partial
     exchange_store<NS>(xmine, s);
     mbar_arrive(ready + wg);
@@ -189,10 +186,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     exchange_load<NS>(s2, xother);
     mbar_arrive(taken + (1 - wg));
     // S_0 + S_1 in both warpgroups (addition commutes exactly): the same P and statistics.
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    add_into(s, s2);
     const int64_t n0 = static_cast<int64_t>(t) * BN;
     softmax_tile_sm90<BN>(s, st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
   };

@@ -69,10 +69,7 @@ __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS
     wgmma_wait<0>();
     fence_regs(x);
     fence_regs(x2);
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[j][e] += x2[j][e];
+    add_into(x, x2);
     keep_live_in_loop(xs, opaque_zero);
   } else {
     wg_gemm_rs_tf32<KS, TB, true>(x, xa, bx, 0, false);
@@ -99,10 +96,7 @@ __device__ __forceinline__ void pair_accumulate(float (&acc)[NT][4], uint32_t (&
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(at);
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] += at[j][e];
+    add_into(acc, at);
   } else {
     fence_regs(acc);
     wgmma_fence();
