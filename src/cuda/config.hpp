@@ -272,9 +272,9 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
 }
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 
-// fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 128, opt-in: 64
-// queries (both consumer warpgroups, each half the head dim) x 32-key tiles; the producer keeps 40
-// registers (its three transposing warps split K and V), 232 per consumer thread: Q's big and small
+// fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 128 (the default
+// there on 9.0): 64 queries (both consumer warpgroups, each half the head dim) x 32-key tiles; the
+// producer (one copy thread) keeps 40 registers, 232 per consumer thread: Q's big and small
 // fragments of a half (64), O and the tile's O (32 each), S, its second k-group and the partner's
 // partial (4 x ... 16 each), P's big and small fragments (32).
 FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 128; }

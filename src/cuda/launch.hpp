@@ -83,7 +83,7 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
 // False (nothing launched) when the copy engine cannot address Q, dO, K or V.
 template <int DP>
 bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream);
-// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 128 (kernels_sm90_3xtf32.cuh; opt-in):
+// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 128 (kernels_sm90_3xtf32.cuh; the default there):
 // the K and V copies, then the kernel. False (nothing launched) when the copy engine cannot
 // address Q.
 template <int DP>

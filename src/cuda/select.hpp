@@ -19,7 +19,7 @@ struct KernelChoice {
   Half16 h = Half16::BF16;
   bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
   bool sm90_fwd = false;     // forward on an sm_90a kernel (16-bit: kernels_sm90.cuh; tf32: kernels_sm90_tf32.cuh;
-                             // 3xtf32, opt-in: kernels_sm90_3xtf32.cuh)
+                             // 3xtf32 at padded D = 128: kernels_sm90_3xtf32.cuh)
   bool sm90_bwd = false;     // backward on sm_90a kernels (16-bit: the single pass; tf32: both split passes)
   int sm90_variant = 0;      // its tile_config90 variant
   bool tf32_dkv_wgmma = false;  // tf32 backward: dK/dV on wgmma as well (else the mma.sync kernel)

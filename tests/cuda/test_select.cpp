@@ -98,9 +98,10 @@ TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
 
 TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0
-  // and the wgmma backward (both passes) at padded D = 64 and 128.
+  // and the wgmma backward (both passes) at padded D = 64 and 128; fp32 at padded D = 128: the
+  // 3xTF32 wgmma forward and the mma.sync backward.
   EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
-  EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+  EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
   EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
   for (int64_t d : {1, 64, 100, 128}) {
     const KernelChoice c = select_kernel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
@@ -127,8 +128,9 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EnvScope e("FLASHATTN_CUDA_MATH", "3xtf32");  // the override wins over the precision option
     const KernelChoice c = select_kernel(shape(4096, 128), tf32, 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
-    EXPECT_FALSE(c.sm90_fwd);
+    EXPECT_TRUE(c.sm90_fwd);  // the 3xTF32 wgmma forward
     EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_fwd);
     EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).f32_pair);  // the 3xTF32 wgmma backward
   }
   {
@@ -147,15 +149,18 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
   }
   {
-    // The fp32-accurate wgmma forward: opt-in, padded D = 128 on 9.0 only, the backward unchanged.
-    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
-    EnvScope e("FLASHATTN_CUDA_FP32_FWD", "wgmma");
+    // The fp32-accurate wgmma forward: the default at padded D = 128 on 9.0 only, the backward
+    // unchanged; FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
     const KernelChoice c = select_kernel(shape(4096, 128), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);
     EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_TRUE(select_kernel(shape(4096, 97), num(DType::Float32), 9, 0).sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
+    EnvScope e("FLASHATTN_CUDA_FP32_FWD", "mma");
+    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
   }
   {
     // The pair kernels: the default at padded D = 128, a choice at 64.
