@@ -109,11 +109,11 @@ def main():
                         print(f"# fp32 mma.sync forward failed: {e}", flush=True)
                     del out_d
                     os.environ.pop("FLASHATTN_CUDA_FP32_FWD", None)
-                # The fp32 mma.sync backward at padded D = 64 (the default there is the wgmma pair
-                # kernels in 3xTF32 on compute capability 9.0): its speed, and its gradients
+                # The fp32 mma.sync backward at padded D = 64 and 128 (the default there is the wgmma
+                # pair kernels in 3xTF32 on compute capability 9.0): its speed, and its gradients
                 # against the default's, relative to the largest.
                 w_bwd, w_berr = float("nan"), float("nan")
-                if d <= 64:
+                if d <= 128:
                     o = fa.options(causal, 0)
                     fa.forward(q, k, v, out, lse, o)
                     os.environ["FLASHATTN_CUDA_FP32_BWD"] = "mma"

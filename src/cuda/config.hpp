@@ -298,11 +298,15 @@ static_assert(smem_bytes90_3xtf32(128) <= 227 * 1024, "tile_config90_3xtf32 exce
 // rows, one stationary operand and one accumulator each (~160 registers), 32-row streamed tiles.
 FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || dp == 128; }
 // The fp32-accurate (3xTF32) backward on wgmma: the pair kernels with every product in three
-// terms (x3), padded D = 64. Its stationary operand's big and small fragments take DP registers
-// per thread, its streamed tiles come in big and small copies (twice the shared memory), and each
-// tile's product goes to a fresh accumulator added to the long-lived one in float32 (the tensor
-// cores truncate as they accumulate), so at D = 128 neither registers nor shared memory suffice.
-FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return dp == 64; }
+// terms (x3), padded D = 64 and 128. Its stationary operand's big and small fragments take DP
+// registers per thread, its streamed tiles come in big and small copies (twice the shared memory),
+// and each tile's product goes to a fresh accumulator added to the long-lived one in float32 (the
+// tensor cores truncate as they accumulate). At D = 128 neither registers nor two stages fit, so
+// there (pair_small_in_smem) the stationary operand's small part stays in shared memory (split in
+// place, read by the tensor cores from there) and a tile's streamed copies come in two half stages
+// (the scores' operands, then the gradient product's), each released when its readers are done.
+FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool pair_small_in_smem(int dp, bool x3) { return x3 && dp == 128; }
 // The tf32 backward on the pair kernels: always at D = 128, a choice at D = 64 (select.cpp); the
 // 3xTF32 backward is on them always.
 FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp) { return dp == 128; }
@@ -315,22 +319,26 @@ FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, b
 // dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim); pair
 // design: the P and dS exchange buffers (block_m x block_n floats each; x3: dS's big and small).
 // dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
-// design: the P^T exchange buffer. x3: every streamed tile twice (big, small).
+// design: the P^T exchange buffer. x3: every streamed tile twice (big, small); pair_small_in_smem:
+// one tile's copies (its two half stages) instead of two stages.
 // Each: 1 KiB for alignment and 8 mbarriers.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp, bool pair, bool x3 = false) {
   const TileConfig90 c = tile_config90_tf32_bwd(pass, pair);
-  const int parts = x3 ? 2 : 1;
+  const int parts = x3 ? 2 : 1, stages = pair && pair_small_in_smem(dp, x3) ? 1 : 2;
   const int exchange = pair ? (pass == Pass::Dq ? 1 + parts : 1) * c.block_m * c.block_n * 4 : 0;
-  return exchange + (pass == Pass::Dq ? (2 * c.block_m + 2 * 3 * parts * c.block_n) * dp * 4 + 1024 + 8 * 8
-                                      : (2 * c.block_m + 2 * 4 * parts * c.block_n) * dp * 4 + 2 * 2 * c.block_n * 4 +
-                                            1024 + 8 * 8);
+  return exchange + (pass == Pass::Dq ? (2 * c.block_m + stages * 3 * parts * c.block_n) * dp * 4 + 1024 + 8 * 8
+                                      : (2 * c.block_m + stages * 4 * parts * c.block_n) * dp * 4 +
+                                            2 * 2 * c.block_n * 4 + 1024 + 8 * 8);
 }
 constexpr bool tiles90_tf32_bwd_fit() {
   for (Pass p : {Pass::Dq, Pass::Dkv})
     for (bool pair : {false, true})
       for (bool x3 : {false, true})
         if ((pair || !x3) && smem_bytes90_tf32_bwd(p, 64, pair, x3) > 227 * 1024) return false;
-  return smem_bytes90_tf32_bwd(Pass::Dq, 128, true) <= 227 * 1024 && smem_bytes90_tf32_bwd(Pass::Dkv, 128, true) <= 227 * 1024;
+  for (Pass p : {Pass::Dq, Pass::Dkv})
+    for (bool x3 : {false, true})
+      if (smem_bytes90_tf32_bwd(p, 128, true, x3) > 227 * 1024) return false;
+  return true;
 }
 static_assert(tiles90_tf32_bwd_fit(), "tile_config90_tf32_bwd exceeds shared memory");
 

@@ -54,9 +54,11 @@ struct ItemPhase {
 // The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
 // copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile K, V (rows =
 // keys) and K^T (rows = head dim) into stage t & 1 once the consumers released tile t - 2 from it.
-// X3: the stage holds the three small tiles after the three big ones. ph: where the block sits in
-// a persistent CTA's sequence (the default: a CTA of one block).
-template <int DP, int BM, int BN, bool X3 = false>
+// X3: the stage holds the three small tiles after the three big ones. kSm (3xTF32 at D = 128,
+// pair_small_in_smem): per tile a scores half [K, V, Ks, Vs] into half stage 0 and a gradient
+// half [K^T, K^Ts] into half stage 1, each once the consumers released the last tile's from it.
+// ph: where the block sits in a persistent CTA's sequence (the default: a CTA of one block).
+template <int DP, int BM, int BN, bool X3 = false, bool kSm = false>
 __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const QueryBlock& qb, unsigned char* sQ,
                                               unsigned char* sdO, unsigned char* sStage, uint64_t* full_q,
                                               uint64_t* full, uint64_t* empty, ItemPhase ph = ItemPhase{}) {
@@ -77,6 +79,27 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
     }
   for (int t = 0; t < qb.ntiles; ++t) {
     const int gt = ph.g0 + t, st = gt & 1, n0 = t * BN;
+    if constexpr (kSm) {
+      mbar_wait(empty, (gt & 1) ^ 1);
+      mbar_expect_tx(full, 4 * TK::kBytes);
+#pragma unroll 1
+      for (int blk = 0; blk < DP / 32; ++blk) {
+        const int o = blk * TK::kBlockBytes;
+        tma_load_4d(sStage + o, &A.tk, full, 32 * blk, n0, hk, bb);
+        tma_load_4d(sStage + TK::kBytes + o, &A.tv, full, 32 * blk, n0, hk, bb);
+        tma_load_4d(sStage + 2 * TK::kBytes + o, &A.tks, full, 32 * blk, n0, hk, bb);
+        tma_load_4d(sStage + 3 * TK::kBytes + o, &A.tvs, full, 32 * blk, n0, hk, bb);
+      }
+      unsigned char* g = sStage + 4 * TK::kBytes;
+      mbar_wait(empty + 1, (gt & 1) ^ 1);
+      mbar_expect_tx(full + 1, 2 * TT::kBytes);
+#pragma unroll 1
+      for (int blk = 0; blk < BN / 32; ++blk) {
+        tma_load_4d(g + blk * TT::kBlockBytes, &A.tkt, full + 1, n0 + 32 * blk, 0, hk, bb);
+        tma_load_4d(g + TT::kBytes + blk * TT::kBlockBytes, &A.tkts, full + 1, n0 + 32 * blk, 0, hk, bb);
+      }
+      continue;
+    }
     unsigned char* s0 = sStage + st * kStage;
     mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
     mbar_expect_tx(full + st, kStage);
@@ -100,8 +123,10 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
 // block's K and V (BK rows) once, then per BQ-query tile Q, dO (rows = queries), Q^T and dO^T
 // (rows = head dim) into stage it & 1; warp 1 writes the tile's LSE and D vectors there (32
 // arrivals on full, with the copies' one). X3: the stage holds the four small tiles after the big.
+// kSm: per tile a scores half [Q, dO, Qs, dOs] with the LSE/D vectors (one buffer) into half
+// stage 0 and a gradient half [Q^T, dO^T, Q^Ts, dO^Ts] into half stage 1 (as copy_dq_tiles).
 // ph: as for copy_dq_tiles.
-template <int DP, int BK, int BQ, bool X3 = false>
+template <int DP, int BK, int BQ, bool X3 = false, bool kSm = false>
 __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const KeyBlock& kb, int pw, unsigned char* sK,
                                                unsigned char* sV, unsigned char* sStage, float* sL, float* sD,
                                                uint64_t* full_kv, uint64_t* full, uint64_t* empty,
@@ -122,6 +147,30 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
     for (int it = 0; it < kb.ntiles; ++it) {
       const int gt = ph.g0 + it, st = gt & 1;
       const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
+      if constexpr (kSm) {
+        mbar_wait(empty, (gt & 1) ^ 1);
+        mbar_expect_tx(full, 4 * TQ::kBytes);
+#pragma unroll 1
+        for (int blk = 0; blk < DP / 32; ++blk) {
+          const int o = blk * TQ::kBlockBytes;
+          tma_load_4d(sStage + o, &A.tq, full, 32 * blk, n0, h, bb);
+          tma_load_4d(sStage + TQ::kBytes + o, &A.tdo, full, 32 * blk, n0, h, bb);
+          tma_load_4d(sStage + 2 * TQ::kBytes + o, &A.tqs, full, 32 * blk, n0, h, bb);
+          tma_load_4d(sStage + 3 * TQ::kBytes + o, &A.tdos, full, 32 * blk, n0, h, bb);
+        }
+        unsigned char* g = sStage + 4 * TQ::kBytes;
+        mbar_wait(empty + 1, (gt & 1) ^ 1);
+        mbar_expect_tx(full + 1, 4 * TT::kBytes);
+#pragma unroll 1
+        for (int blk = 0; blk < BQ / 32; ++blk) {
+          const int o = blk * TT::kBlockBytes;
+          tma_load_4d(g + o, &A.tqt, full + 1, n0 + 32 * blk, 0, h, bb);
+          tma_load_4d(g + TT::kBytes + o, &A.tdot, full + 1, n0 + 32 * blk, 0, h, bb);
+          tma_load_4d(g + 2 * TT::kBytes + o, &A.tqts, full + 1, n0 + 32 * blk, 0, h, bb);
+          tma_load_4d(g + 3 * TT::kBytes + o, &A.tdots, full + 1, n0 + 32 * blk, 0, h, bb);
+        }
+        continue;
+      }
       unsigned char* s0 = sStage + st * kStage;
       mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
       mbar_expect_tx(full + st, kStage);
@@ -145,8 +194,8 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
     }
   } else if (pw == 1) {
     for (int it = 0; it < kb.ntiles; ++it) {
-      const int gt = ph.g0 + it, st = gt & 1;
-      mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
+      const int gt = ph.g0 + it, st = kSm ? 0 : gt & 1;
+      mbar_wait(empty + st, kSm ? (gt & 1) ^ 1 : ((gt >> 1) & 1) ^ 1);
       fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, A.f, kb.b, kb.head(it), kb.q0(it, BQ));
       mbar_arrive(full + st);
     }

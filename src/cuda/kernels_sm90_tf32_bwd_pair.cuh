@@ -80,6 +80,45 @@ __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS
   keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 }
 
+// The same at D = 128 in 3xTF32 with the stationary operand's small part in shared memory
+// (pair_small_in_smem): four chains of 4 k-steps (a 32-column block of A and B each), each into a
+// fresh accumulator (A_s B_b from shared memory, then A_b B_s, A_b B_b), added in the order
+// ((c0 + c1) + c2) + c3.
+template <class TA, class TB, int KS, int NS>
+__device__ __forceinline__ void pair_scores_sms(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t sa_small,
+                                                uint32_t bx, int part, uint32_t opaque_zero) {
+  static_assert(KS == 16, "four chains of 4 k-steps");
+  float x1[NS][4], x2[NS][4], x3[NS][4];
+  wgmma_fence();  // x, x1..x3: written only
+  wg_gemm3_rss_tf32<4, TA, TB, true>(x, ksteps<4>(xa, 0), sa_small, bx, bx + part, 0, false);
+  wg_gemm3_rss_tf32<4, TA, TB, true>(x1, ksteps<4>(xa, 4), sa_small + TA::kBlockBytes, bx + TB::kBlockBytes,
+                                     bx + part + TB::kBlockBytes, 0, false);
+  wg_gemm3_rss_tf32<4, TA, TB, true>(x2, ksteps<4>(xa, 8), sa_small + 2 * TA::kBlockBytes, bx + 2 * TB::kBlockBytes,
+                                     bx + part + 2 * TB::kBlockBytes, 0, false);
+  wg_gemm3_rss_tf32<4, TA, TB, true>(x3, ksteps<4>(xa, 12), sa_small + 3 * TA::kBlockBytes, bx + 3 * TB::kBlockBytes,
+                                     bx + part + 3 * TB::kBlockBytes, 0, false);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(x);
+  fence_regs(x1);
+  fence_regs(x2);
+  fence_regs(x3);
+  add_into(x, x1);
+  add_into(x, x2);
+  add_into(x, x3);
+  keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
+}
+
+// The stationary operand of a pair kernel in 3xTF32 at D = 128 (pair_small_in_smem): big
+// fragments of the warpgroup's 64 rows into registers, the small part over the tile (read by
+// the tensor cores from there), ordered before any wgmma of this warpgroup reads it.
+template <class T, int KS>
+__device__ __forceinline__ void split_stationary(uint32_t (&xa)[KS][4], unsigned char* tile, int wq, int wg) {
+  split_afrag_in_place<T>(xa, tile, 16 * wq);
+  fence_proxy_async();
+  named_barrier(1 + wg, 128);
+}
+
 // A tile's gradient product in a pair kernel: acc += F B, F the P / dS fragments (X3: big fa,
 // small fs) over the tile's k-steps, B the transposed tile at bt from row b_row0 (X3: its small
 // part at bt + part), waited for. X3: into a fresh accumulator added in float32 (one chain over
@@ -126,16 +165,23 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
   constexpr int NS = BN / 8, KS = DP / 8, NH = DP / 16;  // NH: 8-column blocks of a dQ half
   static_assert(C.warpgroups == 2 && BM == 64 && 128 * NS * 4 == BM * BN, "pair design: two warpgroups, 64 rows");
-  static_assert(!X3 || (KS == 8 && NS == 4), "3xTF32: chains of 4 k-steps (KS / 2 and NS)");
+  // kSm (3xTF32 at D = 128): Q's / dO's small part in shared memory, the streamed copies in half
+  // stages (config.hpp, pair_small_in_smem).
+  constexpr bool kSm = pair_small_in_smem(DP, X3);
+  static_assert(!X3 || NS == 4, "3xTF32: chains of 4 k-steps");
+  static_assert(!X3 || KS == (kSm ? 16 : 8), "3xTF32: chains of 4 k-steps (KS / 2, or KS / 4 with kSm)");
   using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
   using TK = TileSw128F<BN, DP>;  // K, V: rows = keys
   using TT = TileSw128F<DP, BN>;  // K^T: rows = head dim, k = key slots
-  constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;  // X3: big, then small
+  // Two stages of [K, V, K^T] (X3: then their small parts); kSm: one scores half [K, V, Ks, Vs]
+  // and one gradient half [K^T, K^Ts].
+  constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
+  constexpr int kHalfG = 4 * TK::kBytes, kStages = kSm ? kHalfG + 2 * TT::kBytes : 2 * kStage;
   extern __shared__ float4 smem4[];
   unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sdO = sQ + TQ::kBytes;
-  unsigned char* sStage = sdO + TQ::kBytes;  // [2][K, V, K^T (X3: and their small parts)]
-  float* xP = reinterpret_cast<float*>(sStage + 2 * kStage);  // [BM x BN] in accumulator order
+  unsigned char* sStage = sdO + TQ::kBytes;
+  float* xP = reinterpret_cast<float*>(sStage + kStages);  // [BM x BN] in accumulator order
   uint32_t* xdS = reinterpret_cast<uint32_t*>(xP + BM * BN);  // dS as tf32 A fragments (X3: big, small)
   uint64_t* bars = reinterpret_cast<uint64_t*>(xdS + (X3 ? 2 : 1) * BM * BN);
   uint64_t* full_q = bars;
@@ -165,7 +211,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
       for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
         const WorkItem w = work_item(i, nx, p.shape.heads_q);
         const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
-        copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
+        copy_dq_tiles<DP, BM, BN, X3, kSm>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
         ph.g0 += qb.ntiles;
       }
     }
@@ -193,12 +239,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
       l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
       dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
     }
-    // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs).
-    uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
+    // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs;
+    // kSm: the small part over the tile in shared memory, read there until the block ends).
+    uint32_t xa[KS][4], xs[X3 && !kSm ? KS : 1][4];
     mbar_wait(full_q, k & 1);
-    if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
+    if constexpr (kSm) split_stationary<TQ>(xa, wg == 0 ? sQ : sdO, wq, wg);
+    else if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
     else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
-    mbar_arrive(empty_q);
+    if constexpr (!kSm) mbar_arrive(empty_q);
 
     float dq[NH][4];
     zero(dq);
@@ -207,8 +255,16 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     for (int t = 0; t < ntiles; ++t) {
       const int gt = g0 + t, st = gt & 1;
       const uint32_t s0 = stage_addr + st * kStage;
-      mbar_wait(full + st, (gt >> 1) & 1);
-      pair_scores<X3, TK>(x, xa, xs, s0 + (wg == 0 ? 0 : TK::kBytes), kPart, A.opaque_zero);  // S (K) or dP (V)
+      // S (K) or dP (V), then the scores' copies are free (kSm: the half stage 0)
+      if constexpr (kSm) {
+        mbar_wait(full, gt & 1);
+        pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), stage_addr + (wg == 0 ? 0 : TK::kBytes),
+                                2 * TK::kBytes, A.opaque_zero);
+        mbar_arrive(empty);
+      } else {
+        mbar_wait(full + st, (gt >> 1) & 1);
+        pair_scores<X3, TK>(x, xa, xs, s0 + (wg == 0 ? 0 : TK::kBytes), kPart, A.opaque_zero);
+      }
 
       if (wg == 0) {
         const int64_t n0 = static_cast<int64_t>(t) * BN;
@@ -241,9 +297,16 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         mbar_arrive(back);
       }
       // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
-      pair_accumulate<X3, TT>(dq, dsa, dss, s0 + 2 * TK::kBytes, kPart, (DP / 2) * wg);
-      mbar_arrive(empty + st);
+      if constexpr (kSm) {
+        mbar_wait(full + 1, gt & 1);
+        pair_accumulate<X3, TT>(dq, dsa, dss, stage_addr + kHalfG, TT::kBytes, (DP / 2) * wg);
+        mbar_arrive(empty + 1);
+      } else {
+        pair_accumulate<X3, TT>(dq, dsa, dss, s0 + 2 * TK::kBytes, kPart, (DP / 2) * wg);
+        mbar_arrive(empty + st);
+      }
     }
+    if constexpr (kSm) mbar_arrive(empty_q);  // the tensor cores' last read of Q's / dO's small part is done
 
     float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
     store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale,
@@ -270,17 +333,21 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   constexpr int BK = C.block_m, BQ = C.block_n, TC = 256;
   constexpr int NS = BQ / 8, NO = DP / 8, KS = DP / 8;
   static_assert(C.warpgroups == 2 && BK == 64 && 128 * NS * 4 == BK * BQ, "pair design: two warpgroups, 64 rows");
-  static_assert(!X3 || (KS == 8 && NS == 4), "3xTF32: chains of 4 k-steps (KS / 2 and NS)");
+  constexpr bool kSm = pair_small_in_smem(DP, X3);  // as in the dQ pair kernel
+  static_assert(!X3 || NS == 4, "3xTF32: chains of 4 k-steps");
+  static_assert(!X3 || KS == (kSm ? 16 : 8), "3xTF32: chains of 4 k-steps (KS / 2, or KS / 4 with kSm)");
   using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys
   using TQ = TileSw128F<BQ, DP>;  // Q, dO: rows = queries
   using TT = TileSw128F<DP, BQ>;  // Q^T, dO^T: rows = head dim, k = query slots
-  // Q, dO, Q^T, dO^T (X3: then their small parts)
+  // Two stages of [Q, dO, Q^T, dO^T] (X3: then their small parts); kSm: one scores half
+  // [Q, dO, Qs, dOs] and one gradient half [Q^T, dO^T, Q^Ts, dO^Ts].
   constexpr int kPart = 2 * TQ::kBytes + 2 * TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
+  constexpr int kHalfG = 4 * TQ::kBytes, kStages = kSm ? kHalfG + 4 * TT::kBytes : 2 * kStage;
   extern __shared__ float4 smem4[];
   unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sV = sK + TK::kBytes;
-  unsigned char* sStage = sV + TK::kBytes;                     // [2][kStage]
-  float* xP = reinterpret_cast<float*>(sStage + 2 * kStage);  // [BK x BQ] in accumulator order
+  unsigned char* sStage = sV + TK::kBytes;
+  float* xP = reinterpret_cast<float*>(sStage + kStages);  // [BK x BQ] in accumulator order
   float* sL = xP + BK * BQ;                                   // [2][BQ]
   float* sD = sL + 2 * BQ;                                    // [2][BQ]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
@@ -297,7 +364,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   const int64_t nx = (Skv + BK - 1) / BK, nitems = nx * p.shape.heads_kv * p.shape.batch;
 
   init_exchange_barriers(ahead, back, empty_kv, TC);
-  init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
+  // kSm: the LSE/D lanes arrive on the scores half's barrier only.
+  init_stage_barriers(full_kv, full, 1 + 32, empty, TC, kSm ? 1 : -1);
 
   // Persistent, as the dQ pair kernel: blocks blockIdx.x, + gridDim.x, ..., one tile sequence.
   const int wg = threadIdx.x / 128;
@@ -308,7 +376,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
       const WorkItem w = work_item(i, nx, p.shape.heads_kv);
       const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
-      copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
+      copy_dkv_tiles<DP, BK, BQ, X3, kSm>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
       ph.g0 += kb.ntiles;
     }
     return;
@@ -328,12 +396,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     const MaskRule& rule = kb.rule;
     const int64_t row_w = m0 + krow;
 
-    // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs).
-    uint32_t xa[KS][4], xs[X3 ? KS : 1][4];
+    // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs; kSm: the
+    // small part over the tile in shared memory, read there until the block ends).
+    uint32_t xa[KS][4], xs[X3 && !kSm ? KS : 1][4];
     mbar_wait(full_kv, k & 1);
-    if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
+    if constexpr (kSm) split_stationary<TK>(xa, wg == 0 ? sK : sV, wq, wg);
+    else if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
     else load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);
-    mbar_arrive(empty_kv);
+    if constexpr (!kSm) mbar_arrive(empty_kv);
     float acc[NO][4];  // dV (scores side) or dK (gradient side)
     zero(acc);
 
@@ -342,17 +412,24 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     float x[NS][4];  // S^T or dP^T
     uint32_t fa[NS][4], fs[X3 ? NS : 1][4];  // P^T or dS^T as A fragments (X3: big, small)
     for (int it = 0; it < ntiles; ++it) {
-      const int gt = g0 + it, st = gt & 1;
+      const int gt = g0 + it, st = gt & 1, sv = kSm ? 0 : st;  // sv: the LSE/D vectors' buffer
       const uint32_t s0 = stage_addr + st * kStage;
-      mbar_wait(full + st, (gt >> 1) & 1);
-      pair_scores<X3, TQ>(x, xa, xs, s0 + (wg == 0 ? 0 : TQ::kBytes), kPart, A.opaque_zero);  // S^T (Q) or dP^T (dO)
+      // S^T (Q) or dP^T (dO)
+      if constexpr (kSm) {
+        mbar_wait(full, gt & 1);
+        pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), stage_addr + (wg == 0 ? 0 : TQ::kBytes),
+                                2 * TQ::kBytes, A.opaque_zero);
+      } else {
+        mbar_wait(full + st, (gt >> 1) & 1);
+        pair_scores<X3, TQ>(x, xa, xs, s0 + (wg == 0 ? 0 : TQ::kBytes), kPart, A.opaque_zero);
+      }
 
       if (wg == 0) {
         const int64_t n0 = kb.q0(it, BQ);  // first query row
         const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
         int lo[2], hi[2];
         kq.tile_bounds(n0, BQ, masked, lo, hi);
-        const float* sLs = sL + st * BQ;
+        const float* sLs = sL + sv * BQ;
         for_each_entry<NS>([&](int j, int e, int r, int c) {
           float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
           if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
@@ -366,17 +443,28 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
         mbar_wait(ahead, gt & 1);
         exchange_load<NS>(pv, xP);
         mbar_arrive(back);
-        const float* sDs = sD + st * BQ;
+        const float* sDs = sD + sv * BQ;
         for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
       }
       if constexpr (X3) acc_to_afrag_split_tf32(fa, fs, x);
       else acc_to_afrag_tf32(fa, x);
-      // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
-      pair_accumulate<X3, TT>(acc, fa, fs, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), kPart, 0);
-      // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
-      // sL/sD reads above), which the producer's next writes to this stage must follow.
-      mbar_arrive(empty + st);
+      // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T). Every thread arrives on the empty
+      // barriers: an arrival releases only the arriving thread's own accesses (the sL/sD reads
+      // above), which the producer's next writes there must follow.
+      if constexpr (kSm) {
+        mbar_arrive(empty);  // the scores half and the LSE/D vectors are read
+        mbar_wait(full + 1, gt & 1);
+        // by head-dim halves: a fresh accumulator of 64 columns at a time (registers)
+        const uint32_t bt = stage_addr + kHalfG + (wg == 0 ? TT::kBytes : 0);
+        pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, 0), fa, fs, bt, 2 * TT::kBytes, 0);
+        pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, NO / 2), fa, fs, bt, 2 * TT::kBytes, DP / 2);
+        mbar_arrive(empty + 1);
+      } else {
+        pair_accumulate<X3, TT>(acc, fa, fs, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), kPart, 0);
+        mbar_arrive(empty + st);
+      }
     }
+    if constexpr (kSm) mbar_arrive(empty_kv);  // the tensor cores' last read of K's / V's small part is done
 
     const int D = static_cast<int>(p.shape.head_dim);
     if (wg == 0) {

@@ -140,8 +140,8 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // (D = 128 has no mma.sync-dK/dV variant of the wgmma backward: wgmma-dq is a D = 64 choice.)
   c.f32_pair = c.sm90_bwd && (tf32_bwd_pair(c.dp) || tf32_bwd == 3);
   c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd >= 2 || c.f32_pair);
-  // The fp32-accurate backward on wgmma (padded D = 64, the pair kernels in 3xTF32): the default
-  // there, 1.1-1.4x the mma.sync 3xTF32 kernels (docs/PERF.md, float32 run 8);
+  // The fp32-accurate backward on wgmma (padded D = 64 and 128, the pair kernels in 3xTF32): the
+  // default there, at D = 64 1.1-1.4x the mma.sync 3xTF32 kernels (docs/PERF.md, float32 run 8);
   // FLASHATTN_CUDA_FP32_BWD=mma keeps those.
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(c.dp) &&
       env_choice("FLASHATTN_CUDA_FP32_BWD", {"mma", "wgmma"}) != 0)

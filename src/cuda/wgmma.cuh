@@ -268,6 +268,55 @@ __device__ __forceinline__ void wg_gemm3_rs_tf32(float (&d)[NT][4], const uint32
   wg_gemm_rs_tf32<KS, TB>(d, ab, b_big, b_row0, true);
 }
 
+// D (+)= A B^T with A a K-major TileSw128F in shared memory too (rows = m: the warpgroup's 64
+// rows from a_row0, columns = k), B as in wg_gemm_rs_tf32.
+template <int KS, class TA, class TB, bool kWriteOnly = false, int NT>
+__device__ __forceinline__ void wg_gemm_ss_tf32(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
+                                                bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const uint32_t a = sA + (kk >> 2) * TA::kBlockBytes + a_row0 * 128 + (kk & 3) * 32;
+    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
+    if (kWriteOnly && kk == 0 && !accumulate) wgmma_ss_tf32_init(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024));
+    else wgmma_ss_tf32(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+  }
+}
+
+// 3xTF32 with A's big part in registers and its small part in shared memory (sA_small, a tile of
+// A's shape whose elements are tf32 values): small terms first, A_s B_b + A_b B_s, then A_b B_b.
+template <int KS, class TA, class TB, bool kWriteOnly = false, int NT>
+__device__ __forceinline__ void wg_gemm3_rss_tf32(float (&d)[NT][4], const uint32_t (&ab)[KS][4], uint32_t sA_small,
+                                                  uint32_t b_big, uint32_t b_small, int b_row0, bool accumulate) {
+  wg_gemm_ss_tf32<KS, TA, TB, kWriteOnly>(d, sA_small, 0, b_big, b_row0, accumulate);
+  wg_gemm_rs_tf32<KS, TB>(d, ab, b_small, b_row0, true);
+  wg_gemm_rs_tf32<KS, TB>(d, ab, b_big, b_row0, true);
+}
+
+// A stationary float32 TileSw128F operand split where it lies: the warp's big tf32 A fragments
+// of rows row0 + [0, 16) (all KS k-steps) into registers, the small part tf32(x - big) written
+// over x (as a float), so that the tile then serves wg_gemm3_rss_tf32 as A_small. Each element
+// belongs to exactly one thread's fragments; the caller orders the writes before the tensor
+// cores' reads (fence_proxy_async and a barrier over the warpgroup).
+template <class T, int KS>
+__device__ __forceinline__ void split_afrag_in_place(uint32_t (&big)[KS][4], unsigned char* tile, int row0) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float* e = reinterpret_cast<float*>(tile + T::offset(row0 + g + 8 * (i & 1), 8 * kk + t + 4 * (i >> 1)));
+      uint32_t sm;
+      tf32_split(*e, big[kk][i], sm);
+      *e = __uint_as_float(sm);
+    }
+}
+
+// N-columns [8 j0, 8 (j0 + N)) of an accumulator, as an array reference of their own.
+template <int N, int M>
+__device__ __forceinline__ float (&acc_cols(float (&a)[M][4], int j0))[N][4] {
+  return *reinterpret_cast<float(*)[N][4]>(&a[j0]);
+}
+
 // The pair kernels' exchange between two warpgroups that own the same rows (kernels_sm90_tf32_bwd_pair.cuh,
 // kernels_sm90_3xtf32.cuh): a warpgroup's accumulator entries of one tile in a shared-memory buffer,
 // thread i's NS float4 at [j][i] (consecutive threads, consecutive 16 bytes: conflict free), read
@@ -342,12 +391,14 @@ __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier
 // The split backward kernels' barriers: `once` for the block's stationary tiles (one copy-engine
 // arrival) and two stages of full / empty barriers; initialised by thread 0 and published to the
 // whole CTA (and the copy engine) before return.
+// full1_count (when >= 0): stage 1's full barrier's count, if it differs (the half stages of the
+// 3xTF32 pair kernels at D = 128).
 __device__ __forceinline__ void init_stage_barriers(uint64_t* once, uint64_t* full, int full_count, uint64_t* empty,
-                                                    int empty_count) {
+                                                    int empty_count, int full1_count = -1) {
   if (threadIdx.x == 0) {
     mbar_init(once, 1);
     for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, full_count);
+      mbar_init(full + i, i == 1 && full1_count >= 0 ? full1_count : full_count);
       mbar_init(empty + i, empty_count);
     }
     mbar_init_fence();

@@ -126,7 +126,8 @@ void check_all_maths(const ProblemConfig& cfg) {
   const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
   // The fp32-accurate kernels that are not the default on sm_90a: the mma.sync forward at padded
   // D = 128 (FLASHATTN_CUDA_FP32_FWD=mma; the wgmma 3xTF32 forward is the default there) and the
-  // mma.sync backward at padded D = 64 (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in 3xTF32).
+  // mma.sync backward at padded D = 64 and 128 (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in
+  // 3xTF32 are the default there).
   const bool fp32_other = cfg.head_dim <= 128;
   const Errors fp32_w =
       fp32_other ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, "mma", "mma") : fp32;
@@ -311,7 +312,7 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
 }
 
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
-// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64) can run fewer CTAs
+// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) can run fewer CTAs
 // than blocks, each walking several (FLASHATTN_CUDA_PERSISTENT_CTAS; the default is one CTA per
 // block): here 2 and 4 CTAs walk several blocks each (tiles and exchanges continuing
 // across blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit
@@ -332,7 +333,10 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
                         Case{64, Mask::None, Precision::Fp32, 150, 133},
                         Case{64, Mask::CausalTopLeft, Precision::Tf32, 150, 133},
                         Case{64, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
-                        Case{128, Mask::CausalTopLeft, Precision::Tf32, 64, 400}}) {
+                        Case{128, Mask::CausalTopLeft, Precision::Tf32, 64, 400},
+                        Case{128, Mask::None, Precision::Fp32, 150, 133},
+                        Case{128, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
+                        Case{100, Mask::CausalTopLeft, Precision::Fp32, 64, 400}}) {
     ProblemConfig c;
     c.batch = 1; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
     c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 11;

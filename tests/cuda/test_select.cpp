@@ -99,10 +99,10 @@ TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
 TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0
   // and the wgmma backward (both passes) at padded D = 64 and 128; fp32 at padded D = 128: the
-  // 3xTF32 wgmma forward and the mma.sync backward.
+  // 3xTF32 wgmma forward and backward.
   EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
   EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
-  EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
+  EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
   for (int64_t d : {1, 64, 100, 128}) {
     const KernelChoice c = select_kernel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
     ASSERT_TRUE(c.ok);
@@ -129,7 +129,7 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     const KernelChoice c = select_kernel(shape(4096, 128), tf32, 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);  // the 3xTF32 wgmma forward
-    EXPECT_FALSE(c.sm90_bwd);
+    EXPECT_TRUE(c.sm90_bwd && c.f32_pair);  // and backward
     EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_fwd);
     EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).f32_pair);  // the 3xTF32 wgmma backward
   }
@@ -146,15 +146,14 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
     EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).tf32_dkv_wgmma);  // (no mma.sync dK/dV variant there)
     EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);  // 3xTF32
+    EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).f32_pair);  // 3xTF32: unaffected
   }
   {
-    // The fp32-accurate wgmma forward: the default at padded D = 128 on 9.0 only, the backward
-    // unchanged; FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
+    // The fp32-accurate wgmma forward: the default at padded D = 128 on 9.0 only;
+    // FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
     const KernelChoice c = select_kernel(shape(4096, 128), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);
-    EXPECT_FALSE(c.sm90_bwd);
     EXPECT_TRUE(select_kernel(shape(4096, 97), num(DType::Float32), 9, 0).sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
@@ -172,15 +171,21 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).f32_pair);
   }
   {
-    // The fp32-accurate wgmma backward: the default at padded D = 64 on 9.0 only (the pair kernels).
+    // The fp32-accurate wgmma backward: the default at padded D = 64 and 128 on 9.0 only (the
+    // pair kernels).
     const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_bwd && c.tf32_dkv_wgmma && c.f32_pair);
     EXPECT_FALSE(c.sm90_fwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
+    for (int64_t d : {65, 100, 128}) {
+      const KernelChoice c128 = select_kernel(shape(4096, d), num(DType::Float32), 9, 0);
+      EXPECT_TRUE(c128.sm90_bwd && c128.tf32_dkv_wgmma && c128.f32_pair) << "D = " << d;
+    }
+    EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_bwd);
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_bwd);
     EnvScope e("FLASHATTN_CUDA_FP32_BWD", "mma");
     EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
   }
   {
     EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
