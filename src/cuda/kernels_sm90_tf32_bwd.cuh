@@ -65,12 +65,11 @@ __device__ __forceinline__ void convert_q_do(const Sm90Tf32BwdArgs& A, int64_t b
       const In4& x = o == 0 ? p.q : p.dout;
       const int64_t n0 = m0 + 64 * rb;
       if (A.conv_vec)
-        tf32_operand_rows<DP, true, X3, 96, 2, decltype(sync), true>(x, b, h, bh, n0, p.shape.seq_q, d, A.seq8q,
-                                                                     A.cr[o], A.ct[o], A.cs[o], A.cts[o], tile, tid, sync);
+        tf32_operand_rows<DP, true, X3, 96, 1>(x, b, h, bh, n0, p.shape.seq_q, d, A.seq8q, A.cr[o], A.ct[o], A.cs[o],
+                                               A.cts[o], tile, tid, sync);
       else
-        tf32_operand_rows<DP, false, X3, 96, 1, decltype(sync), true>(x, b, h, bh, n0, p.shape.seq_q, d, A.seq8q,
-                                                                      A.cr[o], A.ct[o], A.cs[o], A.cts[o], tile, tid,
-                                                                      sync);
+        tf32_operand_rows<DP, false, X3, 96, 1>(x, b, h, bh, n0, p.shape.seq_q, d, A.seq8q, A.cr[o], A.ct[o],
+                                                A.cs[o], A.cts[o], tile, tid, sync);
     }
 }
 

@@ -22,9 +22,7 @@ namespace flashattn::cuda::dev {
 // X's rows 16-byte aligned, the usual case): 16-byte loads and stores, UNROLL rows in flight per
 // thread. T threads take part (tid in [0, T)); sync() is a barrier over exactly them: called after
 // the staging and after the transposed writes, so the tile may be filled again right away.
-// kStream: the stores marked evict-first (st.global.cs), for copies written under a kernel whose
-// own operands should keep the L2 (the dQ kernels').
-template <int DP, bool kVec, bool kSplit, int T, int UNROLL, class Sync, bool kStream = false>
+template <int DP, bool kVec, bool kSplit, int T, int UNROLL, class Sync>
 __device__ __forceinline__ void tf32_operand_rows(const In4& x, int64_t b, int64_t h, int64_t bh, int64_t n0,
                                                   int64_t seq, int head_dim, int64_t seq8, float* xr, float* xt,
                                                   float* xs, float* xts, float (*tile)[DP + 1], int tid, Sync sync) {
@@ -34,14 +32,6 @@ __device__ __forceinline__ void tf32_operand_rows(const In4& x, int64_t b, int64
   // v's tf32 value and (kSplit) the tf32 value of the rest.
   auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
   auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
-  auto put = [](float* q, float v) {
-    if constexpr (kStream) __stcs(q, v);
-    else *q = v;
-  };
-  auto put4 = [](float* q, float4 v) {
-    if constexpr (kStream) __stcs(reinterpret_cast<float4*>(q), v);
-    else *reinterpret_cast<float4*>(q) = v;
-  };
   if constexpr (kVec) {
     constexpr int kChunks = DP / 4;  // 16-byte chunks per row
 #pragma unroll UNROLL
@@ -51,8 +41,10 @@ __device__ __forceinline__ void tf32_operand_rows(const In4& x, int64_t b, int64
       float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (n < seq) {
         v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
-        if (dst != nullptr) put4(dst + n * DP + c, make_float4(big(v.x), big(v.y), big(v.z), big(v.w)));
-        if (kSplit && dsts != nullptr) put4(dsts + n * DP + c, make_float4(small(v.x), small(v.y), small(v.z), small(v.w)));
+        if (dst != nullptr)
+          *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+        if (kSplit && dsts != nullptr)
+          *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
       }
       tile[r][c] = v.x;
       tile[r][c + 1] = v.y;
@@ -66,8 +58,8 @@ __device__ __forceinline__ void tf32_operand_rows(const In4& x, int64_t b, int64
       const float v = n < seq && c < head_dim ? src[n * x.ss + c] : 0.0f;
       tile[r][c] = v;
       if (n < seq) {
-        if (dst != nullptr) put(dst + n * DP + c, big(v));
-        if (kSplit && dsts != nullptr) put(dsts + n * DP + c, small(v));
+        if (dst != nullptr) dst[n * DP + c] = big(v);
+        if (kSplit && dsts != nullptr) dsts[n * DP + c] = small(v);
       }
     }
   }
@@ -75,15 +67,14 @@ __device__ __forceinline__ void tf32_operand_rows(const In4& x, int64_t b, int64
   sync();
   float* dt = xt + bh * DP * seq8;
   float* dts = kSplit && xts != nullptr ? xts + bh * DP * seq8 : nullptr;
-  // (Stores need no loads in flight: kStream's callers have few registers, so no unrolling there.)
-#pragma unroll kStream ? 1 : UNROLL
+#pragma unroll UNROLL
   for (int i = tid; i < 64 * DP; i += T) {
     const int d = i / 64, r = i % 64;
     const int64_t col = n0 + tf32_slot(r);
     if (col < seq8) {
       const float v = tile[r][d];
-      put(dt + d * seq8 + col, big(v));
-      if (kSplit && dts != nullptr) put(dts + d * seq8 + col, small(v));
+      dt[d * seq8 + col] = big(v);
+      if (kSplit && dts != nullptr) dts[d * seq8 + col] = small(v);
     }
   }
   sync();
