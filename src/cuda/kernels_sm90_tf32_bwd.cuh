@@ -21,7 +21,6 @@
 #include "cuda/config.hpp"
 #include "cuda/device.cuh"
 #include "cuda/launch.hpp"
-#include "cuda/operands.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace flashattn::cuda::dev {
@@ -38,40 +37,7 @@ struct Sm90Tf32BwdArgs {
   CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;
   CUtensorMap tks, tvs, tkts, tqs, tdos, tqts, tdots;
   uint32_t opaque_zero;  // 0, unknown to the compiler (keep_live_in_loop, wgmma.cuh)
-  // The Q ([0]) and dO ([1]) copies that the dQ kernels' producer warps write for the dK/dV pass
-  // after them (convert_q_do): row-major r and transposed t, small parts s and ts (3xTF32); each
-  // nullptr when not wanted. conv_vec: both 16-byte loadable with head_dim = DP.
-  float *cr[2] = {nullptr, nullptr}, *ct[2] = {nullptr, nullptr}, *cs[2] = {nullptr, nullptr},
-        *cts[2] = {nullptr, nullptr};
-  int64_t seq8q = 0;
-  bool conv_vec = false;
 };
-
-// Producer warps 1-3 of the dQ kernels (96 threads, tid in [0, 96)): the Q and dO copies of query
-// rows [m0, m0 + BM) of (b, h) (operands.cuh), staged through `tile`, ordered by named barrier 3.
-// They run while the consumers' products do, in place of that part of the stand-alone pre-pass.
-template <int DP, bool X3, int BM>
-__device__ __forceinline__ void convert_q_do(const Sm90Tf32BwdArgs& A, int64_t b, int64_t h, int64_t m0,
-                                             float (*tile)[DP + 1], int tid) {
-  const BackwardParams& p = A.f.p;
-  const int64_t bh = b * p.shape.heads_q + h;
-  const int d = static_cast<int>(p.shape.head_dim);
-  auto sync = [] { named_barrier(3, 96); };
-#pragma unroll 1
-  for (int rb = 0; rb < BM / 64; ++rb)
-#pragma unroll 1
-    for (int o = 0; o < 2; ++o) {
-      if (A.cr[o] == nullptr && A.ct[o] == nullptr) continue;
-      const In4& x = o == 0 ? p.q : p.dout;
-      const int64_t n0 = m0 + 64 * rb;
-      if (A.conv_vec)
-        tf32_operand_rows<DP, true, X3, 96, 1>(x, b, h, bh, n0, p.shape.seq_q, d, A.seq8q, A.cr[o], A.ct[o], A.cs[o],
-                                               A.cts[o], tile, tid, sync);
-      else
-        tf32_operand_rows<DP, false, X3, 96, 1>(x, b, h, bh, n0, p.shape.seq_q, d, A.seq8q, A.cr[o], A.ct[o],
-                                                A.cs[o], A.cts[o], tile, tid, sync);
-    }
-}
 
 // A block's place in a persistent CTA's sequence of blocks (the pair kernels): the block is the
 // k-th of the CTA, its first tile the g0-th of the CTA (stage g0 & 1, phase parity (g0 >> 1) & 1),
@@ -263,7 +229,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   uint64_t* full_q = bars;
   uint64_t* full = bars + 1;   // [2]
   uint64_t* empty = bars + 3;  // [2]
-  auto* sConv = reinterpret_cast<float(*)[DP + 1]>(bars + 8);  // [64][DP + 1]: convert_q_do's staging
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -280,7 +245,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
     if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN>(A, qb, sQ, sdO, sStage, full_q, full, empty);
-    else if (threadIdx.x >= TC + 32) convert_q_do<DP, false, BM>(A, b, h, m0, sConv, threadIdx.x - TC - 32);
     return;
   }
 

@@ -190,7 +190,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
   uint64_t* empty_q = bars + 7;  // Q and dO read into registers (persistent: the next block's may land)
-  auto* sConv = reinterpret_cast<float(*)[DP + 1]>(bars + 8);  // [64][DP + 1]: convert_q_do's staging
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -214,11 +213,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
         copy_dq_tiles<DP, BM, BN, X3, kSm>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
         ph.g0 += qb.ntiles;
-      }
-    } else if (threadIdx.x >= TC + 32) {
-      for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x) {
-        const WorkItem w = work_item(i, nx, p.shape.heads_q);
-        convert_q_do<DP, X3, BM>(A, w.b, w.h, w.x * BM, sConv, threadIdx.x - TC - 32);
       }
     }
     return;

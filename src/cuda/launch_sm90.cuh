@@ -96,12 +96,15 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   dq.f = dkv.f = a;
   dq.opaque_zero = dkv.opaque_zero = 0;
   // The dK/dV pass reads K and V as the caller stores them (rounded, or split, when loaded into
-  // registers); so does the dQ pass with Q and dO (64-row boxes).
+  // registers); so does the 3xTF32 dQ pass with Q and dO.
   if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
-      !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
+      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m))
     return false;
+  if constexpr (X3) {
+    if (!make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
+        !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
+      return false;
+  }
   // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8]; K, V [B, Hkv, Skv, DP] and
   // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded), and
   // as much again for the small parts (X3); freed on the stream after the passes.
@@ -145,17 +148,24 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   };
   bool ok = maps(big, &dq.tk, &dq.tv, &dq.tkt, &dkv.tq, &dkv.tdo, &dkv.tqt, &dkv.tdot);
   if constexpr (X3) ok = ok && maps(small, &dq.tks, &dq.tvs, &dq.tkts, &dkv.tqs, &dkv.tdos, &dkv.tqts, &dkv.tdots);
-  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
-  // The Q and dO copies only feed the dK/dV pass: the dQ kernels' producer warps write them
-  // (convert_q_do) while their consumers compute dQ; Q^T and dO^T only the wgmma dK/dV kernel's.
-  // Without that kernel (tf32, FLASHATTN_CUDA_TF32_BWD=wgmma-dq) the mma.sync dK/dV kernel reads
-  // the operands as stored.
-  if (dkv_wgmma) {
-    dq.cr[0] = big.q, dq.ct[0] = big.qt, dq.cs[0] = small.q, dq.cts[0] = small.qt;  // (small: null unless X3)
-    dq.cr[1] = big.dout, dq.ct[1] = big.dot, dq.cs[1] = small.dout, dq.cts[1] = small.dot;
-    dq.seq8q = sq8;
-    dq.conv_vec = s.head_dim == DP && vec_ok(a.p.q, 4) && vec_ok(a.p.dout, 4);
+  // The tf32 dQ pass reads the rounded Q and dO copies in 64-row boxes: the dK/dV pass's maps
+  // when its block_n is 64 (D = 64).
+  if constexpr (!X3) {
+    if constexpr (ck.block_n == 64) {
+      dq.tq = dkv.tq;
+      dq.tdo = dkv.tdo;
+    } else {
+      ok = ok &&
+           make_tensor_map32(&dq.tq, rows(big.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) &&
+           make_tensor_map32(&dq.tdo, rows(big.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64);
+    }
   }
+  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
+  // Q^T and dO^T only feed the wgmma dK/dV kernel.
+  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, big.q, dkv_wgmma ? big.qt : nullptr, stream,
+                       small.q, small.qt);
+  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, big.dout, dkv_wgmma ? big.dot : nullptr,
+                       stream, small.dout, small.dot);
   launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.k, big.kt, stream, small.k, small.kt);
   launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.v, nullptr, stream, small.v, nullptr);
   const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));

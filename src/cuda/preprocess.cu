@@ -8,7 +8,6 @@
 #include <type_traits>
 
 #include "cuda/launch.cuh"
-#include "cuda/operands.cuh"
 
 namespace flashattn::cuda {
 namespace dev {
@@ -152,15 +151,74 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
 }
 
-// The Hopper float32 kernels' operand copies (operands.cuh): one CTA per 64 rows of one (b, h).
-// The scalar loop moved 2.4 TB/s, the 16-byte one (kVec) about 3.8 (docs/PERF.md, float32 run 7b).
+// The Hopper float32 kernels' operand copies (the backwards, kernels_sm90_tf32_bwd.cuh; the 3xTF32
+// forward, kernels_sm90_3xtf32.cuh): from X [B, H, S, D]
+// (any strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and
+// when xt is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8)
+// with position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN
+// there would survive its zero probability). kSplit (the fp32-accurate kernels): xs and xts take
+// the small parts X - tf32(X), rounded to tf32, in the same layouts. Each output is optional
+// (nullptr: not written; the 3xTF32 forward wants K's rows and V's transposed only). One CTA:
+// 64 rows of one (b, h), staged in shared memory as read so that every output is written in whole
+// coalesced rows. kVec (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads and
+// stores, four rows in flight per thread - the scalar loop moved 2.4 TB/s (docs/PERF.md, float32
+// run 7b), a quarter of the call at S = 1k.
 template <int DP, bool kVec, bool kSplit>
 __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
                                                            float* xr, float* xt, float* xs, float* xts) {
   __shared__ float tile[64][DP + 1];
   const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
-  tf32_operand_rows<DP, kVec, kSplit, 256, 4>(x, b, h, bh, n0, seq, head_dim, seq8, xr, xt, xs, xts, tile,
-                                              static_cast<int>(threadIdx.x), [] { __syncthreads(); });
+  const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
+  float* dst = xr != nullptr ? xr + bh * seq * DP : nullptr;
+  float* dsts = kSplit && xs != nullptr ? xs + bh * seq * DP : nullptr;
+  // v's tf32 value and (kSplit) the tf32 value of the rest.
+  auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
+  auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
+  if constexpr (kVec) {
+    constexpr int kChunks = DP / 4;  // 16-byte chunks per row
+#pragma unroll 4
+    for (int i = static_cast<int>(threadIdx.x); i < 64 * kChunks; i += 256) {
+      const int r = i / kChunks, c = (i % kChunks) * 4;
+      const int64_t n = n0 + r;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (n < seq) {
+        v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
+        if (dst != nullptr)
+          *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+        if (kSplit && dsts != nullptr)
+          *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
+      }
+      tile[r][c] = v.x;
+      tile[r][c + 1] = v.y;
+      tile[r][c + 2] = v.z;
+      tile[r][c + 3] = v.w;
+    }
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
+      const int r = i / DP, c = i % DP;
+      const int64_t n = n0 + r;
+      const float v = n < seq && c < head_dim ? src[n * x.ss + c] : 0.0f;
+      tile[r][c] = v;
+      if (n < seq) {
+        if (dst != nullptr) dst[n * DP + c] = big(v);
+        if (kSplit && dsts != nullptr) dsts[n * DP + c] = small(v);
+      }
+    }
+  }
+  if (xt == nullptr) return;
+  __syncthreads();
+  float* dt = xt + bh * DP * seq8;
+  float* dts = kSplit && xts != nullptr ? xts + bh * DP * seq8 : nullptr;
+#pragma unroll 4
+  for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
+    const int d = i / 64, r = i % 64;
+    const int64_t col = n0 + tf32_slot(r);
+    if (col < seq8) {
+      const float v = tile[r][d];
+      dt[d * seq8 + col] = big(v);
+      if (kSplit && dts != nullptr) dts[d * seq8 + col] = small(v);
+    }
+  }
 }
 
 }  // namespace dev
