@@ -51,6 +51,24 @@ struct ItemPhase {
   }
 };
 
+// One half stage of the 3xTF32 pair kernels at D = 128 (pair_small_in_smem), once the consumers
+// released the last tile's: tile gt's box of each of the N maps into consecutive TB tiles from dst,
+// NBLK 32-column blocks each. Row-major copies start at row x0 (columns = head dim); transposed
+// ones (rows = head dim) at column x0. (A rolled loop: unrolled, the producer's 64 registers
+// spilled the addresses.)
+template <class TB, int NBLK, bool kTransposed, int N>
+__device__ __forceinline__ void copy_half_stage(unsigned char* dst, const CUtensorMap* const (&maps)[N], uint64_t* full,
+                                                uint64_t* empty, int gt, int x0, int hh, int bb) {
+  mbar_wait(empty, (gt & 1) ^ 1);
+  mbar_expect_tx(full, N * TB::kBytes);
+#pragma unroll 1
+  for (int blk = 0; blk < NBLK; ++blk)
+#pragma unroll
+    for (int m = 0; m < N; ++m)
+      tma_load_4d(dst + m * TB::kBytes + blk * TB::kBlockBytes, maps[m], full, kTransposed ? x0 + 32 * blk : 32 * blk,
+                  kTransposed ? 0 : x0, hh, bb);
+}
+
 // The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
 // copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile K, V (rows =
 // keys) and K^T (rows = head dim) into stage t & 1 once the consumers released tile t - 2 from it.
@@ -80,24 +98,10 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
   for (int t = 0; t < qb.ntiles; ++t) {
     const int gt = ph.g0 + t, st = gt & 1, n0 = t * BN;
     if constexpr (kSm) {
-      mbar_wait(empty, (gt & 1) ^ 1);
-      mbar_expect_tx(full, 4 * TK::kBytes);
-#pragma unroll 1
-      for (int blk = 0; blk < DP / 32; ++blk) {
-        const int o = blk * TK::kBlockBytes;
-        tma_load_4d(sStage + o, &A.tk, full, 32 * blk, n0, hk, bb);
-        tma_load_4d(sStage + TK::kBytes + o, &A.tv, full, 32 * blk, n0, hk, bb);
-        tma_load_4d(sStage + 2 * TK::kBytes + o, &A.tks, full, 32 * blk, n0, hk, bb);
-        tma_load_4d(sStage + 3 * TK::kBytes + o, &A.tvs, full, 32 * blk, n0, hk, bb);
-      }
-      unsigned char* g = sStage + 4 * TK::kBytes;
-      mbar_wait(empty + 1, (gt & 1) ^ 1);
-      mbar_expect_tx(full + 1, 2 * TT::kBytes);
-#pragma unroll 1
-      for (int blk = 0; blk < BN / 32; ++blk) {
-        tma_load_4d(g + blk * TT::kBlockBytes, &A.tkt, full + 1, n0 + 32 * blk, 0, hk, bb);
-        tma_load_4d(g + TT::kBytes + blk * TT::kBlockBytes, &A.tkts, full + 1, n0 + 32 * blk, 0, hk, bb);
-      }
+      const CUtensorMap* const scores[4] = {&A.tk, &A.tv, &A.tks, &A.tvs};
+      const CUtensorMap* const grads[2] = {&A.tkt, &A.tkts};
+      copy_half_stage<TK, DP / 32, false>(sStage, scores, full, empty, gt, n0, hk, bb);
+      copy_half_stage<TT, BN / 32, true>(sStage + 4 * TK::kBytes, grads, full + 1, empty + 1, gt, n0, hk, bb);
       continue;
     }
     unsigned char* s0 = sStage + st * kStage;
@@ -148,27 +152,10 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
       const int gt = ph.g0 + it, st = gt & 1;
       const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
       if constexpr (kSm) {
-        mbar_wait(empty, (gt & 1) ^ 1);
-        mbar_expect_tx(full, 4 * TQ::kBytes);
-#pragma unroll 1
-        for (int blk = 0; blk < DP / 32; ++blk) {
-          const int o = blk * TQ::kBlockBytes;
-          tma_load_4d(sStage + o, &A.tq, full, 32 * blk, n0, h, bb);
-          tma_load_4d(sStage + TQ::kBytes + o, &A.tdo, full, 32 * blk, n0, h, bb);
-          tma_load_4d(sStage + 2 * TQ::kBytes + o, &A.tqs, full, 32 * blk, n0, h, bb);
-          tma_load_4d(sStage + 3 * TQ::kBytes + o, &A.tdos, full, 32 * blk, n0, h, bb);
-        }
-        unsigned char* g = sStage + 4 * TQ::kBytes;
-        mbar_wait(empty + 1, (gt & 1) ^ 1);
-        mbar_expect_tx(full + 1, 4 * TT::kBytes);
-#pragma unroll 1
-        for (int blk = 0; blk < BQ / 32; ++blk) {
-          const int o = blk * TT::kBlockBytes;
-          tma_load_4d(g + o, &A.tqt, full + 1, n0 + 32 * blk, 0, h, bb);
-          tma_load_4d(g + TT::kBytes + o, &A.tdot, full + 1, n0 + 32 * blk, 0, h, bb);
-          tma_load_4d(g + 2 * TT::kBytes + o, &A.tqts, full + 1, n0 + 32 * blk, 0, h, bb);
-          tma_load_4d(g + 3 * TT::kBytes + o, &A.tdots, full + 1, n0 + 32 * blk, 0, h, bb);
-        }
+        const CUtensorMap* const scores[4] = {&A.tq, &A.tdo, &A.tqs, &A.tdos};
+        const CUtensorMap* const grads[4] = {&A.tqt, &A.tdot, &A.tqts, &A.tdots};
+        copy_half_stage<TQ, DP / 32, false>(sStage, scores, full, empty, gt, n0, h, bb);
+        copy_half_stage<TT, BQ / 32, true>(sStage + 4 * TQ::kBytes, grads, full + 1, empty + 1, gt, n0, h, bb);
         continue;
       }
       unsigned char* s0 = sStage + st * kStage;
