@@ -93,20 +93,21 @@ def main():
                 tf80 = time_ms(fa.bind_forward(q, k, v, out, lse, o), 2, args.reps)
                 tb80 = time_ms(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
                 del os.environ["FLASHATTN_CUDA_ARCH"]
-                # The fp32 mma.sync forward at padded D = 128 (the default there is the wgmma 3xTF32
-                # forward on compute capability 9.0): its speed, and its O against the default's
-                # (a failure is reported, not fatal).
+                # The other fp32 forward on compute capability 9.0: at padded D = 128 the mma.sync one
+                # (the wgmma 3xTF32 forward is the default there), at D = 64 the opt-in wgmma one:
+                # its speed, and its O against the default's (a failure is reported, not fatal).
                 w_fwd, w_err = float("nan"), float("nan")
-                if 64 < d <= 128:
+                w_name = "wgmma (opt-in)" if d <= 64 else "mma.sync"
+                if d <= 128:
                     o = fa.options(causal, 0)
                     fa.forward(q, k, v, out, lse, o)
                     out_d = out.clone()
-                    os.environ["FLASHATTN_CUDA_FP32_FWD"] = "mma"
+                    os.environ["FLASHATTN_CUDA_FP32_FWD"] = "wgmma" if d <= 64 else "mma"
                     try:
                         w_fwd = fl_f / time_ms(fa.bind_forward(q, k, v, out, lse, o), 2, args.reps) / 1e9
                         w_err = (out_d - out).abs().max().item()
                     except (RuntimeError, NotImplementedError) as e:
-                        print(f"# fp32 mma.sync forward failed: {e}", flush=True)
+                        print(f"# fp32 {w_name} forward failed: {e}", flush=True)
                     del out_d
                     os.environ.pop("FLASHATTN_CUDA_FP32_FWD", None)
                 # The fp32 mma.sync backward at padded D = 64 and 128 (the default there is the wgmma
@@ -159,7 +160,7 @@ def main():
                         f"{f32[0]/pr[0]:.2f} {f32[1]/pr[1]:.2f}   {t32[0]/pr[0]:.2f} {t32[1]/pr[1]:.2f}"
                         f"   (max|O-O_peer| fp32 {err:.1e}, tf32 {err_tf32:.1e}; tf32 grads rel {err_g:.1e}; "
                         f"tf32 on mma.sync fwd {t80:.1f} bwd {b80:.1f}"
-                        + (f"; fp32 fwd on mma.sync {w_fwd:.1f} = {w_fwd/pr[0]:.2f}x, max|O-O_default| {w_err:.1e}"
+                        + (f"; fp32 fwd on {w_name} {w_fwd:.1f} = {w_fwd/pr[0]:.2f}x, max|O-O_default| {w_err:.1e}"
                            if w_fwd == w_fwd else "")
                         + (f"; fp32 bwd on mma.sync {w_bwd:.1f} = {w_bwd/pr[1]:.2f}x, grads rel vs default "
                            f"{w_berr:.1e}" if w_bwd == w_bwd else "") + ")")
@@ -170,7 +171,7 @@ def main():
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("S,D,causal,fwd_fp32,fwd_tf32,fwd_peer,bwd_fp32,bwd_tf32,bwd_peer,fb_fp32,fb_tf32,fb_peer,"
-                    "fwd_tf32_mma_sync,bwd_tf32_mma_sync,fwd_fp32_mma_sync,bwd_fp32_mma_sync\n")
+                    "fwd_tf32_mma_sync,bwd_tf32_mma_sync,fwd_fp32_other,bwd_fp32_mma_sync\n")
             for s, d, c, a, t, p, t80, b80, w, wb in rows:
                 f.write(f"{s},{d},{int(c)},{a[0]:.2f},{t[0]:.2f},{p[0]:.2f},{a[1]:.2f},{t[1]:.2f},{p[1]:.2f},"
                         f"{a[2]:.2f},{t[2]:.2f},{p[2]:.2f},{t80:.2f},{b80:.2f},{w:.2f},{wb:.2f}\n")

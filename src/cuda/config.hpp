@@ -272,12 +272,14 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
 }
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 
-// fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 128 (the default
-// there on 9.0): 64 queries (both consumer warpgroups, each half the head dim) x 32-key tiles; the
-// producer (one copy thread) keeps 40 registers, 232 per consumer thread: Q's big and small
-// fragments of a half (64), O and the tile's O (32 each), S, its second k-group and the partner's
-// partial (4 x ... 16 each), P's big and small fragments (32).
-FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 128; }
+// fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 64 and 128 (the
+// default at 128 on 9.0, fp32_fwd_wgmma_default; opt-in at 64 until measured): 64 queries (both
+// consumer warpgroups, each half the head dim) x 32-key tiles; the producer (one copy thread)
+// keeps 40 registers, 232 per consumer thread: at D = 128 Q's big and small fragments of a half
+// (64), O and the tile's O (32 each), S, its second k-group and the partner's partial (16 each),
+// P's big and small fragments (32); at D = 64 half of the Q and O parts.
+FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool fp32_fwd_wgmma_default(int dp) { return dp == 128; }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_3xtf32(int /*dp*/) { return TileConfig90{64, 32, 2, 1, 1, 40}; }
 // Q; two stages of K big, K small, Vt big, Vt small; the two warpgroups' partial scores; 1 KiB
 // for alignment, room for 24 mbarriers (13 used).
@@ -285,7 +287,8 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_3xtf32(int dp) {
   const TileConfig90 c = tile_config90_3xtf32(dp);
   return (c.block_m + 2 * 4 * c.block_n) * dp * 4 + 2 * c.block_m * c.block_n * 4 + 1024 + 24 * 8;
 }
-static_assert(smem_bytes90_3xtf32(128) <= 227 * 1024, "tile_config90_3xtf32 exceeds shared memory");
+static_assert(smem_bytes90_3xtf32(64) <= 227 * 1024 && smem_bytes90_3xtf32(128) <= 227 * 1024,
+              "tile_config90_3xtf32 exceeds shared memory");
 
 // tf32 backward (kernels_sm90_tf32_bwd.cuh), padded D = 64: the split design's two passes on
 // wgmma, reading operands that a pre-pass rounded to tf32 and transposed (k contiguous for every

@@ -1,15 +1,15 @@
-// The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) at padded D = 128, on
-// wgmma. OPT-IN (FLASHATTN_CUDA_FP32_FWD=wgmma; select.cpp): right on the GPU tests, but measured
-// 3-10% slower than the default mma.sync 3xTF32 kernel (kernels.cuh; docs/PERF.md float32 runs 8
-// and 8c: 40-48 against 40-52 TFLOP/s), so it is kept as the base of a faster one, not used.
+// The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) on wgmma: the default at
+// padded D = 128 (1.35-1.71x the peer, 1.3-1.5x the mma.sync 3xTF32 kernel; docs/PERF.md float32
+// run 9; FLASHATTN_CUDA_FP32_FWD=mma keeps that one), opt-in at D = 64 (FLASHATTN_CUDA_FP32_FWD=wgmma;
+// written after the session's last GPU run, not yet measured).
 //
 // Every product X Y is X_big Y_big + X_big Y_small + X_small Y_big (tf32_split, device.cuh), small
 // terms first. With Q's big and small fragments (128 registers per thread at D = 128) a warpgroup
 // owning 64 rows as in the tf32 forward cannot also hold O, so both consumer warpgroups own the
 // same 64 query rows and split the head dim (the backward's pair design, kernels_sm90_tf32_bwd_pair.cuh):
-//   warpgroup w (dims [64w, 64w + 64)): qb, qs = split(Q[:, half w]) as A fragments (64 registers)
+//   warpgroup w (dims [w DP/2, (w + 1) DP/2)): qb, qs = split(Q[:, half w]) as A fragments (DP/2 registers)
 //   per 32-key tile t:
-//     S_w = Q[:, half w] K_t[:, half w]^T            (3 products x 8 k-steps, two groups of 4 k-steps
+//     S_w = Q[:, half w] K_t[:, half w]^T            (3 products x DP/16 k-steps, groups of 4 k-steps
 //                                                     in separate accumulators, added with FADD)
 //     exchange S_w through shared memory; S = S_0 + S_1 (both warpgroups: the same bits)
 //     P = online softmax of S (both, identically: the same statistics)
@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   constexpr TileConfig90 C = tile_config90_3xtf32(DP);
   constexpr int BM = C.block_m, BN = C.block_n, TC = 256;
   constexpr int NS = BN / 8, NH = DP / 16, KH = DP / 16;  // NH: 8-column blocks of a half; KH: its k-steps
-  static_assert(C.warpgroups == 2 && BM == 64 && BN == 32 && DP == 128, "pair design at D = 128");
+  static_assert(C.warpgroups == 2 && BM == 64 && BN == 32 && (DP == 64 || DP == 128),
+                "pair design at D = 64 and 128");
+  constexpr int DH = DP / 2;  // a warpgroup's half of the head dim
   using TQ = TileSw128F<BM, DP>;
   using TK = TileSw128F<BN, DP>;   // K big and small: rows = keys
   using TVt = TileSw128F<DP, BN>;  // Vt big and small: rows = head dim, k = key slots
@@ -129,15 +131,16 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   regs_increase<C.consumer_regs()>();
   const int wq = (threadIdx.x / 32) & 3, g = lane_id() >> 2;
   const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
-  const uint32_t k_addr = smem_addr(sK) + 2 * wg * TK::kBlockBytes;  // half wg: column blocks 2wg, 2wg + 1
-  const uint32_t ks_addr = smem_addr(sKs) + 2 * wg * TK::kBlockBytes;
+  // half wg: its DH / 32 column blocks (D = 128: 2wg, 2wg + 1)
+  const uint32_t k_addr = smem_addr(sK) + (DH / 32) * wg * TK::kBlockBytes;
+  const uint32_t ks_addr = smem_addr(sKs) + (DH / 32) * wg * TK::kBlockBytes;
   const uint32_t vt_addr = smem_addr(sVt), vts_addr = smem_addr(sVts);
 
   // Fixed across the tile loop; the SASS check (scripts/check-sass-wgmma.py, run on every build)
   // finds no reuse of their registers there, so no keep_live_in_loop as in the dK/dV kernels.
   uint32_t qb_[KH][4], qs_[KH][4];
   mbar_wait(full_q, 0);
-  load_afrag_split_tf32<TQ>(qb_, qs_, sQ, 16 * wq, 64 * wg);
+  load_afrag_split_tf32<TQ>(qb_, qs_, sQ, 16 * wq, DH * wg);
 
   float o[NH][4], ot[NH][4];
   zero(o);
@@ -151,21 +154,24 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   float* xmine = xS + wg * BM * BN;
   const float* xother = xS + (1 - wg) * BM * BN;
 
-  // S_w of tile t: k-steps 0-3 into s, 4-7 into s2 (two commit groups).
+  // S_w of tile t: k-steps 0-3 into s, (D = 128) 4-7 into s2 (one commit group each).
+  static_assert(KH == 4 || KH == 8, "chains of 4 k-steps");
   auto issue_scores = [&](int t) {
     const uint32_t kb = k_addr + (t & 1) * TK::kBytes, ks = ks_addr + (t & 1) * TK::kBytes;
     fence_regs(s);
     fence_regs(s2);
     wgmma_fence();
-    wg_gemm3_rs_tf32<KH / 2, TK, true>(s, ksteps<KH / 2>(qb_, 0), ksteps<KH / 2>(qs_, 0), kb, ks, 0, false);
+    wg_gemm3_rs_tf32<4, TK, true>(s, ksteps<4>(qb_, 0), ksteps<4>(qs_, 0), kb, ks, 0, false);
     wgmma_commit();
-    wg_gemm3_rs_tf32<KH / 2, TK, true>(s2, ksteps<KH / 2>(qb_, KH / 2), ksteps<KH / 2>(qs_, KH / 2),
-                                       kb + TK::kBlockBytes, ks + TK::kBlockBytes, 0, false);
-    wgmma_commit();
+    if constexpr (KH == 8) {
+      wg_gemm3_rs_tf32<4, TK, true>(s2, ksteps<4>(qb_, 4), ksteps<4>(qs_, 4), kb + TK::kBlockBytes,
+                                    ks + TK::kBlockBytes, 0, false);
+      wgmma_commit();
+    }
   };
   // O_t = P Vt_t[half] into ot (a fresh accumulator).
   auto issue_pv = [&](int t) {
-    const uint32_t off = (t & 1) * TVt::kBytes + 64 * wg * 128;  // Vt rows [64 wg, 64 wg + 64)
+    const uint32_t off = (t & 1) * TVt::kBytes + DH * wg * 128;  // Vt rows [DH wg, DH (wg + 1))
     fence_regs(ot);
     fence_regs(pb);
     fence_regs(ps);
@@ -178,7 +184,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   auto scores_to_p = [&](int t, float (&alpha)[2]) {
     fence_regs(s);
     fence_regs(s2);
-    add_into(s, s2);
+    if constexpr (KH == 8) add_into(s, s2);
     if (t > 0) mbar_wait(taken + wg, (t - 1) & 1);  // the other side read our last partial
     exchange_store<NS>(xmine, s);
     mbar_arrive(ready + wg);
@@ -246,7 +252,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   rescale_rows(o, inv);
   if (wg == 0) store_lse(p.lse, b, h, row_w, Sq, lse);
   float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
-  store_rows(out, p.out.ss, 16 * wq, qb.rows, 64 * wg, static_cast<int>(p.shape.head_dim), o, 1.0f, true);
+  store_rows(out, p.out.ss, 16 * wq, qb.rows, DH * wg, static_cast<int>(p.shape.head_dim), o, 1.0f, true);
 #endif
 }
 

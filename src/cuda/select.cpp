@@ -128,11 +128,13 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // and measurement.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
-  // The fp32-accurate forward on wgmma (padded D = 128, streaming the pre-pass's split copies): the
-  // default there, 1.3-1.5x the mma.sync 3xTF32 kernel (docs/PERF.md, float32 run 9);
-  // FLASHATTN_CUDA_FP32_FWD=mma keeps that one.
-  if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp) && env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"}) != 0)
-    c.sm90_fwd = true;
+  // The fp32-accurate forward on wgmma (padded D = 64 and 128, streaming the pre-pass's split
+  // copies): the default at 128, 1.3-1.5x the mma.sync 3xTF32 kernel (docs/PERF.md, float32 run 9);
+  // opt-in at 64 (not yet measured). FLASHATTN_CUDA_FP32_FWD=mma|wgmma overrides.
+  if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp)) {
+    const int fwd = env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"});
+    c.sm90_fwd = fwd == 1 || (fwd < 0 && fp32_fwd_wgmma_default(c.dp));
+  }
   // =pair: at D = 64 the pair kernels (as at D = 128) instead of the 128-row split kernels.
   int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma", "pair"});
   if (tf32_bwd < 0) tf32_bwd = 2;

@@ -124,20 +124,22 @@ void check_all_maths(const ProblemConfig& cfg) {
   // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain).
   const bool other_bwd = cfg.head_dim <= 128;
   const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
-  // The fp32-accurate kernels that are not the default on sm_90a: the mma.sync forward at padded
-  // D = 128 (FLASHATTN_CUDA_FP32_FWD=mma; the wgmma 3xTF32 forward is the default there) and the
-  // mma.sync backward at padded D = 64 and 128 (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in
-  // 3xTF32 are the default there).
+  // The fp32-accurate kernels that are not the default on sm_90a: the other forward (padded D = 128:
+  // the mma.sync one, FLASHATTN_CUDA_FP32_FWD=mma, the wgmma 3xTF32 forward being the default there;
+  // D = 64: the opt-in wgmma forward) and the mma.sync backward at padded D = 64 and 128
+  // (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in 3xTF32 are the default there).
   const bool fp32_other = cfg.head_dim <= 128;
+  const char* fp32_fwd_other = cfg.head_dim <= 64 ? "wgmma" : "mma";
   const Errors fp32_w =
-      fp32_other ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, "mma", "mma") : fp32;
+      fp32_other ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, fp32_fwd_other, "mma") : fp32;
   // The tf32 pair kernels at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=pair; the default at D = 128).
   const bool tf32_pair = cfg.head_dim <= 64;
   const Errors tf32_p = tf32_pair ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, "pair") : tf32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str() +
-                           "fp32 (FLASHATTN_CUDA_FP32_FWD=mma, FLASHATTN_CUDA_FP32_BWD=mma):\n" + fp32_w.str() +
+                           "fp32 (FLASHATTN_CUDA_FP32_FWD=" + fp32_fwd_other + ", FLASHATTN_CUDA_FP32_BWD=mma):\n" +
+                           fp32_w.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=pair):\n" + tf32_p.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
@@ -291,7 +293,8 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
                            {"tf32", nullptr, nullptr, nullptr},
                            {"tf32", kTf32BwdOther, nullptr, nullptr},
                            {"3xtf32", nullptr, nullptr, nullptr},
-                           {"3xtf32", nullptr, "mma", "mma"}};
+                           {"3xtf32", nullptr, "mma", "mma"},
+                           {"3xtf32", nullptr, "wgmma", nullptr}};  // (D = 64: the opt-in wgmma forward)
     for (const auto& [math, tf32_bwd, fp32_fwd, fp32_bwd] : runs_of) {
       MathScope scope(math);
       EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);

@@ -155,11 +155,17 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);
     EXPECT_TRUE(select_kernel(shape(4096, 97), num(DType::Float32), 9, 0).sm90_fwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);  // opt-in there
     EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
-    EnvScope e("FLASHATTN_CUDA_FP32_FWD", "mma");
-    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+    {
+      EnvScope e("FLASHATTN_CUDA_FP32_FWD", "mma");
+      EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+    }
+    EnvScope e("FLASHATTN_CUDA_FP32_FWD", "wgmma");
+    for (int64_t d : {1, 40, 64, 128}) EXPECT_TRUE(select_kernel(shape(4096, d), num(DType::Float32), 9, 0).sm90_fwd) << d;
+    EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_fwd);
   }
   {
     // The pair kernels: the default at padded D = 128, a choice at 64.
