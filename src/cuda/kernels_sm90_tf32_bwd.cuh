@@ -30,8 +30,9 @@ namespace flashattn::cuda::dev {
 // dK/dV pass: tk, tv (K, V as the caller stores them; 128-row boxes), tq, tdo (rounded Q, dO),
 // tqt, tdot (Q^T, dO^T: rows = head dim, columns = query slots). The fp32-accurate backward (the
 // pair kernels with X3) reads the stationary operands as the caller stores them (tq, tdo in the
-// dQ pass, tk, tv in the dK/dV pass; split into big and small when loaded into registers) and
-// every streamed one twice: the big copies above and the small parts in the *s maps.
+// dQ pass, tk, tv in the dK/dV pass; split into big and small when loaded into registers - at
+// D = 128 big into registers, small in place in shared memory) and every streamed one twice: the
+// big copies above and the small parts in the *s maps.
 struct Sm90Tf32BwdArgs {
   BwdArgs f;
   CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;

@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
 // ================================================================================================
 // dK/dV pass, pair design. CTA = BK = 64 keys of one (batch, kv head); the producer streams
 // BQ-query tiles of Q, dO, Q^T and dO^T (one thread) and their LSE and D vectors (one warp) over
-// every query head of the group, two stages deep. Per query tile:
+// every query head of the group, two stages deep (kSm: two half stages). Per query tile:
 //   wg 0: S^T = K Q^T; P^T = exp2(S^T sl2 - lse2) (masked); wait(back, t - 1) unless first;
 //         P^T -> xP; arrive(ahead); dV += P^T dO
 //   wg 1: dP^T = V dO^T; wait(ahead, t); P^T <- xP; arrive(back);

@@ -84,7 +84,7 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
 
 // Both float32 backwards on wgmma: tf32 (X3 = false; the split kernels at D = 64 unless
 // a.f32_pair, the pair kernels at D = 128) and fp32-accurate 3xTF32 (X3; the pair kernels at
-// D = 64).
+// D = 64 and 128).
 template <int DP, bool X3, bool kPair>
 bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;

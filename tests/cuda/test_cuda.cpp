@@ -138,8 +138,9 @@ void check_all_maths(const ProblemConfig& cfg) {
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str() +
-                           "fp32 (FLASHATTN_CUDA_FP32_FWD=" + fp32_fwd_other + ", FLASHATTN_CUDA_FP32_BWD=mma):\n" +
-                           fp32_w.str() +
+                           (fp32_other ? std::string("fp32 (FLASHATTN_CUDA_FP32_FWD=") + fp32_fwd_other +
+                                             ", FLASHATTN_CUDA_FP32_BWD=mma):\n" + fp32_w.str()
+                                       : std::string()) +
                            "tf32 (FLASHATTN_CUDA_TF32_BWD=pair):\n" + tf32_p.str();
   for (int i = 0; i < 5; ++i) {
     const char* n = Errors::kNames[i];
