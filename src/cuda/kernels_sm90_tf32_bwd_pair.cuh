@@ -88,24 +88,20 @@ template <class TA, class TB, int KS, int NS>
 __device__ __forceinline__ void pair_scores_sms(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t sa_small,
                                                 uint32_t bx, int part, uint32_t opaque_zero) {
   static_assert(KS == 16, "four chains of 4 k-steps");
-  float x1[NS][4], x2[NS][4], x3[NS][4];
-  wgmma_fence();  // x, x1..x3: written only
-  wg_gemm3_rss_tf32<4, TA, TB, true>(x, ksteps<4>(xa, 0), sa_small, bx, bx + part, 0, false);
-  wg_gemm3_rss_tf32<4, TA, TB, true>(x1, ksteps<4>(xa, 4), sa_small + TA::kBlockBytes, bx + TB::kBlockBytes,
-                                     bx + part + TB::kBlockBytes, 0, false);
-  wg_gemm3_rss_tf32<4, TA, TB, true>(x2, ksteps<4>(xa, 8), sa_small + 2 * TA::kBlockBytes, bx + 2 * TB::kBlockBytes,
-                                     bx + part + 2 * TB::kBlockBytes, 0, false);
-  wg_gemm3_rss_tf32<4, TA, TB, true>(x3, ksteps<4>(xa, 12), sa_small + 3 * TA::kBlockBytes, bx + 3 * TB::kBlockBytes,
-                                     bx + part + 3 * TB::kBlockBytes, 0, false);
+  float xc[3][NS][4];  // chains 1-3 (chain 0 into x)
+  wgmma_fence();       // x, xc: written only
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    wg_gemm3_rss_tf32<4, TA, TB, true>(c == 0 ? x : xc[c - 1], ksteps<4>(xa, 4 * c), sa_small + c * TA::kBlockBytes,
+                                       bx + c * TB::kBlockBytes, bx + part + c * TB::kBlockBytes, 0, false);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(x);
-  fence_regs(x1);
-  fence_regs(x2);
-  fence_regs(x3);
-  add_into(x, x1);
-  add_into(x, x2);
-  add_into(x, x3);
+#pragma unroll
+  for (int c = 0; c < 3; ++c) {
+    fence_regs(xc[c]);
+    add_into(x, xc[c]);
+  }
   keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 }
 
