@@ -118,6 +118,20 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
 
 }  // namespace
 
+cudaStream_t side_stream() {
+  int device = 0;
+  FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::map<int, cudaStream_t> streams;  // never destroyed: a thread's few streams
+  auto it = streams.find(device);
+  if (it != streams.end()) return it->second;
+  int least = 0, greatest = 0;
+  FLASHATTN_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t st = nullptr;
+  FLASHATTN_CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, greatest));
+  streams.emplace(device, st);
+  return st;
+}
+
 cudaMemPool_t workspace_pool() {
   int device = 0;
   FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
@@ -248,6 +262,7 @@ void backward(const BackwardParams& p) {
   a.tf32_dkv_wgmma = c.tf32_dkv_wgmma;
   a.f32_pair = c.f32_pair;
   a.sms = info.sms;
+  a.convert_ctas = convert_ctas(info.sms);
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);

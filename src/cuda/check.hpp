@@ -69,6 +69,57 @@ class Workspace {
   cudaStream_t stream_;
 };
 
+// A second stream of the current device for work that runs beside the caller's stream inside one
+// call (the tf32 operand copies of Q and dO beside the dQ pass): non-blocking, of the device's
+// highest priority (its CTAs are placed before the main stream's waiting ones), one per host
+// thread and device, kept for the thread's lifetime (backend.cu).
+cudaStream_t side_stream();
+
+// Fork and join of side_stream() with the caller's stream: the side stream's work follows what the
+// caller queued before the fork; join() (at the latest the destructor, so on every path out, before
+// the scratch declared earlier is freed on the caller's stream) makes the caller's stream wait for
+// it. Events, not host synchronisation: a stream being captured into a graph captures both.
+class SideStream {
+ public:
+  explicit SideStream(cudaStream_t main) : main_(main), side_(side_stream()) {
+    FLASHATTN_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    const cudaError_t e = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      (void)cudaEventDestroy(fork_);
+      throw_cuda(e, "cudaEventCreateWithFlags(join)");
+    }
+    try {
+      FLASHATTN_CUDA_CHECK(cudaEventRecord(fork_, main_));
+      FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+    } catch (...) {
+      (void)cudaEventDestroy(fork_);
+      (void)cudaEventDestroy(join_);
+      throw;
+    }
+  }
+  ~SideStream() {
+    if (!joined_) {
+      (void)cudaEventRecord(join_, side_);
+      (void)cudaStreamWaitEvent(main_, join_, 0);
+    }
+    (void)cudaEventDestroy(fork_);
+    (void)cudaEventDestroy(join_);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  cudaStream_t get() const { return side_; }
+  void join() {
+    joined_ = true;
+    FLASHATTN_CUDA_CHECK(cudaEventRecord(join_, side_));
+    FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, join_, 0));
+  }
+
+ private:
+  cudaStream_t main_, side_;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  bool joined_ = false;
+};
+
 // Blocks of `per` that cover n.
 inline unsigned grid_blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 

@@ -2,6 +2,9 @@
 // instantiation files inst/*_sm90_d*.cu only, which are compiled for sm_90a alone.
 #pragma once
 
+#include <algorithm>
+#include <optional>
+
 #include "cuda/check.hpp"
 #include "cuda/kernels_sm90.cuh"
 #include "cuda/kernels_sm90_3xtf32.cuh"
@@ -95,16 +98,14 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
   dq.opaque_zero = dkv.opaque_zero = 0;
-  // The dK/dV pass reads K and V as the caller stores them (rounded, or split, when loaded into
-  // registers); so does the 3xTF32 dQ pass with Q and dO.
+  // Each pass reads its stationary operands as the caller stores them (rounded, or split, when
+  // loaded into registers): K and V in the dK/dV pass, Q and dO in the dQ pass - so the dQ pass
+  // needs none of the Q / dO copies, which can be written beside it (below).
   if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m))
+      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
+      !make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
+      !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
     return false;
-  if constexpr (X3) {
-    if (!make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
-        !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
-      return false;
-  }
   // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8]; K, V [B, Hkv, Skv, DP] and
   // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded), and
   // as much again for the small parts (X3); freed on the stream after the passes.
@@ -148,24 +149,26 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   };
   bool ok = maps(big, &dq.tk, &dq.tv, &dq.tkt, &dkv.tq, &dkv.tdo, &dkv.tqt, &dkv.tdot);
   if constexpr (X3) ok = ok && maps(small, &dq.tks, &dq.tvs, &dq.tkts, &dkv.tqs, &dkv.tdos, &dkv.tqts, &dkv.tdots);
-  // The tf32 dQ pass reads the rounded Q and dO copies in 64-row boxes: the dK/dV pass's maps
-  // when its block_n is 64 (D = 64).
-  if constexpr (!X3) {
-    if constexpr (ck.block_n == 64) {
-      dq.tq = dkv.tq;
-      dq.tdo = dkv.tdo;
+  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
+  // Q, dO copies: only the wgmma dK/dV pass reads them. With convert_ctas > 0 they are written on
+  // a side stream by that many CTAs (one per multiprocessor) while the dQ pass runs on the other
+  // multiprocessors - the copies are memory-bound, the pass compute-bound, and the copies before
+  // the passes were 8-20% of a call at S = 1k (docs/PERF.md, float32 run 10). `side` is declared
+  // after the workspace, so it joins before the workspace is freed on every path out.
+  std::optional<SideStream> side;
+  if (dkv_wgmma) {
+    const OperandJob oq{a.p.q, s.batch, s.heads_q, s.seq_q, big.q, big.qt, small.q, small.qt};
+    const OperandJob odo{a.p.dout, s.batch, s.heads_q, s.seq_q, big.dout, big.dot, small.dout, small.dot};
+    const int64_t units = oq.units() + odo.units();
+    if (a.convert_ctas > 0) {
+      side.emplace(stream);
+      const int ctas = static_cast<int>(std::min<int64_t>(a.convert_ctas, (units + 3) / 4));
+      launch_tf32_operands_narrow(OperandJobs{{oq, odo}, 2, static_cast<int>(s.head_dim)}, DP, ctas, side->get());
     } else {
-      ok = ok &&
-           make_tensor_map32(&dq.tq, rows(big.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64) &&
-           make_tensor_map32(&dq.tdo, rows(big.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, 64);
+      for (const OperandJob& o : {oq, odo})
+        launch_tf32_operands(o.x, o.batch, o.heads, o.seq, s.head_dim, DP, o.xr, o.xt, stream, o.xs, o.xts);
     }
   }
-  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
-  // Q^T and dO^T only feed the wgmma dK/dV kernel.
-  launch_tf32_operands(a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, big.q, dkv_wgmma ? big.qt : nullptr, stream,
-                       small.q, small.qt);
-  launch_tf32_operands(a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, DP, big.dout, dkv_wgmma ? big.dot : nullptr,
-                       stream, small.dout, small.dot);
   launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.k, big.kt, stream, small.k, small.kt);
   launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.v, nullptr, stream, small.v, nullptr);
   const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
@@ -178,11 +181,13 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     const dim3 pk(persistent_ctas(static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z, a.sms));
     launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(),
                    smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3), stream, dq, "dq_tf32_sm90_pair kernel launch");
+    if (side) side->join();
     launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, pk, ck.threads(),
                    smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
   } else {
     launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, false),
                    stream, dq, "dq_tf32_sm90 kernel launch");
+    if (side) side->join();
     if (!dkv_wgmma) {
       launch_dkv<DP, Math::Tf32>(a, stream);
       return true;

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -163,11 +164,12 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
 // coalesced rows. kVec (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads and
 // stores, four rows in flight per thread - the scalar loop moved 2.4 TB/s (docs/PERF.md, float32
 // run 7b), a quarter of the call at S = 1k.
-template <int DP, bool kVec, bool kSplit>
-__global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
-                                                           float* xr, float* xt, float* xs, float* xts) {
-  __shared__ float tile[64][DP + 1];
-  const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
+// One unit of the copies: rows [n0, n0 + 64) of one (b, h) (bh = b * heads + h), by the 256
+// threads tid of a group that owns `tile` and meets at `sync` (the whole CTA, or a named barrier).
+template <int DP, bool kVec, bool kSplit, class Sync>
+__device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64_t h, int64_t bh, int64_t n0,
+                                                  int64_t seq, int head_dim, int64_t seq8, float* xr, float* xt,
+                                                  float* xs, float* xts, float (*tile)[DP + 1], int tid, Sync sync) {
   const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
   float* dst = xr != nullptr ? xr + bh * seq * DP : nullptr;
   float* dsts = kSplit && xs != nullptr ? xs + bh * seq * DP : nullptr;
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
   if constexpr (kVec) {
     constexpr int kChunks = DP / 4;  // 16-byte chunks per row
 #pragma unroll 4
-    for (int i = static_cast<int>(threadIdx.x); i < 64 * kChunks; i += 256) {
+    for (int i = tid; i < 64 * kChunks; i += 256) {
       const int r = i / kChunks, c = (i % kChunks) * 4;
       const int64_t n = n0 + r;
       float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
       tile[r][c + 3] = v.w;
     }
   } else {
-    for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
+    for (int i = tid; i < 64 * DP; i += 256) {
       const int r = i / DP, c = i % DP;
       const int64_t n = n0 + r;
       const float v = n < seq && c < head_dim ? src[n * x.ss + c] : 0.0f;
@@ -206,11 +208,11 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
     }
   }
   if (xt == nullptr) return;
-  __syncthreads();
+  sync();
   float* dt = xt + bh * DP * seq8;
   float* dts = kSplit && xts != nullptr ? xts + bh * DP * seq8 : nullptr;
 #pragma unroll 4
-  for (int i = static_cast<int>(threadIdx.x); i < 64 * DP; i += 256) {
+  for (int i = tid; i < 64 * DP; i += 256) {
     const int d = i / 64, r = i % 64;
     const int64_t col = n0 + tf32_slot(r);
     if (col < seq8) {
@@ -218,6 +220,37 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
       dt[d * seq8 + col] = big(v);
       if (kSplit && dts != nullptr) dts[d * seq8 + col] = small(v);
     }
+  }
+}
+
+template <int DP, bool kVec, bool kSplit>
+__global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, int head_dim, int64_t seq8,
+                                                           float* xr, float* xt, float* xs, float* xts) {
+  __shared__ float tile[64][DP + 1];
+  const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h, n0 = static_cast<int64_t>(blockIdx.x) * 64;
+  tf32_operand_unit<DP, kVec, kSplit>(x, b, h, bh, n0, seq, head_dim, seq8, xr, xt, xs, xts, tile,
+                                      static_cast<int>(threadIdx.x), [] { __syncthreads(); });
+}
+
+// The same copies for up to two operands (Q and dO) by a few CTAs of 1024 threads, one per
+// multiprocessor (the shared memory asked for keeps a second away), that run beside the dQ pass
+// on the other multiprocessors (launch_tf32_operands_narrow). Each CTA is four groups of 256
+// threads, each walking units (64 rows of one (b, h) of one operand) with its own tile: 4 x the
+// loads in flight of the one-unit CTA, since a few multiprocessors must keep many bytes moving.
+template <int DP, bool kVec, bool kSplit>
+__global__ void __launch_bounds__(1024, 1) tf32_operand_narrow_kernel(const __grid_constant__ OperandJobs J) {
+  extern __shared__ float4 smem4[];
+  const int grp = static_cast<int>(threadIdx.x) / 256, tid = static_cast<int>(threadIdx.x) % 256;
+  float(*tile)[DP + 1] = reinterpret_cast<float(*)[DP + 1]>(smem4) + 64 * grp;
+  auto sync = [grp] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); };
+  const int64_t units0 = J.job[0].units(), total = units0 + (J.n > 1 ? J.job[1].units() : 0);
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * 4 + grp; u < total; u += static_cast<int64_t>(gridDim.x) * 4) {
+    const int j = u < units0 ? 0 : 1;
+    const OperandJob& o = J.job[j];
+    const int64_t v = u - (j ? units0 : 0), nx = (o.seq + 63) / 64, bh = v / nx;
+    tf32_operand_unit<DP, kVec, kSplit>(o.x, bh / o.heads, bh % o.heads, bh, (v % nx) * 64, o.seq, J.head_dim,
+                                        (o.seq + 7) / 8 * 8, o.xr, o.xt, o.xs, o.xts, tile, tid, sync);
+    sync();  // the tile's last reads before the next unit's writes
   }
 }
 
@@ -334,6 +367,38 @@ void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t se
     default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
   }
   check_launch("tf32 operand kernel launch");
+}
+
+
+void launch_tf32_operands_narrow(const OperandJobs& jobs, int dp, int ctas, cudaStream_t stream) {
+  bool vec = true, split = false;
+  for (int j = 0; j < jobs.n; ++j) {
+    const OperandJob& o = jobs.job[j];
+    vec = vec && jobs.head_dim == dp && vec_ok(o.x, 4);
+    split = split || o.xs != nullptr || o.xts != nullptr;
+    if (o.xts != nullptr && o.xt == nullptr)
+      throw Error(Status::Internal, "cuda tf32 operands: a transposed small part needs the transposed copy");
+  }
+  auto run = [&](auto dpc, auto split_c) {
+    constexpr int DP = decltype(dpc)::value;
+    constexpr bool S = decltype(split_c)::value;
+    // Four tiles, and at least 116 KiB: with more than half of the multiprocessor's 227 KiB taken
+    // no second CTA lands on it, so `ctas` CTAs hold `ctas` multiprocessors.
+    const int smem = std::max<int>(4 * 64 * (DP + 1) * 4, 116 * 1024);
+    if (vec) launch_checked(dev::tf32_operand_narrow_kernel<DP, true, S>, dim3(ctas), 1024, smem, stream, jobs,
+                            "tf32 operand (narrow) kernel launch");
+    else launch_checked(dev::tf32_operand_narrow_kernel<DP, false, S>, dim3(ctas), 1024, smem, stream, jobs,
+                        "tf32 operand (narrow) kernel launch");
+  };
+  auto run_dp = [&](auto dpc) {
+    if (split) run(dpc, std::true_type{});
+    else run(dpc, std::false_type{});
+  };
+  switch (dp) {
+    case 64: run_dp(std::integral_constant<int, 64>{}); break;
+    case 128: run_dp(std::integral_constant<int, 128>{}); break;
+    default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
+  }
 }
 
 }  // namespace flashattn::cuda

@@ -176,4 +176,18 @@ int persistent_ctas(int64_t items, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, n)));
 }
 
+int convert_ctas(int sms) {
+  int n = sms / 4;
+  const char* env = std::getenv("FLASHATTN_CUDA_CONVERT_CTAS");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (*end != '\0' || v < 0 || v > 100000)
+      throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_CONVERT_CTAS = '") + env +
+                                               "' is not a count (0: the copies before the passes)");
+    n = static_cast<int>(v);
+  }
+  return std::max(0, n);
+}
+
 }  // namespace flashattn::cuda

@@ -41,4 +41,11 @@ bool use_pingpong(const Shape& s, int dp);
 // multiprocessor), for tests and measurement.
 int persistent_ctas(int64_t items, int sms);
 
+// The CTAs (one per multiprocessor) that write the tf32 copies of Q and dO of the float32 sm_90a
+// backward on a side stream while the dQ pass, which does not read them, runs on the other
+// multiprocessors; 0: the copies run before the passes, on the whole GPU. Default: a quarter of
+// the multiprocessors. FLASHATTN_CUDA_CONVERT_CTAS=N overrides (0: before the passes), for
+// measurement.
+int convert_ctas(int sms);
+
 }  // namespace flashattn::cuda

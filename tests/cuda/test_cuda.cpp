@@ -370,6 +370,50 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
   }
 }
 
+// The float32 sm_90a backward writes the Q / dO operand copies on a side stream beside the dQ pass
+// (FLASHATTN_CUDA_CONVERT_CTAS CTAs, a grid-stride walk over 64-row units of both operands) or
+// before the passes (0): the same bits either way, with one CTA walking every unit, and right.
+// head_dim 100 takes the scalar path of the copies, GQA and Sq != Skv give the two operands
+// different unit counts than K and V.
+TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t d;
+    Mask mask;
+    Precision prec;
+    int64_t sq, skv;
+  };
+  for (const Case& k : {Case{64, Mask::CausalTopLeft, Precision::Fp32, 333, 200},
+                        Case{64, Mask::None, Precision::Tf32, 97, 130},
+                        Case{128, Mask::CausalBottomRight, Precision::Fp32, 150, 300},
+                        Case{128, Mask::None, Precision::Tf32, 1, 17},
+                        Case{100, Mask::CausalTopLeft, Precision::Fp32, 257, 64}}) {
+    ProblemConfig c;
+    c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
+    c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 13;
+    Problem p(c);
+    DeviceProblem dp(p);
+    ASSERT_TRUE(dp.ok());
+    const Options o = cuda_options(c, k.prec);
+    std::vector<Snapshot> runs;
+    for (const char* ctas : {"0", "1", "5"}) {
+      EnvScope ctas_scope("FLASHATTN_CUDA_CONVERT_CTAS", ctas);
+      runs.push_back(fresh_run(p, dp, o));
+    }
+    EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
+    const Reference ref = reference_for(p);
+    testing::ErrorStats e[3] = {testing::compare(p.to_double(p.dq), ref.bwd.dq),
+                                testing::compare(p.to_double(p.dk), ref.bwd.dk),
+                                testing::compare(p.to_double(p.dv), ref.bwd.dv)};
+    const double scale = std::max({e[0].max_ref, e[1].max_ref, e[2].max_ref});
+    for (auto& x : e) {
+      x.max_ref = scale;
+      EXPECT_EQ(0, x.nan) << c.describe();
+      EXPECT_LE(rel(x), k.prec == Precision::Tf32 ? kTf32Tol : kFmaTol) << c.describe();
+    }
+  }
+}
+
 // ---- streams: work goes to the options' stream; same bits as the default stream -------------
 TEST(CudaStream, UserStreamMatchesDefault) {
   REQUIRE_GPU();
