@@ -324,14 +324,14 @@ FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, b
 // dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
 // design: the P^T exchange buffer. x3: every streamed tile twice (big, small); pair_small_in_smem:
 // one tile's copies (its two half stages) instead of two stages.
-// Each: 1 KiB for alignment and 8 mbarriers.
+// Each: 1 KiB for alignment, 8 mbarriers and the block queue's two slots (BlockQueue).
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp, bool pair, bool x3 = false) {
   const TileConfig90 c = tile_config90_tf32_bwd(pass, pair);
   const int parts = x3 ? 2 : 1, stages = pair && pair_small_in_smem(dp, x3) ? 1 : 2;
   const int exchange = pair ? (pass == Pass::Dq ? 1 + parts : 1) * c.block_m * c.block_n * 4 : 0;
-  return exchange + (pass == Pass::Dq ? (2 * c.block_m + stages * 3 * parts * c.block_n) * dp * 4 + 1024 + 8 * 8
+  return exchange + (pass == Pass::Dq ? (2 * c.block_m + stages * 3 * parts * c.block_n) * dp * 4 + 1024 + 8 * 8 + 16
                                       : (2 * c.block_m + stages * 4 * parts * c.block_n) * dp * 4 +
-                                            2 * 2 * c.block_n * 4 + 1024 + 8 * 8);
+                                            2 * 2 * c.block_n * 4 + 1024 + 8 * 8 + 16);
 }
 constexpr bool tiles90_tf32_bwd_fit() {
   for (Pass p : {Pass::Dq, Pass::Dkv})

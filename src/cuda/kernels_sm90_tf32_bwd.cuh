@@ -14,6 +14,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <type_traits>
 
 #include "core/mask.hpp"
@@ -38,6 +39,24 @@ struct Sm90Tf32BwdArgs {
   CUtensorMap tq, tdo, tk, tv, tkt, tqt, tdot;
   CUtensorMap tks, tvs, tkts, tqs, tdos, tqts, tdots;
   uint32_t opaque_zero;  // 0, unknown to the compiler (keep_live_in_loop, wgmma.cuh)
+  int* queue;  // the pair kernels launched with fewer CTAs than blocks: this pass's counter (BlockQueue)
+};
+
+// The block sequence of a pair kernel's CTA. One CTA per block (queue == nullptr, the default):
+// block blockIdx.x alone. Fewer CTAs than blocks (FLASHATTN_CUDA_PERSISTENT_CTAS): block blockIdx.x
+// first, then each next one taken from a global counter (zeroed before the launch) by the producer
+// thread, so that a CTA whose blocks ran short takes more - causal blocks differ in length, and a
+// fixed walk (c, c + N, ...) left CTAs idle while others worked (docs/PERF.md float32 run 8b).
+// The producer thread publishes the k-th block's index in shared slot k & 1 before the arrival that
+// starts the block's stationary copy, and an index >= the block count (then arriving without a
+// copy) ends the CTA; the consumers read the slot once that barrier phase has completed. A slot is
+// written again two blocks later, after the consumers released the block in between.
+struct BlockQueue {
+  int* counter;  // global (nullptr: one block per CTA)
+  int* slot;     // shared, [2]
+  __device__ __forceinline__ int next() const {
+    return counter == nullptr ? INT_MAX : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+  }
 };
 
 // A block's place in a persistent CTA's sequence of blocks (the pair kernels): the block is the

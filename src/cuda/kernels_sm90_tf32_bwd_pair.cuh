@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
   uint64_t* empty_q = bars + 7;  // Q and dO read into registers (persistent: the next block's may land)
+  const BlockQueue queue{A.queue, reinterpret_cast<int*>(bars + 8)};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -195,20 +196,29 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   init_exchange_barriers(ahead, back, empty_q, TC);
   init_stage_barriers(full_q, full, 1, empty, TC);
 
-  // Persistent-capable: the CTA runs blocks blockIdx.x, + gridDim.x, ... (work_item; one block per
-  // CTA by default, select.hpp persistent_ctas); the tiles of all of them form one sequence through
-  // the stages and the exchange (g0: the block's first tile in it).
+  // Persistent-capable: the CTA runs the blocks of its BlockQueue (work_item; one block per CTA by
+  // default, select.hpp persistent_ctas); the tiles of all of them form one sequence through the
+  // stages and the exchange (g0: the block's first tile in it).
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
     if (threadIdx.x == TC) {
       ItemPhase ph{empty_q, 0, 0};
-      for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
+      for (int i = static_cast<int>(blockIdx.x);; ++ph.k) {
+        if (ph.k > 0 && queue.counter == nullptr) break;  // one block per CTA
+        ph.wait_once();  // the consumers released the last block (and read its slot)
+        queue.slot[ph.k & 1] = i;
+        if (i >= nitems) {
+          mbar_arrive(full_q);  // no copy: the consumers read the end
+          break;
+        }
+        const int next = queue.next();  // early: the atomic's latency under this block's copies
         const WorkItem w = work_item(i, nx, p.shape.heads_q);
         const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
         copy_dq_tiles<DP, BM, BN, X3, kSm>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
         ph.g0 += qb.ntiles;
+        i = next;
       }
     }
     return;
@@ -218,8 +228,12 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   regs_increase<C.consumer_regs()>();
   const int wq = (threadIdx.x / 32) & 3, g = lane_id() >> 2;
   const uint32_t stage_addr = smem_addr(sStage);
-  int g0 = 0, k = 0;
-  for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
+  int g0 = 0;
+  for (int k = 0;; ++k) {
+    if (k > 0 && queue.counter == nullptr) break;  // one block per CTA
+    mbar_wait(full_q, k & 1);  // the block's Q and dO (or the end) have landed
+    const int i = queue.slot[k & 1];
+    if (i >= nitems) break;
     const WorkItem w = work_item(i, nx, p.shape.heads_q);
     const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
     const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
@@ -238,7 +252,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs;
     // kSm: the small part over the tile in shared memory, read there until the block ends).
     uint32_t xa[KS][4], xs[X3 && !kSm ? KS : 1][4];
-    mbar_wait(full_q, k & 1);
     if constexpr (kSm) split_stationary<TQ>(xa, wg == 0 ? sQ : sdO, wq, wg);
     else if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
     else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
@@ -353,6 +366,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
   uint64_t* empty_kv = bars + 7;  // K and V read into registers (persistent: the next block's may land)
+  const BlockQueue queue{A.queue, reinterpret_cast<int*>(bars + 8)};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -363,17 +377,35 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   // kSm: the LSE/D lanes arrive on the scores half's barrier only.
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC, kSm ? 1 : -1);
 
-  // Persistent, as the dQ pair kernel: blocks blockIdx.x, + gridDim.x, ..., one tile sequence.
+  // Persistent-capable, as the dQ pair kernel: the blocks of its BlockQueue, one tile sequence.
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
-    // ---- producer -------------------------------------------------------------------------------
+    // ---- producer: warp 0's first thread copies, warp 1 fills the LSE/D vectors -------------------
     regs_decrease<C.producer_regs>();
+    const int pw = (threadIdx.x - TC) / 32;
+    if (pw >= 2) return;
+    const bool leader = pw == 0 && lane_id() == 0;
     ItemPhase ph{empty_kv, 0, 0};
-    for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++ph.k) {
-      const WorkItem w = work_item(i, nx, p.shape.heads_kv);
+    for (int i = static_cast<int>(blockIdx.x);; ++ph.k) {
+      if (ph.k > 0 && queue.counter == nullptr) break;  // one block per CTA
+      if (leader) {
+        ph.wait_once();  // the consumers released the last block (and read its slot)
+        queue.slot[ph.k & 1] = i;
+      }
+      // Warps 0 and 1 meet once per block: warp 1 reads the slot written above, and the leader
+      // writes it again only after warp 1 met it here for the next block.
+      named_barrier(3, 64);
+      const int item = queue.slot[ph.k & 1];
+      if (item >= nitems) {
+        if (leader) mbar_arrive(full_kv);  // no copy: the consumers read the end
+        break;
+      }
+      const int next = leader ? queue.next() : 0;
+      const WorkItem w = work_item(item, nx, p.shape.heads_kv);
       const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
-      copy_dkv_tiles<DP, BK, BQ, X3, kSm>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
+      copy_dkv_tiles<DP, BK, BQ, X3, kSm>(A, kb, pw, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
       ph.g0 += kb.ntiles;
+      i = next;
     }
     return;
   }
@@ -383,8 +415,12 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   const int wq = (threadIdx.x / 32) & 3, lane = lane_id();
   const int krow = 16 * wq;  // the warp's first key row in the CTA
   const uint32_t stage_addr = smem_addr(sStage);
-  int g0 = 0, k = 0;
-  for (int64_t i = blockIdx.x; i < nitems; i += gridDim.x, ++k) {
+  int g0 = 0;
+  for (int k = 0;; ++k) {
+    if (k > 0 && queue.counter == nullptr) break;  // one block per CTA
+    mbar_wait(full_kv, k & 1);  // the block's K and V (or the end) have landed
+    const int i = queue.slot[k & 1];
+    if (i >= nitems) break;
     const WorkItem w = work_item(i, nx, p.shape.heads_kv);
     const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
     const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
@@ -395,7 +431,6 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     // K (scores side) or V (gradient side); X3: split into big (xa) and small (xs; kSm: the
     // small part over the tile in shared memory, read there until the block ends).
     uint32_t xa[KS][4], xs[X3 && !kSm ? KS : 1][4];
-    mbar_wait(full_kv, k & 1);
     if constexpr (kSm) split_stationary<TK>(xa, wg == 0 ? sK : sV, wq, wg);
     else if constexpr (X3) load_afrag_split_tf32<TK>(xa, xs, wg == 0 ? sK : sV, krow, 0);
     else load_afrag_tf32<TK>(xa, wg == 0 ? sK : sV, krow);

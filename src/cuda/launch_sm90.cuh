@@ -98,6 +98,7 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   dev::Sm90Tf32BwdArgs dq, dkv;
   dq.f = dkv.f = a;
   dq.opaque_zero = dkv.opaque_zero = 0;
+  dq.queue = dkv.queue = nullptr;
   // Each pass reads its stationary operands as the caller stores them (rounded, or split, when
   // loaded into registers): K and V in the dK/dV pass, Q and dO in the dQ pass - so the dQ pass
   // needs none of the Q / dO copies, which can be written beside it (below).
@@ -115,7 +116,8 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
   const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
-  Workspace ws((X3 ? 2 : 1) * part * sizeof(float), stream);
+  // (+ 4: the persistent pair kernels' two block counters, BlockQueue)
+  Workspace ws(((X3 ? 2 : 1) * part + 4) * sizeof(float), stream);
   struct Copies {
     float *q, *dout, *qt, *dot, *k, *v, *kt;
   };
@@ -175,10 +177,19 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));
   if constexpr (kPair) {
-    // One CTA per block unless FLASHATTN_CUDA_PERSISTENT_CTAS asks for fewer walking the blocks
-    // (persistent_ctas; work_item order).
-    const dim3 pq(persistent_ctas(static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z, a.sms));
-    const dim3 pk(persistent_ctas(static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z, a.sms));
+    // One CTA per multiprocessor walking the blocks (work_item order, each next block from a
+    // counter), or one per block at 3xTF32 D = 128 (persistent_ctas).
+    const int64_t nq_blocks = static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z;
+    const int64_t nk_blocks = static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z;
+    constexpr bool kWalk = !pair_small_in_smem(DP, X3);  // the next block's copies can land early
+    const dim3 pq(persistent_ctas(nq_blocks, a.sms, kWalk)), pk(persistent_ctas(nk_blocks, a.sms, kWalk));
+    // Fewer CTAs than blocks: each takes its next block from a counter (BlockQueue), zeroed here.
+    int* counters = reinterpret_cast<int*>(ws.get() + (X3 ? 2 : 1) * part);
+    if (pq.x < nq_blocks || pk.x < nk_blocks) {
+      FLASHATTN_CUDA_CHECK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), stream));
+      dq.queue = pq.x < nq_blocks ? counters : nullptr;
+      dkv.queue = pk.x < nk_blocks ? counters + 1 : nullptr;
+    }
     launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(),
                    smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3), stream, dq, "dq_tf32_sm90_pair kernel launch");
     if (side) side->join();

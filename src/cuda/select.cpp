@@ -161,8 +161,8 @@ bool use_pingpong(const Shape& s, int dp) {
   return dp <= 64 || s.seq_kv <= 4096;
 }
 
-int persistent_ctas(int64_t items, int sms) {
-  int64_t n = items;
+int persistent_ctas(int64_t items, int sms, bool persistent) {
+  int64_t n = persistent && sms > 0 ? sms : items;
   const char* env = std::getenv("FLASHATTN_CUDA_PERSISTENT_CTAS");
   if (env != nullptr && *env != '\0') {
     char* end = nullptr;
@@ -170,7 +170,7 @@ int persistent_ctas(int64_t items, int sms) {
     if ((end != nullptr && *end != '\0') || v < 0 || v > 1000000)
       throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_PERSISTENT_CTAS = '") + env +
                                                "' is not a count or 'sms' (0: one CTA per block)");
-    if (v > 0) n = v;
+    n = v > 0 ? v : items;
   }
   // (A grid dimension holds 2^31 - 1 blocks; select_kernel bounds the block counts far below.)
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, n)));
