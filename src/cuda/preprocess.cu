@@ -162,8 +162,8 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
 // (nullptr: not written; the 3xTF32 forward wants K's rows and V's transposed only). One CTA:
 // 64 rows of one (b, h), staged in shared memory as read so that every output is written in whole
 // coalesced rows. kVec (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads and
-// stores, four rows in flight per thread - the scalar loop moved 2.4 TB/s (docs/PERF.md, float32
-// run 7b), a quarter of the call at S = 1k.
+// stores, all DP / 16 of a thread's loads in flight at once - the scalar loop moved 2.4 TB/s
+// (docs/PERF.md, float32 run 7b), a quarter of the call at S = 1k.
 // One unit of the copies: rows [n0, n0 + 64) of one (b, h) (bh = b * heads + h), by the 256
 // threads tid of a group that owns `tile` and meets at `sync` (the whole CTA, or a named barrier).
 template <int DP, bool kVec, bool kSplit, class Sync>
@@ -177,14 +177,23 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
   auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
   auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
   if constexpr (kVec) {
-    constexpr int kChunks = DP / 4;  // 16-byte chunks per row
-#pragma unroll 4
-    for (int i = tid; i < 64 * kChunks; i += 256) {
-      const int r = i / kChunks, c = (i % kChunks) * 4;
+    // Every load of the unit first (DP / 16 per thread), then the stores: interleaved, the
+    // compiler cannot move a load above a store to memory it might alias, so a thread had one
+    // 16-byte load in flight at a time (docs/PERF.md float32 run 10e).
+    constexpr int kChunks = DP / 4, kPer = 64 * kChunks / 256;  // 16-byte chunks per row, per thread
+    float4 vs[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = tid + 256 * j, r = i / kChunks, c = (i % kChunks) * 4;
       const int64_t n = n0 + r;
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      vs[j] = n < seq ? __ldg(reinterpret_cast<const float4*>(src + n * x.ss + c)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = tid + 256 * j, r = i / kChunks, c = (i % kChunks) * 4;
+      const int64_t n = n0 + r;
+      const float4 v = vs[j];
       if (n < seq) {
-        v = *reinterpret_cast<const float4*>(src + n * x.ss + c);
         if (dst != nullptr)
           *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
         if (kSplit && dsts != nullptr)
