@@ -118,18 +118,43 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
 
 }  // namespace
 
+namespace {
+// A thread's side streams, destroyed when the thread ends.
+struct SideStreams {
+  std::map<int, cudaStream_t> by_device;
+  ~SideStreams() {
+    for (auto& kv : by_device) (void)cudaStreamDestroy(kv.second);
+  }
+};
+}  // namespace
+
 cudaStream_t side_stream() {
   int device = 0;
   FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
-  thread_local std::map<int, cudaStream_t> streams;  // never destroyed: a thread's few streams
-  auto it = streams.find(device);
-  if (it != streams.end()) return it->second;
+  thread_local SideStreams streams;
+  auto it = streams.by_device.find(device);
+  if (it != streams.by_device.end()) return it->second;
   int least = 0, greatest = 0;
   FLASHATTN_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   cudaStream_t st = nullptr;
   FLASHATTN_CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, greatest));
-  streams.emplace(device, st);
+  streams.by_device.emplace(device, st);
   return st;
+}
+
+bool side_stream_free(cudaStream_t main) {
+  cudaStreamCaptureStatus a = cudaStreamCaptureStatusNone, b = cudaStreamCaptureStatusNone;
+  // (An error here - e.g. the legacy stream queried during another thread's global capture -
+  // means "not free": the caller then keeps its work on its own stream.)
+  if (cudaStreamIsCapturing(main, &a) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (cudaStreamIsCapturing(side_stream(), &b) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a == cudaStreamCaptureStatusNone && b == cudaStreamCaptureStatusNone;
 }
 
 cudaMemPool_t workspace_pool() {
@@ -262,7 +287,6 @@ void backward(const BackwardParams& p) {
   a.tf32_dkv_wgmma = c.tf32_dkv_wgmma;
   a.f32_pair = c.f32_pair;
   a.sms = info.sms;
-  a.convert_ctas = convert_ctas(info.sms);
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
   launch_preprocess(a, stream);

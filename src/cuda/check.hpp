@@ -72,13 +72,17 @@ class Workspace {
 // A second stream of the current device for work that runs beside the caller's stream inside one
 // call (the tf32 operand copies of Q and dO beside the dQ pass): non-blocking, of the device's
 // highest priority (its CTAs are placed before the main stream's waiting ones), one per host
-// thread and device, kept for the thread's lifetime (backend.cu).
+// thread and device, destroyed when the thread ends (backend.cu).
 cudaStream_t side_stream();
+// Whether work may fork onto side_stream() from `main`: neither stream is being captured into a
+// graph (a side stream that joined one capture stays in it until that capture ends, and cannot join
+// another; captured calls keep all their work on the caller's stream).
+bool side_stream_free(cudaStream_t main);
 
 // Fork and join of side_stream() with the caller's stream: the side stream's work follows what the
 // caller queued before the fork; join() (at the latest the destructor, so on every path out, before
 // the scratch declared earlier is freed on the caller's stream) makes the caller's stream wait for
-// it. Events, not host synchronisation: a stream being captured into a graph captures both.
+// it. Events, not host synchronisation.
 class SideStream {
  public:
   explicit SideStream(cudaStream_t main) : main_(main), side_(side_stream()) {
@@ -109,9 +113,9 @@ class SideStream {
   SideStream& operator=(const SideStream&) = delete;
   cudaStream_t get() const { return side_; }
   void join() {
-    joined_ = true;
     FLASHATTN_CUDA_CHECK(cudaEventRecord(join_, side_));
     FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, join_, 0));
+    joined_ = true;
   }
 
  private:

@@ -26,7 +26,8 @@
 
 namespace flashattn::cuda::dev {
 
-// Tensor maps (4-d, boxes of 32 columns): dQ pass: tq, tdo (rounded Q, dO; 64-row boxes),
+// Tensor maps (4-d, boxes of 32 columns): dQ pass: tq, tdo (Q, dO as the caller stores them,
+// rounded or split when loaded into registers; 64-row boxes),
 // tk, tv (rounded K, V; 64-row boxes), tkt (K^T: rows = head dim, columns = key slots);
 // dK/dV pass: tk, tv (K, V as the caller stores them; 128-row boxes), tq, tdo (rounded Q, dO),
 // tqt, tdot (Q^T, dO^T: rows = head dim, columns = query slots). The fp32-accurate backward (the
@@ -42,11 +43,12 @@ struct Sm90Tf32BwdArgs {
   int* queue;  // the pair kernels launched with fewer CTAs than blocks: this pass's counter (BlockQueue)
 };
 
-// The block sequence of a pair kernel's CTA. One CTA per block (queue == nullptr, the default):
-// block blockIdx.x alone. Fewer CTAs than blocks (FLASHATTN_CUDA_PERSISTENT_CTAS): block blockIdx.x
-// first, then each next one taken from a global counter (zeroed before the launch) by the producer
-// thread, so that a CTA whose blocks ran short takes more - causal blocks differ in length, and a
-// fixed walk (c, c + N, ...) left CTAs idle while others worked (docs/PERF.md float32 run 8b).
+// The block sequence of a pair kernel's CTA. One CTA per block (queue == nullptr): block
+// blockIdx.x alone. Fewer CTAs than blocks (the default, select.hpp persistent_ctas): every block,
+// the first too, taken from a global counter (zeroed before the launch) by the producer thread, so
+// that a CTA whose blocks ran short takes more - causal blocks differ in length, and a fixed walk
+// (c, c + N, ...) left CTAs idle while others worked (docs/PERF.md float32 run 8b) - and a CTA that
+// starts late (its multiprocessor busy with the side stream's copies) holds no block meanwhile.
 // The producer thread publishes the k-th block's index in shared slot k & 1 before the arrival that
 // starts the block's stationary copy, and an index >= the block count (then arriving without a
 // copy) ends the CTA; the consumers read the slot once that barrier phase has completed. A slot is
@@ -54,9 +56,10 @@ struct Sm90Tf32BwdArgs {
 struct BlockQueue {
   int* counter;  // global (nullptr: one block per CTA)
   int* slot;     // shared, [2]
-  __device__ __forceinline__ int next() const {
-    return counter == nullptr ? INT_MAX : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+  __device__ __forceinline__ int first() const {
+    return counter == nullptr ? static_cast<int>(blockIdx.x) : atomicAdd(counter, 1);
   }
+  __device__ __forceinline__ int next() const { return counter == nullptr ? INT_MAX : atomicAdd(counter, 1); }
 };
 
 // A block's place in a persistent CTA's sequence of blocks (the pair kernels): the block is the

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     regs_decrease<C.producer_regs>();
     if (threadIdx.x == TC) {
       ItemPhase ph{empty_q, 0, 0};
-      for (int i = static_cast<int>(blockIdx.x);; ++ph.k) {
+      for (int i = queue.first();; ++ph.k) {
         if (ph.k > 0 && queue.counter == nullptr) break;  // one block per CTA
         ph.wait_once();  // the consumers released the last block (and read its slot)
         queue.slot[ph.k & 1] = i;
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     if (pw >= 2) return;
     const bool leader = pw == 0 && lane_id() == 0;
     ItemPhase ph{empty_kv, 0, 0};
-    for (int i = static_cast<int>(blockIdx.x);; ++ph.k) {
+    for (int i = leader ? queue.first() : 0;; ++ph.k) {
       if (ph.k > 0 && queue.counter == nullptr) break;  // one block per CTA
       if (leader) {
         ph.wait_once();  // the consumers released the last block (and read its slot)
@@ -394,6 +394,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       }
       // Warps 0 and 1 meet once per block: warp 1 reads the slot written above, and the leader
       // writes it again only after warp 1 met it here for the next block.
+      __syncwarp();
       named_barrier(3, 64);
       const int item = queue.slot[ph.k & 1];
       if (item >= nitems) {

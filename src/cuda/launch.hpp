@@ -40,7 +40,6 @@ struct BwdArgs {
   bool tf32_dkv_wgmma;
   bool f32_pair;  // float32 backward on sm_90a: the pair kernels (a choice at D = 64 in tf32 mode)
   int sms;  // the device's multiprocessors: the persistent pair kernels' CTAs (persistent_ctas)
-  int convert_ctas;  // float32 sm_90a backward: the Q / dO copies' CTAs beside the dQ pass (convert_ctas)
 };
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.
@@ -95,7 +94,7 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream);
 // (preprocess.cu).
 void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
                           float* xr, float* xt, cudaStream_t stream, float* xs = nullptr, float* xts = nullptr);
-// The same copies of up to two operands of one head dim (Q and dO) by `ctas` CTAs of 1024 threads,
+// The same copies of up to two operands of one head dim (Q and dO) by `ctas` CTAs (768 threads),
 // one per multiprocessor, meant to run on a side stream beside the dQ pass (launch_bwd_f32_sm90).
 struct OperandJob {
   In4 x;

@@ -111,7 +111,7 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded), and
   // as much again for the small parts (X3); freed on the stream after the passes.
   const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
-  const size_t nq = static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP;
+  const size_t nq = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP : 0;
   const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
@@ -138,11 +138,12 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // Box rows: each pass's tile of that operand (stationary: block_m; streamed: block_n).
   auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
   auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
-  // One part's maps: the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T.
+  // One part's maps: the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T
+  // (none with the mma.sync dK/dV pass, which reads the caller's tensors).
   auto maps = [&](const Copies& c, CUtensorMap* dk, CUtensorMap* dv, CUtensorMap* dkt, CUtensorMap* kq,
                   CUtensorMap* kdo, CUtensorMap* kqt, CUtensorMap* kdot) {
-    return make_tensor_map32(kq, rows(c.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) &&
-           make_tensor_map32(kdo, rows(c.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n) &&
+    return (!dkv_wgmma || make_tensor_map32(kq, rows(c.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) &&
+           (!dkv_wgmma || make_tensor_map32(kdo, rows(c.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) &&
            (!dkv_wgmma || make_tensor_map32(kqt, cols(c.qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
            (!dkv_wgmma || make_tensor_map32(kdot, cols(c.dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
            make_tensor_map32(dk, rows(c.k, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) &&
@@ -162,9 +163,12 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     const OperandJob oq{a.p.q, s.batch, s.heads_q, s.seq_q, big.q, big.qt, small.q, small.qt};
     const OperandJob odo{a.p.dout, s.batch, s.heads_q, s.seq_q, big.dout, big.dot, small.dout, small.dot};
     const int64_t units = oq.units() + odo.units();
-    if (a.convert_ctas > 0) {
+    // (Not while a graph is being captured on either stream: a side stream still inside another
+    // capture cannot join this one; side_stream_free.)
+    const int convert = convert_ctas(a.sms);
+    if (convert > 0 && side_stream_free(stream)) {
       side.emplace(stream);
-      const int ctas = static_cast<int>(std::min<int64_t>(a.convert_ctas, (units + 3) / 4));
+      const int ctas = static_cast<int>(std::min<int64_t>(convert, units));
       launch_tf32_operands_narrow(OperandJobs{{oq, odo}, 2, static_cast<int>(s.head_dim)}, DP, ctas, side->get());
     } else {
       for (const OperandJob& o : {oq, odo})
@@ -181,6 +185,10 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     // counter), or one per block at 3xTF32 D = 128 (persistent_ctas).
     const int64_t nq_blocks = static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z;
     const int64_t nk_blocks = static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z;
+    // The kernels number blocks in 32 bits (BlockQueue's counter runs up to blocks + CTAs).
+    if (std::max(nq_blocks, nk_blocks) >= (int64_t{1} << 30))
+      throw Error(Status::Unsupported, "float32 backward: " + std::to_string(std::max(nq_blocks, nk_blocks)) +
+                                           " row blocks exceed the sm_90a kernels' limit of 2^30");
     constexpr bool kWalk = !pair_small_in_smem(DP, X3);  // the next block's copies can land early
     const dim3 pq(persistent_ctas(nq_blocks, a.sms, kWalk)), pk(persistent_ctas(nk_blocks, a.sms, kWalk));
     // Fewer CTAs than blocks: each takes its next block from a counter (BlockQueue), zeroed here.

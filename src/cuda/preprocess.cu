@@ -177,32 +177,38 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
   auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
   auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
   if constexpr (kVec) {
-    // Every load of the unit first (DP / 16 per thread), then the stores: interleaved, the
-    // compiler cannot move a load above a store to memory it might alias, so a thread had one
-    // 16-byte load in flight at a time (docs/PERF.md float32 run 10e).
+    // Loads in batches of four per thread ahead of their stores: interleaved, the compiler cannot
+    // move a load above a store to memory it might alias, so a thread had one 16-byte load in
+    // flight at a time (docs/PERF.md float32 run 10e); four keep the 1024-thread narrow kernel
+    // within its 64 registers.
     constexpr int kChunks = DP / 4, kPer = 64 * kChunks / 256;  // 16-byte chunks per row, per thread
-    float4 vs[kPer];
+    constexpr int kBatch = kPer < 4 ? kPer : 4;
+    static_assert(kPer % kBatch == 0, "whole batches");
+#pragma unroll 1
+    for (int j0 = 0; j0 < kPer; j0 += kBatch) {
+      float4 vs[kBatch];
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = tid + 256 * j, r = i / kChunks, c = (i % kChunks) * 4;
-      const int64_t n = n0 + r;
-      vs[j] = n < seq ? __ldg(reinterpret_cast<const float4*>(src + n * x.ss + c)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int i = tid + 256 * j, r = i / kChunks, c = (i % kChunks) * 4;
-      const int64_t n = n0 + r;
-      const float4 v = vs[j];
-      if (n < seq) {
-        if (dst != nullptr)
-          *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
-        if (kSplit && dsts != nullptr)
-          *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = tid + 256 * (j0 + j), r = i / kChunks, c = (i % kChunks) * 4;
+        const int64_t n = n0 + r;
+        vs[j] = n < seq ? __ldg(reinterpret_cast<const float4*>(src + n * x.ss + c)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
-      tile[r][c] = v.x;
-      tile[r][c + 1] = v.y;
-      tile[r][c + 2] = v.z;
-      tile[r][c + 3] = v.w;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = tid + 256 * (j0 + j), r = i / kChunks, c = (i % kChunks) * 4;
+        const int64_t n = n0 + r;
+        const float4 v = vs[j];
+        if (n < seq) {
+          if (dst != nullptr)
+            *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+          if (kSplit && dsts != nullptr)
+            *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
+        }
+        tile[r][c] = v.x;
+        tile[r][c + 1] = v.y;
+        tile[r][c + 2] = v.z;
+        tile[r][c + 3] = v.w;
+      }
     }
   } else {
     for (int i = tid; i < 64 * DP; i += 256) {
@@ -241,19 +247,22 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
                                       static_cast<int>(threadIdx.x), [] { __syncthreads(); });
 }
 
-// The same copies for up to two operands (Q and dO) by a few CTAs of 1024 threads, one per
-// multiprocessor (the shared memory asked for keeps a second away), that run beside the dQ pass
-// on the other multiprocessors (launch_tf32_operands_narrow). Each CTA is four groups of 256
-// threads, each walking units (64 rows of one (b, h) of one operand) with its own tile: 4 x the
-// loads in flight of the one-unit CTA, since a few multiprocessors must keep many bytes moving.
+// The same copies for up to two operands (Q and dO) by a few CTAs of kNarrowGroups x 256 threads,
+// one per multiprocessor (the shared memory asked for keeps a second away), that run beside the dQ
+// pass on the other multiprocessors (launch_tf32_operands_narrow). Each 256-thread group walks
+// units (64 rows of one (b, h) of one operand) with its own tile: a few multiprocessors must keep
+// many bytes moving. (Three groups, not four: at 1024 threads' 64 registers the batched loads
+// spilled.)
+constexpr int kNarrowGroups = 3;
 template <int DP, bool kVec, bool kSplit>
-__global__ void __launch_bounds__(1024, 1) tf32_operand_narrow_kernel(const __grid_constant__ OperandJobs J) {
+__global__ void __launch_bounds__(kNarrowGroups * 256, 1) tf32_operand_narrow_kernel(const __grid_constant__ OperandJobs J) {
   extern __shared__ float4 smem4[];
   const int grp = static_cast<int>(threadIdx.x) / 256, tid = static_cast<int>(threadIdx.x) % 256;
   float(*tile)[DP + 1] = reinterpret_cast<float(*)[DP + 1]>(smem4) + 64 * grp;
   auto sync = [grp] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); };
   const int64_t units0 = J.job[0].units(), total = units0 + (J.n > 1 ? J.job[1].units() : 0);
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * 4 + grp; u < total; u += static_cast<int64_t>(gridDim.x) * 4) {
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kNarrowGroups + grp; u < total;
+       u += static_cast<int64_t>(gridDim.x) * kNarrowGroups) {
     const int j = u < units0 ? 0 : 1;
     const OperandJob& o = J.job[j];
     const int64_t v = u - (j ? units0 : 0), nx = (o.seq + 63) / 64, bh = v / nx;
@@ -391,12 +400,13 @@ void launch_tf32_operands_narrow(const OperandJobs& jobs, int dp, int ctas, cuda
   auto run = [&](auto dpc, auto split_c) {
     constexpr int DP = decltype(dpc)::value;
     constexpr bool S = decltype(split_c)::value;
-    // Four tiles, and at least 116 KiB: with more than half of the multiprocessor's 227 KiB taken
-    // no second CTA lands on it, so `ctas` CTAs hold `ctas` multiprocessors.
-    const int smem = std::max<int>(4 * 64 * (DP + 1) * 4, 116 * 1024);
-    if (vec) launch_checked(dev::tf32_operand_narrow_kernel<DP, true, S>, dim3(ctas), 1024, smem, stream, jobs,
+    // A tile per group, and at least 116 KiB: with more than half of the multiprocessor's 227 KiB
+    // taken no second CTA lands on it, so `ctas` CTAs hold `ctas` multiprocessors.
+    constexpr int kThreads = dev::kNarrowGroups * 256;
+    const int smem = std::max<int>(dev::kNarrowGroups * 64 * (DP + 1) * 4, 116 * 1024);
+    if (vec) launch_checked(dev::tf32_operand_narrow_kernel<DP, true, S>, dim3(ctas), kThreads, smem, stream, jobs,
                             "tf32 operand (narrow) kernel launch");
-    else launch_checked(dev::tf32_operand_narrow_kernel<DP, false, S>, dim3(ctas), 1024, smem, stream, jobs,
+    else launch_checked(dev::tf32_operand_narrow_kernel<DP, false, S>, dim3(ctas), kThreads, smem, stream, jobs,
                         "tf32 operand (narrow) kernel launch");
   };
   auto run_dp = [&](auto dpc) {

@@ -316,11 +316,13 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
 }
 
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
-// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) can run fewer CTAs
-// than blocks, each walking several (FLASHATTN_CUDA_PERSISTENT_CTAS; the default is one CTA per
-// block): here 2 and 4 CTAs walk several blocks each (tiles and exchanges continuing
-// across blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit
-// for bit, as the blocks' arithmetic does not depend on which CTA runs them.
+// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) run fewer CTAs
+// than blocks, each taking block after block from a counter (by default one CTA per
+// multiprocessor, except 3xTF32 at D = 128; FLASHATTN_CUDA_PERSISTENT_CTAS sets the count): here
+// 2 and 4 CTAs and the default walk several blocks each (tiles and exchanges continuing across
+// blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit for bit,
+// as the blocks' arithmetic does not depend on which CTA runs them. (These blocks are fewer than an
+// H200's multiprocessors, so the default runs one per CTA here; CudaPersistentWalk has more.)
 TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
   REQUIRE_GPU();
   struct Case {
@@ -414,6 +416,31 @@ TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
   }
 }
 
+// The default launch with more blocks than an H200 has multiprocessors (320 query blocks, 160 key
+// blocks at S = 300): one CTA per multiprocessor walks the blocks, beside the side stream's copies,
+// and must reproduce one CTA per block. (Apart from CudaPersistent: too large for the sanitizers.)
+TEST(CudaPersistentWalk, DefaultMatchesOneBlockPerCta) {
+  REQUIRE_GPU();
+  for (Precision prec : {Precision::Fp32, Precision::Tf32})
+    for (int64_t d : {64, 128}) {
+      ProblemConfig c;
+      c.batch = 4; c.heads_q = 16; c.heads_kv = 8; c.seq_q = 300; c.seq_kv = 300; c.head_dim = d;
+      c.mask = prec == Precision::Fp32 ? Mask::CausalTopLeft : Mask::None;
+      c.layout = testing::Layout::BSHD; c.seed = 17;
+      EnvScope tbwd_scope("FLASHATTN_CUDA_TF32_BWD", "pair");
+      Problem p(c);
+      DeviceProblem dp(p);
+      ASSERT_TRUE(dp.ok());
+      const Options o = cuda_options(c, prec);
+      Snapshot one;
+      {
+        EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", "0");
+        one = fresh_run(p, dp, o);
+      }
+      EXPECT_TRUE(one == fresh_run(p, dp, o)) << c.describe();
+    }
+}
+
 // ---- streams: work goes to the options' stream; same bits as the default stream -------------
 TEST(CudaStream, UserStreamMatchesDefault) {
   REQUIRE_GPU();
@@ -440,6 +467,57 @@ TEST(CudaStream, UserStreamMatchesDefault) {
   dp.download();
   EXPECT_TRUE(base == snapshot(p));
   CUDA_OK(cudaStreamDestroy(s));
+}
+
+// ---- CUDA graphs: captured calls replay to the direct call's bits ---------------------------
+// The float32 backward forks its Q / dO copies onto a side stream only when neither stream is being
+// captured (a side stream inside one capture could not join another): a forward and backward
+// captured on one stream, and a direct call on a second stream while that capture is open (which
+// does fork), must both give the bits of a plain call.
+TEST(CudaGraph, CapturedCallsMatchDirect) {
+  REQUIRE_GPU();
+  ProblemConfig c;
+  c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = 300; c.seq_kv = 257; c.head_dim = 64;
+  c.mask = Mask::CausalTopLeft; c.layout = testing::Layout::BSHD; c.seed = 21;
+  Problem p(c);
+  DeviceProblem dp(p);
+  ASSERT_TRUE(dp.ok());
+  for (Precision prec : {Precision::Fp32, Precision::Tf32}) {
+    const Options o = cuda_options(c, prec);
+    const Snapshot base = fresh_run(p, dp, o);
+    cudaStream_t s1, s2;
+    CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    Options o1 = o, o2 = o;
+    o1.stream = s1;
+    o2.stream = s2;
+    dp.poison();
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeRelaxed));
+    dp.forward(o1);
+    dp.backward(o1);
+    dp.forward(o2);  // not captured: runs now, beside the open capture
+    dp.backward(o2);
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamEndCapture(s1, &graph));
+    CUDA_OK(cudaStreamSynchronize(s2));
+    p.poison_outputs();
+    dp.download();
+    EXPECT_TRUE(base == snapshot(p)) << "direct call during a capture, " << c.describe();
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    dp.poison();
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaGraphLaunch(exec, s1));
+    CUDA_OK(cudaStreamSynchronize(s1));
+    p.poison_outputs();
+    dp.download();
+    EXPECT_TRUE(base == snapshot(p)) << "graph replay, " << c.describe();
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(s1));
+    CUDA_OK(cudaStreamDestroy(s2));
+  }
 }
 
 // ---- 4-byte load path: base pointers that are not 16-byte aligned --------------------------
