@@ -130,7 +130,8 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
   // The fp32-accurate forward on wgmma (padded D = 64 and 128, streaming the pre-pass's split
   // copies): the default at 128, 1.3-1.5x the mma.sync 3xTF32 kernel (docs/PERF.md, float32 run 9);
-  // opt-in at 64 (not yet measured). FLASHATTN_CUDA_FP32_FWD=mma|wgmma overrides.
+  // opt-in at 64 (2-4% faster than mma.sync at S >= 4k, 5-6% slower at 1k: run 10).
+  // FLASHATTN_CUDA_FP32_FWD=mma|wgmma overrides.
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp)) {
     const int fwd = env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"});
     c.sm90_fwd = fwd == 1 || (fwd < 0 && fp32_fwd_wgmma_default(c.dp));
