@@ -315,6 +315,29 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
   }
 }
 
+// A problem of the launch-variant tests below: head dim, mask, precision, Sq, Skv.
+struct PassCase {
+  int64_t d;
+  Mask mask;
+  Precision prec;
+  int64_t sq, skv;
+};
+
+// p's gradients (as last downloaded) against the float64 reference, scaled as run_case does: no
+// NaN, within the precision's tolerance.
+void expect_grads_near_reference(const Problem& p, Precision prec, const std::string& what) {
+  const Reference ref = reference_for(p);
+  testing::ErrorStats e[3] = {testing::compare(p.to_double(p.dq), ref.bwd.dq),
+                              testing::compare(p.to_double(p.dk), ref.bwd.dk),
+                              testing::compare(p.to_double(p.dv), ref.bwd.dv)};
+  const double scale = std::max({e[0].max_ref, e[1].max_ref, e[2].max_ref});
+  for (auto& x : e) {
+    x.max_ref = scale;
+    EXPECT_EQ(0, x.nan) << what;
+    EXPECT_LE(rel(x), prec == Precision::Tf32 ? kTf32Tol : kFmaTol) << what;
+  }
+}
+
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
 // The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) run fewer CTAs
 // than blocks, each taking block after block from a counter (by default one CTA per
@@ -325,24 +348,18 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
 // H200's multiprocessors, so the default runs one per CTA here; CudaPersistentWalk has more.)
 TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
   REQUIRE_GPU();
-  struct Case {
-    int64_t d;
-    Mask mask;
-    Precision prec;
-    int64_t sq, skv;
-  };
   // The last two put blocks without tiles among a CTA's blocks: query blocks that see no key
   // (bottom-right, Sq > Skv) and key blocks that no query sees (top-left, Skv > Sq).
-  for (const Case& k : {Case{128, Mask::None, Precision::Tf32, 150, 133},
-                        Case{128, Mask::CausalBottomRight, Precision::Tf32, 150, 133},
-                        Case{64, Mask::CausalTopLeft, Precision::Fp32, 150, 133},
-                        Case{64, Mask::None, Precision::Fp32, 150, 133},
-                        Case{64, Mask::CausalTopLeft, Precision::Tf32, 150, 133},
-                        Case{64, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
-                        Case{128, Mask::CausalTopLeft, Precision::Tf32, 64, 400},
-                        Case{128, Mask::None, Precision::Fp32, 150, 133},
-                        Case{128, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
-                        Case{100, Mask::CausalTopLeft, Precision::Fp32, 64, 400}}) {
+  for (const PassCase& k : {PassCase{128, Mask::None, Precision::Tf32, 150, 133},
+                            PassCase{128, Mask::CausalBottomRight, Precision::Tf32, 150, 133},
+                            PassCase{64, Mask::CausalTopLeft, Precision::Fp32, 150, 133},
+                            PassCase{64, Mask::None, Precision::Fp32, 150, 133},
+                            PassCase{64, Mask::CausalTopLeft, Precision::Tf32, 150, 133},
+                            PassCase{64, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
+                            PassCase{128, Mask::CausalTopLeft, Precision::Tf32, 64, 400},
+                            PassCase{128, Mask::None, Precision::Fp32, 150, 133},
+                            PassCase{128, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
+                            PassCase{100, Mask::CausalTopLeft, Precision::Fp32, 64, 400}}) {
     ProblemConfig c;
     c.batch = 1; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
     c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 11;
@@ -358,17 +375,8 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
       runs.push_back(fresh_run(p, dp, o));
     }
     EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
-    // And right: the 4-CTA gradients against the float64 reference (scaled as run_case does).
-    const Reference ref = reference_for(p);
-    testing::ErrorStats e[3] = {testing::compare(p.to_double(p.dq), ref.bwd.dq),
-                                testing::compare(p.to_double(p.dk), ref.bwd.dk),
-                                testing::compare(p.to_double(p.dv), ref.bwd.dv)};
-    const double scale = std::max({e[0].max_ref, e[1].max_ref, e[2].max_ref});
-    for (auto& x : e) {
-      x.max_ref = scale;
-      EXPECT_EQ(0, x.nan) << c.describe();
-      EXPECT_LE(rel(x), k.prec == Precision::Tf32 ? kTf32Tol : kFmaTol) << c.describe();
-    }
+    // And right: the 4-CTA gradients against the float64 reference.
+    expect_grads_near_reference(p, k.prec, c.describe());
   }
 }
 
@@ -379,17 +387,11 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
 // different unit counts than K and V.
 TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
   REQUIRE_GPU();
-  struct Case {
-    int64_t d;
-    Mask mask;
-    Precision prec;
-    int64_t sq, skv;
-  };
-  for (const Case& k : {Case{64, Mask::CausalTopLeft, Precision::Fp32, 333, 200},
-                        Case{64, Mask::None, Precision::Tf32, 97, 130},
-                        Case{128, Mask::CausalBottomRight, Precision::Fp32, 150, 300},
-                        Case{128, Mask::None, Precision::Tf32, 1, 17},
-                        Case{100, Mask::CausalTopLeft, Precision::Fp32, 257, 64}}) {
+  for (const PassCase& k : {PassCase{64, Mask::CausalTopLeft, Precision::Fp32, 333, 200},
+                            PassCase{64, Mask::None, Precision::Tf32, 97, 130},
+                            PassCase{128, Mask::CausalBottomRight, Precision::Fp32, 150, 300},
+                            PassCase{128, Mask::None, Precision::Tf32, 1, 17},
+                            PassCase{100, Mask::CausalTopLeft, Precision::Fp32, 257, 64}}) {
     ProblemConfig c;
     c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
     c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 13;
@@ -403,16 +405,7 @@ TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
       runs.push_back(fresh_run(p, dp, o));
     }
     EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
-    const Reference ref = reference_for(p);
-    testing::ErrorStats e[3] = {testing::compare(p.to_double(p.dq), ref.bwd.dq),
-                                testing::compare(p.to_double(p.dk), ref.bwd.dk),
-                                testing::compare(p.to_double(p.dv), ref.bwd.dv)};
-    const double scale = std::max({e[0].max_ref, e[1].max_ref, e[2].max_ref});
-    for (auto& x : e) {
-      x.max_ref = scale;
-      EXPECT_EQ(0, x.nan) << c.describe();
-      EXPECT_LE(rel(x), k.prec == Precision::Tf32 ? kTf32Tol : kFmaTol) << c.describe();
-    }
+    expect_grads_near_reference(p, k.prec, c.describe());
   }
 }
 
