@@ -88,20 +88,20 @@ bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream);
 // address Q.
 template <int DP>
 bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream);
-// Rounded (and transposed) tf32 copies of a float32 [B, H, S, D] operand for the float32 sm_90a
-// kernels: xr [B, H, S, dp], xt [B, H, dp, S rounded up to 8], and the small parts X - tf32(X)
-// in the same layouts, xs and xts (3xTF32); each output optional (nullptr), xts only with xt
-// (preprocess.cu).
-void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
-                          float* xr, float* xt, cudaStream_t stream, float* xs = nullptr, float* xts = nullptr);
-// The same copies of up to two operands of one head dim (Q and dO) by `ctas` CTAs (768 threads),
-// one per multiprocessor, meant to run on a side stream beside the dQ pass (launch_bwd_f32_sm90).
+// One operand's tf32 copies for the float32 sm_90a kernels: X = x, a float32 [batch, heads, seq,
+// D] operand, rounded to tf32 into xr [B, H, S, dp] and, transposed, into xt [B, H, dp, S rounded
+// up to 8], and the small parts X - tf32(X) in the same layouts, xs and xts (3xTF32); each output
+// optional (nullptr), xts only with xt (preprocess.cu).
 struct OperandJob {
   In4 x;
   int64_t batch, heads, seq;
   float *xr, *xt, *xs, *xts;
-  FLASHATTN_CUDA_HD int64_t units() const { return batch * heads * ((seq + 63) / 64); }
+  FLASHATTN_CUDA_HD int64_t units() const { return batch * heads * ((seq + 63) / 64); }  // 64-row units
 };
+// The copies of one operand of head dim head_dim, padded to dp (64 or 128), on the whole GPU.
+void launch_tf32_operands(const OperandJob& o, int64_t head_dim, int dp, cudaStream_t stream);
+// The same copies of up to two operands of one head dim (Q and dO) by `ctas` CTAs (768 threads),
+// one per multiprocessor, meant to run on a side stream beside the dQ pass (launch_bwd_f32_sm90).
 struct OperandJobs {
   OperandJob job[2];
   int n;

@@ -77,8 +77,8 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
       !make_tensor_map32(&args.tv, cols(vtb), s.batch, s.heads_kv, DP, skv8, DP) ||
       !make_tensor_map32(&args.tvs, cols(vts), s.batch, s.heads_kv, DP, skv8, DP))
     throw Error(Status::Internal, "cuda 3xtf32 forward: tensor maps of the operand copies failed");
-  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, kb, nullptr, stream, ks, nullptr);
-  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, nullptr, vtb, stream, nullptr, vts);
+  launch_tf32_operands(OperandJob{a.p.k, s.batch, s.heads_kv, s.seq_kv, kb, nullptr, ks, nullptr}, s.head_dim, DP, stream);
+  launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, nullptr, vtb, nullptr, vts}, s.head_dim, DP, stream);
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_3xtf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_3xtf32(DP), stream, args,
                  "forward_3xtf32_sm90 kernel launch");
@@ -107,9 +107,9 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
       !make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
       !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
     return false;
-  // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8]; K, V [B, Hkv, Skv, DP] and
-  // K^T [B, Hkv, DP, Skv8]: 2 |Q| (4 |Q| with the wgmma dK/dV pass) + 3 |K| floats (padded), and
-  // as much again for the small parts (X3); freed on the stream after the passes.
+  // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8] (only for the wgmma dK/dV
+  // pass); K, V [B, Hkv, Skv, DP] and K^T [B, Hkv, DP, Skv8]: 4 |Q| (or none) + 3 |K| floats
+  // (padded), and as much again for the small parts (X3); freed on the stream after the passes.
   const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
   const size_t nq = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP : 0;
   const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
@@ -171,12 +171,13 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
       const int ctas = static_cast<int>(std::min<int64_t>(convert, units));
       launch_tf32_operands_narrow(OperandJobs{{oq, odo}, 2, static_cast<int>(s.head_dim)}, DP, ctas, side->get());
     } else {
-      for (const OperandJob& o : {oq, odo})
-        launch_tf32_operands(o.x, o.batch, o.heads, o.seq, s.head_dim, DP, o.xr, o.xt, stream, o.xs, o.xts);
+      for (const OperandJob& o : {oq, odo}) launch_tf32_operands(o, s.head_dim, DP, stream);
     }
   }
-  launch_tf32_operands(a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.k, big.kt, stream, small.k, small.kt);
-  launch_tf32_operands(a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, DP, big.v, nullptr, stream, small.v, nullptr);
+  launch_tf32_operands(OperandJob{a.p.k, s.batch, s.heads_kv, s.seq_kv, big.k, big.kt, small.k, small.kt}, s.head_dim,
+                       DP, stream);
+  launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, big.v, nullptr, small.v, nullptr}, s.head_dim,
+                       DP, stream);
   const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));

@@ -179,8 +179,8 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
   if constexpr (kVec) {
     // Loads in batches of four per thread ahead of their stores: interleaved, the compiler cannot
     // move a load above a store to memory it might alias, so a thread had one 16-byte load in
-    // flight at a time (docs/PERF.md float32 run 10e); four keep the 1024-thread narrow kernel
-    // within its 64 registers.
+    // flight at a time (docs/PERF.md float32 run 10e); all of a unit's at D = 128 spilled the
+    // narrow kernel's registers.
     constexpr int kChunks = DP / 4, kPer = 64 * kChunks / 256;  // 16-byte chunks per row, per thread
     constexpr int kBatch = kPer < 4 ? kPer : 4;
     static_assert(kPer % kBatch == 0, "whole batches");
@@ -361,63 +361,56 @@ void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream) {
   check_launch("dq convert kernel launch");
 }
 
-void launch_tf32_operands(const In4& x, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int dp,
-                          float* xr, float* xt, cudaStream_t stream, float* xs, float* xts) {
-  const dim3 grid(grid_blocks(seq, 64), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
-  const int64_t seq8 = (seq + 7) / 8 * 8;
-  const int d = static_cast<int>(head_dim);
-  const bool vec = head_dim == dp && vec_ok(x, 4);
-  if (xts != nullptr && xt == nullptr)
-    throw Error(Status::Internal, "cuda tf32 operands: a transposed small part needs the transposed copy");
-  auto run = [&](auto dpc, auto split) {
-    constexpr int DP = decltype(dpc)::value;
-    constexpr bool S = decltype(split)::value;
-    if (vec) dev::tf32_operand_kernel<DP, true, S><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt, xs, xts);
-    else dev::tf32_operand_kernel<DP, false, S><<<grid, 256, 0, stream>>>(x, seq, d, seq8, xr, xt, xs, xts);
+namespace {
+// The operand copies' checks and kernel choice, shared by both launchers: f(DP, kSplit, kVec) as
+// integral constants for the padded head dim dp, whether any small part is written, and whether
+// every operand takes the 16-byte path (D = DP, rows 16-byte aligned).
+template <class F>
+void with_operand_kernel(const OperandJob* jobs, int n, int64_t head_dim, int dp, F&& f) {
+  bool vec = head_dim == dp, split = false;
+  for (int j = 0; j < n; ++j) {
+    const OperandJob& o = jobs[j];
+    if (o.xts != nullptr && o.xt == nullptr)
+      throw Error(Status::Internal, "cuda tf32 operands: a transposed small part needs the transposed copy");
+    vec = vec && vec_ok(o.x, 4);
+    split = split || o.xs != nullptr || o.xts != nullptr;
+  }
+  auto run_vec = [&](auto dpc, auto split_c) {
+    if (vec) f(dpc, split_c, std::true_type{});
+    else f(dpc, split_c, std::false_type{});
   };
   auto run_dp = [&](auto dpc) {
-    if (xs != nullptr || xts != nullptr) run(dpc, std::true_type{});
-    else run(dpc, std::false_type{});
+    if (split) run_vec(dpc, std::true_type{});
+    else run_vec(dpc, std::false_type{});
   };
   switch (dp) {
     case 64: run_dp(std::integral_constant<int, 64>{}); break;
     case 128: run_dp(std::integral_constant<int, 128>{}); break;
     default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
   }
+}
+}  // namespace
+
+void launch_tf32_operands(const OperandJob& o, int64_t head_dim, int dp, cudaStream_t stream) {
+  const dim3 grid(grid_blocks(o.seq, 64), static_cast<unsigned>(o.heads), static_cast<unsigned>(o.batch));
+  const int64_t seq8 = (o.seq + 7) / 8 * 8;
+  with_operand_kernel(&o, 1, head_dim, dp, [&](auto dpc, auto split_c, auto vec_c) {
+    dev::tf32_operand_kernel<decltype(dpc)::value, decltype(vec_c)::value, decltype(split_c)::value>
+        <<<grid, 256, 0, stream>>>(o.x, o.seq, static_cast<int>(head_dim), seq8, o.xr, o.xt, o.xs, o.xts);
+  });
   check_launch("tf32 operand kernel launch");
 }
 
-
 void launch_tf32_operands_narrow(const OperandJobs& jobs, int dp, int ctas, cudaStream_t stream) {
-  bool vec = true, split = false;
-  for (int j = 0; j < jobs.n; ++j) {
-    const OperandJob& o = jobs.job[j];
-    vec = vec && jobs.head_dim == dp && vec_ok(o.x, 4);
-    split = split || o.xs != nullptr || o.xts != nullptr;
-    if (o.xts != nullptr && o.xt == nullptr)
-      throw Error(Status::Internal, "cuda tf32 operands: a transposed small part needs the transposed copy");
-  }
-  auto run = [&](auto dpc, auto split_c) {
+  with_operand_kernel(jobs.job, jobs.n, jobs.head_dim, dp, [&](auto dpc, auto split_c, auto vec_c) {
     constexpr int DP = decltype(dpc)::value;
-    constexpr bool S = decltype(split_c)::value;
     // A tile per group, and at least 116 KiB: with more than half of the multiprocessor's 227 KiB
     // taken no second CTA lands on it, so `ctas` CTAs hold `ctas` multiprocessors.
     constexpr int kThreads = dev::kNarrowGroups * 256;
     const int smem = std::max<int>(dev::kNarrowGroups * 64 * (DP + 1) * 4, 116 * 1024);
-    if (vec) launch_checked(dev::tf32_operand_narrow_kernel<DP, true, S>, dim3(ctas), kThreads, smem, stream, jobs,
-                            "tf32 operand (narrow) kernel launch");
-    else launch_checked(dev::tf32_operand_narrow_kernel<DP, false, S>, dim3(ctas), kThreads, smem, stream, jobs,
-                        "tf32 operand (narrow) kernel launch");
-  };
-  auto run_dp = [&](auto dpc) {
-    if (split) run(dpc, std::true_type{});
-    else run(dpc, std::false_type{});
-  };
-  switch (dp) {
-    case 64: run_dp(std::integral_constant<int, 64>{}); break;
-    case 128: run_dp(std::integral_constant<int, 128>{}); break;
-    default: throw Error(Status::Internal, "cuda tf32 operands: unexpected padded head dim " + std::to_string(dp));
-  }
+    launch_checked(dev::tf32_operand_narrow_kernel<DP, decltype(vec_c)::value, decltype(split_c)::value>, dim3(ctas),
+                   kThreads, smem, stream, jobs, "tf32 operand (narrow) kernel launch");
+  });
 }
 
 }  // namespace flashattn::cuda

@@ -26,6 +26,20 @@ int env_choice(const char* var, std::initializer_list<const char*> names) {
   throw Error(Status::InvalidArgument, std::string(var) + " = '" + env + "' is unknown (" + list + ")");
 }
 
+// A CTA-count override: -1 when `var` is unset or empty; "sms" (where allowed, sms >= 0) the
+// multiprocessor count (at least 1); else a count in [0, max], or an InvalidArgument naming the
+// variable, its value and `meaning`.
+long env_count(const char* var, long max, int sms, const char* meaning) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return -1;
+  if (sms >= 0 && std::strcmp(env, "sms") == 0) return sms > 0 ? sms : 1;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || v < 0 || v > max)
+    throw Error(Status::InvalidArgument, std::string(var) + " = '" + env + "' is not " + meaning);
+  return v;
+}
+
 // FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic (the
 // FMA kernels are the float32 baseline that the accuracy tests compare against).
 bool math_override(Math* m) {
@@ -164,31 +178,16 @@ bool use_pingpong(const Shape& s, int dp) {
 
 int persistent_ctas(int64_t items, int sms, bool persistent) {
   int64_t n = persistent && sms > 0 ? sms : items;
-  const char* env = std::getenv("FLASHATTN_CUDA_PERSISTENT_CTAS");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long v = std::strcmp(env, "sms") == 0 ? (sms > 0 ? sms : 1) : std::strtol(env, &end, 10);
-    if ((end != nullptr && *end != '\0') || v < 0 || v > 1000000)
-      throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_PERSISTENT_CTAS = '") + env +
-                                               "' is not a count or 'sms' (0: one CTA per block)");
-    n = v > 0 ? v : items;
-  }
+  const long v = env_count("FLASHATTN_CUDA_PERSISTENT_CTAS", 1000000, sms,
+                           "a count or 'sms' (0: one CTA per block)");
+  if (v >= 0) n = v > 0 ? v : items;
   // (A grid dimension holds 2^31 - 1 blocks; select_kernel bounds the block counts far below.)
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, n)));
 }
 
 int convert_ctas(int sms) {
-  int n = sms / 4;
-  const char* env = std::getenv("FLASHATTN_CUDA_CONVERT_CTAS");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    if (*end != '\0' || v < 0 || v > 100000)
-      throw Error(Status::InvalidArgument, std::string("FLASHATTN_CUDA_CONVERT_CTAS = '") + env +
-                                               "' is not a count (0: the copies before the passes)");
-    n = static_cast<int>(v);
-  }
-  return std::max(0, n);
+  const long v = env_count("FLASHATTN_CUDA_CONVERT_CTAS", 100000, -1, "a count (0: the copies before the passes)");
+  return v >= 0 ? static_cast<int>(v) : std::max(0, sms / 4);
 }
 
 }  // namespace flashattn::cuda
