@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -338,6 +339,24 @@ void expect_grads_near_reference(const Problem& p, Precision prec, const std::st
   }
 }
 
+// c's forward and backward once per value of the override `var`: every run must give the first
+// run's bits, and the last run's gradients must be near the float64 reference.
+void expect_same_bits_and_right(const ProblemConfig& c, Precision prec, const char* var,
+                                std::initializer_list<const char*> values) {
+  Problem p(c);
+  DeviceProblem dp(p);
+  ASSERT_TRUE(dp.ok());
+  const Options o = cuda_options(c, prec);
+  std::vector<Snapshot> runs;
+  for (const char* v : values) {
+    EnvScope scope(var, v);
+    runs.push_back(fresh_run(p, dp, o));
+  }
+  for (size_t i = 1; i < runs.size(); ++i)
+    EXPECT_TRUE(runs[0] == runs[i]) << var << " = " << *(values.begin() + i) << ", " << c.describe();
+  expect_grads_near_reference(p, prec, c.describe());
+}
+
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
 // The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) run fewer CTAs
 // than blocks, each taking block after block from a counter (by default one CTA per
@@ -365,18 +384,8 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
     c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 11;
     EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", "wgmma");
     EnvScope tbwd_scope("FLASHATTN_CUDA_TF32_BWD", "pair");
-    Problem p(c);
-    DeviceProblem dp(p);
-    ASSERT_TRUE(dp.ok());
-    const Options o = cuda_options(c, k.prec);
-    std::vector<Snapshot> runs;
-    for (const char* ctas : {"0", "2", "4"}) {
-      EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", ctas);
-      runs.push_back(fresh_run(p, dp, o));
-    }
-    EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
     // And right: the 4-CTA gradients against the float64 reference.
-    expect_grads_near_reference(p, k.prec, c.describe());
+    expect_same_bits_and_right(c, k.prec, "FLASHATTN_CUDA_PERSISTENT_CTAS", {"0", "2", "4"});
   }
 }
 
@@ -395,17 +404,7 @@ TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
     ProblemConfig c;
     c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
     c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 13;
-    Problem p(c);
-    DeviceProblem dp(p);
-    ASSERT_TRUE(dp.ok());
-    const Options o = cuda_options(c, k.prec);
-    std::vector<Snapshot> runs;
-    for (const char* ctas : {"0", "1", "5"}) {
-      EnvScope ctas_scope("FLASHATTN_CUDA_CONVERT_CTAS", ctas);
-      runs.push_back(fresh_run(p, dp, o));
-    }
-    EXPECT_TRUE(runs[0] == runs[1] && runs[0] == runs[2]) << c.describe();
-    expect_grads_near_reference(p, k.prec, c.describe());
+    expect_same_bits_and_right(c, k.prec, "FLASHATTN_CUDA_CONVERT_CTAS", {"0", "1", "5"});
   }
 }
 
