@@ -60,6 +60,13 @@ struct BlockQueue {
     return counter == nullptr ? static_cast<int>(blockIdx.x) : atomicAdd(counter, 1);
   }
   __device__ __forceinline__ int next() const { return counter == nullptr ? INT_MAX : atomicAdd(counter, 1); }
+  // Block k's index as every lane of a whole, converged warp reads it (not from a single thread:
+  // the broadcast needs all 32 lanes): one CTA per block, blockIdx.x;
+  // else the slot, broadcast from lane 0 so that the compiler knows it is warp-uniform (read as
+  // is, the block's coordinates and addresses left the uniform datapath).
+  __device__ __forceinline__ int read(int k) const {
+    return counter == nullptr ? static_cast<int>(blockIdx.x) : __shfl_sync(0xffffffffu, slot[k & 1], 0);
+  }
 };
 
 // A block's place in a persistent CTA's sequence of blocks (the pair kernels): the block is the

@@ -153,7 +153,7 @@ __device__ __forceinline__ void pair_accumulate(float (&acc)[NT][4], uint32_t (&
 // wg 1 writes after reading tile t's P; wg 1 writes xdS of tile t + 1 only after tile t + 1's P
 // arrived, which wg 0 sends after reading tile t's dS. One buffer each suffices.
 // ================================================================================================
-template <int DP, bool X3>
+template <int DP, bool X3, bool kWalk>
 __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads(), 1)
     dq_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -186,7 +186,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
   uint64_t* empty_q = bars + 7;  // Q and dO read into registers (persistent: the next block's may land)
-  const BlockQueue queue{A.queue, reinterpret_cast<int*>(bars + 8)};
+  // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time - with the queue
+  // chosen at run time the block's coordinates left the uniform datapath: 5-8% slower dQ pass at
+  // 3xTF32 D = 128, docs/PERF.md float32 run 11.)
+  const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 8)};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -230,9 +233,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   const uint32_t stage_addr = smem_addr(sStage);
   int g0 = 0;
   for (int k = 0;; ++k) {
-    if (k > 0 && queue.counter == nullptr) break;  // one block per CTA
-    mbar_wait(full_q, k & 1);  // the block's Q and dO (or the end) have landed
-    const int i = queue.slot[k & 1];
+    // One CTA per block: block blockIdx.x, known before its copy lands, so that the LSE/D loads
+    // below go out under the copy; walking: the slot, once the copy (or the end) has landed.
+    // (Nothing may read the stationary tiles in shared memory before the second wait below - e.g.
+    // a D computed from dO and O there, branch wip/delta-in-dq, must come after it.)
+    const bool walk = queue.counter != nullptr;
+    if (k > 0 && !walk) break;
+    if (walk) mbar_wait(full_q, k & 1);
+    const int i = queue.read(k);
     if (i >= nitems) break;
     const WorkItem w = work_item(i, nx, p.shape.heads_q);
     const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
@@ -252,6 +260,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs;
     // kSm: the small part over the tile in shared memory, read there until the block ends).
     uint32_t xa[KS][4], xs[X3 && !kSm ? KS : 1][4];
+    if (!walk) mbar_wait(full_q, k & 1);  // the block's Q and dO have landed
     if constexpr (kSm) split_stationary<TQ>(xa, wg == 0 ? sQ : sdO, wq, wg);
     else if constexpr (X3) load_afrag_split_tf32<TQ>(xa, xs, wg == 0 ? sQ : sdO, 16 * wq, 0);
     else load_afrag_tf32<TQ>(xa, wg == 0 ? sQ : sdO, 16 * wq);
@@ -334,7 +343,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
 //   wg 1: dP^T = V dO^T; wait(ahead, t); P^T <- xP; arrive(back);
 //         dS^T = P^T (dP^T - D); dK += dS^T Q
 // ================================================================================================
-template <int DP, bool X3>
+template <int DP, bool X3, bool kWalk>
 __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).threads(), 1)
     dkv_tf32_sm90_pair_kernel(const __grid_constant__ Sm90Tf32BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -366,7 +375,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
   uint64_t* empty_kv = bars + 7;  // K and V read into registers (persistent: the next block's may land)
-  const BlockQueue queue{A.queue, reinterpret_cast<int*>(bars + 8)};
+  // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time - with the queue
+  // chosen at run time the block's coordinates left the uniform datapath: 5-8% slower dQ pass at
+  // 3xTF32 D = 128, docs/PERF.md float32 run 11.)
+  const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 8)};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -396,7 +408,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       // writes it again only after warp 1 met it here for the next block.
       __syncwarp();
       named_barrier(3, 64);
-      const int item = queue.slot[ph.k & 1];
+      const int item = queue.read(ph.k);
       if (item >= nitems) {
         if (leader) mbar_arrive(full_kv);  // no copy: the consumers read the end
         break;
@@ -420,7 +432,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   for (int k = 0;; ++k) {
     if (k > 0 && queue.counter == nullptr) break;  // one block per CTA
     mbar_wait(full_kv, k & 1);  // the block's K and V (or the end) have landed
-    const int i = queue.slot[k & 1];
+    const int i = queue.read(k);
     if (i >= nitems) break;
     const WorkItem w = work_item(i, nx, p.shape.heads_kv);
     const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);

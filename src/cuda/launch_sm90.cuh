@@ -199,11 +199,14 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
       dq.queue = pq.x < nq_blocks ? counters : nullptr;
       dkv.queue = pk.x < nk_blocks ? counters + 1 : nullptr;
     }
-    launch_checked(dev::dq_tf32_sm90_pair_kernel<DP, X3>, pq, cq.threads(),
-                   smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3), stream, dq, "dq_tf32_sm90_pair kernel launch");
+    // (A kernel of its own per mode: one block per CTA with the block index known at compile time.)
+    launch_checked(dq.queue ? dev::dq_tf32_sm90_pair_kernel<DP, X3, true> : dev::dq_tf32_sm90_pair_kernel<DP, X3, false>,
+                   pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3), stream, dq,
+                   "dq_tf32_sm90_pair kernel launch");
     if (side) side->join();
-    launch_checked(dev::dkv_tf32_sm90_pair_kernel<DP, X3>, pk, ck.threads(),
-                   smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), stream, dkv, "dkv_tf32_sm90_pair kernel launch");
+    launch_checked(dkv.queue ? dev::dkv_tf32_sm90_pair_kernel<DP, X3, true> : dev::dkv_tf32_sm90_pair_kernel<DP, X3, false>,
+                   pk, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), stream, dkv,
+                   "dkv_tf32_sm90_pair kernel launch");
   } else {
     launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, false),
                    stream, dq, "dq_tf32_sm90 kernel launch");
