@@ -118,6 +118,9 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
   // (+ 4: the persistent pair kernels' two block counters, BlockQueue)
   Workspace ws(((X3 ? 2 : 1) * part + 4) * sizeof(float), stream);
+  // The counters zeroed before the side stream forks (below): its dK/dV pass may use one.
+  int* counters = reinterpret_cast<int*>(ws.get() + (X3 ? 2 : 1) * part);
+  if constexpr (kPair) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), stream));
   struct Copies {
     float *q, *dout, *qt, *dot, *k, *v, *kt;
   };
@@ -178,6 +181,11 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
                        DP, stream);
   launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, big.v, nullptr, small.v, nullptr}, s.head_dim,
                        DP, stream);
+  // The dK/dV pass reads none of the dQ pass's results: with the side stream it runs there after
+  // the Q/dO copies, beside the dQ pass - its CTAs take the multiprocessors the copies and the dQ
+  // pass's last blocks leave free, instead of waiting for the whole dQ pass (docs/PERF.md float32
+  // run 11c). Without it, after the dQ pass on `stream`.
+  const cudaStream_t dkv_stream = side ? side->get() : stream;
   const dim3 grid_q(grid_blocks(s.seq_q, cq.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));
@@ -192,32 +200,27 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
                                            " row blocks exceed the sm_90a kernels' limit of 2^30");
     constexpr bool kWalk = !pair_small_in_smem(DP, X3);  // the next block's copies can land early
     const dim3 pq(persistent_ctas(nq_blocks, a.sms, kWalk)), pk(persistent_ctas(nk_blocks, a.sms, kWalk));
-    // Fewer CTAs than blocks: each takes its next block from a counter (BlockQueue), zeroed here.
-    int* counters = reinterpret_cast<int*>(ws.get() + (X3 ? 2 : 1) * part);
-    if (pq.x < nq_blocks || pk.x < nk_blocks) {
-      FLASHATTN_CUDA_CHECK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), stream));
-      dq.queue = pq.x < nq_blocks ? counters : nullptr;
-      dkv.queue = pk.x < nk_blocks ? counters + 1 : nullptr;
-    }
+    // Fewer CTAs than blocks: each takes its next block from a counter (BlockQueue; zeroed above).
+    dq.queue = pq.x < nq_blocks ? counters : nullptr;
+    dkv.queue = pk.x < nk_blocks ? counters + 1 : nullptr;
     // (A kernel of its own per mode: one block per CTA with the block index known at compile time.)
     launch_checked(dq.queue ? dev::dq_tf32_sm90_pair_kernel<DP, X3, true> : dev::dq_tf32_sm90_pair_kernel<DP, X3, false>,
                    pq, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, true, X3), stream, dq,
                    "dq_tf32_sm90_pair kernel launch");
-    if (side) side->join();
     launch_checked(dkv.queue ? dev::dkv_tf32_sm90_pair_kernel<DP, X3, true> : dev::dkv_tf32_sm90_pair_kernel<DP, X3, false>,
-                   pk, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), stream, dkv,
+                   pk, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, true, X3), dkv_stream, dkv,
                    "dkv_tf32_sm90_pair kernel launch");
   } else {
     launch_checked(dev::dq_tf32_sm90_kernel<DP>, grid_q, cq.threads(), smem_bytes90_tf32_bwd(Pass::Dq, DP, false),
                    stream, dq, "dq_tf32_sm90 kernel launch");
-    if (side) side->join();
     if (!dkv_wgmma) {
       launch_dkv<DP, Math::Tf32>(a, stream);
       return true;
     }
     launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, false),
-                   stream, dkv, "dkv_tf32_sm90 kernel launch");
+                   dkv_stream, dkv, "dkv_tf32_sm90 kernel launch");
   }
+  if (side) side->join();  // (the workspace is freed on `stream` after this)
   return true;
 }
 
