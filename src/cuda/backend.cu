@@ -289,8 +289,8 @@ void backward(const BackwardParams& p) {
   a.sms = info.sms;
   a.big = info.big();
   if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
-  launch_preprocess(a, stream);
   if (c.half16) {
+    launch_preprocess(a, stream);
     dispatch16(c, [&](auto dp, auto h) {
       constexpr int DP = decltype(dp)::value;
       constexpr Half16 H = decltype(h)::value;
@@ -315,6 +315,8 @@ void backward(const BackwardParams& p) {
     if constexpr (M == Math::Tf32x3 && has_sm90_3xtf32_bwd(DP)) {
       if (c.sm90_bwd && a.vec16 && launch_bwd_3xtf32_sm90<DP>(a, stream)) return;
     }
+    // (The sm_90a kernels above launch the preprocess themselves, beside their operand copies.)
+    launch_preprocess(a, stream);
     launch_dq<DP, M>(a, stream);
     launch_dkv<DP, M>(a, stream);
   });

@@ -82,45 +82,52 @@ bool side_stream_free(cudaStream_t main);
 // Fork and join of side_stream() with the caller's stream: the side stream's work follows what the
 // caller queued before the fork; join() (at the latest the destructor, so on every path out, before
 // the scratch declared earlier is freed on the caller's stream) makes the caller's stream wait for
-// it. Events, not host synchronisation.
+// it; mark() and wait_mark() in between let the caller's stream wait for the side stream's work
+// up to the mark only (the rest goes on beside). Events, not host synchronisation.
 class SideStream {
  public:
   explicit SideStream(cudaStream_t main) : main_(main), side_(side_stream()) {
-    FLASHATTN_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-    const cudaError_t e = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
-    if (e != cudaSuccess) {
-      (void)cudaEventDestroy(fork_);
-      throw_cuda(e, "cudaEventCreateWithFlags(join)");
+    for (int i = 0; i < kEvents; ++i) {
+      const cudaError_t e = cudaEventCreateWithFlags(&ev_[i], cudaEventDisableTiming);
+      if (e != cudaSuccess) {
+        destroy();
+        throw_cuda(e, "cudaEventCreateWithFlags");
+      }
     }
     try {
-      FLASHATTN_CUDA_CHECK(cudaEventRecord(fork_, main_));
-      FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+      FLASHATTN_CUDA_CHECK(cudaEventRecord(ev_[kFork], main_));
+      FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(side_, ev_[kFork], 0));
     } catch (...) {
-      (void)cudaEventDestroy(fork_);
-      (void)cudaEventDestroy(join_);
+      destroy();
       throw;
     }
   }
   ~SideStream() {
     if (!joined_) {
-      (void)cudaEventRecord(join_, side_);
-      (void)cudaStreamWaitEvent(main_, join_, 0);
+      (void)cudaEventRecord(ev_[kJoin], side_);
+      (void)cudaStreamWaitEvent(main_, ev_[kJoin], 0);
     }
-    (void)cudaEventDestroy(fork_);
-    (void)cudaEventDestroy(join_);
+    destroy();
   }
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   cudaStream_t get() const { return side_; }
+  void mark() { FLASHATTN_CUDA_CHECK(cudaEventRecord(ev_[kMark], side_)); }
+  void wait_mark() { FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, ev_[kMark], 0)); }
   void join() {
-    FLASHATTN_CUDA_CHECK(cudaEventRecord(join_, side_));
-    FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, join_, 0));
+    FLASHATTN_CUDA_CHECK(cudaEventRecord(ev_[kJoin], side_));
+    FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, ev_[kJoin], 0));
     joined_ = true;
   }
 
  private:
+  enum { kFork, kJoin, kMark, kEvents };
+  void destroy() {
+    for (cudaEvent_t& e : ev_)
+      if (e != nullptr) (void)cudaEventDestroy(e), e = nullptr;
+  }
   cudaStream_t main_, side_;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  cudaEvent_t ev_[kEvents] = {};
   bool joined_ = false;
 };
 

@@ -171,16 +171,22 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     const int convert = convert_ctas(a.sms);
     if (convert > 0 && side_stream_free(stream)) {
       side.emplace(stream);
+      // D = rowsum(dO O) first there, beside the K/V copies (both memory-bound; the copies alone
+      // do not fill the memory system, run 11c); the dQ pass waits for it at the mark.
+      launch_preprocess(a, side->get());
+      side->mark();
       const int ctas = static_cast<int>(std::min<int64_t>(convert, units));
       launch_tf32_operands_narrow(OperandJobs{{oq, odo}, 2, static_cast<int>(s.head_dim)}, DP, ctas, side->get());
     } else {
       for (const OperandJob& o : {oq, odo}) launch_tf32_operands(o, s.head_dim, DP, stream);
     }
   }
+  if (!side) launch_preprocess(a, stream);
   launch_tf32_operands(OperandJob{a.p.k, s.batch, s.heads_kv, s.seq_kv, big.k, big.kt, small.k, small.kt}, s.head_dim,
                        DP, stream);
   launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, big.v, nullptr, small.v, nullptr}, s.head_dim,
                        DP, stream);
+  if (side) side->wait_mark();  // D, before the dQ pass
   // The dK/dV pass reads none of the dQ pass's results: with the side stream it runs there after
   // the Q/dO copies, beside the dQ pass - its CTAs take the multiprocessors the copies and the dQ
   // pass's last blocks leave free, instead of waiting for the whole dQ pass (docs/PERF.md float32
