@@ -44,7 +44,7 @@ struct Sm90Tf32BwdArgs {
 };
 
 // The block sequence of a pair kernel's CTA. One CTA per block (queue == nullptr): block
-// blockIdx.x alone. Fewer CTAs than blocks (the default, select.hpp persistent_ctas): every block,
+// blockIdx.x alone (the default). Fewer CTAs than blocks (select.hpp persistent_ctas): every block,
 // the first too, taken from a global counter (zeroed before the launch) by the producer thread, so
 // that a CTA whose blocks ran short takes more - causal blocks differ in length, and a fixed walk
 // (c, c + N, ...) left CTAs idle while others worked (docs/PERF.md float32 run 8b) - and a CTA that

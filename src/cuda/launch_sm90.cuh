@@ -196,16 +196,15 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const dim3 grid_k(grid_blocks(s.seq_kv, ck.block_m), static_cast<unsigned>(s.heads_kv),
                     static_cast<unsigned>(s.batch));
   if constexpr (kPair) {
-    // One CTA per multiprocessor walking the blocks (work_item order, each next block from a
-    // counter), or one per block at 3xTF32 D = 128 (persistent_ctas).
+    // One CTA per block, or (FLASHATTN_CUDA_PERSISTENT_CTAS) fewer walking the blocks in work_item
+    // order, each next block from a counter (persistent_ctas).
     const int64_t nq_blocks = static_cast<int64_t>(grid_q.x) * grid_q.y * grid_q.z;
     const int64_t nk_blocks = static_cast<int64_t>(grid_k.x) * grid_k.y * grid_k.z;
     // The kernels number blocks in 32 bits (BlockQueue's counter runs up to blocks + CTAs).
     if (std::max(nq_blocks, nk_blocks) >= (int64_t{1} << 30))
       throw Error(Status::Unsupported, "float32 backward: " + std::to_string(std::max(nq_blocks, nk_blocks)) +
                                            " row blocks exceed the sm_90a kernels' limit of 2^30");
-    constexpr bool kWalk = !pair_small_in_smem(DP, X3);  // the next block's copies can land early
-    const dim3 pq(persistent_ctas(nq_blocks, a.sms, kWalk)), pk(persistent_ctas(nk_blocks, a.sms, kWalk));
+    const dim3 pq(persistent_ctas(nq_blocks, a.sms)), pk(persistent_ctas(nk_blocks, a.sms));
     // Fewer CTAs than blocks: each takes its next block from a counter (BlockQueue; zeroed above).
     dq.queue = pq.x < nq_blocks ? counters : nullptr;
     dkv.queue = pk.x < nk_blocks ? counters + 1 : nullptr;

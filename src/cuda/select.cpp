@@ -176,8 +176,8 @@ bool use_pingpong(const Shape& s, int dp) {
   return dp <= 64 || s.seq_kv <= 4096;
 }
 
-int persistent_ctas(int64_t items, int sms, bool persistent) {
-  int64_t n = persistent && sms > 0 ? sms : items;
+int persistent_ctas(int64_t items, int sms) {
+  int64_t n = items;
   const long v = env_count("FLASHATTN_CUDA_PERSISTENT_CTAS", 1000000, sms,
                            "a count or 'sms' (0: one CTA per block)");
   if (v >= 0) n = v > 0 ? v : items;

@@ -34,13 +34,13 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
 bool use_pingpong(const Shape& s, int dp);
 
 // The CTAs of the sm_90a pair kernels, which can walk several blocks each (taking each next block
-// from a counter, BlockQueue), for `items` blocks: with `persistent` (the default where the kernel
-// can copy a block's stationary tiles while the last block runs) one per multiprocessor, which
-// hides the blocks' starts - 1-4% faster at S = 1k (docs/PERF.md float32 run 10d); otherwise (the
-// 3xTF32 kernels at D = 128 keep their stationary small parts in shared memory to the block's end:
-// 5% slower walking) one per block. FLASHATTN_CUDA_PERSISTENT_CTAS=N runs min(items, N) CTAs
-// (0: one per block; "sms": one per multiprocessor), for tests and measurement.
-int persistent_ctas(int64_t items, int sms, bool persistent);
+// from a counter, BlockQueue), for `items` blocks: by default one per block - since the dK/dV pass
+// runs beside the dQ pass, the hardware's block scheduler fills each pass's tail with the other's
+// blocks, and one CTA per block measured 0-6% faster than one per multiprocessor walking (which had
+// won 1-4% at S = 1k with the passes one after the other; docs/PERF.md float32 runs 10d, 11d).
+// FLASHATTN_CUDA_PERSISTENT_CTAS=N runs min(items, N) CTAs (0: one per block; "sms": one per
+// multiprocessor), for tests and measurement.
+int persistent_ctas(int64_t items, int sms);
 
 // The CTAs (one per multiprocessor) that write the tf32 copies of Q and dO of the float32 sm_90a
 // backward on a side stream while the dQ pass, which does not read them, runs on the other

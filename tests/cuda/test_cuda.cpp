@@ -358,13 +358,12 @@ void expect_same_bits_and_right(const ProblemConfig& c, Precision prec, const ch
 }
 
 // ---- the persistent pair kernels: any CTA count, the same bits ----------------------------
-// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) run fewer CTAs
-// than blocks, each taking block after block from a counter (by default one CTA per
-// multiprocessor, except 3xTF32 at D = 128; FLASHATTN_CUDA_PERSISTENT_CTAS sets the count): here
-// 2 and 4 CTAs and the default walk several blocks each (tiles and exchanges continuing across
-// blocks, stationary tiles re-copied) and must reproduce the one-block-per-CTA launch bit for bit,
-// as the blocks' arithmetic does not depend on which CTA runs them. (These blocks are fewer than an
-// H200's multiprocessors, so the default runs one per CTA here; CudaPersistentWalk has more.)
+// The pair kernels (tf32 at padded D = 128 and opt-in at 64, fp32 at D = 64 and 128) can run fewer
+// CTAs than blocks, each taking block after block from a counter (FLASHATTN_CUDA_PERSISTENT_CTAS
+// sets the count; the default is one CTA per block): here 2 and 4 CTAs walk several blocks each
+// (tiles and exchanges continuing across blocks, stationary tiles re-copied) and must reproduce the
+// one-block-per-CTA launch bit for bit, as the blocks' arithmetic does not depend on which CTA runs
+// them. (CudaPersistentWalk: one CTA per multiprocessor with more blocks than multiprocessors.)
 TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
   REQUIRE_GPU();
   // The last two put blocks without tiles among a CTA's blocks: query blocks that see no key
@@ -408,10 +407,11 @@ TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
   }
 }
 
-// The default launch with more blocks than an H200 has multiprocessors (320 query blocks, 160 key
-// blocks at S = 300): one CTA per multiprocessor walks the blocks, beside the side stream's copies,
-// and must reproduce one CTA per block. (Apart from CudaPersistent: too large for the sanitizers.)
-TEST(CudaPersistentWalk, DefaultMatchesOneBlockPerCta) {
+// More blocks than an H200 has multiprocessors (320 query blocks, 160 key blocks at S = 300): one
+// CTA per multiprocessor walks the blocks, beside the side stream's copies and the other pass,
+// and must reproduce the default, one CTA per block. (Apart from CudaPersistent: too large for the
+// sanitizers.)
+TEST(CudaPersistentWalk, WalkMatchesOneBlockPerCta) {
   REQUIRE_GPU();
   for (Precision prec : {Precision::Fp32, Precision::Tf32})
     for (int64_t d : {64, 128}) {
@@ -424,12 +424,13 @@ TEST(CudaPersistentWalk, DefaultMatchesOneBlockPerCta) {
       DeviceProblem dp(p);
       ASSERT_TRUE(dp.ok());
       const Options o = cuda_options(c, prec);
-      Snapshot one;
+      const Snapshot one = fresh_run(p, dp, o);
+      Snapshot walk;
       {
-        EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", "0");
-        one = fresh_run(p, dp, o);
+        EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", "sms");
+        walk = fresh_run(p, dp, o);
       }
-      EXPECT_TRUE(one == fresh_run(p, dp, o)) << c.describe();
+      EXPECT_TRUE(one == walk) << c.describe();
     }
 }
 

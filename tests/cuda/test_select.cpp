@@ -245,31 +245,28 @@ TEST(CudaSelect, PingPongRule) {
 }
 
 TEST(CudaSelect, PersistentCtas) {
-  // By default one CTA per multiprocessor where the kernel walks blocks well, else one per block;
-  // the override runs a count, one per multiprocessor, or one per block (0).
-  EXPECT_EQ(persistent_ctas(1000, 132, true), 132);
-  EXPECT_EQ(persistent_ctas(17, 132, true), 17);
-  EXPECT_EQ(persistent_ctas(1000, 132, false), 1000);
-  EXPECT_EQ(persistent_ctas(17, 132, false), 17);
-  EXPECT_EQ(persistent_ctas(0, 132, false), 1);
-  EXPECT_EQ(persistent_ctas(0, 132, true), 1);
+  // By default one CTA per block; the override runs a count, one per multiprocessor, or one per
+  // block (0).
+  EXPECT_EQ(persistent_ctas(1000, 132), 1000);
+  EXPECT_EQ(persistent_ctas(17, 132), 17);
+  EXPECT_EQ(persistent_ctas(0, 132), 1);
   {
     EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "sms");
-    EXPECT_EQ(persistent_ctas(1000, 132, false), 132);
-    EXPECT_EQ(persistent_ctas(17, 132, false), 17);
+    EXPECT_EQ(persistent_ctas(1000, 132), 132);
+    EXPECT_EQ(persistent_ctas(17, 132), 17);
   }
   {
     EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "3");
-    EXPECT_EQ(persistent_ctas(1000, 132, true), 3);
-    EXPECT_EQ(persistent_ctas(2, 132, false), 2);
+    EXPECT_EQ(persistent_ctas(1000, 132), 3);
+    EXPECT_EQ(persistent_ctas(2, 132), 2);
   }
   {
     EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "0");
-    EXPECT_EQ(persistent_ctas(1000, 132, true), 1000);
+    EXPECT_EQ(persistent_ctas(1000, 132), 1000);
   }
   EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "many");
   try {
-    persistent_ctas(1000, 132, true);
+    persistent_ctas(1000, 132);
     ADD_FAILURE() << "no error";
   } catch (const Error& x) {
     EXPECT_NE(std::string(x.what()).find("FLASHATTN_CUDA_PERSISTENT_CTAS"), std::string::npos) << x.what();
