@@ -153,6 +153,9 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
            make_tensor_map32(dv, rows(c.v, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) &&
            make_tensor_map32(dkt, cols(c.kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP);
   };
+  bool ok = maps(big, &dq.tk, &dq.tv, &dq.tkt, &dkv.tq, &dkv.tdo, &dkv.tqt, &dkv.tdot);
+  if constexpr (X3) ok = ok && maps(small, &dq.tks, &dq.tvs, &dq.tkts, &dkv.tqs, &dkv.tdos, &dkv.tqts, &dkv.tdots);
+  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
   // Q, dO copies: only the wgmma dK/dV pass reads them. With convert_ctas > 0 they are written on
   // a side stream by that many CTAs (one per multiprocessor) while the dQ pass runs on the other
   // multiprocessors - the copies are memory-bound, the pass compute-bound, and the copies before
@@ -184,11 +187,6 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, big.v, nullptr, small.v, nullptr}, s.head_dim,
                        DP, stream);
   if (side) side->wait_mark();  // D, before the dQ pass
-  // The copies' maps, encoded while the copies run: host work before the first launch delays the
-  // whole call when the GPU is idle (18 encodings with the small parts).
-  bool ok = maps(big, &dq.tk, &dq.tv, &dq.tkt, &dkv.tq, &dkv.tdo, &dkv.tqt, &dkv.tdot);
-  if constexpr (X3) ok = ok && maps(small, &dq.tks, &dq.tvs, &dq.tkts, &dkv.tqs, &dkv.tdos, &dkv.tqts, &dkv.tdots);
-  if (!ok) throw Error(Status::Internal, "cuda float32 backward: tensor maps of the operand copies failed");
   // The dK/dV pass reads none of the dQ pass's results: with the side stream it runs there after
   // the Q/dO copies, beside the dQ pass - its CTAs take the multiprocessors the copies and the dQ
   // pass's last blocks leave free, instead of waiting for the whole dQ pass (docs/PERF.md float32
