@@ -70,9 +70,12 @@ class Workspace {
 };
 
 // A second stream of the current device for work that runs beside the caller's stream inside one
-// call (the tf32 operand copies of Q and dO beside the dQ pass): non-blocking, of the device's
-// highest priority (its CTAs are placed before the main stream's waiting ones), one per host
-// thread and device, destroyed when the thread ends (backend.cu).
+// call (the float32 sm_90a backward: the preprocess, the Q/dO operand copies and the dK/dV pass,
+// beside the K/V copies and the dQ pass): non-blocking, of the device's highest priority (its
+// CTAs are placed before waiting ones of normal-priority streams, the caller's included), one per
+// host thread and device, destroyed when the thread ends (backend.cu). Being one per thread, it
+// orders the backward calls one host thread makes on different streams after each other (each
+// call's caller stream joins it at the end); one side stream per caller stream would not.
 cudaStream_t side_stream();
 // Whether work may fork onto side_stream() from `main`: neither stream is being captured into a
 // graph (a side stream that joined one capture stays in it until that capture ends, and cannot join

@@ -375,9 +375,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
   uint64_t* back = bars + 6;
   uint64_t* empty_kv = bars + 7;  // K and V read into registers (persistent: the next block's may land)
-  // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time - with the queue
-  // chosen at run time the block's coordinates left the uniform datapath: 5-8% slower dQ pass at
-  // 3xTF32 D = 128, docs/PERF.md float32 run 11.)
+  // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time, as in the dQ pair
+  // kernel above.)
   const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 8)};
 
   const BwdArgs& a = A.f;

@@ -76,7 +76,7 @@ void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
 // (kernels_sm90_tf32_bwd_pair.cuh): the operand copies, the wgmma dQ pass and the dK/dV pass (at
 // D = 64 on mma.sync unless a.tf32_dkv_wgmma), and launch_preprocess (beside the K/V copies, on
 // the side stream where one is used). False (nothing launched) when the copy engine cannot
-// address K or V: the caller runs launch_preprocess and the mma.sync kernels.
+// address Q, dO, K or V: the caller runs launch_preprocess and the mma.sync kernels.
 template <int DP>
 bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
 // The fp32-accurate (3xTF32) backward on sm_90a, padded D = 64 (the pair kernels with every

@@ -388,9 +388,27 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
   }
 }
 
+// Walking without the side stream (FLASHATTN_CUDA_CONVERT_CTAS=0: copies, dQ pass and dK/dV pass in
+// order on the caller's stream, both passes taking blocks from their counters): the same bits as
+// one CTA per block, and right.
+TEST(CudaPersistentInOrder, FewCtasMatchOneBlockPerCta) {
+  REQUIRE_GPU();
+  for (const PassCase& k : {PassCase{128, Mask::CausalTopLeft, Precision::Tf32, 300, 200},
+                            PassCase{64, Mask::CausalBottomRight, Precision::Fp32, 150, 333}}) {
+    ProblemConfig c;
+    c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
+    c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 19;
+    EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", "wgmma");
+    EnvScope tbwd_scope("FLASHATTN_CUDA_TF32_BWD", "pair");
+    EnvScope convert_scope("FLASHATTN_CUDA_CONVERT_CTAS", "0");
+    expect_same_bits_and_right(c, k.prec, "FLASHATTN_CUDA_PERSISTENT_CTAS", {"0", "3"});
+  }
+}
+
 // The float32 sm_90a backward writes the Q / dO operand copies on a side stream beside the dQ pass
-// (FLASHATTN_CUDA_CONVERT_CTAS CTAs, a grid-stride walk over 64-row units of both operands) or
-// before the passes (0): the same bits either way, with one CTA walking every unit, and right.
+// (FLASHATTN_CUDA_CONVERT_CTAS CTAs, a grid-stride walk over 64-row units of both operands; the
+// preprocess before them and the dK/dV pass after them there too) or everything in order on the
+// caller's stream (0): the same bits either way, with one CTA walking every unit, and right.
 // head_dim 100 takes the scalar path of the copies, GQA and Sq != Skv give the two operands
 // different unit counts than K and V.
 TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
@@ -424,8 +442,11 @@ TEST(CudaPersistentWalk, WalkMatchesOneBlockPerCta) {
       DeviceProblem dp(p);
       ASSERT_TRUE(dp.ok());
       const Options o = cuda_options(c, prec);
-      const Snapshot one = fresh_run(p, dp, o);
-      Snapshot walk;
+      Snapshot one, walk;
+      {
+        EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", "0");
+        one = fresh_run(p, dp, o);
+      }
       {
         EnvScope ctas_scope("FLASHATTN_CUDA_PERSISTENT_CTAS", "sms");
         walk = fresh_run(p, dp, o);
@@ -463,8 +484,8 @@ TEST(CudaStream, UserStreamMatchesDefault) {
 }
 
 // ---- CUDA graphs: captured calls replay to the direct call's bits ---------------------------
-// The float32 backward forks its Q / dO copies onto a side stream only when neither stream is being
-// captured (a side stream inside one capture could not join another): a forward and backward
+// The float32 backward forks work (the preprocess, the Q / dO copies, the dK/dV pass) onto a side
+// stream only when neither stream is being captured (a side stream inside one capture could not join another): a forward and backward
 // captured on one stream, and a direct call on a second stream while that capture is open (which
 // does fork), must both give the bits of a plain call.
 TEST(CudaGraph, CapturedCallsMatchDirect) {
