@@ -322,6 +322,13 @@ struct PassCase {
   Mask mask;
   Precision prec;
   int64_t sq, skv;
+  // The case as a problem of 4 query heads over 2 kv heads (GQA), BSHD.
+  ProblemConfig config(int64_t batch, uint64_t seed) const {
+    ProblemConfig c;
+    c.batch = batch; c.heads_q = 4; c.heads_kv = 2; c.seq_q = sq; c.seq_kv = skv; c.head_dim = d;
+    c.mask = mask; c.layout = testing::Layout::BSHD; c.seed = seed;
+    return c;
+  }
 };
 
 // p's gradients (as last downloaded) against the float64 reference, scaled as run_case does: no
@@ -378,9 +385,7 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
                             PassCase{128, Mask::None, Precision::Fp32, 150, 133},
                             PassCase{128, Mask::CausalBottomRight, Precision::Fp32, 300, 64},
                             PassCase{100, Mask::CausalTopLeft, Precision::Fp32, 64, 400}}) {
-    ProblemConfig c;
-    c.batch = 1; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
-    c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 11;
+    const ProblemConfig c = k.config(1, 11);
     EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", "wgmma");
     EnvScope tbwd_scope("FLASHATTN_CUDA_TF32_BWD", "pair");
     // And right: the 4-CTA gradients against the float64 reference.
@@ -395,9 +400,7 @@ TEST(CudaPersistentInOrder, FewCtasMatchOneBlockPerCta) {
   REQUIRE_GPU();
   for (const PassCase& k : {PassCase{128, Mask::CausalTopLeft, Precision::Tf32, 300, 200},
                             PassCase{64, Mask::CausalBottomRight, Precision::Fp32, 150, 333}}) {
-    ProblemConfig c;
-    c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
-    c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 19;
+    const ProblemConfig c = k.config(2, 19);
     EnvScope fbwd_scope("FLASHATTN_CUDA_FP32_BWD", "wgmma");
     EnvScope tbwd_scope("FLASHATTN_CUDA_TF32_BWD", "pair");
     EnvScope convert_scope("FLASHATTN_CUDA_CONVERT_CTAS", "0");
@@ -418,9 +421,7 @@ TEST(CudaSideCopies, MatchCopiesBeforeThePasses) {
                             PassCase{128, Mask::CausalBottomRight, Precision::Fp32, 150, 300},
                             PassCase{128, Mask::None, Precision::Tf32, 1, 17},
                             PassCase{100, Mask::CausalTopLeft, Precision::Fp32, 257, 64}}) {
-    ProblemConfig c;
-    c.batch = 2; c.heads_q = 4; c.heads_kv = 2; c.seq_q = k.sq; c.seq_kv = k.skv; c.head_dim = k.d;
-    c.mask = k.mask; c.layout = testing::Layout::BSHD; c.seed = 13;
+    const ProblemConfig c = k.config(2, 13);
     expect_same_bits_and_right(c, k.prec, "FLASHATTN_CUDA_CONVERT_CTAS", {"0", "1", "5"});
   }
 }
