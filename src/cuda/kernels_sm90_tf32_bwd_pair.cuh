@@ -235,8 +235,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   for (int k = 0;; ++k) {
     // One CTA per block: block blockIdx.x, known before its copy lands, so that the LSE/D loads
     // below go out under the copy; walking: the slot, once the copy (or the end) has landed.
-    // (Nothing may read the stationary tiles in shared memory before the second wait below - e.g.
-    // a D computed from dO and O there, branch wip/delta-in-dq, must come after it.)
+    // (Nothing may read the stationary tiles in shared memory before the second wait below.)
     const bool walk = queue.counter != nullptr;
     if (k > 0 && !walk) break;
     if (walk) mbar_wait(full_q, k & 1);

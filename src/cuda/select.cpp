@@ -186,7 +186,7 @@ int persistent_ctas(int64_t items, int sms) {
 }
 
 int convert_ctas(int sms) {
-  const long v = env_count("FLASHATTN_CUDA_CONVERT_CTAS", 100000, -1, "a count (0: the copies before the passes)");
+  const long v = env_count("FLASHATTN_CUDA_CONVERT_CTAS", 100000, -1, "a count (0: no side stream)");
   return v >= 0 ? static_cast<int>(v) : std::max(0, sms / 4);
 }
 

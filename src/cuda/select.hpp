@@ -44,9 +44,9 @@ int persistent_ctas(int64_t items, int sms);
 
 // The CTAs (one per multiprocessor) that write the tf32 copies of Q and dO of the float32 sm_90a
 // backward on a side stream while the dQ pass, which does not read them, runs on the other
-// multiprocessors; 0: the copies run before the passes, on the whole GPU. Default: a quarter of
-// the multiprocessors. FLASHATTN_CUDA_CONVERT_CTAS=N overrides (0: before the passes), for
-// measurement.
+// multiprocessors; 0: no side stream - the copies, then both passes, in order on the caller's
+// stream. Default: a quarter of the multiprocessors. FLASHATTN_CUDA_CONVERT_CTAS=N overrides, for
+// measurement and tests.
 int convert_ctas(int sms);
 
 }  // namespace flashattn::cuda
