@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "core/backend.hpp"
 #include "cuda/check.hpp"
@@ -120,26 +121,55 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
 
 namespace {
 // A thread's side streams, destroyed when the thread ends.
-struct SideStreams {
-  std::map<int, cudaStream_t> by_device;
-  ~SideStreams() {
-    for (auto& kv : by_device) (void)cudaStreamDestroy(kv.second);
+struct SideSlots {
+  std::map<int, SideSlot> by_device;
+  ~SideSlots() {
+    for (auto& kv : by_device) {
+      for (cudaEvent_t e : kv.second.ev)
+        if (e != nullptr) (void)cudaEventDestroy(e);
+      if (kv.second.stream != nullptr) (void)cudaStreamDestroy(kv.second.stream);
+    }
   }
 };
 }  // namespace
 
-cudaStream_t side_stream() {
+const SideSlot& side_stream() {
   int device = 0;
   FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
-  thread_local SideStreams streams;
-  auto it = streams.by_device.find(device);
-  if (it != streams.by_device.end()) return it->second;
+  thread_local SideSlots slots;
+  auto it = slots.by_device.find(device);
+  if (it != slots.by_device.end()) return it->second;
+  // Created whole before it is kept: a failure part way leaves nothing behind.
+  SideSlot s;
+  auto release = [&] {
+    for (cudaEvent_t e : s.ev)
+      if (e != nullptr) (void)cudaEventDestroy(e);
+    if (s.stream != nullptr) (void)cudaStreamDestroy(s.stream);
+  };
   int least = 0, greatest = 0;
-  FLASHATTN_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t st = nullptr;
-  FLASHATTN_CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, greatest));
-  streams.by_device.emplace(device, st);
-  return st;
+  cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest);
+  for (cudaEvent_t& ev : s.ev)
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    release();
+    throw_cuda(e, "side stream of the float32 backward (cudaStreamCreateWithPriority / cudaEventCreateWithFlags)");
+  }
+  return slots.by_device.emplace(device, s).first->second;
+}
+
+void ensure_smem_limit(const void* kernel, int smem) {
+  int device = 0;
+  FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
+  // (kernel, device) -> the limit set; a kernel's launches all ask for the same size, so a
+  // larger request (a different configuration) sets it again.
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> set;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = set.try_emplace({kernel, device}, -1).first;
+  if (it->second >= smem) return;
+  FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  it->second = smem;
 }
 
 bool side_stream_free(cudaStream_t main) {
@@ -150,7 +180,7 @@ bool side_stream_free(cudaStream_t main) {
     (void)cudaGetLastError();
     return false;
   }
-  if (cudaStreamIsCapturing(side_stream(), &b) != cudaSuccess) {
+  if (cudaStreamIsCapturing(side_stream().stream, &b) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -208,23 +238,20 @@ void check_device_pointer(const void* ptr, int32_t device, const char* what) {
   } else {
     (void)cudaGetLastError();  // unknown to CUDA: plain host memory
   }
-  std::ostringstream os;
-  os << what << ".data = " << ptr;
+  // (The message is built only on the way out: this runs for every tensor of every call.)
+  auto fail = [&](const std::string& why) {
+    std::ostringstream os;
+    os << what << ".data = " << ptr << why;
+    throw Error(Status::InvalidArgument, os.str());
+  };
   if (device < 0) {
-    if (on_device && attr.type == cudaMemoryTypeDevice) {
-      os << " is memory of CUDA device " << dev << " but " << what << ".device = -1 (cpu)";
-      throw Error(Status::InvalidArgument, os.str());
-    }
+    if (on_device && attr.type == cudaMemoryTypeDevice)
+      fail(" is memory of CUDA device " + std::to_string(dev) + " but " + what + ".device = -1 (cpu)");
     return;
   }
-  if (!on_device) {
-    os << " is host memory but " << what << ".device = " << device << " (CUDA)";
-    throw Error(Status::InvalidArgument, os.str());
-  }
-  if (attr.type == cudaMemoryTypeDevice && dev != device) {
-    os << " is memory of CUDA device " << dev << " but " << what << ".device = " << device;
-    throw Error(Status::InvalidArgument, os.str());
-  }
+  if (!on_device) fail(std::string(" is host memory but ") + what + ".device = " + std::to_string(device) + " (CUDA)");
+  if (attr.type == cudaMemoryTypeDevice && dev != device)
+    fail(" is memory of CUDA device " + std::to_string(dev) + " but " + what + ".device = " + std::to_string(device));
 }
 
 void forward(const ForwardParams& p) {

@@ -30,13 +30,18 @@ inline void check_launch(const char* kernel) {
   if (e != cudaSuccess) throw_cuda(e, kernel);
 }
 
+// Raises `kernel`'s dynamic shared-memory limit to `smem` on the current device (above 48 KiB a
+// kernel must opt in) unless an earlier call already did: the attribute is per function and
+// device and stays set, and setting it on every launch cost host time before each (backend.cu).
+void ensure_smem_limit(const void* kernel, int smem);
+
 // Launches kernel<<<grid, threads, smem, stream>>>(args) with its dynamic shared-memory limit
-// raised to `smem` (above 48 KiB a kernel must opt in; the attribute is per function and cheap to
-// set again), and checks both. (CUDA sources only: this header is never compiled as plain C++.)
+// raised to `smem`, and checks both. (CUDA sources only: this header is never compiled as plain
+// C++.)
 template <class Kernel, class Args>
 void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
                     const Args& args, const char* name) {
-  FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  ensure_smem_limit(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<grid, threads, smem, stream>>>(args);
   check_launch(name);
 }
@@ -73,10 +78,17 @@ class Workspace {
 // call (the float32 sm_90a backward: the preprocess, the Q/dO operand copies and the dK/dV pass,
 // beside the K/V copies and the dQ pass): non-blocking, of the device's highest priority (its
 // CTAs are placed before waiting ones of normal-priority streams, the caller's included), one per
-// host thread and device, destroyed when the thread ends (backend.cu). Being one per thread, it
-// orders the backward calls one host thread makes on different streams after each other (each
-// call's caller stream joins it at the end); one side stream per caller stream would not.
-cudaStream_t side_stream();
+// host thread and device with the events that fork and join it, created on first use and
+// destroyed when the thread ends (backend.cu; creating three events per call cost host time
+// before the first launch). Being one per thread, it orders the backward calls one host thread
+// makes on different streams after each other (each call's caller stream joins it at the end);
+// one side stream per caller stream would not.
+struct SideSlot {
+  enum { kFork, kJoin, kMark, kEvents };
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev[kEvents] = {};
+};
+const SideSlot& side_stream();
 // Whether work may fork onto side_stream() from `main`: neither stream is being captured into a
 // graph (a side stream that joined one capture stays in it until that capture ends, and cannot join
 // another; captured calls keep all their work on the caller's stream).
@@ -86,51 +98,34 @@ bool side_stream_free(cudaStream_t main);
 // caller queued before the fork; join() (at the latest the destructor, so on every path out, before
 // the scratch declared earlier is freed on the caller's stream) makes the caller's stream wait for
 // it; mark() and wait_mark() in between let the caller's stream wait for the side stream's work
-// up to the mark only (the rest goes on beside). Events, not host synchronisation.
+// up to the mark only (the rest goes on beside). Events, not host synchronisation; the thread's
+// events are recorded again by every call (a wait takes the record made before it).
 class SideStream {
  public:
-  explicit SideStream(cudaStream_t main) : main_(main), side_(side_stream()) {
-    for (int i = 0; i < kEvents; ++i) {
-      const cudaError_t e = cudaEventCreateWithFlags(&ev_[i], cudaEventDisableTiming);
-      if (e != cudaSuccess) {
-        destroy();
-        throw_cuda(e, "cudaEventCreateWithFlags");
-      }
-    }
-    try {
-      FLASHATTN_CUDA_CHECK(cudaEventRecord(ev_[kFork], main_));
-      FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(side_, ev_[kFork], 0));
-    } catch (...) {
-      destroy();
-      throw;
-    }
+  explicit SideStream(cudaStream_t main) : main_(main), slot_(side_stream()) {
+    FLASHATTN_CUDA_CHECK(cudaEventRecord(slot_.ev[SideSlot::kFork], main_));
+    FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(slot_.stream, slot_.ev[SideSlot::kFork], 0));
   }
   ~SideStream() {
     if (!joined_) {
-      (void)cudaEventRecord(ev_[kJoin], side_);
-      (void)cudaStreamWaitEvent(main_, ev_[kJoin], 0);
+      (void)cudaEventRecord(slot_.ev[SideSlot::kJoin], slot_.stream);
+      (void)cudaStreamWaitEvent(main_, slot_.ev[SideSlot::kJoin], 0);
     }
-    destroy();
   }
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
-  cudaStream_t get() const { return side_; }
-  void mark() { FLASHATTN_CUDA_CHECK(cudaEventRecord(ev_[kMark], side_)); }
-  void wait_mark() { FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, ev_[kMark], 0)); }
+  cudaStream_t get() const { return slot_.stream; }
+  void mark() { FLASHATTN_CUDA_CHECK(cudaEventRecord(slot_.ev[SideSlot::kMark], slot_.stream)); }
+  void wait_mark() { FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, slot_.ev[SideSlot::kMark], 0)); }
   void join() {
-    FLASHATTN_CUDA_CHECK(cudaEventRecord(ev_[kJoin], side_));
-    FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, ev_[kJoin], 0));
+    FLASHATTN_CUDA_CHECK(cudaEventRecord(slot_.ev[SideSlot::kJoin], slot_.stream));
+    FLASHATTN_CUDA_CHECK(cudaStreamWaitEvent(main_, slot_.ev[SideSlot::kJoin], 0));
     joined_ = true;
   }
 
  private:
-  enum { kFork, kJoin, kMark, kEvents };
-  void destroy() {
-    for (cudaEvent_t& e : ev_)
-      if (e != nullptr) (void)cudaEventDestroy(e), e = nullptr;
-  }
-  cudaStream_t main_, side_;
-  cudaEvent_t ev_[kEvents] = {};
+  cudaStream_t main_;
+  const SideSlot& slot_;
   bool joined_ = false;
 };
 
