@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "cuda/launch.cuh"
+#include "cuda/mbarrier.cuh"
 
 namespace flashattn::cuda {
 namespace dev {
@@ -254,10 +255,122 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
 // many bytes moving. (Three groups, not four: at 1024 threads' 64 registers the batched loads
 // spilled.)
 constexpr int kNarrowGroups = 3;
+// The staged rows of the sm_90 path (narrow_bulk): DP + 4 floats apart, so that every row starts
+// 16-byte aligned (the bulk copy's rule) and the 8 rows a quarter-warp reads one float4 column of
+// fall on 8 different 16-byte bank groups.
+template <int DP>
+constexpr int kNarrowRow = DP + 4;
+template <int DP>
+constexpr int narrow_bulk_smem() {
+  return kNarrowGroups * (2 * 64 * kNarrowRow<DP> * 4 + 2 * 8);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The 16-byte path on sm_90: each group's next unit is read by the copy engine (64 row copies,
+// cp.async.bulk, onto an mbarrier) into the second of two tiles while the group writes the current
+// one out, so a unit's ~32 KiB of reads are always in flight: the loads of the plain path wait
+// for the unit's stores to drain first, which held the kernel to ~31 GB/s per multiprocessor
+// (docs/PERF.md float32 run 12b: 777 us of 33 multiprocessors for the Q / dO copies at S = 1k).
+template <int DP, bool kSplit>
+__device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int tid, float* smem) {
+  constexpr int R = kNarrowRow<DP>, C4 = DP / 4;
+  // Every group's two barriers first (16 bytes each group: the tiles stay 16-byte aligned), set up
+  // by one thread before any group starts.
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + 2 * grp;
+  float* tiles = smem + 4 * kNarrowGroups + grp * 2 * 64 * R;
+  auto sync = [grp] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2 * kNarrowGroups; ++i) mbar_init(reinterpret_cast<uint64_t*>(smem) + i, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
+  auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
+  const int64_t units0 = J.job[0].units(), total = units0 + (J.n > 1 ? J.job[1].units() : 0);
+  struct Unit {
+    const OperandJob* o;
+    int64_t b, h, bh, n0;
+    int rows;
+  };
+  auto unit = [&](int64_t u) {
+    const int j = u < units0 ? 0 : 1;
+    const OperandJob& o = J.job[j];
+    const int64_t v = u - (j ? units0 : 0), nx = (o.seq + 63) / 64, bh = v / nx, n0 = (v % nx) * 64;
+    return Unit{&o, bh / o.heads, bh % o.heads, bh, n0, static_cast<int>(o.seq - n0 < 64 ? o.seq - n0 : 64)};
+  };
+  // Warp 0 of the group starts unit u's reads into tile t: one lane announces the bytes, the
+  // lanes copy a row each. (The group's barrier before ordered every earlier access to the tile;
+  // the fence orders them before the copy engine's writes.)
+  auto issue = [&](int64_t u, int t) {
+    const Unit w = unit(u);
+    const In4& x = w.o->x;
+    const float* src = static_cast<const float*>(x.ptr) + w.b * x.sb + w.h * x.sh + w.n0 * x.ss;
+    if (tid == 0) mbar_expect_tx(bars + t, static_cast<uint32_t>(w.rows) * DP * 4);
+    __syncwarp();
+    fence_proxy_async();
+    for (int r = tid; r < w.rows; r += 32) bulk_copy_g2s(tiles + (t * 64 + r) * R, src + r * x.ss, DP * 4, bars + t);
+  };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kNarrowGroups;
+  int64_t u = static_cast<int64_t>(blockIdx.x) * kNarrowGroups + grp;
+  if (u < total && tid < 32) issue(u, 0);
+  for (int k = 0; u < total; u += stride, ++k) {
+    // The next unit's reads go out first (its tile held unit k - 1, written out before the
+    // group's last barrier).
+    if (u + stride < total && tid < 32) issue(u + stride, (k + 1) & 1);
+    const Unit w = unit(u);
+    const OperandJob& o = *w.o;
+    float* tile = tiles + (k & 1) * 64 * R;
+    mbar_wait(bars + (k & 1), (k >> 1) & 1);
+    // Rows past the sequence: zeros, which the transposed copy writes up to S8.
+    for (int i = tid; i < (64 - w.rows) * C4; i += 256)
+      reinterpret_cast<float4*>(tile + (w.rows + i / C4) * R)[i % C4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float* dst = o.xr != nullptr ? o.xr + (w.bh * o.seq + w.n0) * DP : nullptr;
+    float* dsts = kSplit && o.xs != nullptr ? o.xs + (w.bh * o.seq + w.n0) * DP : nullptr;
+    for (int i = tid; i < w.rows * C4; i += 256) {
+      const int r = i / C4, c = i % C4;
+      const float4 v = reinterpret_cast<const float4*>(tile + r * R)[c];
+      if (dst != nullptr)
+        reinterpret_cast<float4*>(dst + r * DP)[c] = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+      if (kSplit && dsts != nullptr)
+        reinterpret_cast<float4*>(dsts + r * DP)[c] = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
+    }
+    if (o.xt != nullptr) {
+      sync();  // the zeroed rows
+      const int64_t seq8 = (o.seq + 7) / 8 * 8;
+      float* dt = o.xt + w.bh * DP * seq8;
+      float* dts = kSplit && o.xts != nullptr ? o.xts + w.bh * DP * seq8 : nullptr;
+      // A warp: 32 rows (columns of the transposed copy: 128 coalesced bytes per store) of one
+      // float4 column.
+#pragma unroll 2
+      for (int i = tid; i < 64 * C4; i += 256) {
+        const int r = i % 64, d = (i / 64) * 4;
+        const int64_t col = w.n0 + tf32_slot(r);
+        if (col < seq8) {
+          const float4 v = reinterpret_cast<const float4*>(tile + r * R)[d / 4];
+          const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            dt[(d + q) * seq8 + col] = big(e[q]);
+            if (kSplit && dts != nullptr) dts[(d + q) * seq8 + col] = small(e[q]);
+          }
+        }
+      }
+    }
+    sync();  // the tile's last reads, before its next unit's copies
+  }
+}
+#endif
+
 template <int DP, bool kVec, bool kSplit>
 __global__ void __launch_bounds__(kNarrowGroups * 256, 1) tf32_operand_narrow_kernel(const __grid_constant__ OperandJobs J) {
   extern __shared__ float4 smem4[];
   const int grp = static_cast<int>(threadIdx.x) / 256, tid = static_cast<int>(threadIdx.x) % 256;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kVec) {
+    narrow_bulk<DP, kSplit>(J, grp, tid, reinterpret_cast<float*>(smem4));
+    return;
+  }
+#endif
   float(*tile)[DP + 1] = reinterpret_cast<float(*)[DP + 1]>(smem4) + 64 * grp;
   auto sync = [grp] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); };
   const int64_t units0 = J.job[0].units(), total = units0 + (J.n > 1 ? J.job[1].units() : 0);
@@ -404,10 +517,11 @@ void launch_tf32_operands(const OperandJob& o, int64_t head_dim, int dp, cudaStr
 void launch_tf32_operands_narrow(const OperandJobs& jobs, int dp, int ctas, cudaStream_t stream) {
   with_operand_kernel(jobs.job, jobs.n, jobs.head_dim, dp, [&](auto dpc, auto split_c, auto vec_c) {
     constexpr int DP = decltype(dpc)::value;
-    // A tile per group, and at least 116 KiB: with more than half of the multiprocessor's 227 KiB
-    // taken no second CTA lands on it, so `ctas` CTAs hold `ctas` multiprocessors.
+    // A tile per group (two on sm_90's 16-byte path, and its barriers), and at least 116 KiB:
+    // with more than half of the multiprocessor's 227 KiB taken no second CTA lands on it, so
+    // `ctas` CTAs hold `ctas` multiprocessors. (Launched by the sm_90 backward only.)
     constexpr int kThreads = dev::kNarrowGroups * 256;
-    const int smem = std::max<int>(dev::kNarrowGroups * 64 * (DP + 1) * 4, 116 * 1024);
+    const int smem = std::max({dev::kNarrowGroups * 64 * (DP + 1) * 4, dev::narrow_bulk_smem<DP>(), 116 * 1024});
     launch_checked(dev::tf32_operand_narrow_kernel<DP, decltype(vec_c)::value, decltype(split_c)::value>, dim3(ctas),
                    kThreads, smem, stream, jobs, "tf32 operand (narrow) kernel launch");
   });

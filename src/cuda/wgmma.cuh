@@ -14,6 +14,7 @@
 
 #include "cuda/config.hpp"
 #include "cuda/launch.hpp"
+#include "cuda/mbarrier.cuh"
 #include "cuda/mma16.cuh"
 #include "cuda/wgmma_ops.cuh"
 
@@ -94,10 +95,6 @@ __device__ __forceinline__ void keep_live_in_loop(uint32_t (&a)[NT][4], uint32_t
 #pragma unroll
     for (int e = 0; e < 4; ++e) a[j][e] ^= opaque_zero;
 }
-// Shared memory written by the threads' own stores or cp.async (the generic proxy) becomes
-// visible to the tensor cores' reads (the async proxy) only through this fence, issued by every
-// writing thread after its writes landed and before the barrier that publishes them.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // D[64 x N] (+)= A[64 x KD] B[N x KD]^T, both K-major TileSw128s: the warpgroup's A rows start at
 // a_row0, B's N rows at b_row0 (multiples of 8). accumulate = false overwrites D.
@@ -383,11 +380,6 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 }
 
 // ---- mbarriers, the tensor copy engine (TMA), warpgroup registers ---------------------------------
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// Makes initialised barriers visible to the copy engine (the async proxy).
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 // The split backward kernels' barriers: `once` for the block's stationary tiles (one copy-engine
 // arrival) and two stages of full / empty barriers; initialised by thread 0 and published to the
 // whole CTA (and the copy engine) before return.
@@ -404,24 +396,6 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* once, uint64_t* fu
     mbar_init_fence();
   }
   __syncthreads();
-}
-// One arrival that also announces `bytes` of copies completing on this barrier's phase.
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Waits until the phase with this parity has completed. (A fresh barrier counts its phase
-// "parity 1" as complete, so a producer's first wait for a free buffer passes at once.)
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
 }
 // Copies the box at coordinates (c0 = column, c1 = row, c2 = head, c3 = batch) of a 4-d tensor map
 // into shared memory (swizzled as the map says; out-of-range elements read as zero) and
