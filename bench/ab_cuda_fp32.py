@@ -13,7 +13,6 @@ usage: ab_cuda_fp32.py [--rounds N] [--reps N] [--shapes S:D:CAUSAL,...] [--prec
                        VARIANT [VARIANT ...]
 """
 import argparse
-import os
 import statistics
 import sys
 
@@ -21,37 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_cuda_fp32 import FlashAttn
-
-
-def time_list(fn, reps):
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return ts
-
-
-class Env:
-    """Environment settings for the duration of a with-block."""
-
-    def __init__(self, settings):
-        self.settings, self.saved = settings, {}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.settings}
-        os.environ.update(self.settings)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+from bench_cuda_fp32 import FlashAttn, call_times
+from cabi import EnvSettings
 
 
 def main():
@@ -94,16 +64,16 @@ def main():
                 for _ in range(a.rounds):
                     for _ in range(2):
                         peer()
-                    times["peer"] += time_list(peer, a.reps)
+                    times["peer"] += call_times(peer, a.reps)
                     for name, lib, env in variants:
-                        with Env(env):
+                        with EnvSettings(env):
                             o = lib.options(bool(causal), 1 if prec == "tf32" else 0)
                             lib.forward(q, k, v, out, lse, o)
                             fn = (lib.bind_forward(q, k, v, out, lse, o) if a.fwd else
                                   lib.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o))
                             for _ in range(2):
                                 fn()
-                            times[name] += time_list(fn, a.reps)
+                            times[name] += call_times(fn, a.reps)
                 pm = statistics.median(times["peer"])
                 line = f"S={s} D={d} causal={causal} {prec} {'fwd' if a.fwd else 'bwd'}: peer {flops / pm / 1e9:.1f}"
                 for name, _, _ in variants:

@@ -36,10 +36,8 @@ class FlashAttn(CtypesLib):
         return (MASK_CAUSAL_TOP_LEFT if causal else MASK_NONE, precision, False)
 
 
-def time_ms(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def call_times(fn, reps):
+    """reps calls of fn, each timed alone (events around it, then a synchronisation), in ms."""
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -48,7 +46,14 @@ def time_ms(fn, warmup, reps):
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return ts
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(call_times(fn, reps))
 
 
 def main():

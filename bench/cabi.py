@@ -4,6 +4,7 @@ profiling scripts that call the library on torch tensors' memory without the Pyt
 flashattn_options (struct_size versioning) and the forward/backward calls. Options travel as the
 tuple (mask, precision, deterministic); the stream is torch's current one on the tensors' device."""
 import ctypes
+import os
 
 MASK_NONE, MASK_CAUSAL_TOP_LEFT, MASK_CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
@@ -104,3 +105,23 @@ def issue_problem(torch, s, d, dtype):
     t.update(out=torch.empty_like(t["q"]), lse=torch.empty(b, h, s, device="cuda"),
              dq=torch.empty_like(t["q"]), dk=torch.empty_like(t["k"]), dv=torch.empty_like(t["v"]), b=b, h=h)
     return t
+
+
+class EnvSettings:
+    """Environment variables set for the duration of a with-block (the library reads its
+    FLASHATTN_CUDA_* settings at each call), restored after it."""
+
+    def __init__(self, settings):
+        self.settings, self.saved = dict(settings), {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.settings}
+        os.environ.update(self.settings)
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -30,7 +30,7 @@ from collections import defaultdict
 
 import torch
 
-from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib, issue_problem
+from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib, EnvSettings, issue_problem
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,12 +73,7 @@ def timeline(prof, calls):
 
 
 def run_case(lib, c, reps, show_timeline=False):
-    saved = {}
-    for assignment in c["env"]:
-        var, _, value = assignment.partition("=")
-        saved[var] = os.environ.get(var)
-        os.environ[var] = value
-    try:
+    with EnvSettings(a.partition("=")[::2] for a in c["env"]):
         s, d, dt = c["s"], c["d"], DTYPES[c["dtype"]]
         prob = issue_problem(torch, s, d, dt)
         b, h = prob["b"], prob["h"]
@@ -139,12 +134,6 @@ def run_case(lib, c, reps, show_timeline=False):
             print("   timeline of the last profiled call (us from its first kernel's start):")
             for start, end, stream, name in timeline(prof, reps):
                 print(f"   {start:8.1f} {end:8.1f}  stream {stream}  {short(name, 60)}")
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 def main():
