@@ -64,6 +64,7 @@ def main():
                 for _ in range(a.rounds):
                     for _ in range(2):
                         peer()
+                    torch.cuda.synchronize()  # (the first timed call from an idle GPU too)
                     times["peer"] += call_times(peer, a.reps)
                     for name, lib, env in variants:
                         with EnvSettings(env):
@@ -73,6 +74,7 @@ def main():
                                   lib.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o))
                             for _ in range(2):
                                 fn()
+                            torch.cuda.synchronize()
                             times[name] += call_times(fn, a.reps)
                 pm = statistics.median(times["peer"])
                 line = f"S={s} D={d} causal={causal} {prec} {'fwd' if a.fwd else 'bwd'}: peer {flops / pm / 1e9:.1f}"

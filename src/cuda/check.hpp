@@ -33,6 +33,8 @@ inline void check_launch(const char* kernel) {
 // Raises `kernel`'s dynamic shared-memory limit to `smem` on the current device (above 48 KiB a
 // kernel must opt in) unless an earlier call already did: the attribute is per function and
 // device and stays set, and setting it on every launch cost host time before each (backend.cu).
+// (It belongs to the device's primary context, as do the library's cached side streams and
+// memory pools: a cudaDeviceReset while the library is in use invalidates all three.)
 void ensure_smem_limit(const void* kernel, int smem);
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) with its dynamic shared-memory limit

@@ -356,7 +356,11 @@ __device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int t
         }
       }
     }
-    sync();  // the tile's last reads, before its next unit's copies
+    // The tile's last reads (and the zeroed rows' writes, made visible to the copy engine that
+    // fills this tile again two units later: fence by the writers, then the barrier), before its
+    // next unit's copies.
+    if (w.rows < 64) fence_proxy_async();
+    sync();
   }
 }
 #endif
