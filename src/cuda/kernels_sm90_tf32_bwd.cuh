@@ -3,7 +3,7 @@
 // atomics) with tf32 wgmma (m64nNk8). tf32 wgmma reads shared memory K-major only, so every B
 // operand must be stored with its k dimension contiguous: the products contract over the head dim
 // (S = Q K^T, dP = dO V^T: K, V, Q, dO as stored) and over keys or queries (dQ = dS K,
-// dV = P^T dO, dK = dS^T Q: K, dO, Q transposed). A pre-pass (preprocess.cu,
+// dV = P^T dO, dK = dS^T Q: K, dO, Q transposed). A pre-pass (operand_copies.cu,
 // launch_tf32_operands) writes each operand once rounded to tf32 and, where needed, transposed,
 // with positions in tf32_slot order so that the P / dS accumulators serve as A fragments as they
 // are (device.cuh); the copy engine then streams those copies like the 16-bit kernels' tiles.

@@ -92,7 +92,7 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream);
 // One operand's tf32 copies for the float32 sm_90a kernels: X = x, a float32 [batch, heads, seq,
 // D] operand, rounded to tf32 into xr [B, H, S, dp] and, transposed, into xt [B, H, dp, S rounded
 // up to 8], and the small parts X - tf32(X) in the same layouts, xs and xts (3xTF32); each output
-// optional (nullptr), xts only with xt (preprocess.cu).
+// optional (nullptr), xts only with xt (operand_copies.cu).
 struct OperandJob {
   In4 x;
   int64_t batch, heads, seq;

@@ -1,6 +1,6 @@
 // mbarriers, the cross-proxy fence and the 1-D bulk copy of sm_90 (PTX ISA: mbarrier,
 // fence.proxy.async, cp.async.bulk), shared by the wgmma kernels and the operand copies
-// (preprocess.cu). Only what a kernel calls is emitted, so the header compiles for sm_80 too.
+// (operand_copies.cu). Only what a kernel calls is emitted, so the header compiles for sm_80 too.
 #pragma once
 
 #include <cstdint>
