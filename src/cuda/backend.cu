@@ -120,15 +120,16 @@ KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
 }  // namespace
 
 namespace {
+void destroy(const SideSlot& s) {
+  for (cudaEvent_t e : s.ev)
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  if (s.stream != nullptr) (void)cudaStreamDestroy(s.stream);
+}
 // A thread's side streams, destroyed when the thread ends.
 struct SideSlots {
   std::map<int, SideSlot> by_device;
   ~SideSlots() {
-    for (auto& kv : by_device) {
-      for (cudaEvent_t e : kv.second.ev)
-        if (e != nullptr) (void)cudaEventDestroy(e);
-      if (kv.second.stream != nullptr) (void)cudaStreamDestroy(kv.second.stream);
-    }
+    for (auto& kv : by_device) destroy(kv.second);
   }
 };
 }  // namespace
@@ -141,18 +142,13 @@ const SideSlot& side_stream() {
   if (it != slots.by_device.end()) return it->second;
   // Created whole before it is kept: a failure part way leaves nothing behind.
   SideSlot s;
-  auto release = [&] {
-    for (cudaEvent_t e : s.ev)
-      if (e != nullptr) (void)cudaEventDestroy(e);
-    if (s.stream != nullptr) (void)cudaStreamDestroy(s.stream);
-  };
   int least = 0, greatest = 0;
   cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
   if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest);
   for (cudaEvent_t& ev : s.ev)
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
   if (e != cudaSuccess) {
-    release();
+    destroy(s);
     throw_cuda(e, "side stream of the float32 backward (cudaStreamCreateWithPriority / cudaEventCreateWithFlags)");
   }
   return slots.by_device.emplace(device, s).first->second;
