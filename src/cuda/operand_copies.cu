@@ -11,6 +11,16 @@
 namespace flashattn::cuda {
 namespace dev {
 
+// x rounded to tf32, and (the fp32-accurate kernels' small part) the rest x - tf32(x) rounded too.
+__device__ __forceinline__ float tf32_big(float x) { return __uint_as_float(to_tf32(x)); }
+__device__ __forceinline__ float tf32_small(float x) { return __uint_as_float(to_tf32(x - tf32_big(x))); }
+__device__ __forceinline__ float4 tf32_big(float4 v) {
+  return make_float4(tf32_big(v.x), tf32_big(v.y), tf32_big(v.z), tf32_big(v.w));
+}
+__device__ __forceinline__ float4 tf32_small(float4 v) {
+  return make_float4(tf32_small(v.x), tf32_small(v.y), tf32_small(v.z), tf32_small(v.w));
+}
+
 // The Hopper float32 kernels' operand copies (the backwards, kernels_sm90_tf32_bwd.cuh; the 3xTF32
 // forward, kernels_sm90_3xtf32.cuh): from X [B, H, S, D]
 // (any strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and
@@ -32,9 +42,6 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
   const float* src = static_cast<const float*>(x.ptr) + b * x.sb + h * x.sh;
   float* dst = xr != nullptr ? xr + bh * seq * DP : nullptr;
   float* dsts = kSplit && xs != nullptr ? xs + bh * seq * DP : nullptr;
-  // v's tf32 value and (kSplit) the tf32 value of the rest.
-  auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
-  auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
   if constexpr (kVec) {
     // Loads in batches of four per thread ahead of their stores: interleaved, the compiler cannot
     // move a load above a store to memory it might alias, so a thread had one 16-byte load in
@@ -59,9 +66,9 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
         const float4 v = vs[j];
         if (n < seq) {
           if (dst != nullptr)
-            *reinterpret_cast<float4*>(dst + n * DP + c) = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+            *reinterpret_cast<float4*>(dst + n * DP + c) = tf32_big(v);
           if (kSplit && dsts != nullptr)
-            *reinterpret_cast<float4*>(dsts + n * DP + c) = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
+            *reinterpret_cast<float4*>(dsts + n * DP + c) = tf32_small(v);
         }
         tile[r][c] = v.x;
         tile[r][c + 1] = v.y;
@@ -76,8 +83,8 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
       const float v = n < seq && c < head_dim ? src[n * x.ss + c] : 0.0f;
       tile[r][c] = v;
       if (n < seq) {
-        if (dst != nullptr) dst[n * DP + c] = big(v);
-        if (kSplit && dsts != nullptr) dsts[n * DP + c] = small(v);
+        if (dst != nullptr) dst[n * DP + c] = tf32_big(v);
+        if (kSplit && dsts != nullptr) dsts[n * DP + c] = tf32_small(v);
       }
     }
   }
@@ -91,8 +98,8 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
     const int64_t col = n0 + tf32_slot(r);
     if (col < seq8) {
       const float v = tile[r][d];
-      dt[d * seq8 + col] = big(v);
-      if (kSplit && dts != nullptr) dts[d * seq8 + col] = small(v);
+      dt[d * seq8 + col] = tf32_big(v);
+      if (kSplit && dts != nullptr) dts[d * seq8 + col] = tf32_small(v);
     }
   }
 }
@@ -113,6 +120,21 @@ __global__ void __launch_bounds__(256) tf32_operand_kernel(In4 x, int64_t seq, i
 // many bytes moving. (Three groups, not four: at 1024 threads' 64 registers the batched loads
 // spilled.)
 constexpr int kNarrowGroups = 3;
+// Unit u of a narrow kernel's walk (job 0's units, then job 1's): 64 rows from n0 (rows of them
+// inside the sequence) of one (b, h) (bh = b * heads + h).
+struct NarrowUnit {
+  const OperandJob* o;
+  int64_t b, h, bh, n0;
+  int rows;
+};
+__device__ __forceinline__ NarrowUnit narrow_unit(const OperandJobs& J, int64_t units0, int64_t u) {
+  const int j = u < units0 ? 0 : 1;
+  const OperandJob& o = J.job[j];
+  const int64_t v = u - (j ? units0 : 0), nx = (o.seq + 63) / 64, bh = v / nx, n0 = (v % nx) * 64;
+  return NarrowUnit{&o, bh / o.heads, bh % o.heads, bh, n0, static_cast<int>(o.seq - n0 < 64 ? o.seq - n0 : 64)};
+}
+// The barrier of one 256-thread group (named barrier 1 + grp).
+__device__ __forceinline__ void group_sync(int grp) { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); }
 // The staged rows of the sm_90 path (narrow_bulk): DP + 4 floats apart, so that every row starts
 // 16-byte aligned (the bulk copy's rule) and the 8 rows a quarter-warp reads one float4 column of
 // fall on 8 different 16-byte bank groups.
@@ -136,31 +158,18 @@ __device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int t
   // by one thread before any group starts.
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + 2 * grp;
   float* tiles = smem + 4 * kNarrowGroups + grp * 2 * 64 * R;
-  auto sync = [grp] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); };
+  auto sync = [grp] { group_sync(grp); };
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2 * kNarrowGroups; ++i) mbar_init(reinterpret_cast<uint64_t*>(smem) + i, 1);
     mbar_init_fence();
   }
   __syncthreads();
-  auto big = [](float v) { return __uint_as_float(to_tf32(v)); };
-  auto small = [](float v) { return __uint_as_float(to_tf32(v - __uint_as_float(to_tf32(v)))); };
   const int64_t units0 = J.job[0].units(), total = units0 + (J.n > 1 ? J.job[1].units() : 0);
-  struct Unit {
-    const OperandJob* o;
-    int64_t b, h, bh, n0;
-    int rows;
-  };
-  auto unit = [&](int64_t u) {
-    const int j = u < units0 ? 0 : 1;
-    const OperandJob& o = J.job[j];
-    const int64_t v = u - (j ? units0 : 0), nx = (o.seq + 63) / 64, bh = v / nx, n0 = (v % nx) * 64;
-    return Unit{&o, bh / o.heads, bh % o.heads, bh, n0, static_cast<int>(o.seq - n0 < 64 ? o.seq - n0 : 64)};
-  };
   // Warp 0 of the group starts unit u's reads into tile t: one lane announces the bytes, the
   // lanes copy a row each. (The group's barrier before ordered every earlier access to the tile;
   // the fence orders them before the copy engine's writes.)
   auto issue = [&](int64_t u, int t) {
-    const Unit w = unit(u);
+    const NarrowUnit w = narrow_unit(J, units0, u);
     const In4& x = w.o->x;
     const float* src = static_cast<const float*>(x.ptr) + w.b * x.sb + w.h * x.sh + w.n0 * x.ss;
     if (tid == 0) mbar_expect_tx(bars + t, static_cast<uint32_t>(w.rows) * DP * 4);
@@ -175,7 +184,7 @@ __device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int t
     // The next unit's reads go out first (its tile held unit k - 1, written out before the
     // group's last barrier).
     if (u + stride < total && tid < 32) issue(u + stride, (k + 1) & 1);
-    const Unit w = unit(u);
+    const NarrowUnit w = narrow_unit(J, units0, u);
     const OperandJob& o = *w.o;
     float* tile = tiles + (k & 1) * 64 * R;
     mbar_wait(bars + (k & 1), (k >> 1) & 1);
@@ -188,9 +197,9 @@ __device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int t
       const int r = i / C4, c = i % C4;
       const float4 v = reinterpret_cast<const float4*>(tile + r * R)[c];
       if (dst != nullptr)
-        reinterpret_cast<float4*>(dst + r * DP)[c] = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+        reinterpret_cast<float4*>(dst + r * DP)[c] = tf32_big(v);
       if (kSplit && dsts != nullptr)
-        reinterpret_cast<float4*>(dsts + r * DP)[c] = make_float4(small(v.x), small(v.y), small(v.z), small(v.w));
+        reinterpret_cast<float4*>(dsts + r * DP)[c] = tf32_small(v);
     }
     if (o.xt != nullptr) {
       sync();  // the zeroed rows
@@ -208,8 +217,8 @@ __device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int t
           const float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            dt[(d + q) * seq8 + col] = big(e[q]);
-            if (kSplit && dts != nullptr) dts[(d + q) * seq8 + col] = small(e[q]);
+            dt[(d + q) * seq8 + col] = tf32_big(e[q]);
+            if (kSplit && dts != nullptr) dts[(d + q) * seq8 + col] = tf32_small(e[q]);
           }
         }
       }
@@ -234,15 +243,14 @@ __global__ void __launch_bounds__(kNarrowGroups * 256, 1) tf32_operand_narrow_ke
   }
 #endif
   float(*tile)[DP + 1] = reinterpret_cast<float(*)[DP + 1]>(smem4) + 64 * grp;
-  auto sync = [grp] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + grp) : "memory"); };
+  auto sync = [grp] { group_sync(grp); };
   const int64_t units0 = J.job[0].units(), total = units0 + (J.n > 1 ? J.job[1].units() : 0);
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * kNarrowGroups + grp; u < total;
        u += static_cast<int64_t>(gridDim.x) * kNarrowGroups) {
-    const int j = u < units0 ? 0 : 1;
-    const OperandJob& o = J.job[j];
-    const int64_t v = u - (j ? units0 : 0), nx = (o.seq + 63) / 64, bh = v / nx;
-    tf32_operand_unit<DP, kVec, kSplit>(o.x, bh / o.heads, bh % o.heads, bh, (v % nx) * 64, o.seq, J.head_dim,
-                                        (o.seq + 7) / 8 * 8, o.xr, o.xt, o.xs, o.xts, tile, tid, sync);
+    const NarrowUnit w = narrow_unit(J, units0, u);
+    const OperandJob& o = *w.o;
+    tf32_operand_unit<DP, kVec, kSplit>(o.x, w.b, w.h, w.bh, w.n0, o.seq, J.head_dim, (o.seq + 7) / 8 * 8, o.xr, o.xt,
+                                        o.xs, o.xts, tile, tid, sync);
     sync();  // the tile's last reads before the next unit's writes
   }
 }
