@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench_cuda_fp32 import FlashAttn, call_times
-from cabi import EnvSettings
+from cabi import EnvSettings, issue_problem
 
 
 def main():
@@ -40,14 +40,11 @@ def main():
         if path not in libs:
             libs[path] = FlashAttn(path)
         variants.append((v, libs[path], dict(e.split("=", 1) for e in env.split(",") if e)))
-    dev = torch.device("cuda")
     for shape in a.shapes.split(","):
         s, d, causal = (int(x) for x in shape.split(":"))
-        b, h = 16384 // s, 2048 // d
-        g = torch.Generator(device=dev).manual_seed(0)
-        q, k, v, do = (torch.randn(b, h, s, d, device=dev, generator=g) for _ in range(4))
-        out, lse = torch.empty_like(q), torch.empty(b, h, s, device=dev)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        prob = issue_problem(torch, s, d, torch.float32)
+        b, h = prob["b"], prob["h"]
+        q, k, v, do, out, lse, dq, dk, dv = (prob[n] for n in ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv"))
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if a.fwd else 2.5)
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
