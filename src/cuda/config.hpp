@@ -319,19 +319,21 @@ FLASHATTN_CUDA_HD constexpr bool tf32_bwd_pair(int dp) { return dp == 128; }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, bool pair) {
   return pair ? TileConfig90{64, 32, 2, 1, 1, 64} : TileConfig90{128, 64, 2, 1, 1, 48};
 }
-// dQ: Q and dO (block_m rows), two stages of K, V (rows = keys) and K^T (rows = head dim); pair
+// dQ: Q and dO (block_m rows), two buffers of K, V (rows = keys) and K^T (rows = head dim); pair
 // design: the P and dS exchange buffers (block_m x block_n floats each; x3: dS's big and small).
-// dK/dV: K and V (block_m rows), two stages of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
+// dK/dV: K and V (block_m rows), two buffers of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
 // design: the P^T exchange buffer. x3: every streamed tile twice (big, small); pair_small_in_smem:
-// one tile's copies (its two half stages) instead of two stages.
-// Each: 1 KiB for alignment, 8 mbarriers and the block queue's two slots (BlockQueue).
+// one buffer of each half instead of two.
+// The streamed tiles in a TileRing (kernels_sm90_tf32_bwd.cuh): two buffers of each tile's X half
+// (the scores' operands) and G half (the gradient product's), one each with pair_small_in_smem.
+// Each: 1 KiB for alignment, up to 16 mbarriers and the block queue's two slots (BlockQueue).
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp, bool pair, bool x3 = false) {
   const TileConfig90 c = tile_config90_tf32_bwd(pass, pair);
   const int parts = x3 ? 2 : 1, stages = pair && pair_small_in_smem(dp, x3) ? 1 : 2;
   const int exchange = pair ? (pass == Pass::Dq ? 1 + parts : 1) * c.block_m * c.block_n * 4 : 0;
-  return exchange + (pass == Pass::Dq ? (2 * c.block_m + stages * 3 * parts * c.block_n) * dp * 4 + 1024 + 8 * 8 + 16
+  return exchange + (pass == Pass::Dq ? (2 * c.block_m + stages * 3 * parts * c.block_n) * dp * 4 + 1024 + 16 * 8 + 16
                                       : (2 * c.block_m + stages * 4 * parts * c.block_n) * dp * 4 +
-                                            2 * 2 * c.block_n * 4 + 1024 + 8 * 8 + 16);
+                                            2 * 2 * c.block_n * 4 + 1024 + 16 * 8 + 16);
 }
 constexpr bool tiles90_tf32_bwd_fit() {
   for (Pass p : {Pass::Dq, Pass::Dkv})

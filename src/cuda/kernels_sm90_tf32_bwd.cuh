@@ -81,15 +81,71 @@ struct ItemPhase {
   }
 };
 
-// One half stage of the 3xTF32 pair kernels at D = 128 (pair_small_in_smem), once the consumers
-// released the last tile's: tile gt's box of each of the N maps into consecutive TB tiles from dst,
+// The streamed tiles of the tf32 backward kernels: per tile an X half (the scores' operands: K, V
+// or Q, dO; X3: then their small parts) and a G half (the gradient product's B operands: K^T or
+// Q^T, dO^T; X3: then their small parts), NB buffers of each (NB = 2; 1 for the 3xTF32 pair
+// kernels at D = 128, pair_small_in_smem), each buffer with a full barrier (the copy engine's
+// bytes, one arrival) and an empty barrier (every consumer thread). A tile's X half is released
+// once its scores are done and its G half once its gradient product is, each as early as its
+// readers allow: with one barrier per whole stage the next-but-one tile's copy waited for the
+// gradient product, and the scores issued right after it waited for that copy's whole latency.
+// dK/dV: the tile's LSE and D vectors in a ring of two of their own (fullv: the 32 lanes that
+// fill them; emptyv: every consumer thread, after its softmax and dS reads).
+// Layout: bars[fullx NB][fullg NB][emptyx NB][emptyg NB][fullv 2][emptyv 2].
+template <int NB>
+struct TileRing {
+  static_assert(NB == 1 || NB == 2, "one or two buffers per half");
+  static constexpr int kBars = 4 * NB + 4;
+  uint64_t* bars;
+  __device__ __forceinline__ static int slot(int gt) { return NB == 1 ? 0 : gt & 1; }
+  __device__ __forceinline__ static uint32_t phase(int gt) { return (NB == 1 ? gt : gt >> 1) & 1; }
+  __device__ __forceinline__ uint64_t* fullx(int gt) const { return bars + slot(gt); }
+  __device__ __forceinline__ uint64_t* fullg(int gt) const { return bars + NB + slot(gt); }
+  __device__ __forceinline__ uint64_t* emptyx(int gt) const { return bars + 2 * NB + slot(gt); }
+  __device__ __forceinline__ uint64_t* emptyg(int gt) const { return bars + 3 * NB + slot(gt); }
+  __device__ __forceinline__ uint64_t* fullv(int gt) const { return bars + 4 * NB + (gt & 1); }
+  __device__ __forceinline__ uint64_t* emptyv(int gt) const { return bars + 4 * NB + 2 + (gt & 1); }
+  // consumers
+  __device__ __forceinline__ void wait_x(int gt) const { mbar_wait(fullx(gt), phase(gt)); }
+  __device__ __forceinline__ void wait_g(int gt) const { mbar_wait(fullg(gt), phase(gt)); }
+  __device__ __forceinline__ void wait_v(int gt) const { mbar_wait(fullv(gt), (gt >> 1) & 1); }
+  __device__ __forceinline__ void release_x(int gt) const { mbar_arrive(emptyx(gt)); }
+  __device__ __forceinline__ void release_g(int gt) const { mbar_arrive(emptyg(gt)); }
+  __device__ __forceinline__ void release_v(int gt) const { mbar_arrive(emptyv(gt)); }
+  // the LSE/D lanes: once the consumers released tile gt - 2's vectors
+  __device__ __forceinline__ void wait_v_free(int gt) const { mbar_wait(emptyv(gt), ((gt >> 1) & 1) ^ 1); }
+};
+
+// Thread 0 initialises the block's stationary barrier `once` (one arrival), a TileRing's and the
+// pair kernels' exchange barriers (init_exchange_barriers, before this), then the CTA meets.
+template <int NB>
+__device__ __forceinline__ void init_ring_barriers(uint64_t* once, const TileRing<NB>& ring, int consumers) {
+  if (threadIdx.x == 0) {
+    mbar_init(once, 1);
+    for (int i = 0; i < NB; ++i) {
+      mbar_init(ring.bars + i, 1);
+      mbar_init(ring.bars + NB + i, 1);
+      mbar_init(ring.bars + 2 * NB + i, consumers);
+      mbar_init(ring.bars + 3 * NB + i, consumers);
+    }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(ring.bars + 4 * NB + i, 32);
+      mbar_init(ring.bars + 4 * NB + 2 + i, consumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
+// One half of tile gt into buffer dst once the consumers released it (empty, phase parity
+// `phase` of the fill): tile gt's box of each of the N maps into consecutive TB tiles from dst,
 // NBLK 32-column blocks each. Row-major copies start at row x0 (columns = head dim); transposed
 // ones (rows = head dim) at column x0. (A rolled loop: unrolled, the producer's 64 registers
 // spilled the addresses.)
 template <class TB, int NBLK, bool kTransposed, int N>
 __device__ __forceinline__ void copy_half_stage(unsigned char* dst, const CUtensorMap* const (&maps)[N], uint64_t* full,
-                                                uint64_t* empty, int gt, int x0, int hh, int bb) {
-  mbar_wait(empty, (gt & 1) ^ 1);
+                                                uint64_t* empty, uint32_t phase, int x0, int hh, int bb) {
+  mbar_wait(empty, phase ^ 1);
   mbar_expect_tx(full, N * TB::kBytes);
 #pragma unroll 1
   for (int blk = 0; blk < NBLK; ++blk)
@@ -99,21 +155,26 @@ __device__ __forceinline__ void copy_half_stage(unsigned char* dst, const CUtens
                   kTransposed ? 0 : x0, hh, bb);
 }
 
+// The first N of a list of tensor maps (the big copies' maps come first, the small parts' after).
+template <int N, int M>
+__device__ __forceinline__ const CUtensorMap* const (&first_maps(const CUtensorMap* const (&maps)[M]))[N] {
+  static_assert(N <= M, "first N of M maps");
+  return *reinterpret_cast<const CUtensorMap* const(*)[N]>(&maps);
+}
+
 // The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
-// copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile K, V (rows =
-// keys) and K^T (rows = head dim) into stage t & 1 once the consumers released tile t - 2 from it.
-// X3: the stage holds the three small tiles after the three big ones. kSm (3xTF32 at D = 128,
-// pair_small_in_smem): per tile a scores half [K, V, Ks, Vs] into half stage 0 and a gradient
-// half [K^T, K^Ts] into half stage 1, each once the consumers released the last tile's from it.
+// copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile its X half
+// [K, V] (rows = keys; X3: then [Ks, Vs]) and its G half [K^T] (rows = head dim; X3: then K^Ts)
+// into the TileRing's buffers from sX and sG.
 // ph: where the block sits in a persistent CTA's sequence (the default: a CTA of one block).
-template <int DP, int BM, int BN, bool X3 = false, bool kSm = false>
+template <int DP, int BM, int BN, bool X3, int NB>
 __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const QueryBlock& qb, unsigned char* sQ,
-                                              unsigned char* sdO, unsigned char* sStage, uint64_t* full_q,
-                                              uint64_t* full, uint64_t* empty, ItemPhase ph = ItemPhase{}) {
+                                              unsigned char* sdO, unsigned char* sX, unsigned char* sG,
+                                              uint64_t* full_q, const TileRing<NB>& ring, ItemPhase ph = ItemPhase{}) {
   using TQ = TileSw128F<BM, DP>;
   using TK = TileSw128F<BN, DP>;
   using TT = TileSw128F<DP, BN>;
-  constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
+  constexpr int kHalfX = (X3 ? 2 : 1) * 2 * TK::kBytes, kHalfG = (X3 ? 2 : 1) * TT::kBytes;
   const int bb = static_cast<int>(qb.b), hh = static_cast<int>(qb.h), hk = static_cast<int>(qb.hk);
   ph.wait_once();
   mbar_expect_tx(full_q, 2 * TQ::kBytes);
@@ -126,49 +187,31 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
       tma_load_4d(sdO + off, &A.tdo, full_q, 32 * blk, row, hh, bb);
     }
   for (int t = 0; t < qb.ntiles; ++t) {
-    const int gt = ph.g0 + t, st = gt & 1, n0 = t * BN;
-    if constexpr (kSm) {
-      const CUtensorMap* const scores[4] = {&A.tk, &A.tv, &A.tks, &A.tvs};
-      const CUtensorMap* const grads[2] = {&A.tkt, &A.tkts};
-      copy_half_stage<TK, DP / 32, false>(sStage, scores, full, empty, gt, n0, hk, bb);
-      copy_half_stage<TT, BN / 32, true>(sStage + 4 * TK::kBytes, grads, full + 1, empty + 1, gt, n0, hk, bb);
-      continue;
-    }
-    unsigned char* s0 = sStage + st * kStage;
-    mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
-    mbar_expect_tx(full + st, kStage);
-#pragma unroll
-    for (int part = 0; part < (X3 ? 2 : 1); ++part) {
-      unsigned char* p0 = s0 + part * kPart;
-      const CUtensorMap *mk = part ? &A.tks : &A.tk, *mv = part ? &A.tvs : &A.tv, *mkt = part ? &A.tkts : &A.tkt;
-#pragma unroll
-      for (int blk = 0; blk < DP / 32; ++blk) {
-        tma_load_4d(p0 + blk * TK::kBlockBytes, mk, full + st, 32 * blk, n0, hk, bb);
-        tma_load_4d(p0 + TK::kBytes + blk * TK::kBlockBytes, mv, full + st, 32 * blk, n0, hk, bb);
-      }
-#pragma unroll
-      for (int blk = 0; blk < BN / 32; ++blk)
-        tma_load_4d(p0 + 2 * TK::kBytes + blk * TT::kBlockBytes, mkt, full + st, n0 + 32 * blk, 0, hk, bb);
-    }
+    const int gt = ph.g0 + t, n0 = t * BN, sl = ring.slot(gt);
+    // the big copies' maps, then the small parts' (X3 only)
+    const CUtensorMap* const xs[4] = {&A.tk, &A.tv, &A.tks, &A.tvs};
+    const CUtensorMap* const gs[2] = {&A.tkt, &A.tkts};
+    copy_half_stage<TK, DP / 32, false>(sX + sl * kHalfX, first_maps<X3 ? 4 : 2>(xs), ring.fullx(gt), ring.emptyx(gt),
+                                        ring.phase(gt), n0, hk, bb);
+    copy_half_stage<TT, BN / 32, true>(sG + sl * kHalfG, first_maps<X3 ? 2 : 1>(gs), ring.fullg(gt), ring.emptyg(gt),
+                                       ring.phase(gt), n0, hk, bb);
   }
 }
 
 // The producer warpgroups of the dK/dV kernels: producer warp pw = 0's first thread copies the
-// block's K and V (BK rows) once, then per BQ-query tile Q, dO (rows = queries), Q^T and dO^T
-// (rows = head dim) into stage it & 1; warp 1 writes the tile's LSE and D vectors there (32
-// arrivals on full, with the copies' one). X3: the stage holds the four small tiles after the big.
-// kSm: per tile a scores half [Q, dO, Qs, dOs] with the LSE/D vectors (one buffer) into half
-// stage 0 and a gradient half [Q^T, dO^T, Q^Ts, dO^Ts] into half stage 1 (as copy_dq_tiles).
-// ph: as for copy_dq_tiles.
-template <int DP, int BK, int BQ, bool X3 = false, bool kSm = false>
+// block's K and V (BK rows) once, then per BQ-query tile its X half [Q, dO] (rows = queries; X3:
+// then [Qs, dOs]) and its G half [Q^T, dO^T] (rows = head dim; X3: then [Q^Ts, dO^Ts]) into the
+// TileRing's buffers; warp 1 writes the tile's LSE and D vectors into the ring's vector buffer
+// gt & 1 (sL, sD: [2][BQ]). ph: as for copy_dq_tiles.
+template <int DP, int BK, int BQ, bool X3, int NB>
 __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const KeyBlock& kb, int pw, unsigned char* sK,
-                                               unsigned char* sV, unsigned char* sStage, float* sL, float* sD,
-                                               uint64_t* full_kv, uint64_t* full, uint64_t* empty,
+                                               unsigned char* sV, unsigned char* sX, unsigned char* sG, float* sL,
+                                               float* sD, uint64_t* full_kv, const TileRing<NB>& ring,
                                                ItemPhase ph = ItemPhase{}) {
   using TK = TileSw128F<BK, DP>;
   using TQ = TileSw128F<BQ, DP>;
   using TT = TileSw128F<DP, BQ>;
-  constexpr int kPart = 2 * TQ::kBytes + 2 * TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
+  constexpr int kHalfX = (X3 ? 2 : 1) * 2 * TQ::kBytes, kHalfG = (X3 ? 2 : 1) * 2 * TT::kBytes;
   const int bb = static_cast<int>(kb.b), hk = static_cast<int>(kb.hk), m0 = static_cast<int>(kb.m0);
   if (pw == 0 && lane_id() == 0) {
     ph.wait_once();
@@ -179,53 +222,33 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
       tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 32 * blk, m0, hk, bb);
     }
     for (int it = 0; it < kb.ntiles; ++it) {
-      const int gt = ph.g0 + it, st = gt & 1;
+      const int gt = ph.g0 + it, sl = ring.slot(gt);
       const int h = static_cast<int>(kb.head(it)), n0 = static_cast<int>(kb.q0(it, BQ));
-      if constexpr (kSm) {
-        const CUtensorMap* const scores[4] = {&A.tq, &A.tdo, &A.tqs, &A.tdos};
-        const CUtensorMap* const grads[4] = {&A.tqt, &A.tdot, &A.tqts, &A.tdots};
-        copy_half_stage<TQ, DP / 32, false>(sStage, scores, full, empty, gt, n0, h, bb);
-        copy_half_stage<TT, BQ / 32, true>(sStage + 4 * TQ::kBytes, grads, full + 1, empty + 1, gt, n0, h, bb);
-        continue;
-      }
-      unsigned char* s0 = sStage + st * kStage;
-      mbar_wait(empty + st, ((gt >> 1) & 1) ^ 1);
-      mbar_expect_tx(full + st, kStage);
-#pragma unroll 1
-      for (int part = 0; part < (X3 ? 2 : 1); ++part) {
-        unsigned char* p0 = s0 + part * kPart;
-        const CUtensorMap *mq = part ? &A.tqs : &A.tq, *mdo = part ? &A.tdos : &A.tdo;
-        const CUtensorMap *mqt = part ? &A.tqts : &A.tqt, *mdot = part ? &A.tdots : &A.tdot;
-#pragma unroll
-        for (int blk = 0; blk < DP / 32; ++blk) {
-          tma_load_4d(p0 + blk * TQ::kBlockBytes, mq, full + st, 32 * blk, n0, h, bb);
-          tma_load_4d(p0 + TQ::kBytes + blk * TQ::kBlockBytes, mdo, full + st, 32 * blk, n0, h, bb);
-        }
-#pragma unroll
-        for (int blk = 0; blk < BQ / 32; ++blk) {
-          tma_load_4d(p0 + 2 * TQ::kBytes + blk * TT::kBlockBytes, mqt, full + st, n0 + 32 * blk, 0, h, bb);
-          tma_load_4d(p0 + 2 * TQ::kBytes + TT::kBytes + blk * TT::kBlockBytes, mdot, full + st, n0 + 32 * blk, 0, h,
-                      bb);
-        }
-      }
+      const CUtensorMap* const xs[4] = {&A.tq, &A.tdo, &A.tqs, &A.tdos};
+      const CUtensorMap* const gs[4] = {&A.tqt, &A.tdot, &A.tqts, &A.tdots};
+      copy_half_stage<TQ, DP / 32, false>(sX + sl * kHalfX, first_maps<X3 ? 4 : 2>(xs), ring.fullx(gt),
+                                          ring.emptyx(gt), ring.phase(gt), n0, h, bb);
+      copy_half_stage<TT, BQ / 32, true>(sG + sl * kHalfG, first_maps<X3 ? 4 : 2>(gs), ring.fullg(gt),
+                                         ring.emptyg(gt), ring.phase(gt), n0, h, bb);
     }
   } else if (pw == 1) {
     for (int it = 0; it < kb.ntiles; ++it) {
-      const int gt = ph.g0 + it, st = kSm ? 0 : gt & 1;
-      mbar_wait(empty + st, kSm ? (gt & 1) ^ 1 : ((gt >> 1) & 1) ^ 1);
-      fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, A.f, kb.b, kb.head(it), kb.q0(it, BQ));
-      mbar_arrive(full + st);
+      const int gt = ph.g0 + it;
+      ring.wait_v_free(gt);
+      fill_lse_delta<BQ>(sL + (gt & 1) * BQ, sD + (gt & 1) * BQ, A.f, kb.b, kb.head(it), kb.q0(it, BQ));
+      mbar_arrive(ring.fullv(gt));
     }
   }
 }
 
 // ================================================================================================
 // dQ pass. CTA = 128 query rows of one (batch, head), warpgroup w owning rows 64w..64w+63; the
-// producer streams 64-key tiles of K, V and K^T (two stages). Per consumer warpgroup, with
-// S_0, dP_0 issued before the loop and P_0, dS_0 computed:
+// producer streams 64-key tiles of K, V (X half) and K^T (G half) through a TileRing of two.
+// Per consumer warpgroup, with S_0, dP_0 issued before the loop and P_0, dS_0 computed:
 //   iteration j: dS_j -> A fragments; issue S_{j+1} = Q K_{j+1}^T, dP_{j+1} = dO V_{j+1}^T and
-//   dQ += dS_j K_j (asynchronous, in that order); wait for S_{j+1}, dP_{j+1}; P_{j+1} =
-//   exp2(S sl2 - lse2), dS_{j+1} = P (dP - D) while dQ += dS_j K_j runs; wait; release stage j.
+//   dQ += dS_j K_j (asynchronous, in that order); wait for S_{j+1}, dP_{j+1}, release tile j + 1's
+//   X half; P_{j+1} = exp2(S sl2 - lse2), dS_{j+1} = P (dP - D) while dQ += dS_j K_j runs; wait;
+//   release tile j's G half.
 // ================================================================================================
 template <int DP>
 __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).threads(), 1)
@@ -237,15 +260,15 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
   using TK = TileSw128F<BN, DP>;  // K, V: rows = keys
   using TT = TileSw128F<DP, BN>;  // K^T: rows = head dim, k = key slots
-  constexpr int kStage = 2 * TK::kBytes + TT::kBytes;
+  constexpr int kHalfX = 2 * TK::kBytes, kHalfG = TT::kBytes;  // [K, V], [K^T]
   extern __shared__ float4 smem4[];
   unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sdO = sQ + TQ::kBytes;
-  unsigned char* sStage = sdO + TQ::kBytes;  // [2][K, V, K^T]
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sStage + 2 * kStage);
+  unsigned char* sX = sdO + TQ::kBytes;  // [2][K, V]
+  unsigned char* sG = sX + 2 * kHalfX;   // [2][K^T]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sG + 2 * kHalfG);
   uint64_t* full_q = bars;
-  uint64_t* full = bars + 1;   // [2]
-  uint64_t* empty = bars + 3;  // [2]
+  const TileRing<2> ring{bars + 1};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -255,13 +278,13 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
 
-  init_stage_barriers(full_q, full, 1, empty, TC);
+  init_ring_barriers(full_q, ring, TC);
 
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN>(A, qb, sQ, sdO, sStage, full_q, full, empty);
+    if (threadIdx.x == TC) copy_dq_tiles<DP, BM, BN, false>(A, qb, sQ, sdO, sX, sG, full_q, ring);
     return;
   }
 
@@ -269,7 +292,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   regs_increase<C.consumer_regs()>();
   const int warp = threadIdx.x / 32, g = lane_id() >> 2;
   const int64_t row_w = m0 + 16 * warp;  // the warp's first query row
-  const uint32_t stage_addr = smem_addr(sStage);
+  const uint32_t x_addr = smem_addr(sX), g_addr = smem_addr(sG);
 
   float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain) and D
 #pragma unroll
@@ -290,9 +313,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   uint32_t dsa[NS][4];
 
   auto issue_sdp = [&](int t) {
-    const int st = t & 1;
-    const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(full + st, (t >> 1) & 1);
+    const uint32_t s0 = x_addr + ring.slot(t) * kHalfX;
+    ring.wait_x(t);
     fence_regs(s);
     fence_regs(dp);
     wgmma_fence();
@@ -317,19 +339,21 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
     acc_to_afrag_tf32(dsa, dp);
     fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
     if constexpr (kNext) issue_sdp(t + 1);
+    ring.wait_g(t);
     fence_regs(dq);
     wgmma_fence();
-    wg_gemm_rs_tf32<NS, TT>(dq, dsa, stage_addr + (t & 1) * kStage + 2 * TK::kBytes, 0, true);
+    wg_gemm_rs_tf32<NS, TT>(dq, dsa, g_addr + ring.slot(t) * kHalfG, 0, true);
     wgmma_commit();
     if constexpr (kNext) {
       wgmma_wait<1>();
       fence_regs(s);
       fence_regs(dp);
+      ring.release_x(t + 1);  // S and dP of tile t + 1 are done: its X half may be refilled
       probs(t + 1);
     }
     wgmma_wait<0>();
     fence_regs(dq);
-    mbar_arrive(empty + (t & 1));
+    ring.release_g(t);
   };
 
   if (ntiles > 0) {
@@ -337,6 +361,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
     wgmma_wait<0>();
     fence_regs(s);
     fence_regs(dp);
+    ring.release_x(0);
     probs(0);
     for (int t = 0; t + 1 < ntiles; ++t) tile(t, std::true_type{});
     tile(ntiles - 1, std::false_type{});
@@ -349,8 +374,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
 
 // ================================================================================================
 // dK/dV pass. CTA = 128 keys of one (batch, kv head), warpgroup w owning keys 64w..64w+63; the
-// producer streams 64-query tiles of Q, dO, Q^T and dO^T (one thread, copy engine) and their LSE
-// and D vectors (one warp) over every query head of the group, two stages deep. Per consumer
+// producer streams 64-query tiles of Q, dO (X half), Q^T and dO^T (G half; one thread, copy
+// engine) and their LSE and D vectors (one warp) over every query head of the group through a
+// TileRing of two. Per consumer
 // warpgroup and query tile:
 //   S^T = K_w Q^T, dP^T = V_w dO^T                       (K_w, V_w: register fragments)
 //   P^T = exp2(S^T sl2 - lse2), dS^T = P^T (dP^T - D)    (registers; masks)
@@ -369,17 +395,17 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
   using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys
   using TQ = TileSw128F<BQ, DP>;  // Q, dO: rows = queries
   using TT = TileSw128F<DP, BQ>;  // Q^T, dO^T: rows = head dim, k = query slots
-  constexpr int kStage = 2 * TQ::kBytes + 2 * TT::kBytes;  // Q, dO, Q^T, dO^T
+  constexpr int kHalfX = 2 * TQ::kBytes, kHalfG = 2 * TT::kBytes;  // [Q, dO], [Q^T, dO^T]
   extern __shared__ float4 smem4[];
   unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sV = sK + TK::kBytes;
-  unsigned char* sStage = sV + TK::kBytes;  // [2][kStage]
-  float* sL = reinterpret_cast<float*>(sStage + 2 * kStage);  // [2][BQ]
-  float* sD = sL + 2 * BQ;                                    // [2][BQ]
+  unsigned char* sX = sV + TK::kBytes;  // [2][Q, dO]
+  unsigned char* sG = sX + 2 * kHalfX;  // [2][Q^T, dO^T]
+  float* sL = reinterpret_cast<float*>(sG + 2 * kHalfG);  // [2][BQ]
+  float* sD = sL + 2 * BQ;                                // [2][BQ]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
   uint64_t* full_kv = bars;
-  uint64_t* full = bars + 1;   // [2]: the copies and the 32 LSE/D lanes
-  uint64_t* empty = bars + 3;  // [2]
+  const TileRing<2> ring{bars + 1};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -389,13 +415,13 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
 
-  init_stage_barriers(full_kv, full, 1 + 32, empty, TC);
+  init_ring_barriers(full_kv, ring, TC);
 
   const int wg = threadIdx.x / 128;
   if (wg == NWG) {
     // ---- producer -------------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    copy_dkv_tiles<DP, BK, BQ>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sStage, sL, sD, full_kv, full, empty);
+    copy_dkv_tiles<DP, BK, BQ, false>(A, kb, (threadIdx.x - TC) / 32, sK, sV, sX, sG, sL, sD, full_kv, ring);
     return;
   }
 
@@ -404,7 +430,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
   const int warp = threadIdx.x / 32, lane = lane_id();
   const int krow = 64 * wg + 16 * (warp & 3);  // the warp's first key row in the CTA
   const int64_t row_w = m0 + krow;
-  const uint32_t stage_addr = smem_addr(sStage);
+  const uint32_t x_addr = smem_addr(sX), g_addr = smem_addr(sG);
 
   uint32_t ka[KS][4], va[KS][4];
   mbar_wait(full_kv, 0);
@@ -418,29 +444,33 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
 
   float s[NS][4], dp[NS][4];
   for (int it = 0; it < ntiles; ++it) {
-    const int st = it & 1;
-    const uint32_t s0 = stage_addr + st * kStage;
-    mbar_wait(full + st, (it >> 1) & 1);
+    const uint32_t x0 = x_addr + ring.slot(it) * kHalfX, g0 = g_addr + ring.slot(it) * kHalfG;
+    ring.wait_x(it);
     wgmma_fence();  // s, dp: written only (the last tile's P^T, dS^T are in pa, dsa)
-    wg_gemm_rs_tf32<KS, TQ, true>(s, ka, s0, 0, false);
-    wg_gemm_rs_tf32<KS, TQ, true>(dp, va, s0 + TQ::kBytes, 0, false);
+    wg_gemm_rs_tf32<KS, TQ, true>(s, ka, x0, 0, false);
+    wg_gemm_rs_tf32<KS, TQ, true>(dp, va, x0 + TQ::kBytes, 0, false);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
     fence_regs(dp);
+    ring.release_x(it);
 
     const int64_t n0 = kb.q0(it, BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
     int lo[2], hi[2];
     kq.tile_bounds(n0, BQ, masked, lo, hi);
-    const float* sLs = sL + st * BQ;
-    const float* sDs = sD + st * BQ;
+    const float* sLs = sL + (it & 1) * BQ;
+    const float* sDs = sD + (it & 1) * BQ;
+    ring.wait_v(it);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
       if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
     });
+    // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
+    // sL/sD reads above), which the producer's next writes to these vectors must follow.
+    ring.release_v(it);
     uint32_t pa[NS][4], dsa[NS][4];
     acc_to_afrag_tf32(pa, s);   // P^T's A fragments
     acc_to_afrag_tf32(dsa, dp);  // dS^T's
@@ -448,18 +478,17 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
     fence_regs(dsa);
     fence_regs(dv);
     fence_regs(dk);
+    ring.wait_g(it);
     wgmma_fence();
-    wg_gemm_rs_tf32<NS, TT>(dv, pa, s0 + 2 * TQ::kBytes + TT::kBytes, 0, true);
-    wg_gemm_rs_tf32<NS, TT>(dk, dsa, s0 + 2 * TQ::kBytes, 0, true);
+    wg_gemm_rs_tf32<NS, TT>(dv, pa, g0 + TT::kBytes, 0, true);
+    wg_gemm_rs_tf32<NS, TT>(dk, dsa, g0, 0, true);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dv);
     fence_regs(dk);
     keep_live_in_loop(ka, A.opaque_zero);  // a ptxas fault otherwise reuses their registers
     keep_live_in_loop(va, A.opaque_zero);
-    // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
-    // sL/sD reads above), which the producer's next writes to this stage must follow.
-    mbar_arrive(empty + st);
+    ring.release_g(it);
   }
 
   const int D = static_cast<int>(p.shape.head_dim);

@@ -27,6 +27,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "core/mask.hpp"
 #include "core/params.hpp"
 #include "cuda/config.hpp"
@@ -169,27 +171,27 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   using TQ = TileSw128F<BM, DP>;  // Q, dO: rows = queries
   using TK = TileSw128F<BN, DP>;  // K, V: rows = keys
   using TT = TileSw128F<DP, BN>;  // K^T: rows = head dim, k = key slots
-  // Two stages of [K, V, K^T] (X3: then their small parts); kSm: one scores half [K, V, Ks, Vs]
-  // and one gradient half [K^T, K^Ts].
-  constexpr int kPart = 2 * TK::kBytes + TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
-  constexpr int kHalfG = 4 * TK::kBytes, kStages = kSm ? kHalfG + 2 * TT::kBytes : 2 * kStage;
+  // The TileRing's NB buffers of X halves [K, V] and G halves [K^T] (X3: then their small parts;
+  // kSm: one buffer each).
+  constexpr int NB = kSm ? 1 : 2, kParts = X3 ? 2 : 1;
+  constexpr int kHalfX = kParts * 2 * TK::kBytes, kHalfG = kParts * TT::kBytes;
   extern __shared__ float4 smem4[];
   unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sdO = sQ + TQ::kBytes;
-  unsigned char* sStage = sdO + TQ::kBytes;
-  float* xP = reinterpret_cast<float*>(sStage + kStages);  // [BM x BN] in accumulator order
+  unsigned char* sX = sdO + TQ::kBytes;
+  unsigned char* sG = sX + NB * kHalfX;
+  float* xP = reinterpret_cast<float*>(sG + NB * kHalfG);     // [BM x BN] in accumulator order
   uint32_t* xdS = reinterpret_cast<uint32_t*>(xP + BM * BN);  // dS as tf32 A fragments (X3: big, small)
   uint64_t* bars = reinterpret_cast<uint64_t*>(xdS + (X3 ? 2 : 1) * BM * BN);
   uint64_t* full_q = bars;
-  uint64_t* full = bars + 1;   // [2]
-  uint64_t* empty = bars + 3;  // [2]
-  uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
-  uint64_t* back = bars + 6;
-  uint64_t* empty_q = bars + 7;  // Q and dO read into registers (persistent: the next block's may land)
+  uint64_t* ahead = bars + 1;    // the exchange's (init_exchange_barriers)
+  uint64_t* back = bars + 2;
+  uint64_t* empty_q = bars + 3;  // Q and dO read into registers (persistent: the next block's may land)
+  const TileRing<NB> ring{bars + 4};
   // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time - with the queue
   // chosen at run time the block's coordinates left the uniform datapath: 5-8% slower dQ pass at
   // 3xTF32 D = 128, docs/PERF.md float32 run 11.)
-  const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 8)};
+  const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 4 + TileRing<NB>::kBars)};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   const int64_t nx = (Sq + BM - 1) / BM, nitems = nx * p.shape.heads_q * p.shape.batch;
 
   init_exchange_barriers(ahead, back, empty_q, TC);
-  init_stage_barriers(full_q, full, 1, empty, TC);
+  init_ring_barriers(full_q, ring, TC);
 
   // Persistent-capable: the CTA runs the blocks of its BlockQueue (work_item; one block per CTA by
   // default, select.hpp persistent_ctas); the tiles of all of them form one sequence through the
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         const int next = queue.next();  // early: the atomic's latency under this block's copies
         const WorkItem w = work_item(i, nx, p.shape.heads_q);
         const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
-        copy_dq_tiles<DP, BM, BN, X3, kSm>(A, qb, sQ, sdO, sStage, full_q, full, empty, ph);
+        copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sX, sG, full_q, ring, ph);
         ph.g0 += qb.ntiles;
         i = next;
       }
@@ -230,7 +232,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   // ---- consumers: both warpgroups own query rows [m0, m0 + 64) ------------------------------
   regs_increase<C.consumer_regs()>();
   const int wq = (threadIdx.x / 32) & 3, g = lane_id() >> 2;
-  const uint32_t stage_addr = smem_addr(sStage);
+  const uint32_t x_addr = smem_addr(sX), g_addr = smem_addr(sG);
   int g0 = 0;
   for (int k = 0;; ++k) {
     // One CTA per block: block blockIdx.x, known before its copy lands, so that the LSE/D loads
@@ -267,22 +269,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
 
     float dq[NH][4];
     zero(dq);
-    float x[NS][4];  // S or dP
     uint32_t dsa[NS][4], dss[X3 ? NS : 1][4];  // dS's fragments (X3: big, small)
-    for (int t = 0; t < ntiles; ++t) {
-      const int gt = g0 + t, st = gt & 1;
-      const uint32_t s0 = stage_addr + st * kStage;
-      // S (K) or dP (V), then the scores' copies are free (kSm: the half stage 0)
-      if constexpr (kSm) {
-        mbar_wait(full, gt & 1);
-        pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), stage_addr + (wg == 0 ? 0 : TK::kBytes),
-                                2 * TK::kBytes, A.opaque_zero);
-        mbar_arrive(empty);
-      } else {
-        mbar_wait(full + st, (gt >> 1) & 1);
-        pair_scores<X3, TK>(x, xa, xs, s0 + (wg == 0 ? 0 : TK::kBytes), kPart, A.opaque_zero);
-      }
-
+    // Tile t's P (wg 0) or dS (wg 1) from its scores x (S or dP), and the exchange: both
+    // warpgroups leave with dS's fragments in dsa (X3: and dss).
+    auto softmax_ds = [&](int t, int gt, float(&x)[NS][4]) {
       if (wg == 0) {
         const int64_t n0 = static_cast<int64_t>(t) * BN;
         const bool masked = qb.tile_masked(n0, BN, Skv);
@@ -313,14 +303,81 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         exchange_store_frags(xdS, dsa);
         mbar_arrive(back);
       }
-      // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
-      if constexpr (kSm) {
-        mbar_wait(full + 1, gt & 1);
-        pair_accumulate<X3, TT>(dq, dsa, dss, stage_addr + kHalfG, TT::kBytes, (DP / 2) * wg);
-        mbar_arrive(empty + 1);
-      } else {
-        pair_accumulate<X3, TT>(dq, dsa, dss, s0 + 2 * TK::kBytes, kPart, (DP / 2) * wg);
-        mbar_arrive(empty + st);
+    };
+    if constexpr (!X3) {
+      // tf32: tile t + 1's S / dP run on the tensor cores during tile t's softmax, dS and
+      // exchange (x[t & 1]: tile t's). Per tile: issue the next scores; P / dS and the exchange;
+      // issue dQ[:, half wg] += dS K_t (B = K^T's rows of that half); wait for both products and
+      // release this tile's G half and the next one's X half. (Every product is waited for within
+      // its tile: a product in flight across the loop's back edge made ptxas serialize them all.)
+      float x[2][NS][4];
+      auto issue_x = [&](int gt, float(&xo)[NS][4]) {
+        ring.wait_x(gt);
+        wgmma_fence();  // xo: written only (its last tile's values were read before this)
+        wg_gemm_rs_tf32<KS, TK, true>(xo, xa, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes), 0,
+                                      false);
+        wgmma_commit();
+      };
+      // (x's buffer and whether a next tile exists are template arguments: registers indexed at
+      // run time would go to local memory, and no wgmma is issued conditionally.)
+      auto tile = [&](int t, auto cur_c, auto next_c) {
+        constexpr int cur = decltype(cur_c)::value;
+        constexpr bool kNext = decltype(next_c)::value;
+        const int gt = g0 + t;
+        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
+        softmax_ds(t, gt, x[cur]);
+        ring.wait_g(gt);
+        fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
+        fence_regs(dq);
+        wgmma_fence();
+        wg_gemm_rs_tf32<NS, TT>(dq, dsa, g_addr + ring.slot(gt) * kHalfG, (DP / 2) * wg, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        ring.release_g(gt);
+        if constexpr (kNext) {
+          fence_regs(x[cur ^ 1]);
+          ring.release_x(gt + 1);
+        }
+      };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      if (ntiles > 0) {
+        issue_x(g0, x[0]);
+        wgmma_wait<0>();
+        fence_regs(x[0]);
+        ring.release_x(g0);
+        int t = 0;
+        for (; t + 2 < ntiles; t += 2) {
+          tile(t, I0{}, std::true_type{});
+          tile(t + 1, I1{}, std::true_type{});
+        }
+        if (t + 2 == ntiles) {
+          tile(t, I0{}, std::true_type{});
+          tile(t + 1, I1{}, std::false_type{});
+        } else {
+          tile(t, I0{}, std::false_type{});
+        }
+      }
+    } else {
+      // 3xTF32: tile by tile (the split products' extra fragments and partial sums leave no
+      // registers for a second tile's scores).
+      float x[NS][4];  // S or dP
+      for (int t = 0; t < ntiles; ++t) {
+        const int gt = g0 + t;
+        // S (K) or dP (V), then the X half is free
+        const uint32_t bx = x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes);
+        ring.wait_x(gt);
+        if constexpr (kSm)
+          pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), bx, 2 * TK::kBytes, A.opaque_zero);
+        else
+          pair_scores<X3, TK>(x, xa, xs, bx, 2 * TK::kBytes, A.opaque_zero);
+        ring.release_x(gt);
+        softmax_ds(t, gt, x);
+        // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
+        ring.wait_g(gt);
+        pair_accumulate<X3, TT>(dq, dsa, dss, g_addr + ring.slot(gt) * kHalfG, TT::kBytes, (DP / 2) * wg);
+        ring.release_g(gt);
       }
     }
     if constexpr (kSm) mbar_arrive(empty_q);  // the tensor cores' last read of Q's / dO's small part is done
@@ -356,27 +413,27 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   using TK = TileSw128F<BK, DP>;  // K, V as stored: rows = keys
   using TQ = TileSw128F<BQ, DP>;  // Q, dO: rows = queries
   using TT = TileSw128F<DP, BQ>;  // Q^T, dO^T: rows = head dim, k = query slots
-  // Two stages of [Q, dO, Q^T, dO^T] (X3: then their small parts); kSm: one scores half
-  // [Q, dO, Qs, dOs] and one gradient half [Q^T, dO^T, Q^Ts, dO^Ts].
-  constexpr int kPart = 2 * TQ::kBytes + 2 * TT::kBytes, kStage = (X3 ? 2 : 1) * kPart;
-  constexpr int kHalfG = 4 * TQ::kBytes, kStages = kSm ? kHalfG + 4 * TT::kBytes : 2 * kStage;
+  // The TileRing's NB buffers of X halves [Q, dO] and G halves [Q^T, dO^T] (X3: then their small
+  // parts; kSm: one buffer each).
+  constexpr int NB = kSm ? 1 : 2, kParts = X3 ? 2 : 1;
+  constexpr int kHalfX = kParts * 2 * TQ::kBytes, kHalfG = kParts * 2 * TT::kBytes;
   extern __shared__ float4 smem4[];
   unsigned char* sK = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
   unsigned char* sV = sK + TK::kBytes;
-  unsigned char* sStage = sV + TK::kBytes;
-  float* xP = reinterpret_cast<float*>(sStage + kStages);  // [BK x BQ] in accumulator order
-  float* sL = xP + BK * BQ;                                   // [2][BQ]
-  float* sD = sL + 2 * BQ;                                    // [2][BQ]
+  unsigned char* sX = sV + TK::kBytes;
+  unsigned char* sG = sX + NB * kHalfX;
+  float* xP = reinterpret_cast<float*>(sG + NB * kHalfG);  // [BK x BQ] in accumulator order
+  float* sL = xP + BK * BQ;                                 // [2][BQ]
+  float* sD = sL + 2 * BQ;                                  // [2][BQ]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BQ);
   uint64_t* full_kv = bars;
-  uint64_t* full = bars + 1;   // [2]: the copies and the 32 LSE/D lanes
-  uint64_t* empty = bars + 3;  // [2]
-  uint64_t* ahead = bars + 5;  // the exchange's (init_exchange_barriers)
-  uint64_t* back = bars + 6;
-  uint64_t* empty_kv = bars + 7;  // K and V read into registers (persistent: the next block's may land)
+  uint64_t* ahead = bars + 1;  // the exchange's (init_exchange_barriers)
+  uint64_t* back = bars + 2;
+  uint64_t* empty_kv = bars + 3;  // K and V read into registers (persistent: the next block's may land)
+  const TileRing<NB> ring{bars + 4};
   // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time, as in the dQ pair
   // kernel above.)
-  const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 8)};
+  const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 4 + TileRing<NB>::kBars)};
 
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
@@ -384,8 +441,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   const int64_t nx = (Skv + BK - 1) / BK, nitems = nx * p.shape.heads_kv * p.shape.batch;
 
   init_exchange_barriers(ahead, back, empty_kv, TC);
-  // kSm: the LSE/D lanes arrive on the scores half's barrier only.
-  init_stage_barriers(full_kv, full, 1 + 32, empty, TC, kSm ? 1 : -1);
+  init_ring_barriers(full_kv, ring, TC);
 
   // Persistent-capable, as the dQ pair kernel: the blocks of its BlockQueue, one tile sequence.
   const int wg = threadIdx.x / 128;
@@ -414,7 +470,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       const int next = leader ? queue.next() : 0;
       const WorkItem w = work_item(item, nx, p.shape.heads_kv);
       const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
-      copy_dkv_tiles<DP, BK, BQ, X3, kSm>(A, kb, pw, sK, sV, sStage, sL, sD, full_kv, full, empty, ph);
+      copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, pw, sK, sV, sX, sG, sL, sD, full_kv, ring, ph);
       ph.g0 += kb.ntiles;
       i = next;
     }
@@ -425,7 +481,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   regs_increase<C.consumer_regs()>();
   const int wq = (threadIdx.x / 32) & 3, lane = lane_id();
   const int krow = 16 * wq;  // the warp's first key row in the CTA
-  const uint32_t stage_addr = smem_addr(sStage);
+  const uint32_t x_addr = smem_addr(sX), g_addr = smem_addr(sG);
   int g0 = 0;
   for (int k = 0;; ++k) {
     if (k > 0 && queue.counter == nullptr) break;  // one block per CTA
@@ -451,32 +507,25 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
 
     const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
 
-    float x[NS][4];  // S^T or dP^T
     uint32_t fa[NS][4], fs[X3 ? NS : 1][4];  // P^T or dS^T as A fragments (X3: big, small)
-    for (int it = 0; it < ntiles; ++it) {
-      const int gt = g0 + it, st = gt & 1, sv = kSm ? 0 : st;  // sv: the LSE/D vectors' buffer
-      const uint32_t s0 = stage_addr + st * kStage;
-      // S^T (Q) or dP^T (dO)
-      if constexpr (kSm) {
-        mbar_wait(full, gt & 1);
-        pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), stage_addr + (wg == 0 ? 0 : TQ::kBytes),
-                                2 * TQ::kBytes, A.opaque_zero);
-      } else {
-        mbar_wait(full + st, (gt >> 1) & 1);
-        pair_scores<X3, TQ>(x, xa, xs, s0 + (wg == 0 ? 0 : TQ::kBytes), kPart, A.opaque_zero);
-      }
-
+    // Tile it's P^T (wg 0) or dS^T (wg 1) from its scores x (S^T or dP^T), the exchange, and the
+    // result as A fragments in fa (X3: and fs). Every thread arrives on the vectors' empty
+    // barrier: an arrival releases only the arriving thread's own accesses (the sL/sD reads),
+    // which the producer's next writes there must follow.
+    auto softmax_ds = [&](int it, int gt, float(&x)[NS][4]) {
+      ring.wait_v(gt);
       if (wg == 0) {
         const int64_t n0 = kb.q0(it, BQ);  // first query row
         const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
         int lo[2], hi[2];
         kq.tile_bounds(n0, BQ, masked, lo, hi);
-        const float* sLs = sL + sv * BQ;
+        const float* sLs = sL + (gt & 1) * BQ;
         for_each_entry<NS>([&](int j, int e, int r, int c) {
           float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
           if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
           x[j][e] = pe;
         });
+        ring.release_v(gt);
         if (gt > 0) mbar_wait(back, (gt - 1) & 1);  // the other side has read the last tile's P^T
         exchange_store<NS>(xP, x);
         mbar_arrive(ahead);
@@ -485,25 +534,89 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
         mbar_wait(ahead, gt & 1);
         exchange_load<NS>(pv, xP);
         mbar_arrive(back);
-        const float* sDs = sD + sv * BQ;
+        const float* sDs = sD + (gt & 1) * BQ;
         for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = pv[j][e] * (x[j][e] - sDs[c]); });  // dS^T
+        ring.release_v(gt);
       }
       if constexpr (X3) acc_to_afrag_split_tf32(fa, fs, x);
       else acc_to_afrag_tf32(fa, x);
-      // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T). Every thread arrives on the empty
-      // barriers: an arrival releases only the arriving thread's own accesses (the sL/sD reads
-      // above), which the producer's next writes there must follow.
-      if constexpr (kSm) {
-        mbar_arrive(empty);  // the scores half and the LSE/D vectors are read
-        mbar_wait(full + 1, gt & 1);
-        // by head-dim halves: a fresh accumulator of 64 columns at a time (registers)
-        const uint32_t bt = stage_addr + kHalfG + (wg == 0 ? TT::kBytes : 0);
-        pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, 0), fa, fs, bt, 2 * TT::kBytes, 0);
-        pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, NO / 2), fa, fs, bt, 2 * TT::kBytes, DP / 2);
-        mbar_arrive(empty + 1);
-      } else {
-        pair_accumulate<X3, TT>(acc, fa, fs, s0 + 2 * TQ::kBytes + (wg == 0 ? TT::kBytes : 0), kPart, 0);
-        mbar_arrive(empty + st);
+    };
+    if constexpr (!X3) {
+      // tf32: tile it + 1's S^T / dP^T run on the tensor cores during tile it's softmax, dS^T and
+      // exchange (x[it & 1]: tile it's), as in the dQ pair kernel; then dV += P^T dO (B = dO^T)
+      // or dK += dS^T Q (B = Q^T), and both products are waited for within the tile.
+      float x[2][NS][4];
+      auto issue_x = [&](int gt, float(&xo)[NS][4]) {
+        ring.wait_x(gt);
+        wgmma_fence();  // xo: written only (its last tile's values were read before this)
+        wg_gemm_rs_tf32<KS, TQ, true>(xo, xa, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes), 0,
+                                      false);
+        wgmma_commit();
+      };
+      auto tile = [&](int it, auto cur_c, auto next_c) {
+        constexpr int cur = decltype(cur_c)::value;
+        constexpr bool kNext = decltype(next_c)::value;
+        const int gt = g0 + it;
+        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
+        softmax_ds(it, gt, x[cur]);
+        ring.wait_g(gt);
+        fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+        fence_regs(acc);
+        wgmma_fence();
+        wg_gemm_rs_tf32<NS, TT>(acc, fa, g_addr + ring.slot(gt) * kHalfG + (wg == 0 ? TT::kBytes : 0), 0, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        ring.release_g(gt);
+        if constexpr (kNext) {
+          fence_regs(x[cur ^ 1]);
+          ring.release_x(gt + 1);
+        }
+      };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      if (ntiles > 0) {
+        issue_x(g0, x[0]);
+        wgmma_wait<0>();
+        fence_regs(x[0]);
+        ring.release_x(g0);
+        int it = 0;
+        for (; it + 2 < ntiles; it += 2) {
+          tile(it, I0{}, std::true_type{});
+          tile(it + 1, I1{}, std::true_type{});
+        }
+        if (it + 2 == ntiles) {
+          tile(it, I0{}, std::true_type{});
+          tile(it + 1, I1{}, std::false_type{});
+        } else {
+          tile(it, I0{}, std::false_type{});
+        }
+      }
+    } else {
+      // 3xTF32: tile by tile (as in the dQ pair kernel).
+      float x[NS][4];  // S^T or dP^T
+      for (int it = 0; it < ntiles; ++it) {
+        const int gt = g0 + it;
+        // S^T (Q) or dP^T (dO), then the X half is free
+        const uint32_t bx = x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes);
+        ring.wait_x(gt);
+        if constexpr (kSm)
+          pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), bx, 2 * TQ::kBytes, A.opaque_zero);
+        else
+          pair_scores<X3, TQ>(x, xa, xs, bx, 2 * TQ::kBytes, A.opaque_zero);
+        ring.release_x(gt);
+        softmax_ds(it, gt, x);
+        // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
+        const uint32_t bt = g_addr + ring.slot(gt) * kHalfG + (wg == 0 ? TT::kBytes : 0);
+        ring.wait_g(gt);
+        if constexpr (kSm) {
+          // by head-dim halves: a fresh accumulator of 64 columns at a time (registers)
+          pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, 0), fa, fs, bt, 2 * TT::kBytes, 0);
+          pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, NO / 2), fa, fs, bt, 2 * TT::kBytes, DP / 2);
+        } else {
+          pair_accumulate<X3, TT>(acc, fa, fs, bt, 2 * TT::kBytes, 0);
+        }
+        ring.release_g(gt);
       }
     }
     if constexpr (kSm) mbar_arrive(empty_kv);  // the tensor cores' last read of K's / V's small part is done
