@@ -54,60 +54,32 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
   }
 }
 
-// A tile's scores in a pair kernel, issued: x = A B^T over the head dim, A the warpgroup's
-// stationary fragments (X3: big xa, small xs), B the streamed K-major tile at bx (X3: its small
-// part at bx + part), landed. X3: two chains of 4 k-steps (x2: the head dim's second half), added
-// in float32 by pair_scores_done (kernels_sm90_3xtf32.cuh on short chains). One commit group.
+// A tile's scores in a pair kernel: x = A B^T over the head dim, A the warpgroup's stationary
+// fragments (X3: big xa, small xs), B the streamed K-major tile at bx (X3: its small part at
+// bx + part), waited for. X3: two chains of 4 k-steps (x2: the head dim's second half), added in
+// float32 (kernels_sm90_3xtf32.cuh on short chains).
 template <bool X3, class TB, int KS, int KX, int NS>
-__device__ __forceinline__ void pair_scores_issue(float (&x)[NS][4], float (&x2)[NS][4], uint32_t (&xa)[KS][4],
-                                                  uint32_t (&xs)[KX][4], uint32_t bx, int part) {
-  wgmma_fence();  // x, x2: written only
+__device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t (&xs)[KX][4],
+                                            uint32_t bx, int part, uint32_t opaque_zero) {
+  wgmma_fence();  // x: written only
   if constexpr (X3) {
+    float x2[NS][4];
     wg_gemm3_rs_tf32<KS / 2, TB, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + part, 0, false);
     wg_gemm3_rs_tf32<KS / 2, TB, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
                                        bx + TB::kBlockBytes, bx + part + TB::kBlockBytes, 0, false);
-  } else {
-    wg_gemm_rs_tf32<KS, TB, true>(x, xa, bx, 0, false);
-  }
-  wgmma_commit();
-}
-// Once that group is waited for: the scores in x (X3: the two chains added).
-template <bool X3, int NS>
-__device__ __forceinline__ void pair_scores_done(float (&x)[NS][4], float (&x2)[NS][4]) {
-  fence_regs(x);
-  if constexpr (X3) {
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
     fence_regs(x2);
     add_into(x, x2);
+    keep_live_in_loop(xs, opaque_zero);
+  } else {
+    wg_gemm_rs_tf32<KS, TB, true>(x, xa, bx, 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
   }
-}
-// The stationary fragments re-defined once per tile while no product reads them (the D = 64
-// kernels' ptxas fault, wgmma.cuh keep_live_in_loop).
-template <bool X3, int KS, int KX>
-__device__ __forceinline__ void pair_keep_stationary(uint32_t (&xa)[KS][4], uint32_t (&xs)[KX][4],
-                                                     uint32_t opaque_zero) {
-  if constexpr (X3) keep_live_in_loop(xs, opaque_zero);
-  keep_live_in_loop(xa, opaque_zero);
-}
-
-// tile(t, cur, next) for t = 0 .. n - 1 in order, cur = t & 1 and next = (t + 1 < n) as template
-// arguments (std::integral_constant): a pipelined loop's register buffer indexed at run time would
-// go to local memory, and no wgmma is issued conditionally (the loop is unrolled by two, the last
-// tile a separate instantiation).
-template <class F>
-__device__ __forceinline__ void pipelined_tiles(int n, F&& tile) {
-  using I0 = std::integral_constant<int, 0>;
-  using I1 = std::integral_constant<int, 1>;
-  int t = 0;
-  for (; t + 2 < n; t += 2) {
-    tile(t, I0{}, std::true_type{});
-    tile(t + 1, I1{}, std::true_type{});
-  }
-  if (t + 2 == n) {
-    tile(t, I0{}, std::true_type{});
-    tile(t + 1, I1{}, std::false_type{});
-  } else if (t < n) {
-    tile(t, I0{}, std::false_type{});
-  }
+  keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 }
 
 // The same at D = 128 in 3xTF32 with the stationary operand's small part in shared memory
@@ -332,51 +304,74 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         mbar_arrive(back);
       }
     };
-    if constexpr (!kSm) {
-      // Tile t + 1's S / dP run on the tensor cores during tile t's softmax, dS and exchange
-      // (x[t & 1]: tile t's; X3: x2 the second chain). Per tile: issue the next scores; P / dS
-      // and the exchange; dQ[:, half wg] += dS K_t (B = K^T's rows of that half); wait for both
-      // products; release this tile's G half and the next one's X half. (Every product is waited
-      // for within its tile: a product in flight across the loop's back edge made ptxas
-      // serialize them all.)
-      float x[2][NS][4], x2[X3 ? 2 : 1][NS][4];
-      auto issue_x = [&](int gt, float(&xo)[NS][4], float(&xo2)[NS][4]) {
+    if constexpr (!X3) {
+      // tf32: tile t + 1's S / dP run on the tensor cores during tile t's softmax, dS and
+      // exchange (x[t & 1]: tile t's). Per tile: issue the next scores; P / dS and the exchange;
+      // issue dQ[:, half wg] += dS K_t (B = K^T's rows of that half); wait for both products and
+      // release this tile's G half and the next one's X half. (Every product is waited for within
+      // its tile: a product in flight across the loop's back edge made ptxas serialize them all.)
+      float x[2][NS][4];
+      auto issue_x = [&](int gt, float(&xo)[NS][4]) {
         ring.wait_x(gt);
-        pair_scores_issue<X3, TK>(xo, xo2, xa, xs, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes),
-                                  2 * TK::kBytes);
+        wgmma_fence();  // xo: written only (its last tile's values were read before this)
+        wg_gemm_rs_tf32<KS, TK, true>(xo, xa, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes), 0,
+                                      false);
+        wgmma_commit();
       };
-      if (ntiles > 0) {
-        issue_x(g0, x[0], x2[0]);
-        wgmma_wait<0>();
-        pair_scores_done<X3>(x[0], x2[0]);
-        ring.release_x(g0);
-      }
-      pipelined_tiles(ntiles, [&](int t, auto cur_c, auto next_c) {
-        constexpr int cur = decltype(cur_c)::value, nxt = X3 ? cur ^ 1 : 0;
+      // (x's buffer and whether a next tile exists are template arguments: registers indexed at
+      // run time would go to local memory, and no wgmma is issued conditionally.)
+      auto tile = [&](int t, auto cur_c, auto next_c) {
+        constexpr int cur = decltype(cur_c)::value;
         constexpr bool kNext = decltype(next_c)::value;
         const int gt = g0 + t;
-        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1], x2[nxt]);
+        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
         softmax_ds(t, gt, x[cur]);
         ring.wait_g(gt);
-        pair_accumulate<X3, TT>(dq, dsa, dss, g_addr + ring.slot(gt) * kHalfG, TT::kBytes, (DP / 2) * wg);
+        fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
+        fence_regs(dq);
+        wgmma_fence();
+        wg_gemm_rs_tf32<NS, TT>(dq, dsa, g_addr + ring.slot(gt) * kHalfG, (DP / 2) * wg, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
         ring.release_g(gt);
         if constexpr (kNext) {
-          pair_scores_done<X3>(x[cur ^ 1], x2[nxt]);
+          fence_regs(x[cur ^ 1]);
           ring.release_x(gt + 1);
         }
-        if constexpr (X3) pair_keep_stationary<X3>(xa, xs, A.opaque_zero);
-      });
+      };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      if (ntiles > 0) {
+        issue_x(g0, x[0]);
+        wgmma_wait<0>();
+        fence_regs(x[0]);
+        ring.release_x(g0);
+        int t = 0;
+        for (; t + 2 < ntiles; t += 2) {
+          tile(t, I0{}, std::true_type{});
+          tile(t + 1, I1{}, std::true_type{});
+        }
+        if (t + 2 == ntiles) {
+          tile(t, I0{}, std::true_type{});
+          tile(t + 1, I1{}, std::false_type{});
+        } else {
+          tile(t, I0{}, std::false_type{});
+        }
+      }
     } else {
-      // 3xTF32 at D = 128: tile by tile (the split products' partial sums leave no registers for
-      // a second tile's scores).
+      // 3xTF32: tile by tile (the split products' extra fragments and partial sums leave no
+      // registers for a second tile's scores).
       float x[NS][4];  // S or dP
       for (int t = 0; t < ntiles; ++t) {
         const int gt = g0 + t;
         // S (K) or dP (V), then the X half is free
+        const uint32_t bx = x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes);
         ring.wait_x(gt);
-        pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO),
-                                x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes), 2 * TK::kBytes,
-                                A.opaque_zero);
+        if constexpr (kSm)
+          pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), bx, 2 * TK::kBytes, A.opaque_zero);
+        else
+          pair_scores<X3, TK>(x, xa, xs, bx, 2 * TK::kBytes, A.opaque_zero);
         ring.release_x(gt);
         softmax_ds(t, gt, x);
         // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
@@ -546,56 +541,81 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       if constexpr (X3) acc_to_afrag_split_tf32(fa, fs, x);
       else acc_to_afrag_tf32(fa, x);
     };
-    if constexpr (!kSm) {
-      // Tile it + 1's S^T / dP^T run on the tensor cores during tile it's softmax, dS^T and
-      // exchange, as in the dQ pair kernel; then dV += P^T dO (B = dO^T) or dK += dS^T Q
-      // (B = Q^T), and both products are waited for within the tile.
-      float x[2][NS][4], x2[X3 ? 2 : 1][NS][4];
-      auto issue_x = [&](int gt, float(&xo)[NS][4], float(&xo2)[NS][4]) {
+    if constexpr (!X3) {
+      // tf32: tile it + 1's S^T / dP^T run on the tensor cores during tile it's softmax, dS^T and
+      // exchange (x[it & 1]: tile it's), as in the dQ pair kernel; then dV += P^T dO (B = dO^T)
+      // or dK += dS^T Q (B = Q^T), and both products are waited for within the tile.
+      float x[2][NS][4];
+      auto issue_x = [&](int gt, float(&xo)[NS][4]) {
         ring.wait_x(gt);
-        pair_scores_issue<X3, TQ>(xo, xo2, xa, xs, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes),
-                                  2 * TQ::kBytes);
+        wgmma_fence();  // xo: written only (its last tile's values were read before this)
+        wg_gemm_rs_tf32<KS, TQ, true>(xo, xa, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes), 0,
+                                      false);
+        wgmma_commit();
       };
-      if (ntiles > 0) {
-        issue_x(g0, x[0], x2[0]);
-        wgmma_wait<0>();
-        pair_scores_done<X3>(x[0], x2[0]);
-        ring.release_x(g0);
-      }
-      pipelined_tiles(ntiles, [&](int it, auto cur_c, auto next_c) {
-        constexpr int cur = decltype(cur_c)::value, nxt = X3 ? cur ^ 1 : 0;
+      auto tile = [&](int it, auto cur_c, auto next_c) {
+        constexpr int cur = decltype(cur_c)::value;
         constexpr bool kNext = decltype(next_c)::value;
         const int gt = g0 + it;
-        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1], x2[nxt]);
+        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
         softmax_ds(it, gt, x[cur]);
         ring.wait_g(gt);
-        pair_accumulate<X3, TT>(acc, fa, fs, g_addr + ring.slot(gt) * kHalfG + (wg == 0 ? TT::kBytes : 0),
-                                2 * TT::kBytes, 0);
+        fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+        fence_regs(acc);
+        wgmma_fence();
+        wg_gemm_rs_tf32<NS, TT>(acc, fa, g_addr + ring.slot(gt) * kHalfG + (wg == 0 ? TT::kBytes : 0), 0, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
         ring.release_g(gt);
         if constexpr (kNext) {
-          pair_scores_done<X3>(x[cur ^ 1], x2[nxt]);
+          fence_regs(x[cur ^ 1]);
           ring.release_x(gt + 1);
         }
-        if constexpr (X3) pair_keep_stationary<X3>(xa, xs, A.opaque_zero);
-      });
+      };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      if (ntiles > 0) {
+        issue_x(g0, x[0]);
+        wgmma_wait<0>();
+        fence_regs(x[0]);
+        ring.release_x(g0);
+        int it = 0;
+        for (; it + 2 < ntiles; it += 2) {
+          tile(it, I0{}, std::true_type{});
+          tile(it + 1, I1{}, std::true_type{});
+        }
+        if (it + 2 == ntiles) {
+          tile(it, I0{}, std::true_type{});
+          tile(it + 1, I1{}, std::false_type{});
+        } else {
+          tile(it, I0{}, std::false_type{});
+        }
+      }
     } else {
-      // 3xTF32 at D = 128: tile by tile (as in the dQ pair kernel).
+      // 3xTF32: tile by tile (as in the dQ pair kernel).
       float x[NS][4];  // S^T or dP^T
       for (int it = 0; it < ntiles; ++it) {
         const int gt = g0 + it;
         // S^T (Q) or dP^T (dO), then the X half is free
+        const uint32_t bx = x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes);
         ring.wait_x(gt);
-        pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV),
-                                x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes), 2 * TQ::kBytes,
-                                A.opaque_zero);
+        if constexpr (kSm)
+          pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), bx, 2 * TQ::kBytes, A.opaque_zero);
+        else
+          pair_scores<X3, TQ>(x, xa, xs, bx, 2 * TQ::kBytes, A.opaque_zero);
         ring.release_x(gt);
         softmax_ds(it, gt, x);
-        // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T), by head-dim halves: a fresh
-        // accumulator of 64 columns at a time (registers)
+        // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
         const uint32_t bt = g_addr + ring.slot(gt) * kHalfG + (wg == 0 ? TT::kBytes : 0);
         ring.wait_g(gt);
-        pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, 0), fa, fs, bt, 2 * TT::kBytes, 0);
-        pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, NO / 2), fa, fs, bt, 2 * TT::kBytes, DP / 2);
+        if constexpr (kSm) {
+          // by head-dim halves: a fresh accumulator of 64 columns at a time (registers)
+          pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, 0), fa, fs, bt, 2 * TT::kBytes, 0);
+          pair_accumulate<X3, TT>(acc_cols<NO / 2>(acc, NO / 2), fa, fs, bt, 2 * TT::kBytes, DP / 2);
+        } else {
+          pair_accumulate<X3, TT>(acc, fa, fs, bt, 2 * TT::kBytes, 0);
+        }
         ring.release_g(gt);
       }
     }
