@@ -70,7 +70,7 @@ struct BlockQueue {
 };
 
 // A block's place in a persistent CTA's sequence of blocks (the pair kernels): the block is the
-// k-th of the CTA, its first tile the g0-th of the CTA (stage g0 & 1, phase parity (g0 >> 1) & 1),
+// k-th of the CTA, its first tile the g0-th of the CTA (TileRing slot and phase of tile g0),
 // and its stationary tiles may be copied once the consumers released the last block's from
 // `empty_once` (none before the first block; a CTA of one block passes no barrier).
 struct ItemPhase {

@@ -39,7 +39,7 @@
 
 namespace flashattn::cuda::dev {
 
-// The exchange's two mbarriers, initialised before init_stage_barriers publishes them: `ahead` -
+// The exchange's two mbarriers, initialised before init_ring_barriers publishes them: `ahead` -
 // the scores side's values of a tile are in the buffer (128 arrivals of warpgroup 0); `back` - the
 // gradient side has read them (dK/dV pass) or has written dS (dQ pass; 128 arrivals of
 // warpgroup 1). Tile t completes phase t of each, so waits use parity t & 1.
@@ -146,7 +146,8 @@ __device__ __forceinline__ void pair_accumulate(float (&acc)[NT][4], uint32_t (&
 
 // ================================================================================================
 // dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
-// tiles of K, V and K^T (two stages). Per key tile t:
+// tiles of K, V (X half) and K^T (G half) through a TileRing (two buffers; 3xTF32 at D = 128
+// one). Per key tile t (in tf32 the next tile's S / dP issued first, below):
 //   wg 0: S = Q K_t^T; P = exp2(S sl2 - lse2) (masked) -> xP; arrive(ahead); wait(back, t);
 //         dsa <- xdS; dQ[:, 0:64] += dS K_t
 //   wg 1: dP = dO V_t^T; wait(ahead, t); P <- xP; dS = P (dP - D); dsa = tf32(dS) -> xdS;
@@ -392,8 +393,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
 
 // ================================================================================================
 // dK/dV pass, pair design. CTA = BK = 64 keys of one (batch, kv head); the producer streams
-// BQ-query tiles of Q, dO, Q^T and dO^T (one thread) and their LSE and D vectors (one warp) over
-// every query head of the group, two stages deep (kSm: two half stages). Per query tile:
+// BQ-query tiles of Q, dO (X half), Q^T and dO^T (G half; one thread) and their LSE and D vectors
+// (one warp) over every query head of the group through a TileRing (two buffers; 3xTF32 at
+// D = 128 one). Per query tile (in tf32 the next tile's S^T / dP^T issued first, below):
 //   wg 0: S^T = K Q^T; P^T = exp2(S^T sl2 - lse2) (masked); wait(back, t - 1) unless first;
 //         P^T -> xP; arrive(ahead); dV += P^T dO
 //   wg 1: dP^T = V dO^T; wait(ahead, t); P^T <- xP; arrive(back);

@@ -380,17 +380,16 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 }
 
 // ---- mbarriers, the tensor copy engine (TMA), warpgroup registers ---------------------------------
-// The split backward kernels' barriers: `once` for the block's stationary tiles (one copy-engine
-// arrival) and two stages of full / empty barriers; initialised by thread 0 and published to the
-// whole CTA (and the copy engine) before return.
-// full1_count (when >= 0): stage 1's full barrier's count, if it differs (the half stages of the
-// 3xTF32 pair kernels at D = 128).
+// The 16-bit split backward kernels' barriers: `once` for the block's stationary tiles (one
+// copy-engine arrival) and two stages of full / empty barriers; initialised by thread 0 and
+// published to the whole CTA (and the copy engine) before return. (The float32 kernels stream
+// through a TileRing, kernels_sm90_tf32_bwd.cuh.)
 __device__ __forceinline__ void init_stage_barriers(uint64_t* once, uint64_t* full, int full_count, uint64_t* empty,
-                                                    int empty_count, int full1_count = -1) {
+                                                    int empty_count) {
   if (threadIdx.x == 0) {
     mbar_init(once, 1);
     for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, i == 1 && full1_count >= 0 ? full1_count : full_count);
+      mbar_init(full + i, full_count);
       mbar_init(empty + i, empty_count);
     }
     mbar_init_fence();
