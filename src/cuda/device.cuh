@@ -22,6 +22,14 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+// The warpgroup index threadIdx.x / 128 as lane 0 has it: the same value, but one the compiler
+// knows is uniform across the warp, so that the shared-memory addresses and wgmma descriptors
+// computed from it live in uniform registers (with threadIdx.x / 128 every wgmma's descriptors
+// were built in per-thread registers and moved over with R2UR: ~7 instructions per wgmma in the
+// float32 kernels' tile loops). Call it where every lane of the warp is active.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
 
 // ---- cp.async --------------------------------------------------------------------------------
 // src_bytes < size zero-fills the rest of the destination: padded head-dim columns and rows past

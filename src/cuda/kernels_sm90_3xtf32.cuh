@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   }
   __syncthreads();
 
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();  // uniform (device.cuh)
   if (wg == 2) {
     // ---- producer -----------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();

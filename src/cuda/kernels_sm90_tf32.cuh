@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
   }
   __syncthreads();
 
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();  // uniform (device.cuh)
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();

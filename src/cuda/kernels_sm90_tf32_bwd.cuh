@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
 
   init_ring_barriers(full_q, ring, TC);
 
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();  // uniform (device.cuh)
   if (wg == NWG) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
 
   init_ring_barriers(full_kv, ring, TC);
 
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();  // uniform (device.cuh)
   if (wg == NWG) {
     // ---- producer -------------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();

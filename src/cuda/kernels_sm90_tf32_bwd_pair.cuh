@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   // Persistent-capable: the CTA runs the blocks of its BlockQueue (work_item; one block per CTA by
   // default, select.hpp persistent_ctas); the tiles of all of them form one sequence through the
   // stages and the exchange (g0: the block's first tile in it).
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();  // uniform (device.cuh)
   if (wg == 2) {
     // ---- producer: one thread issues every copy ---------------------------------------------
     regs_decrease<C.producer_regs>();
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
   init_ring_barriers(full_kv, ring, TC);
 
   // Persistent-capable, as the dQ pair kernel: the blocks of its BlockQueue, one tile sequence.
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();  // uniform (device.cuh)
   if (wg == 2) {
     // ---- producer: warp 0's first thread copies, warp 1 fills the LSE/D vectors -------------------
     regs_decrease<C.producer_regs>();

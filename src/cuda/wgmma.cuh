@@ -16,6 +16,7 @@
 #include "cuda/launch.hpp"
 #include "cuda/mbarrier.cuh"
 #include "cuda/mma16.cuh"
+#include "cuda/smem_desc.hpp"
 #include "cuda/wgmma_ops.cuh"
 
 namespace flashattn::cuda::dev {
@@ -45,16 +46,7 @@ __device__ __forceinline__ unsigned char* smem_aligned1024(unsigned char* p) {
   return p + ((1024 - (a & 1023)) & 1023);
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading- and stride-dimension
-// byte offsets, each encoded >> 4 in 14 bits; base offset 0 (atoms are 1024-byte aligned).
-//  - K-major operand (rows of the tile = M or N, columns = K): LBO unused (1), SBO = 1024, the
-//    distance between 8-row groups; a k16 step inside a 64-column block moves the start by 32 B.
-//  - MN-major operand (rows of the tile = K, columns = N): LBO = distance between 64-column
-//    blocks, SBO = 1024 between 8-row (k) groups; a k16 step moves the start by 16 rows.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
+// desc_sw128 / desc_advance (the descriptors): cuda/smem_desc.hpp.
 
 // Orders this thread's register writes (accumulators, A fragments) before the next wgmma reads.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -174,11 +166,12 @@ struct TileSw128F {
 template <int KS, class TB, bool kWriteOnly = false, int NT>
 __device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const uint32_t (&a)[KS][4], uint32_t sB,
                                                 int b_row0, bool accumulate) {
+  const uint64_t b0 = desc_sw128(sB + b_row0 * 128, 16, 1024);  // k-steps: desc_advance (smem_desc.hpp)
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
-    if (kWriteOnly && kk == 0 && !accumulate) wgmma_rs_tf32_init(d, a[kk], desc_sw128(b, 16, 1024));
-    else wgmma_rs_tf32(d, a[kk], desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+    const uint64_t b = desc_advance(b0, (kk >> 2) * TB::kBlockBytes + (kk & 3) * 32);
+    if (kWriteOnly && kk == 0 && !accumulate) wgmma_rs_tf32_init(d, a[kk], b);
+    else wgmma_rs_tf32(d, a[kk], b, (accumulate || kk > 0) ? 1 : 0);
   }
 }
 
@@ -270,12 +263,13 @@ __device__ __forceinline__ void wg_gemm3_rs_tf32(float (&d)[NT][4], const uint32
 template <int KS, class TA, class TB, bool kWriteOnly = false, int NT>
 __device__ __forceinline__ void wg_gemm_ss_tf32(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
                                                 bool accumulate) {
+  const uint64_t a0 = desc_sw128(sA + a_row0 * 128, 16, 1024), b0 = desc_sw128(sB + b_row0 * 128, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    const uint32_t a = sA + (kk >> 2) * TA::kBlockBytes + a_row0 * 128 + (kk & 3) * 32;
-    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
-    if (kWriteOnly && kk == 0 && !accumulate) wgmma_ss_tf32_init(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024));
-    else wgmma_ss_tf32(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+    const uint64_t a = desc_advance(a0, (kk >> 2) * TA::kBlockBytes + (kk & 3) * 32);
+    const uint64_t b = desc_advance(b0, (kk >> 2) * TB::kBlockBytes + (kk & 3) * 32);
+    if (kWriteOnly && kk == 0 && !accumulate) wgmma_ss_tf32_init(d, a, b);
+    else wgmma_ss_tf32(d, a, b, (accumulate || kk > 0) ? 1 : 0);
   }
 }
 
