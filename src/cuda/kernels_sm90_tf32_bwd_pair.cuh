@@ -57,10 +57,13 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
 // A tile's scores in a pair kernel: x = A B^T over the head dim, A the warpgroup's stationary
 // fragments (X3: big xa, small xs), B the streamed K-major tile at bx (X3: its small part at
 // bx + part), waited for. X3: two chains of 4 k-steps (x2: the head dim's second half), added in
-// float32 (kernels_sm90_3xtf32.cuh on short chains).
+// float32 (kernels_sm90_3xtf32.cuh on short chains). No keep_live_in_loop on the stationary
+// fragments (the D = 64 split kernels' ptxas fault, wgmma.cuh): the SASS check of CI
+// (scripts/check-sass-wgmma.py) finds no reuse of their registers in these kernels, and the
+// XORs cost 64 instructions per tile in an instruction-bound loop (docs/PERF.md float32 run 14).
 template <bool X3, class TB, int KS, int KX, int NS>
 __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t (&xs)[KX][4],
-                                            uint32_t bx, int part, uint32_t opaque_zero) {
+                                            uint32_t bx, int part) {
   wgmma_fence();  // x: written only
   if constexpr (X3) {
     float x2[NS][4];
@@ -72,14 +75,12 @@ __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS
     fence_regs(x);
     fence_regs(x2);
     add_into(x, x2);
-    keep_live_in_loop(xs, opaque_zero);
   } else {
     wg_gemm_rs_tf32<KS, TB, true>(x, xa, bx, 0, false);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(x);
   }
-  keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 }
 
 // The same at D = 128 in 3xTF32 with the stationary operand's small part in shared memory
@@ -88,7 +89,7 @@ __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS
 // ((c0 + c1) + c2) + c3.
 template <class TA, class TB, int KS, int NS>
 __device__ __forceinline__ void pair_scores_sms(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t sa_small,
-                                                uint32_t bx, int part, uint32_t opaque_zero) {
+                                                uint32_t bx, int part) {
   static_assert(KS == 16, "four chains of 4 k-steps");
   float xc[3][NS][4];  // chains 1-3 (chain 0 into x)
   wgmma_fence();       // x, xc: written only
@@ -104,7 +105,6 @@ __device__ __forceinline__ void pair_scores_sms(float (&x)[NS][4], uint32_t (&xa
     fence_regs(xc[c]);
     add_into(x, xc[c]);
   }
-  keep_live_in_loop(xa, opaque_zero);  // the D = 64 kernels' ptxas fault (wgmma.cuh)
 }
 
 // The stationary operand of a pair kernel in 3xTF32 at D = 128 (pair_small_in_smem): big
@@ -370,9 +370,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         const uint32_t bx = x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes);
         ring.wait_x(gt);
         if constexpr (kSm)
-          pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), bx, 2 * TK::kBytes, A.opaque_zero);
+          pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), bx, 2 * TK::kBytes);
         else
-          pair_scores<X3, TK>(x, xa, xs, bx, 2 * TK::kBytes, A.opaque_zero);
+          pair_scores<X3, TK>(x, xa, xs, bx, 2 * TK::kBytes);
         ring.release_x(gt);
         softmax_ds(t, gt, x);
         // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
@@ -603,9 +603,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
         const uint32_t bx = x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes);
         ring.wait_x(gt);
         if constexpr (kSm)
-          pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), bx, 2 * TQ::kBytes, A.opaque_zero);
+          pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), bx, 2 * TQ::kBytes);
         else
-          pair_scores<X3, TQ>(x, xa, xs, bx, 2 * TQ::kBytes, A.opaque_zero);
+          pair_scores<X3, TQ>(x, xa, xs, bx, 2 * TQ::kBytes);
         ring.release_x(gt);
         softmax_ds(it, gt, x);
         // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)
