@@ -98,16 +98,16 @@ def main():
                 tf80 = time_ms(fa.bind_forward(q, k, v, out, lse, o), 2, args.reps)
                 tb80 = time_ms(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o), 2, args.reps)
                 del os.environ["FLASHATTN_CUDA_ARCH"]
-                # The other fp32 forward on compute capability 9.0: at padded D = 128 the mma.sync one
-                # (the wgmma 3xTF32 forward is the default there), at D = 64 the opt-in wgmma one:
-                # its speed, and its O against the default's (a failure is reported, not fatal).
+                # The other fp32 forward on compute capability 9.0: the mma.sync one (the wgmma
+                # 3xTF32 forward is the default at padded D = 64 and 128): its speed, and its O
+                # against the default's (a failure is reported, not fatal).
                 w_fwd, w_err = float("nan"), float("nan")
-                w_name = "wgmma (opt-in)" if d <= 64 else "mma.sync"
+                w_name = "mma.sync"
                 if d <= 128:
                     o = fa.options(causal, 0)
                     fa.forward(q, k, v, out, lse, o)
                     out_d = out.clone()
-                    os.environ["FLASHATTN_CUDA_FP32_FWD"] = "wgmma" if d <= 64 else "mma"
+                    os.environ["FLASHATTN_CUDA_FP32_FWD"] = "mma"
                     try:
                         w_fwd = fl_f / time_ms(fa.bind_forward(q, k, v, out, lse, o), 2, args.reps) / 1e9
                         w_err = (out_d - out).abs().max().item()

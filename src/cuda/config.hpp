@@ -273,13 +273,14 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 
 // fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 64 and 128 (the
-// default at 128 on 9.0, fp32_fwd_wgmma_default; opt-in at 64 until measured): 64 queries (both
+// default at both on 9.0, fp32_fwd_wgmma_default: at 64 since its descriptors stay on the uniform
+// datapath, 4-13% faster than mma.sync there, docs/PERF.md float32 run 14): 64 queries (both
 // consumer warpgroups, each half the head dim) x 32-key tiles; the producer (one copy thread)
 // keeps 40 registers, 232 per consumer thread: at D = 128 Q's big and small fragments of a half
 // (64), O and the tile's O (32 each), S, its second k-group and the partner's partial (16 each),
 // P's big and small fragments (32); at D = 64 half of the Q and O parts.
 FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 64 || dp == 128; }
-FLASHATTN_CUDA_HD constexpr bool fp32_fwd_wgmma_default(int dp) { return dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool fp32_fwd_wgmma_default(int dp) { return has_sm90_3xtf32(dp); }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_3xtf32(int /*dp*/) { return TileConfig90{64, 32, 2, 1, 1, 40}; }
 // Q; two stages of K big, K small, Vt big, Vt small; the two warpgroups' partial scores; 1 KiB
 // for alignment, room for 24 mbarriers (13 used).

@@ -1,7 +1,7 @@
 // The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) on wgmma: the default at
-// padded D = 128 (1.35-1.71x the peer, 1.3-1.5x the mma.sync 3xTF32 kernel; docs/PERF.md float32
-// run 9; FLASHATTN_CUDA_FP32_FWD=mma keeps that one), opt-in at D = 64 (FLASHATTN_CUDA_FP32_FWD=wgmma:
-// 2-4% faster than the mma.sync kernel at S >= 4k, 5-6% slower at S = 1k; run 10).
+// padded D = 128 (1.3-1.5x the mma.sync 3xTF32 kernel; docs/PERF.md float32 run 9) and, since its
+// descriptors stay on the uniform datapath, at D = 64 (4-13% faster than mma.sync; run 14; it was
+// 5-6% slower at S = 1k before: run 10). FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
 //
 // Every product X Y is X_big Y_big + X_big Y_small + X_small Y_big (tf32_split, device.cuh), small
 // terms first. With Q's big and small fragments (128 registers per thread at D = 128) a warpgroup

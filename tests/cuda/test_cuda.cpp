@@ -125,12 +125,11 @@ void check_all_maths(const ProblemConfig& cfg) {
   // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain).
   const bool other_bwd = cfg.head_dim <= 128;
   const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
-  // The fp32-accurate kernels that are not the default on sm_90a: the other forward (padded D = 128:
-  // the mma.sync one, FLASHATTN_CUDA_FP32_FWD=mma, the wgmma 3xTF32 forward being the default there;
-  // D = 64: the opt-in wgmma forward) and the mma.sync backward at padded D = 64 and 128
-  // (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in 3xTF32 are the default there).
+  // The fp32-accurate kernels that are not the default on sm_90a at padded D = 64 and 128: the
+  // mma.sync forward (FLASHATTN_CUDA_FP32_FWD=mma; the wgmma 3xTF32 forward is the default there)
+  // and the mma.sync backward (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in 3xTF32 are).
   const bool fp32_other = cfg.head_dim <= 128;
-  const char* fp32_fwd_other = cfg.head_dim <= 64 ? "wgmma" : "mma";
+  const char* fp32_fwd_other = "mma";
   const Errors fp32_w =
       fp32_other ? run_case(p, ref, Precision::Fp32, nullptr, nullptr, nullptr, fp32_fwd_other, "mma") : fp32;
   // The tf32 pair kernels at padded D = 64 (FLASHATTN_CUDA_TF32_BWD=pair; the default at D = 128).
@@ -296,7 +295,7 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
                            {"tf32", kTf32BwdOther, nullptr, nullptr},
                            {"3xtf32", nullptr, nullptr, nullptr},
                            {"3xtf32", nullptr, "mma", "mma"},
-                           {"3xtf32", nullptr, "wgmma", nullptr}};  // (D = 64: the opt-in wgmma forward)
+                           {"3xtf32", nullptr, "wgmma", nullptr}};  // (the default at D = 64 and 128 on 9.0)
     for (const auto& [math, tf32_bwd, fp32_fwd, fp32_bwd] : runs_of) {
       MathScope scope(math);
       EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);

@@ -149,18 +149,20 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
     EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).f32_pair);  // 3xTF32: unaffected
   }
   {
-    // The fp32-accurate wgmma forward: the default at padded D = 128 on 9.0 only;
+    // The fp32-accurate wgmma forward: the default at padded D = 64 and 128 on 9.0 only;
     // FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
     const KernelChoice c = select_kernel(shape(4096, 128), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);
     EXPECT_TRUE(select_kernel(shape(4096, 97), num(DType::Float32), 9, 0).sm90_fwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);  // opt-in there
+    EXPECT_TRUE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_TRUE(select_kernel(shape(1024, 40), num(DType::Float32), 9, 0).sm90_fwd);  // padded to 64
     EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
     EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
     {
       EnvScope e("FLASHATTN_CUDA_FP32_FWD", "mma");
       EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+      EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
     }
     EnvScope e("FLASHATTN_CUDA_FP32_FWD", "wgmma");
     for (int64_t d : {1, 40, 64, 128}) EXPECT_TRUE(select_kernel(shape(4096, d), num(DType::Float32), 9, 0).sm90_fwd) << d;
