@@ -9,11 +9,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FLASHATTN_HD __host__ __device__ __forceinline__
-#else
-#define FLASHATTN_HD inline
-#endif
+#include "core/host_device.hpp"
 
 namespace flashattn::cuda::dev {
 
