@@ -144,6 +144,68 @@ __device__ __forceinline__ void pair_accumulate(float (&acc)[NT][4], uint32_t (&
   }
 }
 
+// The tf32 pair kernels' tile loop (both passes): tile t + 1's scores (S / dP, or S^T / dP^T)
+// run on the tensor cores during tile t's softmax / dS and exchange (softmax_ds(t, g0 + t, x),
+// which leaves the tile's P / dS fragments in fa). Per tile: issue the next scores into the other
+// buffer; softmax_ds; issue acc += fa B_t (B: the G half's tile at g_base from row g_row0); wait
+// for both products and release this tile's G half and the next one's X half. The scores' operand
+// is the X half's tile at x_base. Every product is waited for within its tile: a product in
+// flight across the loop's back edge made ptxas serialize them all (C7515). x's buffer and whether
+// a next tile exists are template arguments (registers indexed at run time would go to local
+// memory, and no wgmma is issued conditionally), hence the loop unrolled by two.
+template <class TX, class TG, int KS, int NS, int NT, int NB, class SoftmaxDs>
+__device__ __forceinline__ void pair_tiles_pipelined(float (&acc)[NT][4], uint32_t (&fa)[NS][4],
+                                                     const uint32_t (&xa)[KS][4], const TileRing<NB>& ring,
+                                                     int g0, int ntiles, uint32_t x_base, int x_stride,
+                                                     uint32_t g_base, int g_stride, int g_row0,
+                                                     SoftmaxDs&& softmax_ds) {
+  float x[2][NS][4];
+  auto issue_x = [&](int gt, float(&xo)[NS][4]) {
+    ring.wait_x(gt);
+    wgmma_fence();  // xo: written only (its last tile's values were read before this)
+    wg_gemm_rs_tf32<KS, TX, true>(xo, xa, x_base + ring.slot(gt) * x_stride, 0, false);
+    wgmma_commit();
+  };
+  auto tile = [&](int t, auto cur_c, auto next_c) {
+    constexpr int cur = decltype(cur_c)::value;
+    constexpr bool kNext = decltype(next_c)::value;
+    const int gt = g0 + t;
+    if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
+    softmax_ds(t, gt, x[cur]);
+    ring.wait_g(gt);
+    fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
+    fence_regs(acc);
+    wgmma_fence();
+    wg_gemm_rs_tf32<NS, TG>(acc, fa, g_base + ring.slot(gt) * g_stride, g_row0, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    ring.release_g(gt);
+    if constexpr (kNext) {
+      fence_regs(x[cur ^ 1]);
+      ring.release_x(gt + 1);
+    }
+  };
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
+  if (ntiles <= 0) return;
+  issue_x(g0, x[0]);
+  wgmma_wait<0>();
+  fence_regs(x[0]);
+  ring.release_x(g0);
+  int t = 0;
+  for (; t + 2 < ntiles; t += 2) {
+    tile(t, I0{}, std::true_type{});
+    tile(t + 1, I1{}, std::true_type{});
+  }
+  if (t + 2 == ntiles) {
+    tile(t, I0{}, std::true_type{});
+    tile(t + 1, I1{}, std::false_type{});
+  } else {
+    tile(t, I0{}, std::false_type{});
+  }
+}
+
 // ================================================================================================
 // dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
 // tiles of K, V (X half) and K^T (G half) through a TileRing (two buffers; 3xTF32 at D = 128
@@ -306,60 +368,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
       }
     };
     if constexpr (!X3) {
-      // tf32: tile t + 1's S / dP run on the tensor cores during tile t's softmax, dS and
-      // exchange (x[t & 1]: tile t's). Per tile: issue the next scores; P / dS and the exchange;
-      // issue dQ[:, half wg] += dS K_t (B = K^T's rows of that half); wait for both products and
-      // release this tile's G half and the next one's X half. (Every product is waited for within
-      // its tile: a product in flight across the loop's back edge made ptxas serialize them all.)
-      float x[2][NS][4];
-      auto issue_x = [&](int gt, float(&xo)[NS][4]) {
-        ring.wait_x(gt);
-        wgmma_fence();  // xo: written only (its last tile's values were read before this)
-        wg_gemm_rs_tf32<KS, TK, true>(xo, xa, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TK::kBytes), 0,
-                                      false);
-        wgmma_commit();
-      };
-      // (x's buffer and whether a next tile exists are template arguments: registers indexed at
-      // run time would go to local memory, and no wgmma is issued conditionally.)
-      auto tile = [&](int t, auto cur_c, auto next_c) {
-        constexpr int cur = decltype(cur_c)::value;
-        constexpr bool kNext = decltype(next_c)::value;
-        const int gt = g0 + t;
-        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
-        softmax_ds(t, gt, x[cur]);
-        ring.wait_g(gt);
-        fence_regs(dsa);  // written before the fence (wgmma.cuh, fence_regs)
-        fence_regs(dq);
-        wgmma_fence();
-        wg_gemm_rs_tf32<NS, TT>(dq, dsa, g_addr + ring.slot(gt) * kHalfG, (DP / 2) * wg, true);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(dq);
-        ring.release_g(gt);
-        if constexpr (kNext) {
-          fence_regs(x[cur ^ 1]);
-          ring.release_x(gt + 1);
-        }
-      };
-      using I0 = std::integral_constant<int, 0>;
-      using I1 = std::integral_constant<int, 1>;
-      if (ntiles > 0) {
-        issue_x(g0, x[0]);
-        wgmma_wait<0>();
-        fence_regs(x[0]);
-        ring.release_x(g0);
-        int t = 0;
-        for (; t + 2 < ntiles; t += 2) {
-          tile(t, I0{}, std::true_type{});
-          tile(t + 1, I1{}, std::true_type{});
-        }
-        if (t + 2 == ntiles) {
-          tile(t, I0{}, std::true_type{});
-          tile(t + 1, I1{}, std::false_type{});
-        } else {
-          tile(t, I0{}, std::false_type{});
-        }
-      }
+      // tf32: the next tile's S / dP during this tile's softmax, dS and exchange; the gradient
+      // product dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
+      pair_tiles_pipelined<TK, TT>(dq, dsa, xa, ring, g0, ntiles, x_addr + (wg == 0 ? 0 : TK::kBytes), kHalfX, g_addr,
+                                   kHalfG, (DP / 2) * wg, softmax_ds);
     } else {
       // 3xTF32: tile by tile (the split products' extra fragments and partial sums leave no
       // registers for a second tile's scores).
@@ -544,56 +556,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       else acc_to_afrag_tf32(fa, x);
     };
     if constexpr (!X3) {
-      // tf32: tile it + 1's S^T / dP^T run on the tensor cores during tile it's softmax, dS^T and
-      // exchange (x[it & 1]: tile it's), as in the dQ pair kernel; then dV += P^T dO (B = dO^T)
-      // or dK += dS^T Q (B = Q^T), and both products are waited for within the tile.
-      float x[2][NS][4];
-      auto issue_x = [&](int gt, float(&xo)[NS][4]) {
-        ring.wait_x(gt);
-        wgmma_fence();  // xo: written only (its last tile's values were read before this)
-        wg_gemm_rs_tf32<KS, TQ, true>(xo, xa, x_addr + ring.slot(gt) * kHalfX + (wg == 0 ? 0 : TQ::kBytes), 0,
-                                      false);
-        wgmma_commit();
-      };
-      auto tile = [&](int it, auto cur_c, auto next_c) {
-        constexpr int cur = decltype(cur_c)::value;
-        constexpr bool kNext = decltype(next_c)::value;
-        const int gt = g0 + it;
-        if constexpr (kNext) issue_x(gt + 1, x[cur ^ 1]);
-        softmax_ds(it, gt, x[cur]);
-        ring.wait_g(gt);
-        fence_regs(fa);  // written before the fence (wgmma.cuh, fence_regs)
-        fence_regs(acc);
-        wgmma_fence();
-        wg_gemm_rs_tf32<NS, TT>(acc, fa, g_addr + ring.slot(gt) * kHalfG + (wg == 0 ? TT::kBytes : 0), 0, true);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
-        ring.release_g(gt);
-        if constexpr (kNext) {
-          fence_regs(x[cur ^ 1]);
-          ring.release_x(gt + 1);
-        }
-      };
-      using I0 = std::integral_constant<int, 0>;
-      using I1 = std::integral_constant<int, 1>;
-      if (ntiles > 0) {
-        issue_x(g0, x[0]);
-        wgmma_wait<0>();
-        fence_regs(x[0]);
-        ring.release_x(g0);
-        int it = 0;
-        for (; it + 2 < ntiles; it += 2) {
-          tile(it, I0{}, std::true_type{});
-          tile(it + 1, I1{}, std::true_type{});
-        }
-        if (it + 2 == ntiles) {
-          tile(it, I0{}, std::true_type{});
-          tile(it + 1, I1{}, std::false_type{});
-        } else {
-          tile(it, I0{}, std::false_type{});
-        }
-      }
+      // tf32: the next tile's S^T / dP^T during this tile's softmax, dS^T and exchange (as in the
+      // dQ pair kernel); the gradient product dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T).
+      pair_tiles_pipelined<TQ, TT>(acc, fa, xa, ring, g0, ntiles, x_addr + (wg == 0 ? 0 : TQ::kBytes), kHalfX,
+                                   g_addr + (wg == 0 ? TT::kBytes : 0), kHalfG, 0, softmax_ds);
     } else {
       // 3xTF32: tile by tile (as in the dQ pair kernel).
       float x[NS][4];  // S^T or dP^T
