@@ -628,6 +628,18 @@ __device__ __forceinline__ void mask_cols(float (&s)[NS][4], const int (&end)[2]
       if (8 * j + 2 * t + (e & 1) >= end[e >> 1]) s[j][e] = -INFINITY;
 }
 
+// The visible keys of the lane's rows g and g + 8 in a tile of BN keys from n0: the tile's columns
+// [0, end[h]), from each row's end of visible keys (vis_end: sequence end and causal rule in one
+// bound; a row past the query sequence's end has 0).
+template <int BN>
+__device__ __forceinline__ void visible_cols(int (&end)[2], const int64_t (&vis_end)[2], int64_t n0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t e = vis_end[h] - n0;
+    end[h] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
+  }
+}
+
 // One key tile of the sm_90a forwards' online softmax: the scores of keys [n0, n0 + BN) in s
 // become P, the statistics are updated and alpha (for O) is returned. Keys at or past vis_end[r]
 // (sequence end and causal rule in one bound) are hidden from the lane's rows g and g + 8; only
@@ -639,11 +651,7 @@ __device__ __forceinline__ void softmax_tile_sm90(float (&s)[NS][4], SoftmaxStat
                                                   float sl2) {
   if (masked) {
     int end[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t e = vis_end[r] - n0;
-      end[r] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
-    }
+    visible_cols<BN>(end, vis_end, n0);
     mask_cols(s, end);
   }
   if (fused) {

@@ -295,12 +295,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   const uint32_t x_addr = smem_addr(sX), g_addr = smem_addr(sG);
 
   float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain) and D
+  int64_t vis_end[2];  // and their ends of visible keys (visible_cols)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_w + g + 8 * r;
     const bool in = row < Sq;
     l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
     dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+    vis_end[r] = in ? rule.visible_end(row, Skv) : 0;
   }
   uint32_t qa[KS][4], doa[KS][4];
   mbar_wait(full_q, 0);
@@ -325,12 +327,19 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   // P = exp2(S sl2 - lse2) (0 where masked), dS = P (dP - D) into dp.
   auto probs = [&](int t) {
     const int64_t n0 = static_cast<int64_t>(t) * BN;
-    const bool masked = qb.tile_masked(n0, BN, Skv);
-    for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
-      if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
-      dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);
-    });
+    // (Masked or not as two loops: with the test inside one, every entry branched around it.)
+    if (qb.tile_masked(n0, BN, Skv)) {
+      int end[2];
+      visible_cols<BN>(end, vis_end, n0);
+      for_each_entry<NS>([&](int j, int e, int r, int c) {
+        const float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
+        dp[j][e] = (c < end[r >> 3] ? pe : 0.0f) * (dp[j][e] - dl[e >> 1]);
+      });
+    } else {
+      for_each_entry<NS>([&](int j, int e, int, int) {
+        dp[j][e] = exp2_ftz(fmaf(s[j][e], a.sl2, -l2[e >> 1])) * (dp[j][e] - dl[e >> 1]);
+      });
+    }
   };
   // Tile t's dQ product, overlapped with tile t + 1's scores (the last tile is a separate
   // instantiation, so that no wgmma is issued conditionally: see the forward's main loop).
@@ -456,18 +465,26 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
     ring.release_x(it);
 
     const int64_t n0 = kb.q0(it, BQ);  // first query row
-    const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
-    int lo[2], hi[2];
-    kq.tile_bounds(n0, BQ, masked, lo, hi);
     const float* sLs = sL + (it & 1) * BQ;
     const float* sDs = sD + (it & 1) * BQ;
     ring.wait_v(it);
-    for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
-      if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
-      s[j][e] = pe;
-      dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
-    });
+    // (Masked or not as two loops: with the test inside one, every entry branched around it.)
+    if (kb.tile_masked(n0, BQ, BK, Sq, Skv)) {
+      int lo[2], hi[2];
+      kq.tile_bounds(n0, BQ, true, lo, hi);
+      for_each_entry<NS>([&](int j, int e, int r, int c) {
+        const float ex = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
+        const float pe = c >= lo[r >> 3] && c < hi[r >> 3] ? ex : 0.0f;
+        s[j][e] = pe;
+        dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
+      });
+    } else {
+      for_each_entry<NS>([&](int j, int e, int, int c) {
+        const float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
+        s[j][e] = pe;
+        dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
+      });
+    }
     // Every thread arrives: an arrival releases only the arriving thread's own accesses (the
     // sL/sD reads above), which the producer's next writes to these vectors must follow.
     ring.release_v(it);

@@ -314,10 +314,12 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
 
     float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain; scores side), D (gradient side)
+    int64_t vis_end[2];  // and their ends of visible keys (visible_cols)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row_w + g + 8 * r;
       const bool in = row < Sq;
+      vis_end[r] = in ? rule.visible_end(row, Skv) : 0;
       l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
       dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
     }
@@ -338,12 +340,17 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     auto softmax_ds = [&](int t, int gt, float(&x)[NS][4]) {
       if (wg == 0) {
         const int64_t n0 = static_cast<int64_t>(t) * BN;
-        const bool masked = qb.tile_masked(n0, BN, Skv);
-        for_each_entry<NS>([&](int j, int e, int r, int c) {
-          float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1]));
-          if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
-          x[j][e] = pe;
-        });
+        // (Masked or not as two loops: with the test inside one, every entry branched around it.)
+        if (qb.tile_masked(n0, BN, Skv)) {
+          int end[2];
+          visible_cols<BN>(end, vis_end, n0);
+          for_each_entry<NS>([&](int j, int e, int r, int c) {
+            const float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1]));
+            x[j][e] = c < end[r >> 3] ? pe : 0.0f;
+          });
+        } else {
+          for_each_entry<NS>([&](int j, int e, int, int) { x[j][e] = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1])); });
+        }
         exchange_store<NS>(xP, x);
         mbar_arrive(ahead);
         mbar_wait(back, gt & 1);
@@ -530,15 +537,18 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       ring.wait_v(gt);
       if (wg == 0) {
         const int64_t n0 = kb.q0(it, BQ);  // first query row
-        const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
-        int lo[2], hi[2];
-        kq.tile_bounds(n0, BQ, masked, lo, hi);
         const float* sLs = sL + (gt & 1) * BQ;
-        for_each_entry<NS>([&](int j, int e, int r, int c) {
-          float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
-          if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
-          x[j][e] = pe;
-        });
+        // (Masked or not as two loops: with the test inside one, every entry branched around it.)
+        if (kb.tile_masked(n0, BQ, BK, Sq, Skv)) {
+          int lo[2], hi[2];
+          kq.tile_bounds(n0, BQ, true, lo, hi);
+          for_each_entry<NS>([&](int j, int e, int r, int c) {
+            const float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
+            x[j][e] = c >= lo[r >> 3] && c < hi[r >> 3] ? pe : 0.0f;
+          });
+        } else {
+          for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c])); });
+        }
         ring.release_v(gt);
         if (gt > 0) mbar_wait(back, (gt - 1) & 1);  // the other side has read the last tile's P^T
         exchange_store<NS>(xP, x);
