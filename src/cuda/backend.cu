@@ -360,8 +360,8 @@ std::string describe() {
          << prop.multiProcessorCount << " SMs)";
   }
   os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
-        "3xtf32 (precision fp32; on sm_90 the forward by wgmma for 128 (64 with "
-        "FLASHATTN_CUDA_FP32_FWD=wgmma, =mma keeps mma.sync) and the backward by wgmma for {64,128} "
+        "3xtf32 (precision fp32; on sm_90 the forward by wgmma for {64,128} (FLASHATTN_CUDA_FP32_FWD=mma "
+        "keeps mma.sync) and the backward by wgmma for {64,128} "
         "(FLASHATTN_CUDA_FP32_BWD=mma keeps mma.sync)), tf32 (precision tf32; on sm_90 the forward and the backward by "
         "wgmma for {64,128}, FLASHATTN_CUDA_TF32_BWD=mma keeps the mma.sync backward), fma "
         "(fallback); float16/bfloat16 kernels "

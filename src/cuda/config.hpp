@@ -274,7 +274,7 @@ static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds 
 
 // fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 64 and 128 (the
 // default at both on 9.0, fp32_fwd_wgmma_default: at 64 since its descriptors stay on the uniform
-// datapath, 4-13% faster than mma.sync there, docs/PERF.md float32 run 14): 64 queries (both
+// datapath, 4-17% faster than mma.sync there, docs/PERF.md float32 run 14b): 64 queries (both
 // consumer warpgroups, each half the head dim) x 32-key tiles; the producer (one copy thread)
 // keeps 40 registers, 232 per consumer thread: at D = 128 Q's big and small fragments of a half
 // (64), O and the tile's O (32 each), S, its second k-group and the partner's partial (16 each),

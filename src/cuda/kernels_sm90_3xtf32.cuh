@@ -1,6 +1,6 @@
 // The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) on wgmma: the default at
 // padded D = 128 (1.3-1.5x the mma.sync 3xTF32 kernel; docs/PERF.md float32 run 9) and, since its
-// descriptors stay on the uniform datapath, at D = 64 (4-13% faster than mma.sync; run 14; it was
+// descriptors stay on the uniform datapath, at D = 64 (4-17% faster than mma.sync; run 14b; it was
 // 5-6% slower at S = 1k before: run 10). FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
 //
 // Every product X Y is X_big Y_big + X_big Y_small + X_small Y_big (tf32_split, device.cuh), small

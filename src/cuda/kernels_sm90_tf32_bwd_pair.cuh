@@ -54,33 +54,27 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
   }
 }
 
-// A tile's scores in a pair kernel: x = A B^T over the head dim, A the warpgroup's stationary
-// fragments (X3: big xa, small xs), B the streamed K-major tile at bx (X3: its small part at
-// bx + part), waited for. X3: two chains of 4 k-steps (x2: the head dim's second half), added in
-// float32 (kernels_sm90_3xtf32.cuh on short chains). No keep_live_in_loop on the stationary
+// A tile's scores in a 3xTF32 pair kernel (tf32: pair_tiles_pipelined): x = A B^T over the head
+// dim, A the warpgroup's stationary fragments (big xa, small xs), B the streamed K-major tile at bx
+// (its small part at bx + part), waited for: two chains of 4 k-steps (x2: the head dim's second
+// half), added in float32 (kernels_sm90_3xtf32.cuh on short chains). No keep_live_in_loop on the stationary
 // fragments (the D = 64 split kernels' ptxas fault, wgmma.cuh): the SASS check of CI
 // (scripts/check-sass-wgmma.py) finds no reuse of their registers in these kernels, and the
 // XORs cost 64 instructions per tile in an instruction-bound loop (docs/PERF.md float32 run 14).
-template <bool X3, class TB, int KS, int KX, int NS>
+template <class TB, int KS, int KX, int NS>
 __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t (&xs)[KX][4],
                                             uint32_t bx, int part) {
-  wgmma_fence();  // x: written only
-  if constexpr (X3) {
-    float x2[NS][4];
-    wg_gemm3_rs_tf32<KS / 2, TB, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + part, 0, false);
-    wg_gemm3_rs_tf32<KS / 2, TB, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
-                                       bx + TB::kBlockBytes, bx + part + TB::kBlockBytes, 0, false);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(x);
-    fence_regs(x2);
-    add_into(x, x2);
-  } else {
-    wg_gemm_rs_tf32<KS, TB, true>(x, xa, bx, 0, false);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(x);
-  }
+  static_assert(KX == KS, "3xTF32: big and small fragments");
+  float x2[NS][4];
+  wgmma_fence();  // x, x2: written only
+  wg_gemm3_rs_tf32<KS / 2, TB, true>(x, ksteps<KS / 2>(xa, 0), ksteps<KS / 2>(xs, 0), bx, bx + part, 0, false);
+  wg_gemm3_rs_tf32<KS / 2, TB, true>(x2, ksteps<KS / 2>(xa, KS / 2), ksteps<KS / 2>(xs, KS / 2),
+                                     bx + TB::kBlockBytes, bx + part + TB::kBlockBytes, 0, false);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(x);
+  fence_regs(x2);
+  add_into(x, x2);
 }
 
 // The same at D = 128 in 3xTF32 with the stationary operand's small part in shared memory
@@ -391,7 +385,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         if constexpr (kSm)
           pair_scores_sms<TQ, TK>(x, xa, smem_addr(wg == 0 ? sQ : sdO), bx, 2 * TK::kBytes);
         else
-          pair_scores<X3, TK>(x, xa, xs, bx, 2 * TK::kBytes);
+          pair_scores<TK>(x, xa, xs, bx, 2 * TK::kBytes);
         ring.release_x(gt);
         softmax_ds(t, gt, x);
         // dQ[:, half wg] += dS K_t (B = K^T's rows of that half).
@@ -581,7 +575,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
         if constexpr (kSm)
           pair_scores_sms<TK, TQ>(x, xa, smem_addr(wg == 0 ? sK : sV), bx, 2 * TQ::kBytes);
         else
-          pair_scores<X3, TQ>(x, xa, xs, bx, 2 * TQ::kBytes);
+          pair_scores<TQ>(x, xa, xs, bx, 2 * TQ::kBytes);
         ring.release_x(gt);
         softmax_ds(it, gt, x);
         // dV += P^T dO (B = dO^T) or dK += dS^T Q (B = Q^T)

@@ -84,7 +84,8 @@ bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
 // and dK/dV passes. False (nothing launched) when the copy engine cannot address Q, dO, K or V.
 template <int DP>
 bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream);
-// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 128 (kernels_sm90_3xtf32.cuh; the default there):
+// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 64 and 128 (kernels_sm90_3xtf32.cuh; the
+// default at both):
 // the K and V copies, then the kernel. False (nothing launched) when the copy engine cannot
 // address Q.
 template <int DP>

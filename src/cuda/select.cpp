@@ -144,7 +144,7 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
   // The fp32-accurate forward on wgmma (padded D = 64 and 128, streaming the pre-pass's split
   // copies): the default at both, at 128 1.3-1.5x the mma.sync 3xTF32 kernel (docs/PERF.md, float32
-  // run 9), at 64 4-13% faster once its descriptors stayed on the uniform datapath (run 14; before,
+  // run 9), at 64 4-17% faster once its descriptors stayed on the uniform datapath (run 14b; before,
   // 5-6% slower at S = 1k: run 10).
   // FLASHATTN_CUDA_FP32_FWD=mma|wgmma overrides.
   if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp)) {

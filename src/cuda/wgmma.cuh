@@ -166,6 +166,7 @@ struct TileSw128F {
 template <int KS, class TB, bool kWriteOnly = false, int NT>
 __device__ __forceinline__ void wg_gemm_rs_tf32(float (&d)[NT][4], const uint32_t (&a)[KS][4], uint32_t sB,
                                                 int b_row0, bool accumulate) {
+  static_assert(((KS - 1) >> 2) * TB::kBlockBytes + ((KS - 1) & 3) * 32 < TB::kBytes, "k-steps beyond the tile");
   const uint64_t b0 = desc_sw128(sB + b_row0 * 128, 16, 1024);  // k-steps: desc_advance (smem_desc.hpp)
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
@@ -263,6 +264,9 @@ __device__ __forceinline__ void wg_gemm3_rs_tf32(float (&d)[NT][4], const uint32
 template <int KS, class TA, class TB, bool kWriteOnly = false, int NT>
 __device__ __forceinline__ void wg_gemm_ss_tf32(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
                                                 bool accumulate) {
+  static_assert(((KS - 1) >> 2) * TA::kBlockBytes + ((KS - 1) & 3) * 32 < TA::kBytes &&
+                    ((KS - 1) >> 2) * TB::kBlockBytes + ((KS - 1) & 3) * 32 < TB::kBytes,
+                "k-steps beyond the tile");
   const uint64_t a0 = desc_sw128(sA + a_row0 * 128, 16, 1024), b0 = desc_sw128(sB + b_row0 * 128, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {

@@ -294,8 +294,7 @@ TEST(CudaDeterminism, BitwiseAcrossRuns) {
                            {"tf32", nullptr, nullptr, nullptr},
                            {"tf32", kTf32BwdOther, nullptr, nullptr},
                            {"3xtf32", nullptr, nullptr, nullptr},
-                           {"3xtf32", nullptr, "mma", "mma"},
-                           {"3xtf32", nullptr, "wgmma", nullptr}};  // (the default at D = 64 and 128 on 9.0)
+                           {"3xtf32", nullptr, "mma", "mma"}};
     for (const auto& [math, tf32_bwd, fp32_fwd, fp32_bwd] : runs_of) {
       MathScope scope(math);
       EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
