@@ -261,6 +261,7 @@ void forward(const ForwardParams& p) {
   const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
   a.pingpong = c.sm90_fwd && use_pingpong(p.shape, c.dp);
+  a.tf32_copies = c.tf32_fwd_copies;
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   if (c.half16) {
     dispatch16(c, [&](auto dp, auto h) {

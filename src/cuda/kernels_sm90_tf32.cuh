@@ -91,7 +91,14 @@ __device__ __forceinline__ void transpose_v_tf32(const unsigned char* v, unsigne
   }
 }
 
-template <int DP>
+// kCopies (the operand pre-pass's copies the kernel streams, launch_tf32_operands):
+//   0: none - A.tv maps V as stored, producer warps 1-3 transpose each tile and round K in place;
+//   1: A.tv maps V transposed and rounded (rows = head dim, keys in tf32_slot order: the 3xTF32
+//      forward's big part), copied into the Vt stages as it is; warps 1-3 only round K;
+//   2: as 1, and A.tk maps K rounded (rows): warps 1-3 have nothing to do.
+// Every variant multiplies the same tf32 values in the same key slots: the results are bitwise
+// equal.
+template <int DP, int kCopies>
 __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     forward_tf32_sm90_kernel(const __grid_constant__ Sm90Tf32FwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -135,7 +142,7 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       mbar_init(empty_k + i, TC);
       mbar_init(full_v + i, 1);
       mbar_init(empty_v + i, kTransposers);
-      mbar_init(full_vt + i, kTransposers);
+      mbar_init(full_vt + i, kCopies > 0 ? 1 : kTransposers);
       mbar_init(empty_vt + i, TC);
       mbar_init(round_k + i, kTransposers);
     }
@@ -148,11 +155,49 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
     const int pt = threadIdx.x - TC;
-    if (pt == 0) {
+    if (pt == 0 && kCopies > 0) {
+      // Q, K_0, then K_{t+1} before Vt_t; the Vt stages are the Q tile's memory: the first waits
+      // until both warpgroups hold Q in registers.
+      const int hk = static_cast<int>(qb.hk), bb = static_cast<int>(b);
+      mbar_expect_tx(full_q, TQ::kBytes);
+#pragma unroll
+      for (int blk = 0; blk < TQ::kBytes / TQ::kBlockBytes; ++blk)
+        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), static_cast<int>(h), bb);
+      auto load_k = [&](int t) {
+        const int st = t & 1;
+        mbar_wait(empty_k + st, ((t >> 1) & 1) ^ 1);
+        mbar_expect_tx(full_k + st, TK::kBytes);
+#pragma unroll
+        for (int blk = 0; blk < TK::kBytes / TK::kBlockBytes; ++blk)
+          tma_load_4d(sK + st * TK::kBytes + blk * TK::kBlockBytes, &A.tk, full_k + st, 32 * blk, t * BN, hk, bb);
+      };
+      if (ntiles > 0) load_k(0);
+      for (int t = 0; t < ntiles; ++t) {
+        if (t + 1 < ntiles) load_k(t + 1);
+        if (t == 0) mbar_wait(q_free, 0);
+        const int st = t & 1;
+        mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
+        mbar_expect_tx(full_vt + st, TVt::kBytes);
+#pragma unroll
+        for (int blk = 0; blk < TVt::kBytes / TVt::kBlockBytes; ++blk)
+          tma_load_4d(sVt + st * TVt::kBytes + blk * TVt::kBlockBytes, &A.tv, full_vt + st, t * BN + 32 * blk, 0, hk,
+                      bb);
+      }
+    } else if (pt == 0) {
       copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
                                          static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
                                          static_cast<int>(b), ntiles);
-    } else if (pt >= 32) {
+    } else if (pt >= 32 && kCopies == 1) {
+      // Only K to round: every tile in turn, as its copy lands and its stage is free.
+      const int tid = pt - 32;
+      for (int t = 0; t < ntiles; ++t) {
+        const int st = t & 1;
+        mbar_wait(full_k + st, (t >> 1) & 1);
+        convert_tile_tf32<TK::kBytes, kTransposers>(sK + st * TK::kBytes, tid);
+        fence_proxy_async();
+        mbar_arrive(round_k + st);
+      }
+    } else if (pt >= 32 && kCopies == 0) {
       // Transposing warps: V_t -> Vt_t (transpose_v_tf32) and K_t rounded in place.
       const int tid = pt - 32;
       // K_t, rounded in place (contiguous 16-byte words: no bank conflicts), then published.
@@ -207,7 +252,8 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
   };
   // P (fp32 in s) -> tf32 A fragments, k-slot t = column 2t, slot t + 4 = column 2t + 1.
   auto to_pa = [&] { acc_to_afrag_tf32(pa, s[0]); };
-  auto wait_k = [&](int t) { mbar_wait(round_k + (t & 1), (t >> 1) & 1); };
+  // K_t ready: rounded by warps 1-3, or (kCopies 2) rounded already and landed.
+  auto wait_k = [&](int t) { mbar_wait((kCopies == 2 ? full_k : round_k) + (t & 1), (t >> 1) & 1); };
   auto wait_vt = [&](int t) { mbar_wait(full_vt + (t & 1), (t >> 1) & 1); };
 
   if (ntiles > 0) {

@@ -26,6 +26,7 @@ struct FwdArgs {
   bool vec16;  // every operand base 16-byte aligned and every stride a multiple of 4 elements
   bool big;    // the device runs the sm_90 cubin: tile_config(..., big = true)
   bool pingpong;  // sm_90a forward: the consumer warpgroups take turns issuing products
+  int tf32_copies;  // tf32 sm_90a forward: operands copied by the pre-pass (KernelChoice::tf32_fwd_copies)
 };
 struct BwdArgs {
   BackwardParams p;

@@ -34,8 +34,10 @@ bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   return true;
 }
 
-// The tf32 forward on wgmma: Q, K, V tensor maps of the caller's tensors (boxes of block_m /
-// block_n rows), one CTA per block_m queries.
+// The tf32 forward on wgmma: Q, K, V tensor maps (boxes of block_m / block_n rows), one CTA per
+// block_m queries. a.tf32_copies (forward_tf32_sm90_kernel's kCopies): 1, V transposed and rounded
+// by the operand pre-pass first; 2, K rounded too (|V| and |K| floats, padded; freed on the stream
+// after the kernel); streamed as they are. 0: the kernel's producer warps transpose V as stored.
 template <int DP>
 bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
@@ -43,12 +45,38 @@ bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   dev::Sm90Tf32FwdArgs args;
   args.f = a;
   if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
-      !make_tensor_map32(&args.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) ||
-      !make_tensor_map32(&args.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n))
+      (a.tf32_copies < 2 && !make_tensor_map32(&args.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n)))
     return false;
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
-  launch_checked(dev::forward_tf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
-                 "forward_tf32_sm90 kernel launch");
+  if (a.tf32_copies == 0) {
+    if (!make_tensor_map32(&args.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n)) return false;
+    launch_checked(dev::forward_tf32_sm90_kernel<DP, 0>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
+                   "forward_tf32_sm90 kernel launch");
+    return true;
+  }
+  const int64_t skv8 = (s.seq_kv + 7) / 8 * 8;
+  const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
+  const size_t nk = a.tf32_copies == 2 ? static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP : 0;
+  Workspace ws((nvt + nk) * sizeof(float), stream);
+  float* vt = ws.get();
+  float* kr = nk > 0 ? vt + nvt : nullptr;
+  launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, nullptr, vt, nullptr, nullptr}, s.head_dim,
+                       DP, stream);
+  if (kr != nullptr)
+    launch_tf32_operands(OperandJob{a.p.k, s.batch, s.heads_kv, s.seq_kv, kr, nullptr, nullptr, nullptr}, s.head_dim,
+                         DP, stream);
+  // (The copies' maps encoded while the GPU runs the copies.)
+  const In4 vt4{vt, s.heads_kv * DP * skv8, DP * skv8, skv8};
+  const In4 kr4{kr, s.heads_kv * s.seq_kv * DP, s.seq_kv * DP, DP};
+  if (!make_tensor_map32(&args.tv, vt4, s.batch, s.heads_kv, DP, skv8, DP) ||
+      (kr != nullptr && !make_tensor_map32(&args.tk, kr4, s.batch, s.heads_kv, s.seq_kv, DP, c.block_n)))
+    throw Error(Status::Internal, "cuda tf32 forward: tensor maps of the operand copies failed");
+  if (kr != nullptr)
+    launch_checked(dev::forward_tf32_sm90_kernel<DP, 2>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
+                   "forward_tf32_sm90 kernel launch");
+  else
+    launch_checked(dev::forward_tf32_sm90_kernel<DP, 1>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
+                   "forward_tf32_sm90 kernel launch");
   return true;
 }
 

@@ -73,6 +73,21 @@ int sm90_bwd_variant(const Shape& s, Mask mask, int dp) {
   return mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
 }
 
+// The tf32 sm_90a forward's operand copies (KernelChoice::tf32_fwd_copies). The kernel's producer
+// warps transposing V were its limit: with V transposed by the pre-pass it runs 1.3-1.8x faster at
+// every benchmark shape (docs/PERF.md, float32 run 15). Rounding K there too saves the kernel
+// another pass over each K tile in shared memory but costs a read and a write of K: 8-17% faster
+// at S >= 4k, even at S = 1k non-causal, 6% slower at S = 1k causal (run 15). The copy's cost
+// per key against the kernel's work per key, i.e. the query rows that see a key: K as well from
+// 2048 such rows (Sq x the GQA group, halved under a causal mask).
+// FLASHATTN_CUDA_TF32_FWD_COPIES=none|v|kv overrides.
+int tf32_fwd_copies(const Shape& s, Mask mask) {
+  const int i = env_choice("FLASHATTN_CUDA_TF32_FWD_COPIES", {"none", "v", "kv"});
+  if (i >= 0) return i;
+  const int64_t rows = s.seq_q * (s.heads_q / s.heads_kv) / (mask == Mask::None ? 1 : 2);
+  return rows >= 2048 ? 2 : 1;
+}
+
 }  // namespace
 
 KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
@@ -142,6 +157,7 @@ KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int 
   // and measurement.
   const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
   c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
+  if (c.sm90_fwd) c.tf32_fwd_copies = tf32_fwd_copies(s, n.mask);
   // The fp32-accurate forward on wgmma (padded D = 64 and 128, streaming the pre-pass's split
   // copies): the default at both, at 128 1.3-1.5x the mma.sync 3xTF32 kernel (docs/PERF.md, float32
   // run 9), at 64 4-17% faster once its descriptors stayed on the uniform datapath (run 14b; before,

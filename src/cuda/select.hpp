@@ -24,6 +24,7 @@ struct KernelChoice {
   int sm90_variant = 0;      // its tile_config90 variant
   bool tf32_dkv_wgmma = false;  // tf32 backward: dK/dV on wgmma as well (else the mma.sync kernel)
   bool f32_pair = false;        // float32 sm_90a backward: the pair kernels (kernels_sm90_tf32_bwd_pair.cuh)
+  int tf32_fwd_copies = 0;  // tf32 sm_90a forward: 0 V transposed in the kernel; by the operand pre-pass: 1 V, 2 K and V
 };
 
 // The choice for a problem on a device of compute capability cc_major.cc_minor, with the

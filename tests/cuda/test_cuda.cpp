@@ -56,6 +56,10 @@ class EnvScope {
   const char* var_;
 };
 constexpr const char* kTf32BwdOther = "mma";
+// The tf32 sm_90a forward's operand copies that are not the default at the grid's sizes
+// (FLASHATTN_CUDA_TF32_FWD_COPIES: the default is "v" but where Sq x the GQA group reaches 2048),
+// checked on the grid beside the other tf32 backward; all three in CudaTf32ForwardCopies below.
+constexpr const char* kTf32FwdVtOther = "kv";
 
 Options cuda_options(const ProblemConfig& c, Precision prec) {
   Options o = options_for(c);
@@ -86,8 +90,10 @@ struct Errors {
 
 // One forward + backward on the device with the given arithmetic; errors against `ref`.
 Errors run_case(Problem& p, const Reference& ref, Precision prec, const char* math, const char* arch = nullptr,
-                const char* tf32_bwd = nullptr, const char* fp32_fwd = nullptr, const char* fp32_bwd = nullptr) {
+                const char* tf32_bwd = nullptr, const char* fp32_fwd = nullptr, const char* fp32_bwd = nullptr,
+                const char* tf32_fwd_vt = nullptr) {
   MathScope scope(math);
+  EnvScope vt_scope("FLASHATTN_CUDA_TF32_FWD_COPIES", tf32_fwd_vt);
   EnvScope arch_scope("FLASHATTN_CUDA_ARCH", arch);
   EnvScope bwd_scope("FLASHATTN_CUDA_TF32_BWD", tf32_bwd);
   EnvScope fwd_scope("FLASHATTN_CUDA_FP32_FWD", fp32_fwd);
@@ -122,9 +128,12 @@ void check_all_maths(const ProblemConfig& cfg) {
   const Errors tf32 = run_case(p, ref, Precision::Tf32, nullptr);
   const Errors tf32_80 = run_case(p, ref, Precision::Tf32, nullptr, "sm80");
   // The other tf32 backward (mma.sync; the wgmma kernels are the default on sm_90a) matters for
-  // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain).
+  // head dims up to 128 only (beyond, this repeats the default choice, checked again at no gain);
+  // the same run takes the sm_90a forward's other operand copies.
   const bool other_bwd = cfg.head_dim <= 128;
-  const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther) : tf32;
+  const Errors tf32_ob = other_bwd ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, kTf32BwdOther, nullptr,
+                                              nullptr, kTf32FwdVtOther)
+                                   : tf32;
   // The fp32-accurate kernels that are not the default on sm_90a at padded D = 64 and 128: the
   // mma.sync forward (FLASHATTN_CUDA_FP32_FWD=mma; the wgmma 3xTF32 forward is the default there)
   // and the mma.sync backward (FLASHATTN_CUDA_FP32_BWD=mma; the pair kernels in 3xTF32 are).
@@ -137,7 +146,8 @@ void check_all_maths(const ProblemConfig& cfg) {
   const Errors tf32_p = tf32_pair ? run_case(p, ref, Precision::Tf32, nullptr, nullptr, "pair") : tf32;
   const std::string info = cfg.describe() + "\nfma:\n" + fma.str() + "fp32 (3xtf32):\n" +
                            fp32.str() + "tf32:\n" + tf32.str() + "tf32 (sm80 kernels):\n" + tf32_80.str() +
-                           "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther + "):\n" + tf32_ob.str() +
+                           "tf32 (FLASHATTN_CUDA_TF32_BWD=" + kTf32BwdOther +
+                           ", FLASHATTN_CUDA_TF32_FWD_COPIES=" + kTf32FwdVtOther + "):\n" + tf32_ob.str() +
                            (fp32_other ? std::string("fp32 (FLASHATTN_CUDA_FP32_FWD=") + fp32_fwd_other +
                                              ", FLASHATTN_CUDA_FP32_BWD=mma):\n" + fp32_w.str()
                                        : std::string()) +
@@ -234,6 +244,14 @@ std::vector<GridCase> grid_cases() {
   add(1, 8, 2, 97, 255, 64, Mask::CausalTopLeft, testing::Layout::BHSD, 0, "unseen_keys_D64");
   add(3, 4, 4, 128, 128, 256, Mask::CausalBottomRight, testing::Layout::BHSD, 0, "D256_square");
   add(1, 4, 2, 64, 97, 80, Mask::None, testing::Layout::BSHD, 0.37f, "scale_D80");
+  // From the CPU grid's hand-picked cases: one query row over 1000 keys, 999 fully masked rows, a
+  // negative scale (the kernels fold only positive scales into the exponent); and head dims
+  // between 128 and 256 (padded to 256, a partial last column block).
+  add(1, 8, 2, 1, 1000, 64, Mask::None, testing::Layout::BSHD, 0, "decode_row_D64");
+  add(1, 1, 1, 1000, 1, 32, Mask::CausalBottomRight, testing::Layout::BHSD, 0, "masked_999_rows_D32");
+  add(3, 8, 2, 64, 64, 64, Mask::None, testing::Layout::BHSD, -0.2f, "negative_scale_D64");
+  add(1, 4, 2, 97, 130, 200, Mask::CausalTopLeft, testing::Layout::BSHD, 0, "D200_causal");
+  add(2, 4, 4, 64, 255, 136, Mask::None, testing::Layout::BHSD, 0, "D136");
   return out;
 }
 
@@ -394,6 +412,22 @@ TEST(CudaPersistent, FewCtasMatchOneBlockPerCta) {
     PairKernelsScope pair;
     // And right: the 4-CTA gradients against the float64 reference.
     expect_same_bits_and_right(c, k.prec, "FLASHATTN_CUDA_PERSISTENT_CTAS", {"0", "2", "4"});
+  }
+}
+
+// The tf32 sm_90a forward with V transposed by the kernel's producer warps or by the operand
+// pre-pass, and K rounded by either (FLASHATTN_CUDA_TF32_FWD_COPIES): the same tf32-rounded values in
+// the same key slots, so the same bits (O, LSE and the backward that reads them), and right. Partial key tiles (the copy's
+// zero columns past Skv), a single query, GQA, and head dim 100 (zero columns past D) included.
+TEST(CudaTf32ForwardCopies, SameBitsWithOrWithoutCopies) {
+  REQUIRE_GPU();
+  for (const PassCase& k : {PassCase{128, Mask::None, Precision::Tf32, 150, 133},
+                            PassCase{128, Mask::CausalBottomRight, Precision::Tf32, 300, 97},
+                            PassCase{64, Mask::CausalTopLeft, Precision::Tf32, 97, 1000},
+                            PassCase{64, Mask::None, Precision::Tf32, 1, 17},
+                            PassCase{100, Mask::CausalTopLeft, Precision::Tf32, 257, 64}}) {
+    const ProblemConfig c = k.config(2, 23);
+    expect_same_bits_and_right(c, k.prec, "FLASHATTN_CUDA_TF32_FWD_COPIES", {"none", "v", "kv"});
   }
 }
 

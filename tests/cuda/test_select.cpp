@@ -209,6 +209,41 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   EXPECT_NE(old.why.find("sm_80"), std::string::npos) << old.why;
 }
 
+// The tf32 sm_90a forward's operand copies: V transposed by the pre-pass always; K rounded there
+// too once 2048 query rows see each key (Sq x the GQA group, halved under a causal mask).
+TEST(CudaSelect, Tf32ForwardCopies) {
+  const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
+  const Numerics tf32c = num(DType::Float32, Mask::CausalTopLeft, Precision::Tf32);
+  EXPECT_EQ(select_kernel(shape(1024, 128), tf32, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(select_kernel(shape(2048, 128), tf32, 9, 0).tf32_fwd_copies, 2);
+  EXPECT_EQ(select_kernel(shape(2048, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(select_kernel(shape(4096, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
+  EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 2);
+  Shape gqa = shape(1024, 128);
+  gqa.heads_kv = gqa.heads_q / 2;
+  EXPECT_EQ(select_kernel(gqa, tf32, 9, 0).tf32_fwd_copies, 2);  // each key seen by 2 x 1024 rows
+  // Only the tf32 sm_90a forward has them.
+  EXPECT_EQ(select_kernel(shape(16384, 128), num(DType::Float32), 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 8, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(select_kernel(shape(16384, 256), tf32, 9, 0).tf32_fwd_copies, 0);
+  {
+    EnvScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "none");
+    EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 0);
+  }
+  {
+    EnvScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "kv");
+    EXPECT_EQ(select_kernel(shape(128, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
+  }
+  EnvScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "bogus");
+  try {
+    (void)select_kernel(shape(1024, 64), tf32, 9, 0);
+    ADD_FAILURE() << "FLASHATTN_CUDA_TF32_FWD_COPIES=bogus was accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.status(), Status::InvalidArgument);
+    EXPECT_NE(std::string(err.what()).find("FLASHATTN_CUDA_TF32_FWD_COPIES"), std::string::npos) << err.what();
+  }
+}
+
 TEST(CudaSelect, UnsupportedProblemsSayWhy) {
   const KernelChoice old16 = select_kernel(shape(128, 64), num(DType::Float16), 7, 5);
   EXPECT_FALSE(old16.ok);
