@@ -12,6 +12,9 @@
 namespace flashattn::cuda {
 
 [[noreturn]] inline void throw_cuda(cudaError_t e, const char* what) {
+  // A failed call also left e as the runtime's last error; cleared (when it is not sticky) so
+  // that the next call's launch check does not report it as its own.
+  (void)cudaGetLastError();
   const Status s = e == cudaErrorMemoryAllocation ? Status::OutOfMemory : Status::Backend;
   throw Error(s, std::string("CUDA error in ") + what + ": " + cudaGetErrorName(e) + " (" +
                      cudaGetErrorString(e) + ")");

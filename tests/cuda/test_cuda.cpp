@@ -651,5 +651,63 @@ TEST(CudaBadInput, UnknownMathOverride) {
   unsetenv("FLASHATTN_CUDA_MATH");
 }
 
+// A CUDA failure inside a call - here the fp32 sm_90a forward's scratch for its operand copies, 4
+// x |K| floats, beyond the device's memory - reaches the C ABI as a status and a message, writes
+// nothing, and leaves the library working: the next call succeeds (a failed CUDA call also sets
+// the runtime's last error, which the next launch check would otherwise report as its own).
+// K and V are one row each, broadcast over 2^28 keys by zero strides, so the inputs take 256
+// bytes while the copies would take 256 GiB. Only compute capability 9.0 runs that pre-pass; the
+// other devices have no scratch of that size in a forward.
+TEST(CudaErrors, OutOfMemoryIsAStatusAndTheLibraryGoesOn) {
+  REQUIRE_GPU();
+  int major = 0, minor = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+  if (major != 9 || minor != 0) GTEST_SKIP() << "the scratch-allocating forward runs on compute capability 9.0 only";
+  constexpr int64_t kD = 64, kKeys = int64_t{1} << 28;
+  float *q = nullptr, *kv = nullptr, *out = nullptr, *lse = nullptr;
+  CUDA_OK(cudaMalloc(&q, kD * sizeof(float)));
+  CUDA_OK(cudaMalloc(&kv, kD * sizeof(float)));
+  CUDA_OK(cudaMalloc(&out, kD * sizeof(float)));
+  CUDA_OK(cudaMalloc(&lse, sizeof(float)));
+  CUDA_OK(cudaMemset(q, 0, kD * sizeof(float)));
+  CUDA_OK(cudaMemset(kv, 0, kD * sizeof(float)));
+  CUDA_OK(cudaMemset(out, 0xff, kD * sizeof(float)));
+  CUDA_OK(cudaMemset(lse, 0xff, sizeof(float)));
+  auto tensor = [](float* data, int64_t seq, bool broadcast) {
+    flashattn_tensor t{};
+    t.data = data; t.dtype = FLASHATTN_FLOAT32; t.device = 0; t.ndim = 4;
+    const int64_t shape[4] = {1, 1, seq, kD};
+    for (int i = 0; i < 4; ++i) t.shape[i] = shape[i];
+    t.stride[0] = broadcast ? 0 : kD; t.stride[1] = broadcast ? 0 : kD; t.stride[2] = broadcast ? 0 : kD; t.stride[3] = 1;
+    return t;
+  };
+  const flashattn_tensor tq = tensor(q, 1, false), tk = tensor(kv, kKeys, true), to = tensor(out, 1, false);
+  flashattn_tensor tl{};
+  tl.data = lse; tl.dtype = FLASHATTN_FLOAT32; tl.device = 0; tl.ndim = 3;
+  tl.shape[0] = 1; tl.shape[1] = 1; tl.shape[2] = 1;
+  tl.stride[0] = 1; tl.stride[1] = 1; tl.stride[2] = 1;
+  EXPECT_EQ(FLASHATTN_ERROR_OUT_OF_MEMORY, flashattn_forward(&tq, &tk, &tk, &to, &tl, nullptr))
+      << flashattn_last_error();
+  EXPECT_NE(nullptr, std::strstr(flashattn_last_error(), "cudaErrorMemoryAllocation")) << flashattn_last_error();
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint32_t> got(kD + 1);
+  CUDA_OK(cudaMemcpy(got.data(), out, kD * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got.data() + kD, lse, sizeof(float), cudaMemcpyDeviceToHost));
+  for (uint32_t w : got) EXPECT_EQ(0xffffffffu, w) << "an output was written by the failed call";
+  for (float* ptr : {q, kv, out, lse}) CUDA_OK(cudaFree(ptr));
+  // The next calls work: forward and backward of a small problem, against the reference.
+  ProblemConfig c;
+  c.heads_q = 4; c.heads_kv = 2; c.seq_q = 97; c.seq_kv = 64; c.head_dim = kD; c.seed = 31;
+  Problem p(c);
+  DeviceProblem d(p);
+  ASSERT_TRUE(d.ok());
+  const Options o = cuda_options(c, Precision::Fp32);
+  d.forward(o);
+  d.backward(o);
+  d.download();
+  expect_grads_near_reference(p, Precision::Fp32, "the call after the failed one");
+}
+
 }  // namespace
 }  // namespace flashattn::test
