@@ -75,17 +75,18 @@ int sm90_bwd_variant(const Shape& s, Mask mask, int dp) {
 
 // The tf32 sm_90a forward's operand copies (KernelChoice::tf32_fwd_copies). The kernel's producer
 // warps transposing V were its limit: with V transposed by the pre-pass it runs 1.3-1.8x faster at
-// every benchmark shape (docs/PERF.md, float32 run 15). Rounding K there too saves the kernel
-// another pass over each K tile in shared memory but costs a read and a write of K: 8-17% faster
-// at S >= 4k, even at S = 1k non-causal, 6% slower at S = 1k causal (run 15). The copy's cost
-// per key against the kernel's work per key, i.e. the query rows that see a key: K as well from
-// 2048 such rows (Sq x the GQA group, halved under a causal mask).
+// every benchmark shape, S = 1k-16k (docs/PERF.md, float32 run 15). Rounding K there too saves the
+// kernel another pass over each K tile in shared memory but costs a read and a write of K: 8-17%
+// faster at S >= 4k, even at S = 1k non-causal, 6% slower at S = 1k causal. Each copy costs per
+// key what the kernel gains per key times the query rows that see it (Sq x the GQA group, halved
+// under a causal mask): V's pays from 256 such rows (run 15c: 9-16% slower at 64-128 rows, even at
+// 256, 9-23% faster from 256 causal at S = 512), K's from 2048.
 // FLASHATTN_CUDA_TF32_FWD_COPIES=none|v|kv overrides.
 int tf32_fwd_copies(const Shape& s, Mask mask) {
   const int i = env_choice("FLASHATTN_CUDA_TF32_FWD_COPIES", {"none", "v", "kv"});
   if (i >= 0) return i;
   const int64_t rows = s.seq_q * (s.heads_q / s.heads_kv) / (mask == Mask::None ? 1 : 2);
-  return rows >= 2048 ? 2 : 1;
+  return rows >= 2048 ? 2 : rows >= 256 ? 1 : 0;
 }
 
 }  // namespace

@@ -56,10 +56,10 @@ class EnvScope {
   const char* var_;
 };
 constexpr const char* kTf32BwdOther = "mma";
-// The tf32 sm_90a forward's operand copies that are not the default at the grid's sizes
-// (FLASHATTN_CUDA_TF32_FWD_COPIES: the default is "v" but where Sq x the GQA group reaches 2048),
-// checked on the grid beside the other tf32 backward; all three in CudaTf32ForwardCopies below.
-constexpr const char* kTf32FwdVtOther = "kv";
+// The tf32 sm_90a forward's operand copies (FLASHATTN_CUDA_TF32_FWD_COPIES): by default "none" on
+// most of the grid (fewer than 256 query rows per key), "kv" on its long GQA cases; "v" checked on
+// the whole grid beside the other tf32 backward; all three in CudaTf32ForwardCopies below.
+constexpr const char* kTf32FwdVtOther = "v";
 
 Options cuda_options(const ProblemConfig& c, Precision prec) {
   Options o = options_for(c);

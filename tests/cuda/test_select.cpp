@@ -209,8 +209,8 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   EXPECT_NE(old.why.find("sm_80"), std::string::npos) << old.why;
 }
 
-// The tf32 sm_90a forward's operand copies: V transposed by the pre-pass always; K rounded there
-// too once 2048 query rows see each key (Sq x the GQA group, halved under a causal mask).
+// The tf32 sm_90a forward's operand copies: V transposed by the pre-pass once 256 query rows see
+// each key (Sq x the GQA group, halved under a causal mask), K rounded there too from 2048.
 TEST(CudaSelect, Tf32ForwardCopies) {
   const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
   const Numerics tf32c = num(DType::Float32, Mask::CausalTopLeft, Precision::Tf32);
@@ -219,6 +219,10 @@ TEST(CudaSelect, Tf32ForwardCopies) {
   EXPECT_EQ(select_kernel(shape(2048, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
   EXPECT_EQ(select_kernel(shape(4096, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
   EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 2);
+  EXPECT_EQ(select_kernel(shape(256, 64), tf32, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(select_kernel(shape(255, 64), tf32, 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(select_kernel(shape(256, 64), tf32c, 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(select_kernel(shape(512, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
   Shape gqa = shape(1024, 128);
   gqa.heads_kv = gqa.heads_q / 2;
   EXPECT_EQ(select_kernel(gqa, tf32, 9, 0).tf32_fwd_copies, 2);  // each key seen by 2 x 1024 rows
