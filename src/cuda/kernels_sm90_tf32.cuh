@@ -156,33 +156,15 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     regs_decrease<C.producer_regs>();
     const int pt = threadIdx.x - TC;
     if (pt == 0 && kCopies > 0) {
-      // Q, K_0, then K_{t+1} before Vt_t; the Vt stages are the Q tile's memory: the first waits
-      // until both warpgroups hold Q in registers.
+      // Vt_t straight into its stage (columns = key slots t BN.., rows = head dim); the Vt stages
+      // are the Q tile's memory: the first waits until both warpgroups hold Q in registers.
       const int hk = static_cast<int>(qb.hk), bb = static_cast<int>(b);
-      mbar_expect_tx(full_q, TQ::kBytes);
-#pragma unroll
-      for (int blk = 0; blk < TQ::kBytes / TQ::kBlockBytes; ++blk)
-        tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), static_cast<int>(h), bb);
-      auto load_k = [&](int t) {
-        const int st = t & 1;
-        mbar_wait(empty_k + st, ((t >> 1) & 1) ^ 1);
-        mbar_expect_tx(full_k + st, TK::kBytes);
-#pragma unroll
-        for (int blk = 0; blk < TK::kBytes / TK::kBlockBytes; ++blk)
-          tma_load_4d(sK + st * TK::kBytes + blk * TK::kBlockBytes, &A.tk, full_k + st, 32 * blk, t * BN, hk, bb);
-      };
-      if (ntiles > 0) load_k(0);
-      for (int t = 0; t < ntiles; ++t) {
-        if (t + 1 < ntiles) load_k(t + 1);
-        if (t == 0) mbar_wait(q_free, 0);
-        const int st = t & 1;
-        mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
-        mbar_expect_tx(full_vt + st, TVt::kBytes);
-#pragma unroll
-        for (int blk = 0; blk < TVt::kBytes / TVt::kBlockBytes; ++blk)
-          tma_load_4d(sVt + st * TVt::kBytes + blk * TVt::kBlockBytes, &A.tv, full_vt + st, t * BN + 32 * blk, 0, hk,
-                      bb);
-      }
+      copy_forward_tiles_with<TQ, TK, DP, BN>(&A.tq, &A.tk, sQ, sK, full_q, full_k, empty_k, static_cast<int>(m0),
+                                              static_cast<int>(h), hk, bb, ntiles, [&](int t) {
+                                                if (t == 0) mbar_wait(q_free, 0);
+                                                tma_load_stage<TVt, 32>(&A.tv, sVt, full_vt, empty_vt, t, t * BN, 0,
+                                                                        hk, bb);
+                                              });
     } else if (pt == 0) {
       copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
                                          static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),

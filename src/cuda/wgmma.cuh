@@ -405,32 +405,50 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, uint64_
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
 }
+// Tile t of a two-stage ring of shared-memory tiles T (its column blocks of 128 bytes, kCols
+// elements wide, one box each) from a 4-d tensor map: stage t & 1, once the consumers released
+// tile t - 2 from it (empty), completing on full; box coordinates (column c0 + kCols * block, row,
+// head, batch).
+template <class T, int kCols>
+__device__ __forceinline__ void tma_load_stage(const void* map, unsigned char* base, uint64_t* full, uint64_t* empty,
+                                               int t, int c0, int row, int head, int batch) {
+  const int st = t & 1;
+  mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
+  mbar_expect_tx(full + st, T::kBytes);
+#pragma unroll
+  for (int blk = 0; blk < T::kBytes / T::kBlockBytes; ++blk)
+    tma_load_4d(base + st * T::kBytes + blk * T::kBlockBytes, map, full + st, c0 + kCols * blk, row, head, batch);
+}
 // The forward kernels' copy schedule, run by one producer thread: Q once (full_q), then K_0, and
-// K_{t+1} before V_t (the order the consumers need them), tile t into stage t & 1 once the
-// consumers released tile t - 2 from it (empty). TQ/TK: the shared-memory tile types (one box of
-// 128 bytes' columns per column block); BN keys per tile; coordinates (column, row, head, batch).
+// K_{t+1} before V_t (the order the consumers need them), each tile into stage t & 1 of its ring.
+// TQ/TK: the shared-memory tile types (one box of 128 bytes' columns per column block); BN keys per
+// tile; coordinates (column, row, head, batch). load_v(t) copies V's tile t (as stored:
+// copy_forward_tiles below; the tf32 forward's transposed copy: kernels_sm90_tf32.cuh).
+template <class TQ, class TK, int DP, int BN, class LoadV>
+__device__ __forceinline__ void copy_forward_tiles_with(const void* tq, const void* tk, unsigned char* sQ,
+                                                        unsigned char* sK, uint64_t* full_q, uint64_t* full_k,
+                                                        uint64_t* empty_k, int m0, int h, int hk, int b, int ntiles,
+                                                        LoadV load_v) {
+  constexpr int kBlocks = TQ::kBytes / TQ::kBlockBytes, kCols = DP / kBlocks;  // boxes per row, their width
+  mbar_expect_tx(full_q, TQ::kBytes);
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk) tma_load_4d(sQ + blk * TQ::kBlockBytes, tq, full_q, kCols * blk, m0, h, b);
+  if (ntiles > 0) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, 0, 0, 0, hk, b);
+  for (int t = 0; t < ntiles; ++t) {
+    if (t + 1 < ntiles) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, t + 1, 0, (t + 1) * BN, hk, b);
+    load_v(t);
+  }
+}
+// The same with V's tiles as stored (rows = keys), into their own ring.
 template <class TQ, class TK, int DP, int BN>
 __device__ __forceinline__ void copy_forward_tiles(const void* tq, const void* tk, const void* tv, unsigned char* sQ,
                                                    unsigned char* sK, unsigned char* sV, uint64_t* full_q,
                                                    uint64_t* full_k, uint64_t* empty_k, uint64_t* full_v,
                                                    uint64_t* empty_v, int m0, int h, int hk, int b, int ntiles) {
-  constexpr int kBlocks = TQ::kBytes / TQ::kBlockBytes, kCols = DP / kBlocks;  // boxes per row, their width
-  mbar_expect_tx(full_q, TQ::kBytes);
-#pragma unroll
-  for (int blk = 0; blk < kBlocks; ++blk) tma_load_4d(sQ + blk * TQ::kBlockBytes, tq, full_q, kCols * blk, m0, h, b);
-  auto load = [&](const void* map, unsigned char* base, uint64_t* full, uint64_t* empty, int t) {
-    const int st = t & 1;
-    mbar_wait(empty + st, ((t >> 1) & 1) ^ 1);
-    mbar_expect_tx(full + st, TK::kBytes);
-#pragma unroll
-    for (int blk = 0; blk < kBlocks; ++blk)
-      tma_load_4d(base + st * TK::kBytes + blk * TK::kBlockBytes, map, full + st, kCols * blk, t * BN, hk, b);
-  };
-  if (ntiles > 0) load(tk, sK, full_k, empty_k, 0);
-  for (int t = 0; t < ntiles; ++t) {
-    if (t + 1 < ntiles) load(tk, sK, full_k, empty_k, t + 1);
-    load(tv, sV, full_v, empty_v, t);
-  }
+  constexpr int kCols = DP / (TQ::kBytes / TQ::kBlockBytes);
+  copy_forward_tiles_with<TQ, TK, DP, BN>(tq, tk, sQ, sK, full_q, full_k, empty_k, m0, h, hk, b, ntiles, [&](int t) {
+    tma_load_stage<TK, kCols>(tv, sV, full_v, empty_v, t, 0, t * BN, hk, b);
+  });
 }
 
 // Registers per thread of this warpgroup from here on (the kernel starts with an even split).
