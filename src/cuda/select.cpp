@@ -79,8 +79,8 @@ int sm90_bwd_variant(const Shape& s, Mask mask, int dp) {
 // kernel another pass over each K tile in shared memory but costs a read and a write of K: 8-17%
 // faster at S >= 4k, even at S = 1k non-causal, 6% slower at S = 1k causal. Each copy costs per
 // key what the kernel gains per key times the query rows that see it (Sq x the GQA group, halved
-// under a causal mask): V's pays from 256 such rows (run 15c: 9-16% slower at 64-128 rows, even at
-// 256, 9-23% faster from 256 causal at S = 512), K's from 2048.
+// under a causal mask): V's pays from 256 such rows (run 15c: at 64-128 rows the call takes 10-22%
+// longer with it, at 256 2-9% less time, at 512 22% less), K's from 2048.
 // FLASHATTN_CUDA_TF32_FWD_COPIES=none|v|kv overrides.
 int tf32_fwd_copies(const Shape& s, Mask mask) {
   const int i = env_choice("FLASHATTN_CUDA_TF32_FWD_COPIES", {"none", "v", "kv"});
