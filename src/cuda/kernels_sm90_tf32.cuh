@@ -169,20 +169,10 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
       copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
                                          static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
                                          static_cast<int>(b), ntiles);
-    } else if (pt >= 32 && kCopies == 1) {
-      // Only K to round: every tile in turn, as its copy lands and its stage is free.
+    } else if (pt >= 32 && kCopies < 2) {
+      // Warps 1-3: K_t rounded in place (contiguous 16-byte words: no bank conflicts), then
+      // published; without the V copy also V_t -> Vt_t (transpose_v_tf32).
       const int tid = pt - 32;
-      for (int t = 0; t < ntiles; ++t) {
-        const int st = t & 1;
-        mbar_wait(full_k + st, (t >> 1) & 1);
-        convert_tile_tf32<TK::kBytes, kTransposers>(sK + st * TK::kBytes, tid);
-        fence_proxy_async();
-        mbar_arrive(round_k + st);
-      }
-    } else if (pt >= 32 && kCopies == 0) {
-      // Transposing warps: V_t -> Vt_t (transpose_v_tf32) and K_t rounded in place.
-      const int tid = pt - 32;
-      // K_t, rounded in place (contiguous 16-byte words: no bank conflicts), then published.
       auto round_tile_k = [&](int t) {
         const int st = t & 1;
         mbar_wait(full_k + st, (t >> 1) & 1);
@@ -190,18 +180,22 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
         fence_proxy_async();
         mbar_arrive(round_k + st);
       };
-      // In the order the consumers need them: K_0, then K_{t+1} before Vt_t.
-      if (ntiles > 0) round_tile_k(0);
-      mbar_wait(q_free, 0);
-      for (int t = 0; t < ntiles; ++t) {
-        if (t + 1 < ntiles) round_tile_k(t + 1);
-        const int st = t & 1;
-        mbar_wait(full_v + st, (t >> 1) & 1);
-        mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
-        transpose_v_tf32<BN, DP, kTransposers>(sV + st * TK::kBytes, sVt + st * TVt::kBytes, tid);
-        mbar_arrive(empty_v + st);
-        fence_proxy_async();  // the writes, before the tensor cores read them
-        mbar_arrive(full_vt + st);
+      if constexpr (kCopies == 1) {
+        for (int t = 0; t < ntiles; ++t) round_tile_k(t);  // as each copy lands and its stage is free
+      } else {
+        // In the order the consumers need them: K_0, then K_{t+1} before Vt_t.
+        if (ntiles > 0) round_tile_k(0);
+        mbar_wait(q_free, 0);
+        for (int t = 0; t < ntiles; ++t) {
+          if (t + 1 < ntiles) round_tile_k(t + 1);
+          const int st = t & 1;
+          mbar_wait(full_v + st, (t >> 1) & 1);
+          mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
+          transpose_v_tf32<BN, DP, kTransposers>(sV + st * TK::kBytes, sVt + st * TVt::kBytes, tid);
+          mbar_arrive(empty_v + st);
+          fence_proxy_async();  // the writes, before the tensor cores read them
+          mbar_arrive(full_vt + st);
+        }
       }
     }
     return;
