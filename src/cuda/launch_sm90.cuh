@@ -17,6 +17,19 @@
 
 namespace flashattn::cuda {
 
+// The operand pre-pass's copies (launch_tf32_operands) as tensor maps, the float32 sm_90a kernels'
+// streamed operands: row copies [B, H, seq, DP] (boxes of box_rows rows: the pass's tile) and
+// transposed copies [B, H, DP, seq8] (seq8 = round8(seq); boxes of all DP rows).
+inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+template <int DP>
+bool map_copy_rows(CUtensorMap* map, float* ptr, int64_t batch, int64_t heads, int64_t seq, int box_rows) {
+  return make_tensor_map32(map, In4{ptr, heads * seq * DP, seq * DP, DP}, batch, heads, seq, DP, box_rows);
+}
+template <int DP>
+bool map_copy_cols(CUtensorMap* map, float* ptr, int64_t batch, int64_t heads, int64_t seq8) {
+  return make_tensor_map32(map, In4{ptr, heads * DP * seq8, DP * seq8, seq8}, batch, heads, DP, seq8, DP);
+}
+
 template <int DP, Half16 H>
 bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
@@ -54,7 +67,7 @@ bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
                    "forward_tf32_sm90 kernel launch");
     return true;
   }
-  const int64_t skv8 = (s.seq_kv + 7) / 8 * 8;
+  const int64_t skv8 = round8(s.seq_kv);
   const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
   const size_t nk = a.tf32_copies == 2 ? static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP : 0;
   Workspace ws((nvt + nk) * sizeof(float), stream);
@@ -66,17 +79,11 @@ bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
     launch_tf32_operands(OperandJob{a.p.k, s.batch, s.heads_kv, s.seq_kv, kr, nullptr, nullptr, nullptr}, s.head_dim,
                          DP, stream);
   // (The copies' maps encoded while the GPU runs the copies.)
-  const In4 vt4{vt, s.heads_kv * DP * skv8, DP * skv8, skv8};
-  const In4 kr4{kr, s.heads_kv * s.seq_kv * DP, s.seq_kv * DP, DP};
-  if (!make_tensor_map32(&args.tv, vt4, s.batch, s.heads_kv, DP, skv8, DP) ||
-      (kr != nullptr && !make_tensor_map32(&args.tk, kr4, s.batch, s.heads_kv, s.seq_kv, DP, c.block_n)))
+  if (!map_copy_cols<DP>(&args.tv, vt, s.batch, s.heads_kv, skv8) ||
+      (kr != nullptr && !map_copy_rows<DP>(&args.tk, kr, s.batch, s.heads_kv, s.seq_kv, c.block_n)))
     throw Error(Status::Internal, "cuda tf32 forward: tensor maps of the operand copies failed");
-  if (kr != nullptr)
-    launch_checked(dev::forward_tf32_sm90_kernel<DP, 2>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
-                   "forward_tf32_sm90 kernel launch");
-  else
-    launch_checked(dev::forward_tf32_sm90_kernel<DP, 1>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
-                   "forward_tf32_sm90 kernel launch");
+  launch_checked(kr != nullptr ? dev::forward_tf32_sm90_kernel<DP, 2> : dev::forward_tf32_sm90_kernel<DP, 1>, grid,
+                 c.threads(), smem_bytes90_tf32(DP), stream, args, "forward_tf32_sm90 kernel launch");
   return true;
 }
 
@@ -90,7 +97,7 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   dev::Sm90Tf32FwdArgs args;
   args.f = a;
   if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m)) return false;
-  const int64_t skv8 = (s.seq_kv + 7) / 8 * 8;
+  const int64_t skv8 = round8(s.seq_kv);
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
   Workspace ws((2 * nk + 2 * nvt) * sizeof(float), stream);
@@ -98,15 +105,13 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   float* ks = kb + nk;
   float* vtb = ks + nk;
   float* vts = vtb + nvt;
-  auto rows = [&](float* ptr) { return In4{ptr, s.heads_kv * s.seq_kv * DP, s.seq_kv * DP, DP}; };
-  auto cols = [&](float* ptr) { return In4{ptr, s.heads_kv * DP * skv8, DP * skv8, skv8}; };
   launch_tf32_operands(OperandJob{a.p.k, s.batch, s.heads_kv, s.seq_kv, kb, nullptr, ks, nullptr}, s.head_dim, DP, stream);
   launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, nullptr, vtb, nullptr, vts}, s.head_dim, DP, stream);
   // (The copies' maps encoded while the GPU runs the copies, not before the first launch.)
-  if (!make_tensor_map32(&args.tk, rows(kb), s.batch, s.heads_kv, s.seq_kv, DP, c.block_n) ||
-      !make_tensor_map32(&args.tks, rows(ks), s.batch, s.heads_kv, s.seq_kv, DP, c.block_n) ||
-      !make_tensor_map32(&args.tv, cols(vtb), s.batch, s.heads_kv, DP, skv8, DP) ||
-      !make_tensor_map32(&args.tvs, cols(vts), s.batch, s.heads_kv, DP, skv8, DP))
+  if (!map_copy_rows<DP>(&args.tk, kb, s.batch, s.heads_kv, s.seq_kv, c.block_n) ||
+      !map_copy_rows<DP>(&args.tks, ks, s.batch, s.heads_kv, s.seq_kv, c.block_n) ||
+      !map_copy_cols<DP>(&args.tv, vtb, s.batch, s.heads_kv, skv8) ||
+      !map_copy_cols<DP>(&args.tvs, vts, s.batch, s.heads_kv, skv8))
     throw Error(Status::Internal, "cuda 3xtf32 forward: tensor maps of the operand copies failed");
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_3xtf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_3xtf32(DP), stream, args,
@@ -152,7 +157,7 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8] (only for the wgmma dK/dV
   // pass); K, V [B, Hkv, Skv, DP] and K^T [B, Hkv, DP, Skv8]: 4 |Q| (or none) + 3 |K| floats
   // (padded), and as much again for the small parts (X3); freed on the stream after the passes.
-  const int64_t sq8 = (s.seq_q + 7) / 8 * 8, skv8 = (s.seq_kv + 7) / 8 * 8;
+  const int64_t sq8 = round8(s.seq_q), skv8 = round8(s.seq_kv);
   const size_t nq = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP : 0;
   const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
@@ -180,21 +185,17 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   };
   const Copies big = carve(ws.get());
   const Copies small = X3 ? carve(ws.get() + part) : Copies{};
-  // As [B, H, rows, columns] operands: row-major copies (DP columns) and transposed ones (DP rows).
-  // Box rows: each pass's tile of that operand (stationary: block_m; streamed: block_n).
-  auto rows = [](float* ptr, int64_t heads, int64_t seq) { return In4{ptr, heads * seq * DP, seq * DP, DP}; };
-  auto cols = [](float* ptr, int64_t heads, int64_t seq8) { return In4{ptr, heads * DP * seq8, DP * seq8, seq8}; };
-  // One part's maps: the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T
+  // One part's maps (row copies: boxes of the streaming pass's block_n rows): the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T
   // (none with the mma.sync dK/dV pass, which reads the caller's tensors).
   auto maps = [&](const Copies& c, CUtensorMap* dk, CUtensorMap* dv, CUtensorMap* dkt, CUtensorMap* kq,
                   CUtensorMap* kdo, CUtensorMap* kqt, CUtensorMap* kdot) {
-    return (!dkv_wgmma || make_tensor_map32(kq, rows(c.q, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) &&
-           (!dkv_wgmma || make_tensor_map32(kdo, rows(c.dout, s.heads_q, s.seq_q), s.batch, s.heads_q, s.seq_q, DP, ck.block_n)) &&
-           (!dkv_wgmma || make_tensor_map32(kqt, cols(c.qt, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
-           (!dkv_wgmma || make_tensor_map32(kdot, cols(c.dot, s.heads_q, sq8), s.batch, s.heads_q, DP, sq8, DP)) &&
-           make_tensor_map32(dk, rows(c.k, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) &&
-           make_tensor_map32(dv, rows(c.v, s.heads_kv, s.seq_kv), s.batch, s.heads_kv, s.seq_kv, DP, cq.block_n) &&
-           make_tensor_map32(dkt, cols(c.kt, s.heads_kv, skv8), s.batch, s.heads_kv, DP, skv8, DP);
+    return (!dkv_wgmma || map_copy_rows<DP>(kq, c.q, s.batch, s.heads_q, s.seq_q, ck.block_n)) &&
+           (!dkv_wgmma || map_copy_rows<DP>(kdo, c.dout, s.batch, s.heads_q, s.seq_q, ck.block_n)) &&
+           (!dkv_wgmma || map_copy_cols<DP>(kqt, c.qt, s.batch, s.heads_q, sq8)) &&
+           (!dkv_wgmma || map_copy_cols<DP>(kdot, c.dot, s.batch, s.heads_q, sq8)) &&
+           map_copy_rows<DP>(dk, c.k, s.batch, s.heads_kv, s.seq_kv, cq.block_n) &&
+           map_copy_rows<DP>(dv, c.v, s.batch, s.heads_kv, s.seq_kv, cq.block_n) &&
+           map_copy_cols<DP>(dkt, c.kt, s.batch, s.heads_kv, skv8);
   };
   // Q, dO copies: only the wgmma dK/dV pass reads them. With convert_ctas > 0 they are written on
   // a side stream by that many CTAs (one per multiprocessor) while the dQ pass runs on the other
