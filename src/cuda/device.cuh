@@ -440,9 +440,9 @@ struct QueryBlock {
   int rows;          // valid query rows (<= BM)
   int ntiles;
   MaskRule rule;
-  // Only key tiles that cross the sequence end or the causal diagonal need per-entry masking.
+  // Only key tiles that cross the sequence end or an edge of the mask's band need per-entry masking.
   __device__ __forceinline__ bool tile_masked(int64_t n0, int bn, int64_t skv) const {
-    return n0 + bn > skv || (rule.causal && n0 + bn - 1 > m0 + rule.offset);
+    return n0 + bn > skv || !rule.tile_inside(m0, m0 + rows, n0, n0 + bn);
   }
 };
 // Row block x of (b, h) in launch order: x = 0 starts first.
@@ -455,7 +455,7 @@ __device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask, int
   q.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
   // Causal: the last query blocks see the most keys; start them first.
   const int64_t nx = (s.seq_q + BM - 1) / BM;
-  const int64_t mb = q.rule.causal ? nx - 1 - x : x;
+  const int64_t mb = q.rule.bounded_above() ? nx - 1 - x : x;
   q.m0 = mb * BM;
   q.rows = static_cast<int>(s.seq_q - q.m0 < BM ? s.seq_q - q.m0 : BM);
   const int64_t n_end = q.rule.visible_end(q.m0 + q.rows - 1, s.seq_kv);  // later keys: masked for all rows
@@ -482,9 +482,9 @@ struct KeyBlock {
   __device__ __forceinline__ int64_t q0(int x, int bn) const {
     return static_cast<int64_t>(t_begin + x % per_head) * bn;
   }
-  // Fully visible when in range and the tile's first query sees the block's last key.
+  // Fully visible when in range and inside the mask's band.
   __device__ __forceinline__ bool tile_masked(int64_t n0, int bn, int bm, int64_t sq, int64_t skv) const {
-    return n0 + bn > sq || m0 + bm > skv || (rule.causal && m0 + bm - 1 > n0 + rule.offset);
+    return n0 + bn > sq || m0 + bm > skv || !rule.tile_inside(n0, n0 + bn, m0, m0 + bm);
   }
 };
 template <int BM, int BN>
