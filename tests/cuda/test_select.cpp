@@ -1,4 +1,4 @@
-// The CUDA backend's kernel selection (src/cuda/select.cpp) without a GPU: which kernel family,
+// The CUDA backend's kernel selection (src/cuda/host/select.cpp) without a GPU: which kernel family,
 // design and variant each (dtype, head dim, mask, lengths, precision, determinism, compute
 // capability, override variable) gets, and the reasons given for what is unsupported. The rules
 // come from measurements (docs/PERF.md); these tests pin them so that a change is deliberate.
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/select.hpp"
+#include "cuda/host/select.hpp"
 
 namespace flashattn::cuda {
 namespace {

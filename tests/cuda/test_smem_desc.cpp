@@ -1,4 +1,4 @@
-// The wgmma shared-memory descriptor arithmetic of the sm_90a kernels (src/cuda/smem_desc.hpp),
+// The wgmma shared-memory descriptor arithmetic of the sm_90a kernels (src/cuda/sm90/smem_desc.hpp),
 // checked on the host: the kernels build one descriptor per chain of wgmmas and advance it by an
 // integer add per k-step (desc_advance), which must equal the descriptor built at the advanced
 // address for every start and offset the kernels can use. Runs in CI (no device needed).
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/smem_desc.hpp"
+#include "cuda/sm90/smem_desc.hpp"
 
 namespace {
 

@@ -1,9 +1,9 @@
 // Definitions of the launchers declared in launch.hpp; included by the instantiation files only.
 #pragma once
 
-#include "cuda/check.hpp"
-#include "cuda/kernels.cuh"
-#include "cuda/launch.hpp"
+#include "cuda/host/check.hpp"
+#include "cuda/sm80/kernels_fp32.cuh"
+#include "cuda/host/launch.hpp"
 
 namespace flashattn::cuda {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/launch.cuh"
+#include "cuda/sm80/launch_fp32.cuh"
 
 namespace flashattn::cuda {
 namespace dev {

@@ -14,11 +14,11 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/config.hpp"
-#include "cuda/device.cuh"
-#include "cuda/kernels16.cuh"
-#include "cuda/launch.hpp"
-#include "cuda/wgmma.cuh"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/sm80/kernels16.cuh"
+#include "cuda/host/launch.hpp"
+#include "cuda/sm90/wgmma.cuh"
 
 namespace flashattn::cuda::dev {
 

@@ -12,8 +12,8 @@
 
 #include <cstdint>
 
-#include "cuda/config.hpp"
-#include "cuda/device.cuh"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
 
 namespace flashattn::cuda::dev {
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "cuda/common/head_dims.hpp"
+
 #if defined(__CUDACC__)
 #define FLASHATTN_CUDA_HD __host__ __device__
 #else
@@ -24,9 +26,23 @@ constexpr const char* math_name(Math m) {
   return m == Math::Fma ? "fma" : m == Math::Tf32 ? "tf32" : "3xtf32";
 }
 
-// Head dims are padded up to one of these (zero columns change no dot product).
-constexpr int kHeadDims[] = {64, 128, 256};
-constexpr int padded_head_dim(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : d <= 256 ? 256 : 0; }
+// Whether `dp` is in a list of common/head_dims.hpp (the one head-dim table, generated).
+template <int N>
+FLASHATTN_CUDA_HD constexpr bool in_dims(const int (&dims)[N], int64_t dp) {
+  for (int i = 0; i < N; ++i)
+    if (dims[i] == dp) return true;
+  return false;
+}
+// The smallest head dim of a list that holds d (lists ascend), 0 when none does.
+template <int N>
+FLASHATTN_CUDA_HD constexpr int pad_to(const int (&dims)[N], int64_t d) {
+  for (int i = 0; i < N; ++i)
+    if (d <= dims[i]) return d >= 1 ? dims[i] : 0;
+  return 0;
+}
+
+// Head dims are padded up to one of kHeadDims (zero columns change no dot product).
+constexpr int padded_head_dim(int64_t d) { return pad_to(kHeadDims, d); }
 
 // Every warp owns 16 rows of its pass's stationary operand (query rows for the forward and dQ,
 // key rows for dK/dV), the M of an m16n8k8 tile, so all three maths share one register layout.
@@ -118,11 +134,8 @@ static_assert(tiles_fit(), "a tile_config row exceeds shared memory or leaves wa
 
 enum class Half16 : int { F16 = 0, BF16 = 1 };
 
-// Head dims with 16-bit kernels; any other dim up to 256 is padded to the next one.
-constexpr int kHeadDims16[] = {64, 96, 128, 256};
-constexpr int padded_head_dim16(int64_t d) {
-  return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 256 ? 256 : 0;
-}
+// Head dims with 16-bit kernels (kHeadDims16); any other dim up to 256 is padded to the next one.
+constexpr int padded_head_dim16(int64_t d) { return pad_to(kHeadDims16, d); }
 
 // Tiles of the 16-bit passes. A warp owns mt m16 tiles (16*mt rows) of the stationary operand
 // (query rows for the forward and dQ, key rows for dK/dV); col_split warps share them in dK/dV,
@@ -223,8 +236,8 @@ struct TileConfig90 {
 };
 
 FLASHATTN_CUDA_HD constexpr bool has_sm90(Pass pass, int dp) {
-  return pass == Pass::Forward ? (dp == 64 || dp == 128 || dp == 256)
-       : pass == Pass::Dkv     ? (dp == 64 || dp == 128 || dp == 256)  // single pass (atomic dQ)
+  return pass == Pass::Forward ? in_dims(kSm90Forward16, dp)
+       : pass == Pass::Dkv     ? in_dims(kSm90Dkv16, dp)  // single pass (atomic dQ)
                                : false;
 }
 
@@ -263,7 +276,7 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0)
 // warpgroups) x 64 keys per step; the producer warpgroup keeps 40 registers (three of its warps
 // transpose V), which leaves 232 per consumer thread for Q's tf32 fragments (DP/2), O (DP/2),
 // S and P (block_n/2 each).
-FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32(int dp) { return in_dims(kSm90Tf32Forward, dp); }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32(int /*dp*/) { return TileConfig90{128, 64, 2, 1, 1, 40}; }
 // Q (whose space then holds the two transposed V stages), two stages of K and of V as stored,
 // 1 KiB for alignment, 16 mbarriers.
@@ -279,7 +292,7 @@ static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds 
 // keeps 40 registers, 232 per consumer thread: at D = 128 Q's big and small fragments of a half
 // (64), O and the tile's O (32 each), S, its second k-group and the partner's partial (16 each),
 // P's big and small fragments (32); at D = 64 half of the Q and O parts.
-FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32(int dp) { return in_dims(kSm90X3Forward, dp); }
 FLASHATTN_CUDA_HD constexpr bool fp32_fwd_wgmma_default(int dp) { return has_sm90_3xtf32(dp); }
 FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_3xtf32(int /*dp*/) { return TileConfig90{64, 32, 2, 1, 1, 40}; }
 // Q; two stages of K big, K small, Vt big, Vt small; the two warpgroups' partial scores; 1 KiB
@@ -300,7 +313,7 @@ static_assert(smem_bytes90_3xtf32(64) <= 227 * 1024 && smem_bytes90_3xtf32(128) 
 // and their tiles with two stages of four streamed operands exceed shared memory. So D = 128 has
 // the pair design (kernels_sm90_tf32_bwd_pair.cuh): 64 rows per CTA, both warpgroups on the same
 // rows, one stationary operand and one accumulator each (~160 registers), 32-row streamed tiles.
-FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return in_dims(kSm90Tf32Backward, dp); }
 // The fp32-accurate (3xTF32) backward on wgmma: the pair kernels with every product in three
 // terms (x3), padded D = 64 and 128. Its stationary operand's big and small fragments take DP
 // registers per thread, its streamed tiles come in big and small copies (twice the shared memory),
@@ -309,7 +322,7 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return dp == 64 || 
 // there (pair_small_in_smem) the stationary operand's small part stays in shared memory (split in
 // place, read by the tensor cores from there) and a tile's streamed copies come in two half stages
 // (the scores' operands, then the gradient product's), each released when its readers are done.
-FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return dp == 64 || dp == 128; }
+FLASHATTN_CUDA_HD constexpr bool has_sm90_3xtf32_bwd(int dp) { return in_dims(kSm90X3Backward, dp); }
 FLASHATTN_CUDA_HD constexpr bool pair_small_in_smem(int dp, bool x3) { return x3 && dp == 128; }
 // The tf32 backward on the pair kernels: always at D = 128, a choice at D = 64 (select.cpp); the
 // 3xTF32 backward is on them always.

@@ -14,7 +14,7 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/config.hpp"
+#include "cuda/common/config.hpp"
 
 namespace flashattn::cuda::dev {
 

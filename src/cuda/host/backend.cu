@@ -11,10 +11,10 @@
 #include <utility>
 
 #include "core/backend.hpp"
-#include "cuda/check.hpp"
-#include "cuda/config.hpp"
-#include "cuda/launch.hpp"
-#include "cuda/select.hpp"
+#include "cuda/host/check.hpp"
+#include "cuda/common/config.hpp"
+#include "cuda/host/launch.hpp"
+#include "cuda/host/select.hpp"
 
 namespace flashattn::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "core/params.hpp"
-#include "cuda/config.hpp"
+#include "cuda/common/config.hpp"
 
 namespace flashattn::cuda {
 

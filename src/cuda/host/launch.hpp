@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "core/params.hpp"
-#include "cuda/config.hpp"
+#include "cuda/common/config.hpp"
 
 namespace flashattn::cuda {
 

@@ -1,5 +1,5 @@
 // Kernel selection of the CUDA backend (select.hpp). Host code only.
-#include "cuda/select.hpp"
+#include "cuda/host/select.hpp"
 
 #include <algorithm>
 #include <cstdlib>

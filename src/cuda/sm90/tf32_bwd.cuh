@@ -19,10 +19,10 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/config.hpp"
-#include "cuda/device.cuh"
-#include "cuda/launch.hpp"
-#include "cuda/wgmma.cuh"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/host/launch.hpp"
+#include "cuda/sm90/wgmma.cuh"
 
 namespace flashattn::cuda::dev {
 

@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include "cuda/tma.hpp"
+#include "cuda/sm90/tma.hpp"
 
 namespace flashattn::cuda {
 namespace {

@@ -8,9 +8,9 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/config.hpp"
-#include "cuda/device.cuh"
-#include "cuda/launch.hpp"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/host/launch.hpp"
 
 namespace flashattn::cuda {
 

@@ -5,15 +5,15 @@
 #include <algorithm>
 #include <optional>
 
-#include "cuda/check.hpp"
-#include "cuda/kernels_sm90.cuh"
-#include "cuda/kernels_sm90_3xtf32.cuh"
-#include "cuda/kernels_sm90_tf32.cuh"
-#include "cuda/kernels_sm90_tf32_bwd.cuh"
-#include "cuda/kernels_sm90_tf32_bwd_pair.cuh"
-#include "cuda/launch.hpp"
-#include "cuda/select.hpp"
-#include "cuda/tma.hpp"
+#include "cuda/host/check.hpp"
+#include "cuda/sm90/kernels16.cuh"
+#include "cuda/sm90/x3_fwd.cuh"
+#include "cuda/sm90/tf32_fwd.cuh"
+#include "cuda/sm90/tf32_bwd.cuh"
+#include "cuda/sm90/tf32_bwd_pair.cuh"
+#include "cuda/host/launch.hpp"
+#include "cuda/host/select.hpp"
+#include "cuda/sm90/tma.hpp"
 
 namespace flashattn::cuda {
 

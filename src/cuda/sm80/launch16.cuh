@@ -2,9 +2,9 @@
 // instantiation files only (inst/*16_d*.cu).
 #pragma once
 
-#include "cuda/check.hpp"
-#include "cuda/kernels16.cuh"
-#include "cuda/launch.hpp"
+#include "cuda/host/check.hpp"
+#include "cuda/sm80/kernels16.cuh"
+#include "cuda/host/launch.hpp"
 
 namespace flashattn::cuda {
 

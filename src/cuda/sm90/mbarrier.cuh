@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cuda/mma16.cuh"
+#include "cuda/common/mma16.cuh"
 
 namespace flashattn::cuda::dev {
 

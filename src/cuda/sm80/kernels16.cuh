@@ -11,10 +11,10 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/config.hpp"
-#include "cuda/device.cuh"
-#include "cuda/launch.hpp"
-#include "cuda/mma16.cuh"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/host/launch.hpp"
+#include "cuda/common/mma16.cuh"
 
 namespace flashattn::cuda::dev {
 

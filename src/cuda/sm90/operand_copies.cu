@@ -5,8 +5,8 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/launch.cuh"
-#include "cuda/mbarrier.cuh"
+#include "cuda/sm80/launch_fp32.cuh"
+#include "cuda/sm90/mbarrier.cuh"
 
 namespace flashattn::cuda {
 namespace dev {

@@ -31,11 +31,11 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/config.hpp"
-#include "cuda/device.cuh"
-#include "cuda/kernels_sm90_tf32_bwd.cuh"
-#include "cuda/launch.hpp"
-#include "cuda/wgmma.cuh"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/sm90/tf32_bwd.cuh"
+#include "cuda/host/launch.hpp"
+#include "cuda/sm90/wgmma.cuh"
 
 namespace flashattn::cuda::dev {
 

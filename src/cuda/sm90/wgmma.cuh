@@ -12,12 +12,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/config.hpp"
-#include "cuda/launch.hpp"
-#include "cuda/mbarrier.cuh"
-#include "cuda/mma16.cuh"
-#include "cuda/smem_desc.hpp"
-#include "cuda/wgmma_ops.cuh"
+#include "cuda/common/config.hpp"
+#include "cuda/host/launch.hpp"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/common/mma16.cuh"
+#include "cuda/sm90/smem_desc.hpp"
+#include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn::cuda::dev {
 
@@ -46,7 +46,7 @@ __device__ __forceinline__ unsigned char* smem_aligned1024(unsigned char* p) {
   return p + ((1024 - (a & 1023)) & 1023);
 }
 
-// desc_sw128 / desc_advance (the descriptors): cuda/smem_desc.hpp.
+// desc_sw128 / desc_advance (the descriptors): cuda/sm90/smem_desc.hpp.
 
 // Orders this thread's register writes (accumulators, A fragments) before the next wgmma reads.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
