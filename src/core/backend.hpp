@@ -22,5 +22,7 @@ std::string describe();
 // Checks that ptr is memory of CUDA device `device` (cudaPointerGetAttributes); throws
 // Error(InvalidArgument) naming `what` otherwise.
 void check_device_pointer(const void* ptr, int32_t device, const char* what);
+// Sets a kernel-selection override (cuda/host/overrides.hpp) in builds with FLASHATTN_DEV_OVERRIDES.
+void set_override(const char* name, const char* value);
 }  // namespace cuda
 }  // namespace flashattn

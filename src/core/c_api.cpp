@@ -6,6 +6,7 @@
 
 #include "flashattn/flashattn.h"
 #include "flashattn/flashattn.hpp"
+#include "core/backend.hpp"
 #include "core/c_options.hpp"
 
 namespace {
@@ -106,6 +107,15 @@ const char* flashattn_status_string(int status) {
 }
 
 const char* flashattn_version(void) { return "0.1.0"; }
+
+#if defined(FLASHATTN_DEV_OVERRIDES)
+// Kernel-selection overrides for tests and benchmarks in other languages (cuda/host/overrides.hpp):
+// exported only by builds with FLASHATTN_DEV_OVERRIDES, and not part of the stable C ABI (no
+// declaration in flashattn.h). value NULL or "": back to the library's choice.
+__attribute__((visibility("default"))) int flashattn_dev_set_override(const char* name, const char* value) {
+  return guarded([&] { flashattn::cuda::set_override(name, value); });
+}
+#endif
 
 int flashattn_cuda_available(void) {
   try {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "flashattn/flashattn.h"
 #include "test_util.hpp"
 
 namespace flashattn::test {
@@ -23,15 +24,23 @@ inline bool have_gpu() {
 
 #define CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
 
-// Sets (value != nullptr) or unsets an environment variable for the lifetime of the scope, and
-// unsets it afterwards (the library's FLASHATTN_CUDA_* overrides are read on every call).
+}  // namespace flashattn::test
+
+// The library's kernel-selection knobs (src/cuda/host/overrides.hpp), exported by developer builds
+// (FLASHATTN_DEV_OVERRIDES, on wherever the tests are built); not part of the stable C ABI.
+extern "C" int flashattn_dev_set_override(const char* name, const char* value);
+
+namespace flashattn::test {
+
+// Sets a kernel-selection override (a FLASHATTN_CUDA_* knob) for the lifetime of the scope (value
+// nullptr: the library's choice), and back to the library's choice afterwards.
 class EnvScope {
  public:
   EnvScope(const char* name, const char* value) : name_(name) {
-    if (value) setenv(name, value, 1);
-    else unsetenv(name);
+    if (flashattn_dev_set_override(name, value) != 0)
+      ADD_FAILURE() << name << " = " << (value ? value : "(unset)") << ": " << flashattn_last_error();
   }
-  ~EnvScope() { unsetenv(name_.c_str()); }
+  ~EnvScope() { (void)flashattn_dev_set_override(name_.c_str(), nullptr); }
   EnvScope(const EnvScope&) = delete;
   EnvScope& operator=(const EnvScope&) = delete;
 

@@ -31,29 +31,14 @@ namespace {
 constexpr double kFmaTol = 1e-5;  // FMA kernel: at most 2.2e-6 over the grid (H200)
 constexpr double kTf32Tol = 5e-3;
 
-// Forces the kernels' arithmetic for the lifetime of the scope (nullptr: the precision option's).
-class MathScope {
- public:
-  explicit MathScope(const char* math) {
-    if (math) setenv("FLASHATTN_CUDA_MATH", math, 1);
-    else unsetenv("FLASHATTN_CUDA_MATH");
-  }
-  ~MathScope() { unsetenv("FLASHATTN_CUDA_MATH"); }
-};
-// Sets an environment override of the kernel selection for the scope (nullptr: leaves it unset).
 // FLASHATTN_CUDA_ARCH=sm80 keeps a compute capability 9.0 device on the mma.sync kernels, so that
 // both tf32 forwards (those and the sm_90a wgmma kernel, the default there) are checked;
 // FLASHATTN_CUDA_TF32_BWD picks the tf32 backward on sm_90a (kTf32BwdOther: the one that is not
 // the default, so both are checked).
-class EnvScope {
+// Forces the kernels' arithmetic for the lifetime of the scope (nullptr: the precision option's).
+class MathScope : public EnvScope {
  public:
-  EnvScope(const char* var, const char* value) : var_(var) {
-    if (value) setenv(var, value, 1);
-  }
-  ~EnvScope() { unsetenv(var_); }
-
- private:
-  const char* var_;
+  explicit MathScope(const char* math) : EnvScope("FLASHATTN_CUDA_MATH", math) {}
 };
 constexpr const char* kTf32BwdOther = "mma";
 // The tf32 sm_90a forward's operand copies (FLASHATTN_CUDA_TF32_FWD_COPIES): by default "none" on
@@ -646,9 +631,12 @@ TEST(CudaBadInput, UnknownMathOverride) {
   Problem p(c);
   DeviceProblem d(p);
   ASSERT_TRUE(d.ok());
-  setenv("FLASHATTN_CUDA_MATH", "fp8", 1);
-  EXPECT_TRUE(throws_error([&] { d.forward(Options{}); }, Status::InvalidArgument, {"FLASHATTN_CUDA_MATH"}));
-  unsetenv("FLASHATTN_CUDA_MATH");
+  // An unknown value is refused when set, naming the knob and the value; selection is unchanged.
+  EXPECT_EQ(flashattn_dev_set_override("FLASHATTN_CUDA_MATH", "fp8"), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashattn_last_error()).find("FLASHATTN_CUDA_MATH"), std::string::npos) << flashattn_last_error();
+  EXPECT_NE(std::string(flashattn_last_error()).find("fp8"), std::string::npos) << flashattn_last_error();
+  EXPECT_EQ(flashattn_dev_set_override("FLASHATTN_CUDA_NO_SUCH_KNOB", "1"), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NO_THROW(d.forward(Options{}));
 }
 
 // A CUDA failure inside a call - here the fp32 sm_90a forward's scratch for its operand copies, 4

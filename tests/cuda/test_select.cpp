@@ -1,11 +1,12 @@
-// The CUDA backend's kernel selection (src/cuda/host/select.cpp) without a GPU: which kernel family,
-// design and variant each (dtype, head dim, mask, lengths, precision, determinism, compute
-// capability, override variable) gets, and the reasons given for what is unsupported. The rules
-// come from measurements (docs/PERF.md); these tests pin them so that a change is deliberate.
-// Runs everywhere the CUDA backend is built, CI included (no device needed).
+// The CUDA backend's kernel selection (src/cuda/host/select.cpp) without a GPU: which kernel each
+// pass runs for each (dtype, head dim, mask, lengths, precision, determinism, compute capability,
+// operand alignment, override), the plan's settings, and the reasons given for what is
+// unsupported. The rules come from measurements (docs/PERF.md); these tests pin them so that a
+// change is deliberate. Runs everywhere the CUDA backend is built, CI included (no device needed).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include "cuda/host/select.hpp"
@@ -13,26 +14,123 @@
 namespace flashattn::cuda {
 namespace {
 
-// Sets an environment variable for the scope, unsets it after.
-class EnvScope {
- public:
-  EnvScope(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~EnvScope() { unsetenv(name_); }
-  EnvScope(const EnvScope&) = delete;
-  EnvScope& operator=(const EnvScope&) = delete;
-
- private:
-  const char* name_;
-};
-
 Shape shape(int64_t s, int64_t d, int64_t skv = -1) { return Shape{2, 8, 8, s, skv < 0 ? s : skv, d}; }
 Numerics num(DType t, Mask m = Mask::None, Precision p = Precision::Fp32, bool det = false) {
   return Numerics{t, 0.125f, m, p, det};
 }
 
+// Overrides as the environment would give them: {"FLASHATTN_CUDA_ARCH", "sm80"}, ...
+Overrides ov(std::map<std::string, std::string> vars = {}) {
+  return parse_overrides(
+      [](const char* n, void* ctx) -> const char* {
+        auto& m = *static_cast<std::map<std::string, std::string>*>(ctx);
+        const auto it = m.find(n);
+        return it == m.end() ? nullptr : it->second.c_str();
+      },
+      &vars);
+}
+
+// A device of compute capability major.minor (an H200's limits at 9.0, an A100's at 8.x; the
+// older ones given room enough that only the arithmetic rules decide).
+DeviceCaps dev(int major, int minor) {
+  DeviceCaps d;
+  d.cc_major = major;
+  d.cc_minor = minor;
+  d.smem_optin = major >= 9 ? 232448 : major == 8 ? 166912 : 232448;
+  d.sms = major >= 9 ? 132 : 108;
+  d.tma = major >= 9;
+  return d;
+}
+
+// [B, H, S, D] operands at aligned addresses with rows padded to 8 elements (16 bytes of a 16-bit
+// type), so that the rules below see every kernel family; operands that do not allow 16-byte
+// vectors or tensor maps are tested on their own. Never dereferenced.
+template <class Op>
+Op dense(uintptr_t at, const Shape& s, int64_t heads, int64_t seq) {
+  const int64_t ld = (s.head_dim + 7) / 8 * 8;
+  return Op{reinterpret_cast<decltype(Op{}.ptr)>(at), heads * seq * ld, seq * ld, ld};
+}
+ForwardParams fparams(const Shape& s, const Numerics& n) {
+  ForwardParams p{};
+  p.shape = s;
+  p.num = n;
+  p.q = dense<In4>(0x100000, s, s.heads_q, s.seq_q);
+  p.k = dense<In4>(0x200000, s, s.heads_kv, s.seq_kv);
+  p.v = dense<In4>(0x300000, s, s.heads_kv, s.seq_kv);
+  p.out = dense<Out4>(0x400000, s, s.heads_q, s.seq_q);
+  return p;
+}
+BackwardParams bparams(const Shape& s, const Numerics& n) {
+  const ForwardParams f = fparams(s, n);
+  BackwardParams p{};
+  p.shape = s;
+  p.num = n;
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.out = In4{f.out.ptr, f.out.sb, f.out.sh, f.out.ss};
+  p.dout = dense<In4>(0x500000, s, s.heads_q, s.seq_q);
+  p.dq = dense<Out4>(0x600000, s, s.heads_q, s.seq_q);
+  p.dk = dense<Out4>(0x700000, s, s.heads_kv, s.seq_kv);
+  p.dv = dense<Out4>(0x800000, s, s.heads_kv, s.seq_kv);
+  return p;
+}
+
+// The overrides in force for sel() below: set for a scope, as a developer would set the variables.
+std::map<std::string, std::string>& scoped_vars() {
+  static std::map<std::string, std::string> vars;
+  return vars;
+}
+class OverrideScope {
+ public:
+  OverrideScope(const char* name, const char* value) : name_(name) { scoped_vars()[name] = value; }
+  ~OverrideScope() { scoped_vars().erase(name_); }
+  OverrideScope(const OverrideScope&) = delete;
+  OverrideScope& operator=(const OverrideScope&) = delete;
+
+ private:
+  std::string name_;
+};
+
+// Both plans of a problem, as the backend would get them, and the facts the rules below pin.
+struct Sel {
+  Selected<ForwardPlan> f;
+  Selected<BackwardPlan> b;
+  const ForwardPlan& fwd() const { return f.plan; }
+  const BackwardPlan& bwd() const { return b.plan; }
+  bool ok = false;
+  std::string why;
+  int dp = 0;
+  Math math = Math::Fma;
+  bool half16 = false, sm90_fwd = false, sm90_bwd = false, atomic_bwd = false;
+  bool tf32_dkv_wgmma = false, f32_pair = false;
+  int sm90_variant = 0, tf32_fwd_copies = 0;
+};
+Sel sel(const Shape& s, const Numerics& n, int major, int minor) {
+  const Overrides o = ov(scoped_vars());
+  Sel r{select_forward(fparams(s, n), dev(major, minor), o), select_backward(bparams(s, n), dev(major, minor), o)};
+  r.ok = r.f.ok && r.b.ok;
+  r.why = !r.f.ok ? r.f.why : r.b.why;
+  const ForwardPlan& f = r.f.plan;
+  const BackwardPlan& b = r.b.plan;
+  EXPECT_EQ(f.dp, b.dp);
+  EXPECT_EQ(f.math, b.math);
+  r.dp = f.dp;
+  r.math = f.math;
+  r.half16 = f.kernel == FwdKernel::Sm80Mma16 || f.kernel == FwdKernel::Sm90Wgmma16;
+  r.sm90_fwd = f.kernel == FwdKernel::Sm90Wgmma16 || f.kernel == FwdKernel::Sm90Tf32 || f.kernel == FwdKernel::Sm90X3;
+  r.sm90_bwd = b.kernel == BwdKernel::Sm90Wgmma16Atomic || b.kernel == BwdKernel::Sm90Wgmma32;
+  r.atomic_bwd = b.atomic_dq();
+  r.tf32_dkv_wgmma = b.kernel == BwdKernel::Sm90Wgmma32 && b.dkv_wgmma;
+  r.f32_pair = b.kernel == BwdKernel::Sm90Wgmma32 && b.pair;
+  r.sm90_variant = b.sm90_variant;
+  r.tf32_fwd_copies = f.tf32_copies;
+  return r;
+}
+
 TEST(CudaSelect, Hopper16BitUsesTheSm90KernelsAndTheAtomicBackward) {
   for (int64_t d : {64, 128, 256}) {
-    const KernelChoice c = select_kernel(shape(4096, d), num(DType::BFloat16), 9, 0);
+    const Sel c = sel(shape(4096, d), num(DType::BFloat16), 9, 0);
     ASSERT_TRUE(c.ok) << c.why;
     EXPECT_TRUE(c.half16);
     EXPECT_EQ(c.dp, d);
@@ -42,7 +140,7 @@ TEST(CudaSelect, Hopper16BitUsesTheSm90KernelsAndTheAtomicBackward) {
     EXPECT_EQ(c.sm90_variant, 0) << "D = " << d;
   }
   // Head dims padded to 96 have no sm_90a kernels: mma.sync forward, split backward.
-  const KernelChoice c96 = select_kernel(shape(4096, 80), num(DType::Float16), 9, 0);
+  const Sel c96 = sel(shape(4096, 80), num(DType::Float16), 9, 0);
   ASSERT_TRUE(c96.ok);
   EXPECT_EQ(c96.dp, 96);
   EXPECT_FALSE(c96.sm90_fwd);
@@ -51,47 +149,47 @@ TEST(CudaSelect, Hopper16BitUsesTheSm90KernelsAndTheAtomicBackward) {
 }
 
 TEST(CudaSelect, TwoCtaBackwardOnlyForShortCausalAtD64) {
-  EXPECT_EQ(select_kernel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 1);
-  EXPECT_EQ(select_kernel(shape(1024, 64), num(DType::BFloat16, Mask::CausalBottomRight), 9, 0).sm90_variant, 1);
-  EXPECT_EQ(select_kernel(shape(2048, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
-  EXPECT_EQ(select_kernel(shape(512, 64, 2048), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
-  EXPECT_EQ(select_kernel(shape(2048, 64, 512), num(DType::BFloat16, Mask::CausalBottomRight), 9, 0).sm90_variant, 0);
-  EXPECT_EQ(select_kernel(shape(512, 64), num(DType::BFloat16), 9, 0).sm90_variant, 0);
-  EXPECT_EQ(select_kernel(shape(512, 128), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(sel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 1);
+  EXPECT_EQ(sel(shape(1024, 64), num(DType::BFloat16, Mask::CausalBottomRight), 9, 0).sm90_variant, 1);
+  EXPECT_EQ(sel(shape(2048, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(sel(shape(512, 64, 2048), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(sel(shape(2048, 64, 512), num(DType::BFloat16, Mask::CausalBottomRight), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(sel(shape(512, 64), num(DType::BFloat16), 9, 0).sm90_variant, 0);
+  EXPECT_EQ(sel(shape(512, 128), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
   {
-    EnvScope e("FLASHATTN_CUDA_SM90_VARIANT", "1");
-    EXPECT_EQ(select_kernel(shape(8192, 64), num(DType::BFloat16), 9, 0).sm90_variant, 1);
-    EXPECT_EQ(select_kernel(shape(8192, 128), num(DType::BFloat16), 9, 0).sm90_variant, 0);  // none at D = 128
+    OverrideScope e("FLASHATTN_CUDA_SM90_VARIANT", "1");
+    EXPECT_EQ(sel(shape(8192, 64), num(DType::BFloat16), 9, 0).sm90_variant, 1);
+    EXPECT_EQ(sel(shape(8192, 128), num(DType::BFloat16), 9, 0).sm90_variant, 0);  // none at D = 128
   }
   {
-    EnvScope e("FLASHATTN_CUDA_SM90_VARIANT", "0");
-    EXPECT_EQ(select_kernel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
+    OverrideScope e("FLASHATTN_CUDA_SM90_VARIANT", "0");
+    EXPECT_EQ(sel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0).sm90_variant, 0);
   }
 }
 
 TEST(CudaSelect, DeterministicMeansTheSplitBackward) {
   for (int cc : {8, 9}) {
-    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::BFloat16, Mask::None, Precision::Fp32, true), cc, 0);
+    const Sel c = sel(shape(4096, 64), num(DType::BFloat16, Mask::None, Precision::Fp32, true), cc, 0);
     ASSERT_TRUE(c.ok);
     EXPECT_FALSE(c.atomic_bwd) << "sm_" << cc << "0";
     EXPECT_FALSE(c.sm90_bwd) << "sm_" << cc << "0";
   }
   // ... whatever FLASHATTN_CUDA_BWD says.
-  EnvScope e("FLASHATTN_CUDA_BWD", "atomic");
-  EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::BFloat16, Mask::None, Precision::Fp32, true), 9, 0).atomic_bwd);
-  EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::BFloat16), 8, 0).atomic_bwd);
+  OverrideScope e("FLASHATTN_CUDA_BWD", "atomic");
+  EXPECT_FALSE(sel(shape(4096, 128), num(DType::BFloat16, Mask::None, Precision::Fp32, true), 9, 0).atomic_bwd);
+  EXPECT_TRUE(sel(shape(4096, 128), num(DType::BFloat16), 8, 0).atomic_bwd);
 }
 
 TEST(CudaSelect, OnlyComputeCapability90GetsTheSm90aKernels) {
   for (auto [major, minor] : {std::pair{8, 0}, std::pair{8, 9}, std::pair{9, 1}, std::pair{10, 0}, std::pair{12, 0}}) {
-    const KernelChoice c = select_kernel(shape(4096, 128), num(DType::BFloat16), major, minor);
+    const Sel c = sel(shape(4096, 128), num(DType::BFloat16), major, minor);
     ASSERT_TRUE(c.ok);
     EXPECT_FALSE(c.sm90_fwd) << major << "." << minor;
     EXPECT_FALSE(c.sm90_bwd) << major << "." << minor;
     EXPECT_FALSE(c.atomic_bwd) << major << "." << minor << ": D = 128 defaults to split off sm_90";
   }
-  EnvScope e("FLASHATTN_CUDA_ARCH", "sm80");
-  const KernelChoice c = select_kernel(shape(4096, 128), num(DType::BFloat16), 9, 0);
+  OverrideScope e("FLASHATTN_CUDA_ARCH", "sm80");
+  const Sel c = sel(shape(4096, 128), num(DType::BFloat16), 9, 0);
   EXPECT_FALSE(c.sm90_fwd);
   EXPECT_FALSE(c.sm90_bwd);
 }
@@ -100,11 +198,11 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   // precision fp32 -> 3xTF32 everywhere from sm_80; tf32 -> the wgmma forward at D <= 128 on 9.0
   // and the wgmma backward (both passes) at padded D = 64 and 128; fp32 at padded D = 128: the
   // 3xTF32 wgmma forward and backward.
-  EXPECT_EQ(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
-  EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
-  EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
+  EXPECT_EQ(sel(shape(4096, 128), num(DType::Float32), 9, 0).math, Math::Tf32x3);
+  EXPECT_TRUE(sel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+  EXPECT_TRUE(sel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
   for (int64_t d : {1, 64, 100, 128}) {
-    const KernelChoice c = select_kernel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
+    const Sel c = sel(shape(4096, d), num(DType::Float32, Mask::None, Precision::Tf32), 9, 0);
     ASSERT_TRUE(c.ok);
     EXPECT_EQ(c.math, Math::Tf32);
     EXPECT_TRUE(c.sm90_fwd) << "D = " << d;
@@ -113,98 +211,98 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
   }
   for (Mask m : {Mask::None, Mask::CausalTopLeft})
     for (int64_t s : {1, 1024, 16384})
-      EXPECT_TRUE(select_kernel(shape(s, 64), num(DType::Float32, m, Precision::Tf32), 9, 0).tf32_dkv_wgmma)
+      EXPECT_TRUE(sel(shape(s, 64), num(DType::Float32, m, Precision::Tf32), 9, 0).tf32_dkv_wgmma)
           << "S = " << s;
   const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
-  EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_fwd);
-  EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 8, 0).sm90_fwd);
-  EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 8, 0).sm90_bwd);
+  EXPECT_FALSE(sel(shape(4096, 256), tf32, 9, 0).sm90_fwd);
+  EXPECT_FALSE(sel(shape(4096, 64), tf32, 8, 0).sm90_fwd);
+  EXPECT_FALSE(sel(shape(4096, 64), tf32, 8, 0).sm90_bwd);
   {
-    EnvScope e("FLASHATTN_CUDA_ARCH", "sm80");
-    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_fwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
+    OverrideScope e("FLASHATTN_CUDA_ARCH", "sm80");
+    EXPECT_FALSE(sel(shape(4096, 64), tf32, 9, 0).sm90_fwd);
+    EXPECT_FALSE(sel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
   }
   {
-    EnvScope e("FLASHATTN_CUDA_MATH", "3xtf32");  // the override wins over the precision option
-    const KernelChoice c = select_kernel(shape(4096, 128), tf32, 9, 0);
+    OverrideScope e("FLASHATTN_CUDA_MATH", "3xtf32");  // the override wins over the precision option
+    const Sel c = sel(shape(4096, 128), tf32, 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);  // the 3xTF32 wgmma forward
     EXPECT_TRUE(c.sm90_bwd && c.f32_pair);  // and backward
-    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_fwd);  // (at padded D = 64 as well)
-    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).f32_pair);  // the 3xTF32 wgmma backward
+    EXPECT_TRUE(sel(shape(4096, 64), tf32, 9, 0).sm90_fwd);  // (at padded D = 64 as well)
+    EXPECT_TRUE(sel(shape(4096, 64), tf32, 9, 0).f32_pair);  // the 3xTF32 wgmma backward
   }
   {
-    EnvScope e("FLASHATTN_CUDA_MATH", "tf32");  // and the other way round: tf32's kernels
-    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
+    OverrideScope e("FLASHATTN_CUDA_MATH", "tf32");  // and the other way round: tf32's kernels
+    const Sel c = sel(shape(4096, 64), num(DType::Float32), 9, 0);
     EXPECT_TRUE(c.sm90_fwd);
     EXPECT_TRUE(c.sm90_bwd);
   }
   {
-    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma-dq");
-    EXPECT_TRUE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
-    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
-    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).tf32_dkv_wgmma);  // (no mma.sync dK/dV variant there)
-    EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).sm90_bwd);
-    EXPECT_TRUE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).f32_pair);  // 3xTF32: unaffected
+    OverrideScope e("FLASHATTN_CUDA_TF32_BWD", "wgmma-dq");
+    EXPECT_TRUE(sel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(sel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
+    EXPECT_TRUE(sel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
+    EXPECT_TRUE(sel(shape(4096, 128), tf32, 9, 0).tf32_dkv_wgmma);  // (no mma.sync dK/dV variant there)
+    EXPECT_FALSE(sel(shape(4096, 256), tf32, 9, 0).sm90_bwd);
+    EXPECT_TRUE(sel(shape(4096, 128), num(DType::Float32), 9, 0).f32_pair);  // 3xTF32: unaffected
   }
   {
     // The fp32-accurate wgmma forward: the default at padded D = 64 and 128 on 9.0 only;
     // FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
-    const KernelChoice c = select_kernel(shape(4096, 128), num(DType::Float32), 9, 0);
+    const Sel c = sel(shape(4096, 128), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_fwd);
-    EXPECT_TRUE(select_kernel(shape(4096, 97), num(DType::Float32), 9, 0).sm90_fwd);
-    EXPECT_TRUE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
-    EXPECT_TRUE(select_kernel(shape(1024, 40), num(DType::Float32), 9, 0).sm90_fwd);  // padded to 64
-    EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
+    EXPECT_TRUE(sel(shape(4096, 97), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_TRUE(sel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_TRUE(sel(shape(1024, 40), num(DType::Float32), 9, 0).sm90_fwd);  // padded to 64
+    EXPECT_FALSE(sel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(sel(shape(4096, 128), num(DType::Float32), 8, 0).sm90_fwd);
     {
-      EnvScope e("FLASHATTN_CUDA_FP32_FWD", "mma");
-      EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
-      EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
+      OverrideScope e("FLASHATTN_CUDA_FP32_FWD", "mma");
+      EXPECT_FALSE(sel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_fwd);
+      EXPECT_FALSE(sel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_fwd);
     }
-    EnvScope e("FLASHATTN_CUDA_FP32_FWD", "wgmma");
-    for (int64_t d : {1, 40, 64, 128}) EXPECT_TRUE(select_kernel(shape(4096, d), num(DType::Float32), 9, 0).sm90_fwd) << d;
-    EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_fwd);
+    OverrideScope e("FLASHATTN_CUDA_FP32_FWD", "wgmma");
+    for (int64_t d : {1, 40, 64, 128}) EXPECT_TRUE(sel(shape(4096, d), num(DType::Float32), 9, 0).sm90_fwd) << d;
+    EXPECT_FALSE(sel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_fwd);
+    EXPECT_FALSE(sel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_fwd);
   }
   {
     // The pair kernels: the default at padded D = 128, a choice at 64.
-    EXPECT_TRUE(select_kernel(shape(4096, 128), tf32, 9, 0).f32_pair);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).f32_pair);
-    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "pair");
-    const KernelChoice c = select_kernel(shape(4096, 64), tf32, 9, 0);
+    EXPECT_TRUE(sel(shape(4096, 128), tf32, 9, 0).f32_pair);
+    EXPECT_FALSE(sel(shape(4096, 64), tf32, 9, 0).f32_pair);
+    OverrideScope e("FLASHATTN_CUDA_TF32_BWD", "pair");
+    const Sel c = sel(shape(4096, 64), tf32, 9, 0);
     EXPECT_TRUE(c.sm90_bwd && c.tf32_dkv_wgmma && c.f32_pair);
-    EXPECT_FALSE(select_kernel(shape(4096, 256), tf32, 9, 0).f32_pair);
+    EXPECT_FALSE(sel(shape(4096, 256), tf32, 9, 0).f32_pair);
   }
   {
     // The fp32-accurate wgmma backward: the default at padded D = 64 and 128 on 9.0 only (the
     // pair kernels).
-    const KernelChoice c = select_kernel(shape(4096, 64), num(DType::Float32), 9, 0);
+    const Sel c = sel(shape(4096, 64), num(DType::Float32), 9, 0);
     EXPECT_EQ(c.math, Math::Tf32x3);
     EXPECT_TRUE(c.sm90_bwd && c.tf32_dkv_wgmma && c.f32_pair);
     EXPECT_TRUE(c.sm90_fwd);  // the 3xTF32 wgmma forward (the default there too)
     for (int64_t d : {65, 100, 128}) {
-      const KernelChoice c128 = select_kernel(shape(4096, d), num(DType::Float32), 9, 0);
+      const Sel c128 = sel(shape(4096, d), num(DType::Float32), 9, 0);
       EXPECT_TRUE(c128.sm90_bwd && c128.tf32_dkv_wgmma && c128.f32_pair) << "D = " << d;
     }
-    EXPECT_FALSE(select_kernel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_bwd);
-    EnvScope e("FLASHATTN_CUDA_FP32_BWD", "mma");
-    EXPECT_FALSE(select_kernel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
+    EXPECT_FALSE(sel(shape(4096, 256), num(DType::Float32), 9, 0).sm90_bwd);
+    EXPECT_FALSE(sel(shape(4096, 64), num(DType::Float32), 8, 0).sm90_bwd);
+    OverrideScope e("FLASHATTN_CUDA_FP32_BWD", "mma");
+    EXPECT_FALSE(sel(shape(4096, 64), num(DType::Float32), 9, 0).sm90_bwd);
+    EXPECT_FALSE(sel(shape(4096, 128), num(DType::Float32), 9, 0).sm90_bwd);
   }
   {
-    EnvScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
-    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
-    EXPECT_FALSE(select_kernel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
+    OverrideScope e("FLASHATTN_CUDA_TF32_BWD", "mma");
+    EXPECT_FALSE(sel(shape(4096, 64), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(sel(shape(4096, 128), tf32, 9, 0).sm90_bwd);
+    EXPECT_FALSE(sel(shape(4096, 64), tf32, 9, 0).tf32_dkv_wgmma);
   }
   // Before sm_80 there is no TF32: the FMA kernels in both precisions; asking for TF32 is an error.
-  EXPECT_EQ(select_kernel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 7, 5).math, Math::Fma);
-  EnvScope e("FLASHATTN_CUDA_MATH", "tf32");
-  const KernelChoice old = select_kernel(shape(4096, 64), num(DType::Float32), 7, 5);
+  EXPECT_EQ(sel(shape(4096, 64), num(DType::Float32, Mask::None, Precision::Tf32), 7, 5).math, Math::Fma);
+  OverrideScope e("FLASHATTN_CUDA_MATH", "tf32");
+  const Sel old = sel(shape(4096, 64), num(DType::Float32), 7, 5);
   EXPECT_FALSE(old.ok);
   EXPECT_NE(old.why.find("sm_80"), std::string::npos) << old.why;
 }
@@ -214,33 +312,33 @@ TEST(CudaSelect, Float32ArithmeticAndTheTf32HopperKernels) {
 TEST(CudaSelect, Tf32ForwardCopies) {
   const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
   const Numerics tf32c = num(DType::Float32, Mask::CausalTopLeft, Precision::Tf32);
-  EXPECT_EQ(select_kernel(shape(1024, 128), tf32, 9, 0).tf32_fwd_copies, 1);
-  EXPECT_EQ(select_kernel(shape(2048, 128), tf32, 9, 0).tf32_fwd_copies, 2);
-  EXPECT_EQ(select_kernel(shape(2048, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
-  EXPECT_EQ(select_kernel(shape(4096, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
-  EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 2);
-  EXPECT_EQ(select_kernel(shape(256, 64), tf32, 9, 0).tf32_fwd_copies, 1);
-  EXPECT_EQ(select_kernel(shape(255, 64), tf32, 9, 0).tf32_fwd_copies, 0);
-  EXPECT_EQ(select_kernel(shape(256, 64), tf32c, 9, 0).tf32_fwd_copies, 0);
-  EXPECT_EQ(select_kernel(shape(512, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(sel(shape(1024, 128), tf32, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(sel(shape(2048, 128), tf32, 9, 0).tf32_fwd_copies, 2);
+  EXPECT_EQ(sel(shape(2048, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(sel(shape(4096, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
+  EXPECT_EQ(sel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 2);
+  EXPECT_EQ(sel(shape(256, 64), tf32, 9, 0).tf32_fwd_copies, 1);
+  EXPECT_EQ(sel(shape(255, 64), tf32, 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(sel(shape(256, 64), tf32c, 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(sel(shape(512, 64), tf32c, 9, 0).tf32_fwd_copies, 1);
   Shape gqa = shape(1024, 128);
   gqa.heads_kv = gqa.heads_q / 2;
-  EXPECT_EQ(select_kernel(gqa, tf32, 9, 0).tf32_fwd_copies, 2);  // each key seen by 2 x 1024 rows
+  EXPECT_EQ(sel(gqa, tf32, 9, 0).tf32_fwd_copies, 2);  // each key seen by 2 x 1024 rows
   // Only the tf32 sm_90a forward has them.
-  EXPECT_EQ(select_kernel(shape(16384, 128), num(DType::Float32), 9, 0).tf32_fwd_copies, 0);
-  EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 8, 0).tf32_fwd_copies, 0);
-  EXPECT_EQ(select_kernel(shape(16384, 256), tf32, 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(sel(shape(16384, 128), num(DType::Float32), 9, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(sel(shape(16384, 128), tf32, 8, 0).tf32_fwd_copies, 0);
+  EXPECT_EQ(sel(shape(16384, 256), tf32, 9, 0).tf32_fwd_copies, 0);
   {
-    EnvScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "none");
-    EXPECT_EQ(select_kernel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 0);
+    OverrideScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "none");
+    EXPECT_EQ(sel(shape(16384, 128), tf32, 9, 0).tf32_fwd_copies, 0);
   }
   {
-    EnvScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "kv");
-    EXPECT_EQ(select_kernel(shape(128, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
+    OverrideScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "kv");
+    EXPECT_EQ(sel(shape(128, 64), tf32c, 9, 0).tf32_fwd_copies, 2);
   }
-  EnvScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "bogus");
+  OverrideScope e("FLASHATTN_CUDA_TF32_FWD_COPIES", "bogus");
   try {
-    (void)select_kernel(shape(1024, 64), tf32, 9, 0);
+    (void)sel(shape(1024, 64), tf32, 9, 0);
     ADD_FAILURE() << "FLASHATTN_CUDA_TF32_FWD_COPIES=bogus was accepted";
   } catch (const Error& err) {
     EXPECT_EQ(err.status(), Status::InvalidArgument);
@@ -249,24 +347,24 @@ TEST(CudaSelect, Tf32ForwardCopies) {
 }
 
 TEST(CudaSelect, UnsupportedProblemsSayWhy) {
-  const KernelChoice old16 = select_kernel(shape(128, 64), num(DType::Float16), 7, 5);
+  const Sel old16 = sel(shape(128, 64), num(DType::Float16), 7, 5);
   EXPECT_FALSE(old16.ok);
   EXPECT_NE(old16.why.find("sm_80"), std::string::npos) << old16.why;
   EXPECT_NE(old16.why.find("float16"), std::string::npos) << old16.why;
-  const KernelChoice wide = select_kernel(shape(128, 300), num(DType::BFloat16), 9, 0);
+  const Sel wide = sel(shape(128, 300), num(DType::BFloat16), 9, 0);
   EXPECT_FALSE(wide.ok);
   EXPECT_NE(wide.why.find("300"), std::string::npos) << wide.why;
-  const KernelChoice f64 = select_kernel(shape(128, 64), num(DType::Float64), 9, 0);
+  const Sel f64 = sel(shape(128, 64), num(DType::Float64), 9, 0);
   EXPECT_FALSE(f64.ok);
   EXPECT_NE(f64.why.find("float64"), std::string::npos) << f64.why;
 }
 
 TEST(CudaSelect, UnknownOverrideValuesAreErrorsNamingTheVariable) {
   for (const char* var : {"FLASHATTN_CUDA_MATH", "FLASHATTN_CUDA_BWD", "FLASHATTN_CUDA_ARCH", "FLASHATTN_CUDA_SM90_VARIANT"}) {
-    EnvScope e(var, "bogus");
+    OverrideScope e(var, "bogus");
     try {
-      (void)select_kernel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0);
-      (void)select_kernel(shape(512, 64), num(DType::Float32), 9, 0);
+      (void)sel(shape(512, 64), num(DType::BFloat16, Mask::CausalTopLeft), 9, 0);
+      (void)sel(shape(512, 64), num(DType::Float32), 9, 0);
       ADD_FAILURE() << var << "=bogus was accepted";
     } catch (const Error& err) {
       EXPECT_EQ(err.status(), Status::InvalidArgument) << var;
@@ -277,40 +375,193 @@ TEST(CudaSelect, UnknownOverrideValuesAreErrorsNamingTheVariable) {
 }
 
 TEST(CudaSelect, PingPongRule) {
-  EXPECT_TRUE(use_pingpong(shape(16384, 64), 64));
-  EXPECT_TRUE(use_pingpong(shape(4096, 128), 128));
-  EXPECT_FALSE(use_pingpong(shape(8192, 128), 128));
-  EXPECT_FALSE(use_pingpong(shape(512, 256, 8192), 256));
-  EnvScope e("FLASHATTN_CUDA_PINGPONG", "1");
-  EXPECT_TRUE(use_pingpong(shape(8192, 128), 128));
+  auto pp = [](const Shape& sh) { return sel(sh, num(DType::BFloat16), 9, 0).fwd().pingpong; };
+  EXPECT_TRUE(pp(shape(16384, 64)));
+  EXPECT_TRUE(pp(shape(4096, 128)));
+  EXPECT_FALSE(pp(shape(8192, 128)));
+  EXPECT_FALSE(pp(shape(512, 256, 8192)));
+  OverrideScope e("FLASHATTN_CUDA_PINGPONG", "1");
+  EXPECT_TRUE(pp(shape(8192, 128)));
 }
 
 TEST(CudaSelect, PersistentCtas) {
   // By default one CTA per block; the override runs a count, one per multiprocessor, or one per
   // block (0).
-  EXPECT_EQ(persistent_ctas(1000, 132), 1000);
-  EXPECT_EQ(persistent_ctas(17, 132), 17);
-  EXPECT_EQ(persistent_ctas(0, 132), 1);
+  EXPECT_EQ(persistent_ctas(1000, 0), 1000);
+  EXPECT_EQ(persistent_ctas(17, 0), 17);
+  EXPECT_EQ(persistent_ctas(0, 0), 1);
+  EXPECT_EQ(persistent_ctas(1000, 3), 3);
+  EXPECT_EQ(persistent_ctas(2, 3), 2);
+  const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
+  EXPECT_EQ(sel(shape(4096, 128), tf32, 9, 0).bwd().persistent_cap, 0);
   {
-    EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "sms");
-    EXPECT_EQ(persistent_ctas(1000, 132), 132);
-    EXPECT_EQ(persistent_ctas(17, 132), 17);
+    OverrideScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "sms");
+    EXPECT_EQ(sel(shape(4096, 128), tf32, 9, 0).bwd().persistent_cap, 132);
   }
   {
-    EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "3");
-    EXPECT_EQ(persistent_ctas(1000, 132), 3);
-    EXPECT_EQ(persistent_ctas(2, 132), 2);
+    OverrideScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "3");
+    EXPECT_EQ(sel(shape(4096, 128), tf32, 9, 0).bwd().persistent_cap, 3);
+    EXPECT_EQ(sel(shape(4096, 64), tf32, 9, 0).bwd().persistent_cap, 0);  // the split kernels do not walk
   }
-  {
-    EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "0");
-    EXPECT_EQ(persistent_ctas(1000, 132), 1000);
-  }
-  EnvScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "many");
+  OverrideScope e("FLASHATTN_CUDA_PERSISTENT_CTAS", "many");
   try {
-    persistent_ctas(1000, 132);
+    (void)sel(shape(4096, 128), tf32, 9, 0);
     ADD_FAILURE() << "no error";
   } catch (const Error& x) {
     EXPECT_NE(std::string(x.what()).find("FLASHATTN_CUDA_PERSISTENT_CTAS"), std::string::npos) << x.what();
+  }
+}
+
+TEST(CudaSelect, ConvertCtasAQuarterOfTheMultiprocessors) {
+  const Numerics tf32 = num(DType::Float32, Mask::None, Precision::Tf32);
+  EXPECT_EQ(sel(shape(4096, 128), tf32, 9, 0).bwd().convert_ctas, 33);
+  OverrideScope e("FLASHATTN_CUDA_CONVERT_CTAS", "0");
+  EXPECT_EQ(sel(shape(4096, 128), tf32, 9, 0).bwd().convert_ctas, 0);
+}
+
+// Alignment and the copy engine are decided by selection, once: operands the sm_90a kernels cannot
+// map or read in 16-byte vectors get the mma.sync kernels (no launcher falls back later).
+TEST(CudaSelect, OperandsTheCopyEngineCannotAddressGetTheSm80Kernels) {
+  const Shape s = shape(1024, 128);
+  for (const Numerics& n : {num(DType::BFloat16), num(DType::Float32, Mask::None, Precision::Tf32), num(DType::Float32)}) {
+    const bool half = n.dtype != DType::Float32;
+    {
+      ForwardParams p = fparams(s, n);
+      EXPECT_NE(select_forward(p, dev(9, 0), Overrides{}).plan.kernel, half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+      p.q.ptr = static_cast<const char*>(p.q.ptr) + 8;  // 8-byte aligned only
+      const ForwardPlan f = select_forward(p, dev(9, 0), Overrides{}).plan;
+      EXPECT_EQ(f.kernel, half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+      EXPECT_FALSE(f.vec16);
+      EXPECT_EQ(f.workspace, 0u);
+    }
+    {
+      // K broadcast over the batch (stride 0): vectors fine, no tensor map.
+      ForwardParams p = fparams(s, n);
+      p.k.sb = 0;
+      const ForwardPlan f = select_forward(p, dev(9, 0), Overrides{}).plan;
+      EXPECT_TRUE(f.vec16);
+      if (half) EXPECT_EQ(f.kernel, FwdKernel::Sm80Mma16);
+      BackwardParams b = bparams(s, n);
+      b.v.sh = 0;
+      const BackwardPlan bp = select_backward(b, dev(9, 0), Overrides{}).plan;
+      EXPECT_TRUE(bp.kernel == BwdKernel::Sm80Mma32Split || bp.kernel == BwdKernel::Sm80Mma16Atomic)
+          << kernel_name(bp.kernel);
+    }
+    {
+      // A dim of extent 1 is never stepped over: any stride will do.
+      Shape one = s;
+      one.batch = 1;
+      ForwardParams p = fparams(one, n);
+      p.q.sb = p.k.sb = p.v.sb = 0;  // a zero stride the copy engine would refuse
+      EXPECT_NE(select_forward(p, dev(9, 0), Overrides{}).plan.kernel, half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+    }
+    // A driver without the tensor-map encoder: no sm_90a kernels.
+    DeviceCaps no_tma = dev(9, 0);
+    no_tma.tma = false;
+    EXPECT_EQ(select_forward(fparams(s, n), no_tma, Overrides{}).plan.kernel, half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+  }
+  // Contiguous float32 rows of 97 elements (388 bytes): not 16-byte aligned, so the mma.sync kernels
+  // with 4-byte copies, whatever the head dim's padding would allow.
+  {
+    const Shape s97 = shape(4096, 97);
+    ForwardParams p97 = fparams(s97, num(DType::Float32, Mask::None, Precision::Tf32));
+    for (In4* o : {&p97.q, &p97.k, &p97.v}) *o = In4{o->ptr, 8 * 4096 * 97, 4096 * 97, 97};
+    const ForwardPlan f97 = select_forward(p97, dev(9, 0), Overrides{}).plan;
+    EXPECT_EQ(f97.kernel, FwdKernel::Sm80Mma32);
+    EXPECT_FALSE(f97.vec16);
+    EXPECT_EQ(f97.dp, 128);
+  }
+  // A row stride that is not a multiple of 16 bytes: neither vectors nor maps.
+  ForwardParams p = fparams(shape(100, 60), num(DType::BFloat16));
+  p.q.ss = 60;
+  p.q.sh = 60 * 100;
+  p.q.sb = 60 * 100 * 8;
+  const ForwardPlan f = select_forward(p, dev(9, 0), Overrides{}).plan;
+  EXPECT_FALSE(f.vec16);
+  EXPECT_EQ(f.kernel, FwdKernel::Sm80Mma16);
+}
+
+TEST(CudaSelect, TmaRules) {
+  const Shape s = shape(64, 64);
+  In4 x{reinterpret_cast<const void*>(0x1000), 8 * 64 * 64, 64 * 64, 64};
+  EXPECT_TRUE(tma_ok(x, 2, 2, 8, 64));
+  In4 odd = x;
+  odd.ptr = reinterpret_cast<const void*>(0x1008);
+  EXPECT_FALSE(tma_ok(odd, 2, 2, 8, 64));
+  In4 zero = x;
+  zero.sh = 0;
+  EXPECT_FALSE(tma_ok(zero, 2, 2, 8, 64));
+  EXPECT_TRUE(tma_ok(zero, 2, 2, 1, 64));  // one head: its stride is never used
+  In4 huge = x;
+  huge.sb = int64_t{1} << 40;
+  EXPECT_FALSE(tma_ok(huge, 4, 2, 8, 64));
+  (void)s;
+}
+
+// The plan carries the call's scratch: D, plus the dQ accumulator of the atomic design or the
+// float32 sm_90a kernels' operand copies.
+TEST(CudaSelect, WorkspaceOfEachPlan) {
+  const Shape s = shape(1000, 64);
+  const size_t rows = 2 * 8 * 1000, delta = (rows + 3) / 4 * 4;
+  const Sel atomic = sel(s, num(DType::BFloat16), 9, 0);
+  ASSERT_TRUE(atomic.atomic_bwd);
+  EXPECT_EQ(atomic.bwd().workspace, (delta + rows * 64) * sizeof(float));
+  EXPECT_EQ(atomic.fwd().workspace, 0u);
+  const Sel split = sel(s, num(DType::BFloat16, Mask::None, Precision::Fp32, true), 9, 0);
+  EXPECT_EQ(split.bwd().workspace, delta * sizeof(float));
+  const Sel x3 = sel(s, num(DType::Float32), 9, 0);
+  ASSERT_EQ(x3.fwd().kernel, FwdKernel::Sm90X3);
+  const size_t nk = 2 * 8 * 1000 * 64, nkt = 2 * 8 * 1000 * 64;  // (1000 is a multiple of 8)
+  EXPECT_EQ(x3.fwd().workspace, (2 * nk + 2 * nkt) * sizeof(float));
+  ASSERT_EQ(x3.bwd().kernel, BwdKernel::Sm90Wgmma32);
+  EXPECT_EQ(x3.bwd().workspace, (delta + 2 * (2 * nk + 2 * nkt + 2 * nk + nkt) + 4) * sizeof(float));
+  EXPECT_EQ(sel(s, num(DType::Float32), 8, 0).fwd().workspace, 0u);
+}
+
+TEST(CudaSelect, SharedMemoryLimitsSayWhy) {
+  DeviceCaps small = dev(8, 0);
+  small.smem_optin = 48 * 1024;
+  const Selected<ForwardPlan> f = select_forward(fparams(shape(128, 256), num(DType::Float32)), small, Overrides{});
+  EXPECT_FALSE(f.ok);
+  EXPECT_NE(f.why.find("shared memory"), std::string::npos) << f.why;
+  EXPECT_NE(f.why.find("49152"), std::string::npos) << f.why;
+}
+
+TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
+  const Overrides o = ov({{"FLASHATTN_CUDA_ARCH", "sm80"},
+                          {"FLASHATTN_CUDA_MATH", "fma"},
+                          {"FLASHATTN_CUDA_BWD", "atomic"},
+                          {"FLASHATTN_CUDA_SM90_VARIANT", "1"},
+                          {"FLASHATTN_CUDA_PINGPONG", "0"},
+                          {"FLASHATTN_CUDA_TF32_FWD_COPIES", "kv"},
+                          {"FLASHATTN_CUDA_FP32_FWD", "mma"},
+                          {"FLASHATTN_CUDA_TF32_BWD", "pair"},
+                          {"FLASHATTN_CUDA_FP32_BWD", "wgmma"},
+                          {"FLASHATTN_CUDA_PERSISTENT_CTAS", "sms"},
+                          {"FLASHATTN_CUDA_CONVERT_CTAS", "7"}});
+  EXPECT_EQ(o.arch, 0);
+  EXPECT_EQ(o.math, static_cast<int>(Math::Fma));
+  EXPECT_EQ(o.bwd, 1);
+  EXPECT_EQ(o.sm90_variant, 1);
+  EXPECT_EQ(o.pingpong, 0);
+  EXPECT_EQ(o.tf32_fwd_copies, 2);
+  EXPECT_EQ(o.fp32_fwd, 0);
+  EXPECT_EQ(o.tf32_bwd, 3);
+  EXPECT_EQ(o.fp32_bwd, 1);
+  EXPECT_EQ(o.persistent_ctas, -2);
+  EXPECT_EQ(o.convert_ctas, 7);
+  const Overrides none = ov();
+  EXPECT_EQ(none.arch, -1);
+  EXPECT_EQ(none.persistent_ctas, -1);
+  EXPECT_EQ(ov({{"FLASHATTN_CUDA_MATH", ""}}).math, -1);  // empty: unset
+  for (const char* var : {"FLASHATTN_CUDA_PINGPONG", "FLASHATTN_CUDA_FP32_FWD", "FLASHATTN_CUDA_CONVERT_CTAS"}) {
+    try {
+      (void)ov({{var, "-3x"}});
+      ADD_FAILURE() << var << " = -3x was accepted";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.status(), Status::InvalidArgument);
+      EXPECT_NE(std::string(err.what()).find(var), std::string::npos) << err.what();
+    }
   }
 }
 

@@ -1,5 +1,5 @@
-// The CUDA backend: device checks, the device-dependent half of kernel selection (shared memory;
-// the rules are in select.cpp), workspace, launches.
+// The CUDA backend: device checks and capabilities, then per call the plan of select.cpp, its
+// workspace, and the launches the plan names - a switch, no decisions.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -9,12 +9,15 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <utility>
 
 #include "core/backend.hpp"
-#include "cuda/host/check.hpp"
 #include "cuda/common/config.hpp"
+#include "cuda/host/check.hpp"
 #include "cuda/host/launch.hpp"
+#include "cuda/host/overrides.hpp"
 #include "cuda/host/select.hpp"
+#include "cuda/sm90/tma.hpp"
 
 namespace flashattn::cuda {
 namespace {
@@ -39,82 +42,55 @@ class DeviceGuard {
 };
 
 // ---- runtime -> compile-time, in one place ------------------------------------------------------
+// Calls f(std::integral_constant<int, DP>) for the padded head dim `dp` of a list of
+// common/head_dims.hpp (the generated table the instantiation files come from), so that only
+// instantiated launchers are named.
+template <const auto& Dims, size_t... I, class F>
+void dispatch_dim(int dp, F&& f, std::index_sequence<I...>) {
+  const bool found = ((dp == Dims[I] ? (f(std::integral_constant<int, Dims[I]>{}), true) : false) || ...);
+  if (!found) throw Error(Status::Internal, "cuda dispatch: no kernel for padded head dim " + std::to_string(dp));
+}
+template <const auto& Dims, class F>
+void dispatch_dim(int dp, F&& f) {
+  dispatch_dim<Dims>(dp, f, std::make_index_sequence<std::extent_v<std::remove_reference_t<decltype(Dims)>>>{});
+}
 template <class F>
-void dispatch(const KernelChoice& c, F&& f) {
-  auto with_math = [&](auto dp) {
-    switch (c.math) {
-      case Math::Fma: return f(dp, std::integral_constant<Math, Math::Fma>{});
-      case Math::Tf32: return f(dp, std::integral_constant<Math, Math::Tf32>{});
-      case Math::Tf32x3: return f(dp, std::integral_constant<Math, Math::Tf32x3>{});
-    }
-  };
-  switch (c.dp) {
-    case 64: return with_math(std::integral_constant<int, 64>{});
-    case 128: return with_math(std::integral_constant<int, 128>{});
-    case 256: return with_math(std::integral_constant<int, 256>{});
+void dispatch_math(Math m, F&& f) {
+  switch (m) {
+    case Math::Fma: return f(std::integral_constant<Math, Math::Fma>{});
+    case Math::Tf32: return f(std::integral_constant<Math, Math::Tf32>{});
+    case Math::Tf32x3: return f(std::integral_constant<Math, Math::Tf32x3>{});
   }
-  throw Error(Status::Internal, "cuda dispatch: no kernel for padded head dim " + std::to_string(c.dp));
+}
+template <class F>
+void dispatch_half(Half16 h, F&& f) {
+  if (h == Half16::BF16) return f(std::integral_constant<Half16, Half16::BF16>{});
+  f(std::integral_constant<Half16, Half16::F16>{});
 }
 
-template <class F>
-void dispatch16(const KernelChoice& c, F&& f) {
-  auto with_type = [&](auto dp) {
-    if (c.h == Half16::BF16) return f(dp, std::integral_constant<Half16, Half16::BF16>{});
-    return f(dp, std::integral_constant<Half16, Half16::F16>{});
-  };
-  switch (c.dp) {
-    case 64: return with_type(std::integral_constant<int, 64>{});
-    case 96: return with_type(std::integral_constant<int, 96>{});
-    case 128: return with_type(std::integral_constant<int, 128>{});
-    case 256: return with_type(std::integral_constant<int, 256>{});
+// The device's capabilities, read once per device (a call asks for them every time).
+DeviceCaps device_caps(int device) {
+  static std::mutex mutex;
+  static std::map<int, DeviceCaps> known;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = known.find(device);
+    if (it != known.end()) return it->second;
   }
-  throw Error(Status::Internal, "cuda dispatch16: no kernel for padded head dim " + std::to_string(c.dp));
-}
-
-struct DeviceInfo {
-  int cc_major = 0;
-  int cc_minor = 0;
-  int smem_optin = 0;  // bytes of shared memory one block may opt into
-  int sms = 0;         // multiprocessors
-  bool big() const { return cc_major >= 9; }
-};
-
-DeviceInfo device_info(int device) {
-  DeviceInfo d;
+  DeviceCaps d;
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
-  return d;
+  d.tma = tma_encoder_available();
+  const std::lock_guard<std::mutex> lock(mutex);
+  return known.emplace(device, d).first->second;
 }
 
-KernelChoice choose(const Shape& s, const Numerics& n, const DeviceInfo& d) {
-  KernelChoice c = select_kernel(s, n, d.cc_major, d.cc_minor);
-  if (c.ok) {
-    for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv}) {
-      // The kernel each pass runs: 16-bit sm_90a forward / single-pass backward (no dQ pass);
-      // float32 sm_90a forward (tf32 or 3xTF32) and tf32 backward passes; else mma.sync.
-      int need = 0;
-      if (c.half16) {
-        const bool sm90 = (p == Pass::Forward && c.sm90_fwd) || (p == Pass::Dkv && c.sm90_bwd);
-        need = sm90 ? smem_bytes90(p, c.dp, p == Pass::Dkv ? c.sm90_variant : 0)
-                    : smem_bytes16(p, c.dp, d.big(), c.atomic_bwd);
-      } else if (p == Pass::Forward && c.sm90_fwd) {
-        need = c.math == Math::Tf32x3 ? smem_bytes90_3xtf32(c.dp) : smem_bytes90_tf32(c.dp);
-      } else if ((p == Pass::Dq && c.sm90_bwd) || (p == Pass::Dkv && c.tf32_dkv_wgmma)) {
-        need = smem_bytes90_tf32_bwd(p, c.dp, c.f32_pair, c.math == Math::Tf32x3);
-      } else {
-        need = smem_bytes(p, c.dp, d.big());
-      }
-      if (need > d.smem_optin) {
-        c.ok = false;
-        c.why = "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
-                " bytes of shared memory per block; this device allows " + std::to_string(d.smem_optin);
-      }
-    }
-  }
-  if (!c.ok) throw Error(Status::Unsupported, "CUDA backend: " + c.why);
-  return c;
+template <class Plan>
+Plan unwrap(Selected<Plan> r) {
+  if (!r.ok) throw Error(Status::Unsupported, "CUDA backend: " + r.why);
+  return r.plan;
 }
 
 }  // namespace
@@ -252,99 +228,100 @@ void check_device_pointer(const void* ptr, int32_t device, const char* what) {
 
 void forward(const ForwardParams& p) {
   DeviceGuard guard(p.exec.device);
-  const DeviceInfo info = device_info(p.exec.device);
-  const KernelChoice c = choose(p.shape, p.num, info);
+  const ForwardPlan plan = unwrap(select_forward(p, device_caps(p.exec.device), overrides()));
+  auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  Workspace ws(plan.workspace, stream);
   FwdArgs a{};
-  a.big = info.big();
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
-  const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
-  a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
-  a.pingpong = c.sm90_fwd && use_pingpong(p.shape, c.dp);
-  a.tf32_copies = c.tf32_fwd_copies;
-  auto stream = static_cast<cudaStream_t>(p.exec.stream);
-  if (c.half16) {
-    dispatch16(c, [&](auto dp, auto h) {
-      constexpr int DP = decltype(dp)::value;
-      if constexpr (has_sm90(Pass::Forward, DP)) {
-        if (c.sm90_fwd && a.vec16 && launch_forward_sm90<DP, decltype(h)::value>(a, stream)) return;
-      }
-      launch_forward16<DP, decltype(h)::value>(a, stream);
-    });
-    return;
+  a.vec16 = plan.vec16;
+  a.big = plan.big;
+  a.pingpong = plan.pingpong;
+  a.tf32_copies = plan.tf32_copies;
+  a.workspace = ws.get();
+  switch (plan.kernel) {
+    case FwdKernel::Sm80Mma32:
+      return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
+        dispatch_math(plan.math, [&](auto m) { launch_forward<decltype(dp)::value, decltype(m)::value>(a, stream); });
+      });
+    case FwdKernel::Sm80Mma16:
+      return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
+        dispatch_half(plan.h, [&](auto h) { launch_forward16<decltype(dp)::value, decltype(h)::value>(a, stream); });
+      });
+    case FwdKernel::Sm90Wgmma16:
+      return dispatch_dim<kSm90Forward16>(plan.dp, [&](auto dp) {
+        dispatch_half(plan.h, [&](auto h) { launch_forward_sm90<decltype(dp)::value, decltype(h)::value>(a, stream); });
+      });
+    case FwdKernel::Sm90Tf32:
+      return dispatch_dim<kSm90Tf32Forward>(plan.dp, [&](auto dp) { launch_forward_tf32_sm90<decltype(dp)::value>(a, stream); });
+    case FwdKernel::Sm90X3:
+      return dispatch_dim<kSm90X3Forward>(plan.dp, [&](auto dp) { launch_forward_3xtf32_sm90<decltype(dp)::value>(a, stream); });
   }
-  dispatch(c, [&](auto dp, auto math) {
-    constexpr int DP = decltype(dp)::value;
-    constexpr Math M = decltype(math)::value;
-    if constexpr (M == Math::Tf32 && has_sm90_tf32(DP)) {
-      if (c.sm90_fwd && a.vec16 && launch_forward_tf32_sm90<DP>(a, stream)) return;
-    }
-    if constexpr (M == Math::Tf32x3 && has_sm90_3xtf32(DP)) {
-      if (c.sm90_fwd && a.vec16 && launch_forward_3xtf32_sm90<DP>(a, stream)) return;
-    }
-    launch_forward<DP, M>(a, stream);
-  });
 }
 
 void backward(const BackwardParams& p) {
   DeviceGuard guard(p.exec.device);
-  const DeviceInfo info = device_info(p.exec.device);
-  const KernelChoice c = choose(p.shape, p.num, info);
+  const BackwardPlan plan = unwrap(select_backward(p, device_caps(p.exec.device), overrides()));
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   const Shape& s = p.shape;
-  // Workspace: D [B*Hq*Sq] floats, then (atomic design) the float32 dQ accumulator
-  // [B*Hq*Sq, DP], zeroed on the stream.
+  // Workspace (BackwardPlan::workspace): D [B*Hq*Sq] floats, then, 16-byte aligned, the float32 dQ
+  // accumulator [B*Hq*Sq, DP] of the atomic design (zeroed on the stream) or the float32 sm_90a
+  // backward's operand copies.
+  Workspace ws(plan.workspace, stream);
   const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
-  const size_t accum = c.atomic_bwd ? rows * static_cast<size_t>(c.dp) : 0;
-  // The accumulator starts 16-byte aligned (vector reductions of the sm_90 kernel need 8).
-  const size_t accum_at = (rows + 3) / 4 * 4;
-  Workspace ws((accum_at + accum) * sizeof(float), stream);
+  const size_t after_delta = (rows + 3) / 4 * 4;
   BwdArgs a{};
   a.p = p;
   a.sl2 = p.num.scale * 1.4426950408889634f;
-  const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
-  a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e) &&
-            vec_ok(p.dout, e) && vec_ok(p.dq, e) && vec_ok(p.dk, e) && vec_ok(p.dv, e);
+  a.vec16 = plan.vec16;
+  a.big = plan.big;
   a.delta = ws.get();
-  a.dq_accum = c.atomic_bwd ? ws.get() + accum_at : nullptr;
-  a.sm90_variant = c.sm90_variant;
-  a.tf32_dkv_wgmma = c.tf32_dkv_wgmma;
-  a.f32_pair = c.f32_pair;
-  a.sms = info.sms;
-  a.big = info.big();
-  if (accum > 0) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, accum * sizeof(float), stream));
-  if (c.half16) {
-    launch_preprocess(a, stream);
-    dispatch16(c, [&](auto dp, auto h) {
-      constexpr int DP = decltype(dp)::value;
-      constexpr Half16 H = decltype(h)::value;
-      if (c.atomic_bwd) {
-        bool done = false;
-        if constexpr (has_sm90(Pass::Dkv, DP)) done = c.sm90_bwd && a.vec16 && launch_dkv_sm90<DP, H>(a, stream);
-        if (!done) launch_dkv16<DP, H, true>(a, stream);
-        launch_dq_convert(a, DP, stream);
-      } else {
-        launch_dq16<DP, H>(a, stream);
-        launch_dkv16<DP, H, false>(a, stream);
-      }
-    });
-    return;
+  a.dq_accum = plan.atomic_dq() ? ws.get() + after_delta : nullptr;
+  a.copies = plan.kernel == BwdKernel::Sm90Wgmma32 ? ws.get() + after_delta : nullptr;
+  a.sm90_variant = plan.sm90_variant;
+  a.tf32_dkv_wgmma = plan.dkv_wgmma;
+  a.f32_pair = plan.pair;
+  a.persistent_cap = plan.persistent_cap;
+  a.convert_ctas = plan.convert_ctas;
+  if (a.dq_accum != nullptr)
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, rows * plan.dp * sizeof(float), stream));
+  switch (plan.kernel) {
+    case BwdKernel::Sm80Mma32Split:
+      launch_preprocess(a, stream);
+      return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
+        dispatch_math(plan.math, [&](auto m) {
+          launch_dq<decltype(dp)::value, decltype(m)::value>(a, stream);
+          launch_dkv<decltype(dp)::value, decltype(m)::value>(a, stream);
+        });
+      });
+    case BwdKernel::Sm80Mma16Split:
+      launch_preprocess(a, stream);
+      return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
+        dispatch_half(plan.h, [&](auto h) {
+          launch_dq16<decltype(dp)::value, decltype(h)::value>(a, stream);
+          launch_dkv16<decltype(dp)::value, decltype(h)::value, false>(a, stream);
+        });
+      });
+    case BwdKernel::Sm80Mma16Atomic:
+      launch_preprocess(a, stream);
+      dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
+        dispatch_half(plan.h, [&](auto h) { launch_dkv16<decltype(dp)::value, decltype(h)::value, true>(a, stream); });
+      });
+      return launch_dq_convert(a, plan.dp, stream);
+    case BwdKernel::Sm90Wgmma16Atomic:
+      launch_preprocess(a, stream);
+      dispatch_dim<kSm90Dkv16>(plan.dp, [&](auto dp) {
+        dispatch_half(plan.h, [&](auto h) { launch_dkv_sm90<decltype(dp)::value, decltype(h)::value>(a, stream); });
+      });
+      return launch_dq_convert(a, plan.dp, stream);
+    case BwdKernel::Sm90Wgmma32:
+      // (These launch the preprocess themselves, beside their operand copies.)
+      if (plan.math == Math::Tf32x3)
+        return dispatch_dim<kSm90X3Backward>(plan.dp, [&](auto dp) { launch_bwd_3xtf32_sm90<decltype(dp)::value>(a, stream); });
+      return dispatch_dim<kSm90Tf32Backward>(plan.dp, [&](auto dp) { launch_bwd_tf32_sm90<decltype(dp)::value>(a, stream); });
   }
-  dispatch(c, [&](auto dp, auto math) {
-    constexpr int DP = decltype(dp)::value;
-    constexpr Math M = decltype(math)::value;
-    if constexpr (M == Math::Tf32 && has_sm90_tf32_bwd(DP)) {
-      if (c.sm90_bwd && a.vec16 && launch_bwd_tf32_sm90<DP>(a, stream)) return;
-    }
-    if constexpr (M == Math::Tf32x3 && has_sm90_3xtf32_bwd(DP)) {
-      if (c.sm90_bwd && a.vec16 && launch_bwd_3xtf32_sm90<DP>(a, stream)) return;
-    }
-    // (The sm_90a kernels above launch the preprocess themselves, beside their operand copies.)
-    launch_preprocess(a, stream);
-    launch_dq<DP, M>(a, stream);
-    launch_dkv<DP, M>(a, stream);
-  });
 }
+
 
 std::string describe() {
   std::ostringstream os;
@@ -360,17 +337,11 @@ std::string describe() {
       os << "; " << d << ": " << prop.name << " (sm_" << prop.major << prop.minor << ", "
          << prop.multiProcessorCount << " SMs)";
   }
-  os << "; float32 kernels forward/dq/dkv for head dims padded to {64,128,256}, math "
-        "3xtf32 (precision fp32; on sm_90 the forward by wgmma for {64,128} (FLASHATTN_CUDA_FP32_FWD=mma "
-        "keeps mma.sync) and the backward by wgmma for {64,128} "
-        "(FLASHATTN_CUDA_FP32_BWD=mma keeps mma.sync)), tf32 (precision tf32; on sm_90 the forward and the backward by "
-        "wgmma for {64,128}, FLASHATTN_CUDA_TF32_BWD=mma keeps the mma.sync backward), fma "
-        "(fallback); float16/bfloat16 kernels "
-        "(mma.sync m16n8k16, sm_80+) for head dims padded to {64,96,128,256}, forward on sm_90 "
-        "by wgmma for {64,128,256} and single-pass backward by wgmma for {64,128,256} "
-        "(FLASHATTN_CUDA_ARCH=sm80 keeps mma.sync), backward single pass with atomic dQ (default "
-        "on sm_90 and at D <= 64 elsewhere) or split (deterministic = 1, and the default from "
-        "D = 96 before sm_90; FLASHATTN_CUDA_BWD=split|atomic)";
+  os << "; float32 (precision fp32: 3xTF32 tensor cores, tf32, FMA before sm_80) and float16/bfloat16 "
+        "(sm_80+) kernels; on sm_90 the wgmma + TMA kernels (16-bit forward and atomic-dQ backward at "
+        "D = 64/128/256, float32 forward and backward at D = 64/128); deterministic = 1 takes the split "
+        "backward";
+  if (overrides_enabled()) os << "; kernel-selection overrides FLASHATTN_CUDA_* enabled (developer build)";
   return os.str();
 }
 

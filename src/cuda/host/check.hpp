@@ -59,13 +59,13 @@ void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_
 // settings alone; what it holds is at most the largest scratch of one call in flight per stream.
 cudaMemPool_t workspace_pool();
 
-// Device scratch of the backward (D workspace, dQ accumulator, tf32 operand copies): stream-ordered
+// Device scratch of a call (a plan's workspace: D, the dQ accumulator, operand copies): stream-ordered
 // memory from workspace_pool(), freed on the stream on every path out (also when a later step
 // throws).
 class Workspace {
  public:
   Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    FLASHATTN_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes, workspace_pool(), stream));
+    if (bytes > 0) FLASHATTN_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes, workspace_pool(), stream));
   }
   ~Workspace() {
     if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);

@@ -8,15 +8,9 @@
 
 #include "core/params.hpp"
 #include "cuda/common/config.hpp"
+#include "cuda/host/select.hpp"  // vec_ok, persistent_ctas
 
 namespace flashattn::cuda {
-
-// 16-byte vector accesses of an operand: an aligned base and strides that are whole multiples of
-// 16 bytes (`per16` elements), so that every row starts 16-byte aligned.
-template <class Op>
-bool vec_ok(const Op& o, int64_t per16) {
-  return reinterpret_cast<uintptr_t>(o.ptr) % 16 == 0 && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
-}
 
 // Kernel arguments (passed by value as __grid_constant__): the validated params plus values
 // derived once on the host.
@@ -26,7 +20,8 @@ struct FwdArgs {
   bool vec16;  // every operand base 16-byte aligned and every stride a multiple of 4 elements
   bool big;    // the device runs the sm_90 cubin: tile_config(..., big = true)
   bool pingpong;  // sm_90a forward: the consumer warpgroups take turns issuing products
-  int tf32_copies;  // tf32 sm_90a forward: operands copied by the pre-pass (KernelChoice::tf32_fwd_copies)
+  int tf32_copies;  // tf32 sm_90a forward: operands copied by the pre-pass (ForwardPlan::tf32_copies)
+  float* workspace;  // ForwardPlan::workspace bytes: the sm_90a float32 forwards' operand copies
 };
 struct BwdArgs {
   BackwardParams p;
@@ -35,12 +30,14 @@ struct BwdArgs {
   bool big;
   float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]
   float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, contiguous [B, Hq, Sq, DP]
+  float* copies;  // float32 sm_90a backward: the operand copies' workspace (after D)
   int sm90_variant;  // sm_90a dK/dV: tile_config90 variant (1: one warpgroup, two CTAs per SM)
   // float32 backward on sm_90a: the dK/dV pass on the wgmma kernel too (the default); otherwise
   // (FLASHATTN_CUDA_TF32_BWD=wgmma-dq, D = 64) the wgmma dQ pass is followed by the mma.sync one.
   bool tf32_dkv_wgmma;
   bool f32_pair;  // float32 backward on sm_90a: the pair kernels (a choice at D = 64 in tf32 mode)
-  int sms;  // the device's multiprocessors: the persistent pair kernels' CTAs (persistent_ctas)
+  long persistent_cap;  // pair kernels: at most this many CTAs walk the blocks (0: one per block)
+  int convert_ctas;  // CTAs writing the Q/dO copies on a side stream (0: in order on the stream)
 };
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.
@@ -60,37 +57,36 @@ template <int DP, Half16 H>
 void launch_dq16(const BwdArgs& a, cudaStream_t stream);
 template <int DP, Half16 H, bool ATOMIC>
 void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
-// sm_90a float16/bfloat16 kernels (kernels_sm90.cuh), instantiated per (pass, DP) in
-// inst/*_sm90_d*.cu; only devices of compute capability 9.0 run them. False (nothing launched)
-// when the copy engine cannot address the operands: the caller runs the sm_80 kernels instead.
+// sm_90a kernels (sm90/), instantiated per DP in inst/*_sm90_d*.cu; only devices of compute
+// capability 9.0 run them, and only for operands selection found the copy engine can address
+// (select.cpp: tma_ok): a tensor map that still fails to encode is an Internal error, never a
+// fallback to another kernel.
+// The float16/bfloat16 forward (sm90/kernels16.cuh).
 template <int DP, Half16 H>
-bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
-// The float32 forward in tf32 mode (kernels_sm90_tf32.cuh), padded D = 64 and 128.
+void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
+// The float32 forward in tf32 mode (sm90/tf32_fwd.cuh), padded D = 64 and 128.
 template <int DP>
-bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream);
+void launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream);
 // The single-pass dK/dV kernel with dQ added into a.dq_accum (then launch_dq_convert).
 template <int DP, Half16 H>
-bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);
+void launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);
 // dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);
-// The float32 backward in tf32 mode on sm_90a, padded D = 64 (kernels_sm90_tf32_bwd.cuh) and 128
-// (kernels_sm90_tf32_bwd_pair.cuh): the operand copies, the wgmma dQ pass and the dK/dV pass (at
-// D = 64 on mma.sync unless a.tf32_dkv_wgmma), and launch_preprocess (beside the K/V copies, on
-// the side stream where one is used). False (nothing launched) when the copy engine cannot
-// address Q, dO, K or V: the caller runs launch_preprocess and the mma.sync kernels.
+// The float32 backward in tf32 mode on sm_90a, padded D = 64 (sm90/tf32_bwd.cuh) and 128
+// (sm90/tf32_bwd_pair.cuh): the operand copies (into a.copies), the wgmma dQ pass and the dK/dV
+// pass (at D = 64 on mma.sync unless a.tf32_dkv_wgmma), and launch_preprocess (beside the K/V
+// copies, on the side stream where one is used).
 template <int DP>
-bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
-// The fp32-accurate (3xTF32) backward on sm_90a, padded D = 64 (the pair kernels with every
+void launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream);
+// The fp32-accurate (3xTF32) backward on sm_90a, padded D = 64 and 128 (the pair kernels with every
 // product in three terms): the operand copies with their small parts, launch_preprocess, the dQ
-// and dK/dV passes. False (nothing launched) when the copy engine cannot address Q, dO, K or V.
+// and dK/dV passes.
 template <int DP>
-bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream);
-// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 64 and 128 (kernels_sm90_3xtf32.cuh; the
-// default at both):
-// the K and V copies, then the kernel. False (nothing launched) when the copy engine cannot
-// address Q.
+void launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream);
+// The fp32-accurate (3xTF32) forward on sm_90a, padded D = 64 and 128 (sm90/x3_fwd.cuh): the K and
+// V copies (into a.workspace), then the kernel.
 template <int DP>
-bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream);
+void launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream);
 // One operand's tf32 copies for the float32 sm_90a kernels: X = x, a float32 [batch, heads, seq,
 // D] operand, rounded to tf32 into xr [B, H, S, dp] and, transposed, into xt [B, H, dp, S rounded
 // up to 8], and the small parts X - tf32(X) in the same layouts, xs and xts (3xTF32); each output

@@ -1,211 +1,288 @@
 // Kernel selection of the CUDA backend (select.hpp). Host code only.
+//
+// Every default below was measured on an H200 with the benchmarks in bench/ (figures and history:
+// docs/PERF.md, docs/perf-log/); each rule says what it won and where.
 #include "cuda/host/select.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
-#include <initializer_list>
 #include <string>
 
 namespace flashattn::cuda {
 namespace {
 
-// The override variables below exist for testing and benchmarking and are read on every call:
-// the index of the variable's value in `names`, or -1 when it is unset or empty; any other value
-// is an InvalidArgument that lists the choices.
-int env_choice(const char* var, std::initializer_list<const char*> names) {
-  const char* env = std::getenv(var);
-  if (env == nullptr || *env == '\0') return -1;
-  int i = 0;
-  std::string list;
-  for (const char* n : names) {
-    if (std::strcmp(env, n) == 0) return i;
-    list += (i == 0 ? "" : i + 1 == static_cast<int>(names.size()) ? " or " : ", ") + std::string(n);
-    ++i;
-  }
-  throw Error(Status::InvalidArgument, std::string(var) + " = '" + env + "' is unknown (" + list + ")");
-}
+int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 
-// A CTA-count override: -1 when `var` is unset or empty; "sms" (where allowed, sms >= 0) the
-// multiprocessor count (at least 1); else a count in [0, max], or an InvalidArgument naming the
-// variable, its value and `meaning`.
-long env_count(const char* var, long max, int sms, const char* meaning) {
-  const char* env = std::getenv(var);
-  if (env == nullptr || *env == '\0') return -1;
-  if (sms >= 0 && std::strcmp(env, "sms") == 0) return sms > 0 ? sms : 1;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  if (*end != '\0' || v < 0 || v > max)
-    throw Error(Status::InvalidArgument, std::string(var) + " = '" + env + "' is not " + meaning);
-  return v;
-}
-
-// FLASHATTN_CUDA_MATH=fma|tf32|3xtf32 overrides the precision option's choice of arithmetic (the
-// FMA kernels are the float32 baseline that the accuracy tests compare against).
-bool math_override(Math* m) {
-  const int i = env_choice("FLASHATTN_CUDA_MATH", {math_name(Math::Fma), math_name(Math::Tf32),
-                                                   math_name(Math::Tf32x3)});
-  if (i >= 0) *m = static_cast<Math>(i);
-  return i >= 0;
-}
-
-// FLASHATTN_CUDA_BWD=split|atomic chooses the 16-bit backward design when the caller did not ask
-// for a deterministic one (tests and benchmarks measure both).
-bool bwd_override(bool* atomic) {
-  const int i = env_choice("FLASHATTN_CUDA_BWD", {"split", "atomic"});
-  if (i >= 0) *atomic = i == 1;
-  return i >= 0;
-}
-
-// FLASHATTN_CUDA_ARCH=sm80 keeps a compute capability 9.0 device on the mma.sync (sm_80) kernels,
-// so that tests and benchmarks can compare both families on one GPU.
-bool sm90_disabled() { return env_choice("FLASHATTN_CUDA_ARCH", {"sm80", "sm90"}) == 0; }
+// 16-bit backward design when the caller did not ask for a deterministic one: the single pass with
+// atomic dQ at D <= 64 (+2-6% over the split passes on an H200) and wherever the sm_90a dK/dV
+// kernel exists; the split passes (dQ pass + dK/dV pass, every sum in a fixed order) from D = 96
+// up before sm_90 (+3-7%).
+bool atomic_default(int dp, bool sm90) { return dp <= 64 || (sm90 && has_sm90(Pass::Dkv, dp)); }
 
 // The sm_90a dK/dV kernel's CTA shape: variant 1 (D = 64: one consumer warpgroup, 64 keys, two
-// CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop). Measured on the
-// H200 (docs/PERF.md, run 7): 3-10% faster with a causal mask at S <= 1024, where CTAs have few
-// and unequal tiles; 2-12% slower elsewhere (dQ is added twice as often per key).
-// FLASHATTN_CUDA_SM90_VARIANT=0|1 overrides.
-int sm90_bwd_variant(const Shape& s, Mask mask, int dp) {
+// CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop): 3-10% faster with
+// a causal mask at S <= 1024, where CTAs have few and unequal tiles; 2-12% slower elsewhere (dQ is
+// added twice as often per key).
+int sm90_bwd_variant(const Shape& s, Mask mask, int dp, const Overrides& ov) {
   if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
-  const int i = env_choice("FLASHATTN_CUDA_SM90_VARIANT", {"0", "1"});
-  if (i >= 0) return i;
+  if (ov.sm90_variant >= 0) return ov.sm90_variant;
   return mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
 }
 
-// The tf32 sm_90a forward's operand copies (KernelChoice::tf32_fwd_copies). The kernel's producer
-// warps transposing V were its limit: with V transposed by the pre-pass it runs 1.3-1.8x faster at
-// every benchmark shape, S = 1k-16k (docs/PERF.md, float32 run 15). Rounding K there too saves the
-// kernel another pass over each K tile in shared memory but costs a read and a write of K: 8-17%
-// faster at S >= 4k, even at S = 1k non-causal, 6% slower at S = 1k causal. Each copy costs per
-// key what the kernel gains per key times the query rows that see it (Sq x the GQA group, halved
-// under a causal mask): V's pays from 256 such rows (run 15c: at 64-128 rows the call takes 10-22%
-// longer with it, at 256 2-9% less time, at 512 22% less), K's from 2048.
-// FLASHATTN_CUDA_TF32_FWD_COPIES=none|v|kv overrides.
-int tf32_fwd_copies(const Shape& s, Mask mask) {
-  const int i = env_choice("FLASHATTN_CUDA_TF32_FWD_COPIES", {"none", "v", "kv"});
-  if (i >= 0) return i;
+// Ping-pong scheduling of the sm_90a forward's two consumer warpgroups: faster at D = 64 at every
+// length and at Skv <= 4096 for D = 128 and 256, slower beyond.
+bool pingpong_default(const Shape& s, int dp) { return dp <= 64 || s.seq_kv <= 4096; }
+
+// The tf32 sm_90a forward's operand copies. The kernel's producer warps transposing V were its
+// limit: with V transposed by the pre-pass it runs 1.3-1.8x faster at S = 1k-16k. Rounding K there
+// too saves another pass over each K tile in shared memory but costs a read and a write of K: 8-17%
+// faster at S >= 4k, 6% slower at S = 1k causal. Each copy costs per key what the kernel gains per
+// key times the query rows that see it (Sq x the GQA group, halved under a causal mask): V's pays
+// from 256 such rows (at 64-128 rows a call takes 10-22% longer with it, at 512 22% less), K's
+// from 2048.
+int tf32_fwd_copies_default(const Shape& s, Mask mask) {
   const int64_t rows = s.seq_q * (s.heads_q / s.heads_kv) / (mask == Mask::None ? 1 : 2);
   return rows >= 2048 ? 2 : rows >= 256 ? 1 : 0;
 }
 
+// The CTAs writing the Q / dO copies of the float32 sm_90a backward on a side stream while the dQ
+// pass (which does not read them) runs on the other multiprocessors: a quarter of them. (The copies
+// before the passes were 8-20% of a call at S = 1k; beside the dQ pass they are mostly hidden.)
+int convert_ctas_default(int sms) { return std::max(0, sms / 4); }
+
+// Problem limits every CUDA kernel shares; empty when supported.
+std::string common_limits(const Shape& s, int dp) {
+  if (dp == 0) return "head_dim = " + std::to_string(s.head_dim) + " is not supported on CUDA (1..256)";
+  if (s.batch > 65535 || s.heads_q > 65535)
+    return "batch = " + std::to_string(s.batch) + ", heads = " + std::to_string(s.heads_q) +
+           ": the CUDA grid allows at most 65535 of each";
+  if ((s.seq_q + 15) / 16 > 0x7fffffff || (s.seq_kv + 15) / 16 > 0x7fffffff) return "sequence too long for the CUDA grid";
+  return {};
+}
+
+std::string dtype_limits(DType t, const DeviceCaps& dev) {
+  if (t == DType::Float16 || t == DType::BFloat16) {
+    if (dev.cc_major < 8)
+      return std::string("q.dtype = ") + dtype_name(t) +
+             ": the float16/bfloat16 kernels need sm_80 or newer (this device is sm_" + std::to_string(dev.cc_major) +
+             "x)";
+    return {};
+  }
+  if (t != DType::Float32) return std::string("q.dtype = ") + dtype_name(t) + " is not supported on CUDA";
+  return {};
+}
+
+std::string smem_limit(const Shape& s, int need, const DeviceCaps& dev) {
+  if (need <= dev.smem_optin) return {};
+  return "head_dim = " + std::to_string(s.head_dim) + " needs " + std::to_string(need) +
+         " bytes of shared memory per block; this device allows " + std::to_string(dev.smem_optin);
+}
+
+// The float32 arithmetic: the precision's (tf32 mma.sync needs sm_80: FMA before), or the override.
+bool float32_math(const Numerics& n, const DeviceCaps& dev, const Overrides& ov, Math* m, std::string* why) {
+  *m = dev.cc_major < 8 ? Math::Fma : n.precision == Precision::Tf32 ? Math::Tf32 : Math::Tf32x3;
+  if (ov.math >= 0) {
+    const Math forced = static_cast<Math>(ov.math);
+    if (forced != Math::Fma && dev.cc_major < 8) {
+      *why = std::string("FLASHATTN_CUDA_MATH = ") + math_name(forced) + " needs sm_80 or newer";
+      return false;
+    }
+    *m = forced;
+  }
+  return true;
+}
+
+bool sm90_allowed(const DeviceCaps& dev, const Overrides& ov) { return dev.sm90a() && ov.arch != 0; }
+
+// What both passes' plans start from: the dtype's and the grid's limits, the padded head dim, the
+// device's tile class and the 16-bit type. False (r.why set) when unsupported.
+template <class Plan>
+bool start(const Shape& s, const Numerics& n, const DeviceCaps& dev, Selected<Plan>& r) {
+  if (!(r.why = dtype_limits(n.dtype, dev)).empty()) return false;
+  const bool half = n.dtype != DType::Float32;
+  r.plan.dp = half ? padded_head_dim16(s.head_dim) : padded_head_dim(s.head_dim);
+  if (!(r.why = common_limits(s, r.plan.dp)).empty()) return false;
+  r.plan.big = dev.big();
+  r.plan.h = n.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
+  return true;
+}
+
 }  // namespace
 
-KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor) {
-  KernelChoice c;
-  if (n.dtype == DType::Float16 || n.dtype == DType::BFloat16) {
-    if (cc_major < 8) {
-      c.why = std::string("q.dtype = ") + dtype_name(n.dtype) +
-              ": the float16/bfloat16 kernels need sm_80 or newer (this device is sm_" +
-              std::to_string(cc_major) + "x)";
-      return c;
+bool tma_ok(const In4& o, int elem_bytes, int64_t batch, int64_t heads, int64_t seq) {
+  if (reinterpret_cast<uintptr_t>(o.ptr) % 16 != 0) return false;
+  // The sequence, head and batch strides in bytes; a dim of extent 1 is never stepped over and
+  // gets a legal stride whatever the caller's is.
+  const int64_t extent[3] = {seq, heads, batch}, stride[3] = {o.ss, o.sh, o.sb};
+  for (int i = 0; i < 3; ++i) {
+    if (extent[i] == 1) continue;
+    const uint64_t bytes = static_cast<uint64_t>(stride[i]) * static_cast<uint64_t>(elem_bytes);
+    if (bytes == 0 || bytes % 16 != 0 || bytes >= (uint64_t{1} << 40)) return false;
+  }
+  return true;
+}
+
+int persistent_ctas(int64_t items, long cap) {
+  const int64_t n = cap > 0 ? std::min<int64_t>(items, cap) : items;
+  // (A grid dimension holds 2^31 - 1 blocks; selection bounds the block counts far below.)
+  return static_cast<int>(std::max<int64_t>(1, n));
+}
+
+const char* kernel_name(FwdKernel k) {
+  switch (k) {
+    case FwdKernel::Sm80Mma32: return "sm80-mma32";
+    case FwdKernel::Sm80Mma16: return "sm80-mma16";
+    case FwdKernel::Sm90Wgmma16: return "sm90-wgmma16";
+    case FwdKernel::Sm90Tf32: return "sm90-tf32";
+    case FwdKernel::Sm90X3: return "sm90-3xtf32";
+  }
+  return "?";
+}
+const char* kernel_name(BwdKernel k) {
+  switch (k) {
+    case BwdKernel::Sm80Mma32Split: return "sm80-mma32-split";
+    case BwdKernel::Sm80Mma16Split: return "sm80-mma16-split";
+    case BwdKernel::Sm80Mma16Atomic: return "sm80-mma16-atomic";
+    case BwdKernel::Sm90Wgmma16Atomic: return "sm90-wgmma16-atomic";
+    case BwdKernel::Sm90Wgmma32: return "sm90-wgmma32";
+  }
+  return "?";
+}
+
+Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& dev, const Overrides& ov) {
+  Selected<ForwardPlan> r;
+  ForwardPlan& f = r.plan;
+  const Shape& s = p.shape;
+  const Numerics& n = p.num;
+  if (!start(s, n, dev, r)) return r;
+  const bool half = n.dtype != DType::Float32;
+  const int64_t per16 = 16 / dtype_size(n.dtype);
+  f.vec16 = vec_ok(p.q, per16) && vec_ok(p.k, per16) && vec_ok(p.v, per16) && vec_ok(p.out, per16);
+  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && f.vec16;
+  const int eb = dtype_size(n.dtype);
+  auto maps_q = [&] { return tma_ok(p.q, eb, s.batch, s.heads_q, s.seq_q); };
+  auto maps_k = [&] { return tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv); };
+  auto maps_v = [&] { return tma_ok(p.v, eb, s.batch, s.heads_kv, s.seq_kv); };
+  if (half) {
+    if (sm90 && has_sm90(Pass::Forward, f.dp) && maps_q() && maps_k() && maps_v()) {
+      f.kernel = FwdKernel::Sm90Wgmma16;
+      f.pingpong = ov.pingpong >= 0 ? ov.pingpong == 1 : pingpong_default(s, f.dp);
+      f.smem = smem_bytes90(Pass::Forward, f.dp);
+    } else {
+      f.kernel = FwdKernel::Sm80Mma16;
+      f.smem = smem_bytes16(Pass::Forward, f.dp, f.big);
     }
-    c.half16 = true;
-    c.h = n.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
-    c.dp = padded_head_dim16(s.head_dim);
-    // Default: the faster design per head dim on the H200 (bench/gpu.py, docs/PERF.md run 4):
-    // the single pass with atomic dQ at D <= 64 (+2-6%), the split passes (dQ pass + dK/dV pass)
-    // from D = 96 up (+3-7%). FLASHATTN_CUDA_BWD overrides it; a deterministic caller always gets
-    // the split passes, whose every sum has a fixed order.
-    // On compute capability 9.0 the sm_90a kernels (the "a" features are not forward compatible,
-    // so exactly 9.0) take the forward and, where compiled, the single-pass backward.
-    const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
-    c.atomic_bwd = c.dp <= 64 || (sm90 && has_sm90(Pass::Dkv, c.dp));
-    bool forced;
-    if (bwd_override(&forced)) c.atomic_bwd = forced;
-    if (n.deterministic) c.atomic_bwd = false;
-    c.sm90_fwd = sm90 && has_sm90(Pass::Forward, c.dp);
-    c.sm90_bwd = sm90 && c.atomic_bwd && has_sm90(Pass::Dkv, c.dp);
-    if (c.sm90_bwd) c.sm90_variant = sm90_bwd_variant(s, n.mask, c.dp);
-  } else if (n.dtype != DType::Float32) {
-    c.why = std::string("q.dtype = ") + dtype_name(n.dtype) + " is not supported on CUDA";
-    return c;
   } else {
-    c.dp = padded_head_dim(s.head_dim);
-  }
-  if (c.dp == 0) {
-    c.why = "head_dim = " + std::to_string(s.head_dim) + " is not supported on CUDA (1..256)";
-    return c;
-  }
-  if (s.batch > 65535 || s.heads_q > 65535) {
-    c.why = "batch = " + std::to_string(s.batch) + ", heads = " + std::to_string(s.heads_q) +
-            ": the CUDA grid allows at most 65535 of each";
-    return c;
-  }
-  if ((s.seq_q + 15) / 16 > 0x7fffffff || (s.seq_kv + 15) / 16 > 0x7fffffff) {
-    c.why = "sequence too long for the CUDA grid";
-    return c;
-  }
-  if (c.half16) {
-    c.ok = true;
-    return c;
-  }
-  // TF32 mma.sync needs sm_80; older devices get the FMA kernels in both precisions.
-  c.math = cc_major < 8 ? Math::Fma : n.precision == Precision::Tf32 ? Math::Tf32 : Math::Tf32x3;
-  Math forced;
-  if (math_override(&forced)) {
-    if (forced != Math::Fma && cc_major < 8) {
-      c.why = std::string("FLASHATTN_CUDA_MATH = ") + math_name(forced) + " needs sm_80 or newer";
-      return c;
+    if (!float32_math(n, dev, ov, &f.math, &r.why)) return r;
+    f.kernel = FwdKernel::Sm80Mma32;
+    f.smem = smem_bytes(Pass::Forward, f.dp, f.big);
+    const int64_t kv = s.batch * s.heads_kv;
+    if (sm90 && f.math == Math::Tf32 && has_sm90_tf32(f.dp) && maps_q()) {
+      // tf32 on Hopper: the wgmma forward; the operands it streams as stored need maps.
+      const int copies = ov.tf32_fwd_copies >= 0 ? ov.tf32_fwd_copies : tf32_fwd_copies_default(s, n.mask);
+      if ((copies == 2 || maps_k()) && (copies >= 1 || maps_v())) {
+        f.kernel = FwdKernel::Sm90Tf32;
+        f.tf32_copies = copies;
+        f.smem = smem_bytes90_tf32(f.dp);
+        const size_t nvt = copies >= 1 ? static_cast<size_t>(kv * round8(s.seq_kv)) * f.dp : 0;
+        const size_t nk = copies == 2 ? static_cast<size_t>(kv * s.seq_kv) * f.dp : 0;
+        f.workspace = (nvt + nk) * sizeof(float);
+      }
+    } else if (sm90 && f.math == Math::Tf32x3 && has_sm90_3xtf32(f.dp) && maps_q() &&
+               (ov.fp32_fwd >= 0 ? ov.fp32_fwd == 1 : fp32_fwd_wgmma_default(f.dp))) {
+      // The fp32-accurate forward on wgmma (the default at padded D = 64 and 128: 1.3-1.5x the
+      // mma.sync 3xTF32 kernel at 128, 4-17% faster at 64), streaming the pre-pass's split copies
+      // of K (rows) and V (transposed): 2 |K| + 2 |V| floats.
+      f.kernel = FwdKernel::Sm90X3;
+      f.smem = smem_bytes90_3xtf32(f.dp);
+      f.workspace = (2 * static_cast<size_t>(kv * s.seq_kv) * f.dp + 2 * static_cast<size_t>(kv * round8(s.seq_kv)) * f.dp) *
+                    sizeof(float);
     }
-    c.math = forced;
   }
-  // tf32 mode on Hopper: the wgmma forward, and at padded D = 64 and 128 the wgmma backward (dQ
-  // pass and dK/dV pass on wgmma after the operand pre-pass; at D = 64 1.4-2.3x faster than the
-  // mma.sync kernels at every benchmark shape, docs/PERF.md float32 runs 7 and 7b). The 3xTF32 and
-  // FMA arithmetics stay on the mma.sync / CUDA-core kernels. FLASHATTN_CUDA_TF32_BWD=mma|wgmma-dq|
-  // wgmma overrides the backward (wgmma-dq: the dK/dV pass on mma.sync, at D = 64 only), for tests
-  // and measurement.
-  const bool sm90 = cc_major == 9 && cc_minor == 0 && !sm90_disabled();
-  c.sm90_fwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32(c.dp);
-  if (c.sm90_fwd) c.tf32_fwd_copies = tf32_fwd_copies(s, n.mask);
-  // The fp32-accurate forward on wgmma (padded D = 64 and 128, streaming the pre-pass's split
-  // copies): the default at both, at 128 1.3-1.5x the mma.sync 3xTF32 kernel (docs/PERF.md, float32
-  // run 9), at 64 4-17% faster once its descriptors stayed on the uniform datapath (run 14b; before,
-  // 5-6% slower at S = 1k: run 10).
-  // FLASHATTN_CUDA_FP32_FWD=mma|wgmma overrides.
-  if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32(c.dp)) {
-    const int fwd = env_choice("FLASHATTN_CUDA_FP32_FWD", {"mma", "wgmma"});
-    c.sm90_fwd = fwd == 1 || (fwd < 0 && fp32_fwd_wgmma_default(c.dp));
+  if (!(r.why = smem_limit(s, f.smem, dev)).empty()) return r;
+  r.ok = true;
+  return r;
+}
+
+Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps& dev, const Overrides& ov) {
+  Selected<BackwardPlan> r;
+  BackwardPlan& b = r.plan;
+  const Shape& s = p.shape;
+  const Numerics& n = p.num;
+  if (!start(s, n, dev, r)) return r;
+  const bool half = n.dtype != DType::Float32;
+  const int64_t per16 = 16 / dtype_size(n.dtype);
+  b.vec16 = vec_ok(p.q, per16) && vec_ok(p.k, per16) && vec_ok(p.v, per16) && vec_ok(p.out, per16) &&
+            vec_ok(p.dout, per16) && vec_ok(p.dq, per16) && vec_ok(p.dk, per16) && vec_ok(p.dv, per16);
+  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && b.vec16;
+  const int eb = dtype_size(n.dtype);
+  // Every sm_90a backward maps Q and dO (streamed by the dK/dV pass, or the dQ pass's stationary
+  // operands) and K and V as stored.
+  const bool maps = sm90 && tma_ok(p.q, eb, s.batch, s.heads_q, s.seq_q) &&
+                    tma_ok(p.dout, eb, s.batch, s.heads_q, s.seq_q) && tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv) &&
+                    tma_ok(p.v, eb, s.batch, s.heads_kv, s.seq_kv);
+  const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
+  const size_t delta = (rows + 3) / 4 * 4;  // D [B*Hq*Sq] floats; what follows starts 16-byte aligned
+  if (half) {
+    bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov));
+    if (ov.bwd >= 0) atomic = ov.bwd == 1;
+    if (n.deterministic) atomic = false;  // the split passes: every sum in a fixed order
+    if (!atomic) {
+      b.kernel = BwdKernel::Sm80Mma16Split;
+      b.smem_dq = smem_bytes16(Pass::Dq, b.dp, b.big);
+      b.smem_dkv = smem_bytes16(Pass::Dkv, b.dp, b.big);
+    } else if (maps && has_sm90(Pass::Dkv, b.dp)) {
+      b.kernel = BwdKernel::Sm90Wgmma16Atomic;
+      b.sm90_variant = sm90_bwd_variant(s, n.mask, b.dp, ov);
+      b.smem_dkv = smem_bytes90(Pass::Dkv, b.dp, b.sm90_variant);
+    } else {
+      b.kernel = BwdKernel::Sm80Mma16Atomic;
+      b.smem_dkv = smem_bytes16(Pass::Dkv, b.dp, b.big, true);
+    }
+    // The float32 dQ accumulator [B*Hq*Sq, DP] of the atomic design, zeroed before the pass.
+    b.workspace = (delta + (b.atomic_dq() ? rows * b.dp : 0)) * sizeof(float);
+  } else {
+    if (!float32_math(n, dev, ov, &b.math, &r.why)) return r;
+    b.kernel = BwdKernel::Sm80Mma32Split;
+    b.smem_dq = smem_bytes(Pass::Dq, b.dp, b.big);
+    b.smem_dkv = smem_bytes(Pass::Dkv, b.dp, b.big);
+    b.workspace = delta * sizeof(float);
+    // tf32 on Hopper at padded D = 64 and 128: both passes on wgmma after the operand pre-pass
+    // (at D = 64 1.4-2.3x the mma.sync kernels at every benchmark shape); the pair kernels at
+    // D = 128 (a choice at 64). fp32 (3xTF32) at D = 64 and 128: the pair kernels with every
+    // product in three terms (1.1-1.4x the mma.sync 3xTF32 kernels at D = 64).
+    // FLASHATTN_CUDA_TF32_BWD: mma (the mma.sync kernels), wgmma-dq (D = 64: the dK/dV pass on
+    // mma.sync), wgmma (default), pair (the pair kernels at D = 64 too).
+    const int tf32_bwd = ov.tf32_bwd >= 0 ? ov.tf32_bwd : 2;
+    bool wgmma = false;
+    if (maps && b.math == Math::Tf32 && has_sm90_tf32_bwd(b.dp) && tf32_bwd >= 1) {
+      wgmma = true;
+      b.pair = tf32_bwd_pair(b.dp) || tf32_bwd == 3;
+      b.dkv_wgmma = tf32_bwd >= 2 || b.pair;
+    } else if (maps && b.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(b.dp) && ov.fp32_bwd != 0) {
+      wgmma = b.pair = b.dkv_wgmma = true;
+    }
+    if (wgmma) {
+      const bool x3 = b.math == Math::Tf32x3;
+      b.kernel = BwdKernel::Sm90Wgmma32;
+      b.smem_dq = smem_bytes90_tf32_bwd(Pass::Dq, b.dp, b.pair, x3);
+      b.smem_dkv = b.dkv_wgmma ? smem_bytes90_tf32_bwd(Pass::Dkv, b.dp, b.pair, x3) : smem_bytes(Pass::Dkv, b.dp, b.big);
+      b.persistent_cap = !b.pair ? 0 : ov.persistent_ctas == -2 ? std::max(1, dev.sms) : std::max(0L, ov.persistent_ctas);
+      b.convert_ctas = !b.dkv_wgmma ? 0 : ov.convert_ctas >= 0 ? static_cast<int>(ov.convert_ctas) : convert_ctas_default(dev.sms);
+      // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8] (only for the wgmma dK/dV
+      // pass); K, V [B, Hkv, Skv, DP] and K^T [B, Hkv, DP, Skv8]; as much again for the small
+      // parts (3xTF32); 4 more floats: the persistent pair kernels' two block counters.
+      const size_t nq = b.dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * b.dp : 0;
+      const size_t nqt = b.dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * round8(s.seq_q)) * b.dp : 0;
+      const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * b.dp;
+      const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * round8(s.seq_kv)) * b.dp;
+      const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
+      b.workspace = (delta + (x3 ? 2 : 1) * part + 4) * sizeof(float);
+    }
   }
-  // =pair: at D = 64 the pair kernels (as at D = 128) instead of the 128-row split kernels.
-  int tf32_bwd = env_choice("FLASHATTN_CUDA_TF32_BWD", {"mma", "wgmma-dq", "wgmma", "pair"});
-  if (tf32_bwd < 0) tf32_bwd = 2;
-  c.sm90_bwd = sm90 && c.math == Math::Tf32 && has_sm90_tf32_bwd(c.dp) && tf32_bwd >= 1;
-  // (D = 128 has no mma.sync-dK/dV variant of the wgmma backward: wgmma-dq is a D = 64 choice.)
-  c.f32_pair = c.sm90_bwd && (tf32_bwd_pair(c.dp) || tf32_bwd == 3);
-  c.tf32_dkv_wgmma = c.sm90_bwd && (tf32_bwd >= 2 || c.f32_pair);
-  // The fp32-accurate backward on wgmma (padded D = 64 and 128, the pair kernels in 3xTF32): the
-  // default there, at D = 64 1.1-1.4x the mma.sync 3xTF32 kernels (docs/PERF.md, float32 run 8);
-  // FLASHATTN_CUDA_FP32_BWD=mma keeps those.
-  if (sm90 && c.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(c.dp) &&
-      env_choice("FLASHATTN_CUDA_FP32_BWD", {"mma", "wgmma"}) != 0)
-    c.sm90_bwd = c.tf32_dkv_wgmma = c.f32_pair = true;
-  c.ok = true;
-  return c;
-}
-
-// Ping-pong scheduling of the sm_90a forward's two consumer warpgroups: measured faster at
-// D = 64 at every length and at Skv <= 4096 for D = 128 and 256, slower beyond (docs/PERF.md,
-// 16-bit run 6). FLASHATTN_CUDA_PINGPONG=0|1 overrides, for measurement.
-bool use_pingpong(const Shape& s, int dp) {
-  const int i = env_choice("FLASHATTN_CUDA_PINGPONG", {"0", "1"});
-  if (i >= 0) return i == 1;
-  return dp <= 64 || s.seq_kv <= 4096;
-}
-
-int persistent_ctas(int64_t items, int sms) {
-  int64_t n = items;
-  const long v = env_count("FLASHATTN_CUDA_PERSISTENT_CTAS", 1000000, sms,
-                           "a count or 'sms' (0: one CTA per block)");
-  if (v >= 0) n = v > 0 ? v : items;
-  // (A grid dimension holds 2^31 - 1 blocks; select_kernel bounds the block counts far below.)
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, n)));
-}
-
-int convert_ctas(int sms) {
-  const long v = env_count("FLASHATTN_CUDA_CONVERT_CTAS", 100000, -1, "a count (0: no side stream)");
-  return v >= 0 ? static_cast<int>(v) : std::max(0, sms / 4);
+  for (int need : {b.smem_dq, b.smem_dkv})
+    if (!(r.why = smem_limit(s, need, dev)).empty()) return r;
+  r.ok = true;
+  return r;
 }
 
 }  // namespace flashattn::cuda

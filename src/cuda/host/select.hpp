@@ -1,53 +1,111 @@
 // Kernel selection of the CUDA backend: the single answer to "which kernel runs this problem on
-// this device, and is it supported?". Host code only, no CUDA runtime calls, so that the rules can
-// be unit-tested without a GPU (tests/cuda/test_select.cpp).
+// this device, and is it supported?". select_forward / select_backward return a typed plan per
+// pass - the kernel, its head-dim instantiation, arithmetic, variant settings, shared memory and
+// workspace - decided here once, from the problem, the operands' alignment (16-byte vectors, the
+// copy engine's tensor maps), the device's capabilities and the developer overrides. backend.cu
+// only switches on the plan and launches; a launcher never falls back to another kernel.
+// Host code only, no CUDA runtime calls, so that every rule is unit-tested without a GPU
+// (tests/cuda/test_select.cpp).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "core/params.hpp"
 #include "cuda/common/config.hpp"
+#include "cuda/host/overrides.hpp"
 
 namespace flashattn::cuda {
 
-struct KernelChoice {
-  bool ok = false;
-  std::string why;  // when !ok: the reason, for an Unsupported error
-  int dp = 0;       // padded head dim
-  Math math = Math::Tf32x3;  // float32 kernels
-  bool half16 = false;       // float16/bfloat16 kernels (kernels16.cuh)
-  Half16 h = Half16::BF16;
-  bool atomic_bwd = false;   // 16-bit backward: single pass with float32 dQ atomics (else split)
-  bool sm90_fwd = false;     // forward on an sm_90a kernel (16-bit: kernels_sm90.cuh; tf32: kernels_sm90_tf32.cuh;
-                             // 3xtf32 at padded D = 128: kernels_sm90_3xtf32.cuh)
-  bool sm90_bwd = false;     // backward on sm_90a kernels (16-bit: the single pass; tf32: both split passes)
-  int sm90_variant = 0;      // its tile_config90 variant
-  bool tf32_dkv_wgmma = false;  // tf32 backward: dK/dV on wgmma as well (else the mma.sync kernel)
-  bool f32_pair = false;        // float32 sm_90a backward: the pair kernels (kernels_sm90_tf32_bwd_pair.cuh)
-  int tf32_fwd_copies = 0;  // tf32 sm_90a forward: 0 V transposed in the kernel; by the operand pre-pass: 1 V, 2 K and V
+// What selection needs to know of a device (backend.cu reads it once per device).
+struct DeviceCaps {
+  int cc_major = 0;
+  int cc_minor = 0;
+  int smem_optin = 0;  // bytes of shared memory one block may opt into
+  int sms = 0;         // multiprocessors
+  bool tma = false;    // the driver encodes tensor maps (cuTensorMapEncodeTiled found)
+  bool sm90a() const { return cc_major == 9 && cc_minor == 0; }  // "a" features: exactly 9.0
+  bool big() const { return cc_major >= 9; }  // runs the sm_90 cubin: tile_config(..., big = true)
 };
 
-// The choice for a problem on a device of compute capability cc_major.cc_minor, with the
-// FLASHATTN_CUDA_* override variables applied (an unknown value throws InvalidArgument).
-KernelChoice select_kernel(const Shape& s, const Numerics& n, int cc_major, int cc_minor);
+// ---- the forward ---------------------------------------------------------------------------------
+enum class FwdKernel : uint8_t {
+  Sm80Mma32,   // float32 mma.sync (tf32 / 3xTF32) or CUDA-core FMA (sm80/kernels_fp32.cuh)
+  Sm80Mma16,   // float16/bfloat16 mma.sync (sm80/kernels16.cuh)
+  Sm90Wgmma16, // float16/bfloat16 wgmma + TMA, warp-specialized (sm90/kernels16.cuh)
+  Sm90Tf32,    // float32 in tf32 on wgmma (sm90/tf32_fwd.cuh)
+  Sm90X3,      // float32 fp32-accurate (3xTF32) on wgmma, on the pre-pass's split copies (sm90/x3_fwd.cuh)
+};
+struct ForwardPlan {
+  FwdKernel kernel = FwdKernel::Sm80Mma32;
+  int dp = 0;                 // padded head dim: the instantiation
+  Math math = Math::Tf32x3;   // float32 kernels
+  Half16 h = Half16::BF16;    // 16-bit kernels
+  bool vec16 = false;         // 16-byte vector loads and stores of every operand
+  bool big = false;           // DeviceCaps::big
+  bool pingpong = false;      // Sm90Wgmma16: the two consumer warpgroups take turns issuing products
+  int tf32_copies = 0;        // Sm90Tf32: operands the pre-pass copies (0 none, 1 V transposed, 2 K and V)
+  int smem = 0;               // dynamic shared memory of the kernel, bytes
+  size_t workspace = 0;       // device scratch, bytes (the pre-pass copies)
+};
 
-// Whether the sm_90a 16-bit forward's two consumer warpgroups take turns issuing products.
-bool use_pingpong(const Shape& s, int dp);
+// ---- the backward --------------------------------------------------------------------------------
+enum class BwdKernel : uint8_t {
+  Sm80Mma32Split,   // preprocess, dQ pass, dK/dV pass: float32 mma.sync / FMA (no atomics)
+  Sm80Mma16Split,   // the same for float16/bfloat16 (deterministic)
+  Sm80Mma16Atomic,  // preprocess, one dK/dV pass adding dQ into float32 by atomics, convert
+  Sm90Wgmma16Atomic,// the same on the sm_90a wgmma dK/dV kernel
+  Sm90Wgmma32,      // float32 tf32 or 3xTF32 on wgmma: operand copies, dQ pass, dK/dV pass
+};
+struct BackwardPlan {
+  BwdKernel kernel = BwdKernel::Sm80Mma32Split;
+  int dp = 0;
+  Math math = Math::Tf32x3;
+  Half16 h = Half16::BF16;
+  bool vec16 = false;
+  bool big = false;
+  int sm90_variant = 0;     // Sm90Wgmma16Atomic: tile_config90 variant (1: one warpgroup, two CTAs per SM)
+  bool pair = false;        // Sm90Wgmma32: the pair kernels (sm90/tf32_bwd_pair.cuh)
+  bool dkv_wgmma = false;   // Sm90Wgmma32 split kernels: the dK/dV pass on wgmma (else mma.sync)
+  long persistent_cap = 0;  // Sm90Wgmma32 pair kernels: at most this many CTAs walk the blocks (0: one per block)
+  int convert_ctas = 0;     // Sm90Wgmma32: CTAs writing the Q/dO copies on a side stream (0: in order)
+  int smem_dq = 0;          // dynamic shared memory of the dQ pass (0: none)
+  int smem_dkv = 0;         // of the dK/dV pass
+  size_t workspace = 0;     // device scratch, bytes (D, the dQ accumulator; Sm90Wgmma32 adds its copies)
+  bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
+};
 
-// The CTAs of the sm_90a pair kernels, which can walk several blocks each (taking each next block
-// from a counter, BlockQueue), for `items` blocks: by default one per block - since the dK/dV pass
-// runs beside the dQ pass, the hardware's block scheduler fills each pass's tail with the other's
-// blocks, and one CTA per block measured 0-6% faster than one per multiprocessor walking (which had
-// won 1-4% at S = 1k with the passes one after the other; docs/PERF.md float32 runs 10d, 11d).
-// FLASHATTN_CUDA_PERSISTENT_CTAS=N runs min(items, N) CTAs (0: one per block; "sms": one per
-// multiprocessor), for tests and measurement.
-int persistent_ctas(int64_t items, int sms);
+template <class Plan>
+struct Selected {
+  bool ok = false;
+  std::string why;  // when !ok: the reason, for an Unsupported error
+  Plan plan;
+};
 
-// The CTAs (one per multiprocessor) that write the tf32 copies of Q and dO of the float32 sm_90a
-// backward on a side stream while the dQ pass, which does not read them, runs on the other
-// multiprocessors; 0: no side stream - the copies, then both passes, in order on the caller's
-// stream. Default: a quarter of the multiprocessors. FLASHATTN_CUDA_CONVERT_CTAS=N overrides, for
-// measurement and tests.
-int convert_ctas(int sms);
+// The plans for a problem on a device. Operands' pointers and strides decide vector and tensor-map
+// eligibility only (no memory is touched).
+Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& dev, const Overrides& ov);
+Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps& dev, const Overrides& ov);
+
+// Short names for messages and tests ("sm90-tf32", ...).
+const char* kernel_name(FwdKernel k);
+const char* kernel_name(BwdKernel k);
+
+// 16-byte vector accesses of an operand: an aligned base and strides that are whole multiples of
+// 16 bytes (`per16` elements), so that every row starts 16-byte aligned.
+template <class Op>
+bool vec_ok(const Op& o, int64_t per16) {
+  return reinterpret_cast<uintptr_t>(o.ptr) % 16 == 0 && o.sb % per16 == 0 && o.sh % per16 == 0 && o.ss % per16 == 0;
+}
+// Whether the copy engine can address a [batch, heads, seq, head_dim] operand of `elem_bytes`
+// elements as stored: a 16-byte aligned base, and every stride of a dim longer than 1 a nonzero
+// multiple of 16 bytes below 2^40 (cuTensorMapEncodeTiled's rules; sm90/tma.cu encodes only
+// what passes this test).
+bool tma_ok(const In4& o, int elem_bytes, int64_t batch, int64_t heads, int64_t seq);
+
+// The pair kernels' CTAs for `items` blocks: one per block unless `cap` > 0 (at most cap CTAs,
+// each taking its next block from a counter).
+int persistent_ctas(int64_t items, long cap);
 
 }  // namespace flashattn::cuda

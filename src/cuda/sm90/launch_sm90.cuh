@@ -30,48 +30,53 @@ bool map_copy_cols(CUtensorMap* map, float* ptr, int64_t batch, int64_t heads, i
   return make_tensor_map32(map, In4{ptr, heads * DP * seq8, DP * seq8, seq8}, batch, heads, DP, seq8, DP);
 }
 
+// A tensor map the selection promised (tma_ok) that does not encode: an internal error.
+inline void require_maps(bool ok, const char* what) {
+  if (!ok) throw Error(Status::Internal, std::string(what) + ": a tensor map failed to encode for operands selection accepted");
+}
+
 template <int DP, Half16 H>
-bool launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
+void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
   dev::Sm90FwdArgs args;
   args.f = a;
-  if (!make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
-      !make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) ||
-      !make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n))
-    return false;
+  require_maps(make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) &&
+                   make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) &&
+                   make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n),
+               "cuda 16-bit sm_90a forward");
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
-  return true;
 }
 
 // The tf32 forward on wgmma: Q, K, V tensor maps (boxes of block_m / block_n rows), one CTA per
 // block_m queries. a.tf32_copies (forward_tf32_sm90_kernel's kCopies): 1, V transposed and rounded
-// by the operand pre-pass first; 2, K rounded too (|V| and |K| floats, padded; freed on the stream
-// after the kernel); streamed as they are. 0: the kernel's producer warps transpose V as stored.
+// by the operand pre-pass first; 2, K rounded too (|V| and |K| floats, padded, in a.workspace);
+// streamed as they are. 0: the kernel's producer warps transpose V as stored.
 template <int DP>
-bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
+void launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90_tf32(DP);
   dev::Sm90Tf32FwdArgs args;
   args.f = a;
-  if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) ||
-      (a.tf32_copies < 2 && !make_tensor_map32(&args.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n)))
-    return false;
+  require_maps(make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) &&
+                   (a.tf32_copies == 2 ||
+                    make_tensor_map32(&args.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n)),
+               "cuda tf32 forward");
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   if (a.tf32_copies == 0) {
-    if (!make_tensor_map32(&args.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n)) return false;
+    require_maps(make_tensor_map32(&args.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n),
+                 "cuda tf32 forward");
     launch_checked(dev::forward_tf32_sm90_kernel<DP, 0>, grid, c.threads(), smem_bytes90_tf32(DP), stream, args,
                    "forward_tf32_sm90 kernel launch");
-    return true;
+    return;
   }
   const int64_t skv8 = round8(s.seq_kv);
   const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
   const size_t nk = a.tf32_copies == 2 ? static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP : 0;
-  Workspace ws((nvt + nk) * sizeof(float), stream);
-  float* vt = ws.get();
+  float* vt = a.workspace;
   float* kr = nk > 0 ? vt + nvt : nullptr;
   launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, nullptr, vt, nullptr, nullptr}, s.head_dim,
                        DP, stream);
@@ -84,24 +89,23 @@ bool launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
     throw Error(Status::Internal, "cuda tf32 forward: tensor maps of the operand copies failed");
   launch_checked(kr != nullptr ? dev::forward_tf32_sm90_kernel<DP, 2> : dev::forward_tf32_sm90_kernel<DP, 1>, grid,
                  c.threads(), smem_bytes90_tf32(DP), stream, args, "forward_tf32_sm90 kernel launch");
-  return true;
 }
 
 // The 3xTF32 forward: a pre-pass writes K's big and small parts (rows) and V's transposed big and
-// small parts (2 |K| + 2 |V| floats, padded; freed on the stream after the kernel), which the
-// kernel streams; Q is read as stored.
+// small parts (2 |K| + 2 |V| floats, padded, in a.workspace), which the kernel streams; Q is read
+// as stored.
 template <int DP>
-bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
+void launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90_3xtf32(DP);
   dev::Sm90Tf32FwdArgs args;
   args.f = a;
-  if (!make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m)) return false;
+  require_maps(make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m),
+               "cuda 3xtf32 forward");
   const int64_t skv8 = round8(s.seq_kv);
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
-  Workspace ws((2 * nk + 2 * nvt) * sizeof(float), stream);
-  float* kb = ws.get();
+  float* kb = a.workspace;
   float* ks = kb + nk;
   float* vtb = ks + nk;
   float* vts = vtb + nvt;
@@ -116,14 +120,13 @@ bool launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q), static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_3xtf32_sm90_kernel<DP>, grid, c.threads(), smem_bytes90_3xtf32(DP), stream, args,
                  "forward_3xtf32_sm90 kernel launch");
-  return true;
 }
 
 // Both float32 backwards on wgmma: tf32 (X3 = false; the split kernels at D = 64 unless
 // a.f32_pair, the pair kernels at D = 128) and fp32-accurate 3xTF32 (X3; the pair kernels at
 // D = 64 and 128).
 template <int DP, bool X3, bool kPair>
-bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
+void launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 cq = tile_config90_tf32_bwd(Pass::Dq, kPair), ck = tile_config90_tf32_bwd(Pass::Dkv, kPair);
   // The pair kernels (both warpgroups on one tile's rows, split by product) have their dK/dV pass
@@ -144,16 +147,17 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
                                          " row blocks exceed the sm_90a kernels' limit of 2^30");
   // Pair kernels: one CTA per block, or (FLASHATTN_CUDA_PERSISTENT_CTAS) fewer walking the blocks
   // in work_item order, each next block from a counter (persistent_ctas, BlockQueue).
-  const dim3 pq(kPair ? persistent_ctas(nq_blocks, a.sms) : 0), pk(kPair ? persistent_ctas(nk_blocks, a.sms) : 0);
+  const dim3 pq(kPair ? persistent_ctas(nq_blocks, a.persistent_cap) : 0),
+      pk(kPair ? persistent_ctas(nk_blocks, a.persistent_cap) : 0);
   const bool walk = kPair && (pq.x < nq_blocks || pk.x < nk_blocks);
   // Each pass reads its stationary operands as the caller stores them (rounded, or split, when
   // loaded into registers): K and V in the dK/dV pass, Q and dO in the dQ pass - so the dQ pass
   // needs none of the Q / dO copies, which can be written beside it (below).
-  if (!make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) ||
-      !make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) ||
-      !make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64))
-    return false;
+  require_maps(make_tensor_map32(&dkv.tk, a.p.k, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) &&
+                   make_tensor_map32(&dkv.tv, a.p.v, s.batch, s.heads_kv, s.seq_kv, s.head_dim, ck.block_m) &&
+                   make_tensor_map32(&dq.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, 64) &&
+                   make_tensor_map32(&dq.tdo, a.p.dout, s.batch, s.heads_q, s.seq_q, s.head_dim, 64),
+               "cuda float32 sm_90a backward");
   // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8] (only for the wgmma dK/dV
   // pass); K, V [B, Hkv, Skv, DP] and K^T [B, Hkv, DP, Skv8]: 4 |Q| (or none) + 3 |K| floats
   // (padded), and as much again for the small parts (X3); freed on the stream after the passes.
@@ -163,11 +167,11 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
   const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
   const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
-  // (+ 4: the persistent pair kernels' two block counters, BlockQueue)
-  Workspace ws(((X3 ? 2 : 1) * part + 4) * sizeof(float), stream);
+  // (+ 4: the persistent pair kernels' two block counters, BlockQueue; BackwardPlan::workspace
+  // sized a.copies for all of it)
   // The counters (walking only) zeroed before the side stream forks (below): its dK/dV pass may
   // use one.
-  int* counters = reinterpret_cast<int*>(ws.get() + (X3 ? 2 : 1) * part);
+  int* counters = reinterpret_cast<int*>(a.copies + (X3 ? 2 : 1) * part);
   if (walk) FLASHATTN_CUDA_CHECK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), stream));
   struct Copies {
     float *q, *dout, *qt, *dot, *k, *v, *kt;
@@ -183,8 +187,8 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     c.kt = c.v + nk;
     return c;
   };
-  const Copies big = carve(ws.get());
-  const Copies small = X3 ? carve(ws.get() + part) : Copies{};
+  const Copies big = carve(a.copies);
+  const Copies small = X3 ? carve(a.copies + part) : Copies{};
   // One part's maps (row copies: boxes of the streaming pass's block_n rows): the dQ pass's streamed K, V, K^T; the dK/dV pass's streamed Q, dO, Q^T, dO^T
   // (none with the mma.sync dK/dV pass, which reads the caller's tensors).
   auto maps = [&](const Copies& c, CUtensorMap* dk, CUtensorMap* dv, CUtensorMap* dkt, CUtensorMap* kq,
@@ -200,8 +204,8 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // Q, dO copies: only the wgmma dK/dV pass reads them. With convert_ctas > 0 they are written on
   // a side stream by that many CTAs (one per multiprocessor) while the dQ pass runs on the other
   // multiprocessors - the copies are memory-bound, the pass compute-bound, and the copies before
-  // the passes were 8-20% of a call at S = 1k (docs/PERF.md, float32 run 10). `side` is declared
-  // after the workspace, so it joins before the workspace is freed on every path out.
+  // the passes were 8-20% of a call at S = 1k). `side` is destroyed (joined) on every path out of
+  // this function, before the caller frees the workspace.
   std::optional<SideStream> side;
   if (dkv_wgmma) {
     const OperandJob oq{a.p.q, s.batch, s.heads_q, s.seq_q, big.q, big.qt, small.q, small.qt};
@@ -209,7 +213,7 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     const int64_t units = oq.units() + odo.units();
     // (Not while a graph is being captured on either stream: a side stream still inside another
     // capture cannot join this one; side_stream_free.)
-    const int convert = convert_ctas(a.sms);
+    const int convert = a.convert_ctas;
     if (convert > 0 && side_stream_free(stream)) {
       side.emplace(stream);
       // D = rowsum(dO O) first there, beside the K/V copies (both memory-bound; the copies alone
@@ -255,69 +259,67 @@ bool launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
                    stream, dq, "dq_tf32_sm90 kernel launch");
     if (!dkv_wgmma) {
       launch_dkv<DP, Math::Tf32>(a, stream);
-      return true;
+      return;
     }
     launch_checked(dev::dkv_tf32_sm90_kernel<DP>, grid_k, ck.threads(), smem_bytes90_tf32_bwd(Pass::Dkv, DP, false),
                    dkv_stream, dkv, "dkv_tf32_sm90 kernel launch");
   }
   if (side) side->join();  // (the workspace is freed on `stream` after this)
-  return true;
 }
 
 template <int DP>
-bool launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
-  if constexpr (tf32_bwd_pair(DP)) return launch_bwd_f32_sm90<DP, false, true>(a, stream);
-  else if (a.f32_pair) return launch_bwd_f32_sm90<DP, false, true>(a, stream);
-  else return launch_bwd_f32_sm90<DP, false, false>(a, stream);
+void launch_bwd_tf32_sm90(const BwdArgs& a, cudaStream_t stream) {
+  if constexpr (tf32_bwd_pair(DP)) launch_bwd_f32_sm90<DP, false, true>(a, stream);
+  else if (a.f32_pair) launch_bwd_f32_sm90<DP, false, true>(a, stream);
+  else launch_bwd_f32_sm90<DP, false, false>(a, stream);
 }
 
 template <int DP>
-bool launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream) {
-  return launch_bwd_f32_sm90<DP, true, true>(a, stream);
+void launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream) {
+  launch_bwd_f32_sm90<DP, true, true>(a, stream);
 }
 
 template <int DP, Half16 H, int V>
-bool launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
+void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP, V);
   dev::Sm90BwdArgs args;
   args.f = a;
-  if (!make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) ||
-      !make_tensor_map16(&args.tdo, a.p.dout, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) ||
-      !make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m) ||
-      !make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m))
-    return false;
+  require_maps(make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) &&
+                   make_tensor_map16(&args.tdo, a.p.dout, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) &&
+                   make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m) &&
+                   make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m),
+               "cuda 16-bit sm_90a backward");
   const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
                   static_cast<unsigned>(s.batch));
   launch_checked(dev::dkv_sm90_kernel<DP, H, V>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
-  return true;
 }
 
 template <int DP, Half16 H>
-bool launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
+void launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
   if constexpr (has_sm90_variant(Pass::Dkv, DP, 1)) {
     if (a.sm90_variant == 1) return launch_dkv_sm90_variant<DP, H, 1>(a, stream);
   }
-  return launch_dkv_sm90_variant<DP, H, 0>(a, stream);
+  launch_dkv_sm90_variant<DP, H, 0>(a, stream);
 }
 
 #define FLASHATTN_INSTANTIATE_SM90_dkv(DP)                                                   \
-  template bool launch_dkv_sm90<DP, Half16::F16>(const BwdArgs&, cudaStream_t);             \
-  template bool launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
+  template void launch_dkv_sm90<DP, Half16::F16>(const BwdArgs&, cudaStream_t);             \
+  template void launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
 
-#define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template bool launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
+#define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template void launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_bwd_3xtf32(DP) \
-  template bool launch_bwd_3xtf32_sm90<DP>(const BwdArgs&, cudaStream_t);
+  template void launch_bwd_3xtf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward_3xtf32(DP) \
-  template bool launch_forward_3xtf32_sm90<DP>(const FwdArgs&, cudaStream_t);
+  template void launch_forward_3xtf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 
-#define FLASHATTN_INSTANTIATE_SM90_forward_tf32(DP) template bool launch_forward_tf32_sm90<DP>(const FwdArgs&, cudaStream_t);
+#define FLASHATTN_INSTANTIATE_SM90_forward_tf32(DP) template void launch_forward_tf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward(DP)                                               \
-  template bool launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
-  template bool launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);
+  template void launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
+  template void launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);
 
 }  // namespace flashattn::cuda

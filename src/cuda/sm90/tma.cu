@@ -5,6 +5,8 @@
 
 #include "cuda/sm90/tma.hpp"
 
+#include "cuda/host/select.hpp"
+
 namespace flashattn::cuda {
 namespace {
 
@@ -29,7 +31,7 @@ namespace {
 bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, int elem_bytes, int64_t batch,
                      int64_t heads, int64_t seq, int64_t head_dim, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
-  if (encode == nullptr) return false;
+  if (encode == nullptr || !tma_ok(op, elem_bytes, batch, heads, seq)) return false;
   // Innermost first: head_dim (contiguous), sequence, head, batch; strides in bytes of dims 1..3.
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seq),
                         static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
@@ -38,9 +40,6 @@ bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, 
   // A dim of extent 1 is never stepped over; give it a legal stride whatever the caller's is.
   for (int i = 0; i < 3; ++i)
     if (dims[i + 1] == 1) strides[i] = 16;
-  for (int i = 0; i < 3; ++i)
-    if (strides[i] == 0 || strides[i] % 16 != 0 || strides[i] >= (cuuint64_t(1) << 40)) return false;
-  if (reinterpret_cast<uintptr_t>(op.ptr) % 16 != 0) return false;
   // One box row is 128 bytes: the 128-byte swizzle's span.
   cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows), 1, 1};
   cuuint32_t elem_strides[4] = {1, 1, 1, 1};
@@ -50,6 +49,8 @@ bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, 
   return r == CUDA_SUCCESS;
 }
 }  // namespace
+
+bool tma_encoder_available() { return encoder() != nullptr; }
 
 bool make_tensor_map16(CUtensorMap* map, const In4& op, Half16 h, int64_t batch, int64_t heads, int64_t seq,
                        int64_t head_dim, int box_rows) {

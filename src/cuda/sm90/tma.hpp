@@ -10,6 +10,8 @@
 
 namespace flashattn::cuda {
 
+// Whether the driver's tensor-map encoder was found (DeviceCaps::tma).
+bool tma_encoder_available();
 // A map of a 16-bit [B, H, S, D] operand (unit head_dim stride) whose boxes are 64 columns x
 // `box_rows` rows of one (batch, head), copied into 128-byte-swizzled shared memory (TileSw128's
 // column blocks); elements past S or D read as zero. False when the copy engine cannot address
