@@ -1,7 +1,8 @@
 // The CUDA backend's kernel selection (src/cuda/select.cpp) without a GPU: which kernel family,
 // design and variant each (dtype, head dim, mask, lengths, precision, determinism, compute
 // capability, override variable) gets, and the reasons given for what is unsupported. The rules
-// come from measurements (docs/PERF.md); these tests pin them so that a change is deliberate.
+// come from measurements (docs/ALGORITHM.md states each one's reason; the runs are in
+// docs/perf-log/); these tests pin them so that a change is deliberate.
 // Runs everywhere the CUDA backend is built, CI included (no device needed).
 #include <gtest/gtest.h>
 
