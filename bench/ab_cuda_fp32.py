@@ -4,10 +4,11 @@
 Each VARIANT is a library path, optionally followed by ':' and comma-separated environment
 settings applied around its calls (e.g. build-gpu/src/libflashattn.so:FLASHATTN_CUDA_CONVERT_CTAS=0).
 For every shape and precision the peer (SDPA's memory-efficient backend, float32) and every
-variant are timed in ROUNDS interleaved rounds of REPS calls each, as bench_cuda_fp32.py times a
-call (events around it from an idle GPU, bound arguments); prints the medians, TFLOP/s and the
-ratio to the peer. Interleaving spreads the machine's drift over all variants, so differences of
-a few percent between variants of one run mean more than the same differences between runs.
+variant are timed in ROUNDS interleaved rounds of REPS calls each, as bench/gpu.py --suite fp32
+times a call in its host-inclusive view (attn_harness.call_times: events around it from an idle
+GPU, bound arguments); prints the medians, TFLOP/s (attn_harness.flops) and the ratio to the
+peer. Interleaving spreads the machine's drift over all variants, so differences of a few
+percent between variants of one run mean more than the same differences between runs.
 
 usage: ab_cuda_fp32.py [--rounds N] [--reps N] [--shapes S:D:CAUSAL,...] [--prec tf32,fp32] [--fwd]
                        VARIANT [VARIANT ...]
@@ -20,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_cuda_fp32 import FlashAttn, call_times
-from cabi import EnvSettings, issue_problem
+import attn_harness as H
+from cabi import CtypesLib, EnvSettings, issue_problem
 
 
 def main():
@@ -38,14 +39,14 @@ def main():
     for v in a.variants:
         path, _, env = v.partition(":")
         if path not in libs:
-            libs[path] = FlashAttn(path)
+            libs[path] = CtypesLib(path, torch)
         variants.append((v, libs[path], dict(e.split("=", 1) for e in env.split(",") if e)))
     for shape in a.shapes.split(","):
         s, d, causal = (int(x) for x in shape.split(":"))
         prob = issue_problem(torch, s, d, torch.float32)
         b, h = prob["b"], prob["h"]
         q, k, v, do, out, lse, dq, dk, dv = (prob[n] for n in ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv"))
-        flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if a.fwd else 2.5)
+        flops = H.flops(b, h, s, d, causal, "fwd" if a.fwd else "bwd")
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             def peer_f():
@@ -62,7 +63,7 @@ def main():
                     for _ in range(2):
                         peer()
                     torch.cuda.synchronize()  # (the first timed call from an idle GPU too)
-                    times["peer"] += call_times(peer, a.reps)
+                    times["peer"] += H.call_times(peer, a.reps)
                     for name, lib, env in variants:
                         with EnvSettings(env):
                             o = lib.options(bool(causal), 1 if prec == "tf32" else 0)
@@ -72,7 +73,7 @@ def main():
                             for _ in range(2):
                                 fn()
                             torch.cuda.synchronize()
-                            times[name] += call_times(fn, a.reps)
+                            times[name] += H.call_times(fn, a.reps)
                 pm = statistics.median(times["peer"])
                 line = f"S={s} D={d} causal={causal} {prec} {'fwd' if a.fwd else 'bwd'}: peer {flops / pm / 1e9:.1f}"
                 for name, _, _ in variants:

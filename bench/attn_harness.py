@@ -1,11 +1,14 @@
-"""Shared pieces of bench/gpu.py and bench/cpu.py: the shape grid, FLOP model, timing loops,
-result table, CSV and chart.
+"""Shared pieces of the Python benchmarks (bench/gpu.py, bench/cpu.py) and GPU tools
+(ab_cuda_fp32.py, kernel_times.py): the FLOP model, input sets, timing loops, result table, CSV
+and chart.
 
-Every backend is called the way training code calls it: inputs in FlashAttention's
+measure() calls every backend the way training code calls it: inputs in FlashAttention's
 (batch, seqlen, heads, headdim) memory layout, viewed as [B, H, S, D] without copies, with
 requires_grad set, through autograd (forward builds the graph; backward is
 torch.autograd.grad with the graph kept, so repeated backward calls time the backward alone).
 Inputs rotate among several independent sets, so no backend finds its operands in cache.
+time_views() times one prepared call (e.g. the C ABI with its arguments bound) in two views:
+host-inclusive (from an idle GPU) and kernel time (behind a GPU spin).
 
 torch is imported on first use, so that `bench/gpu.py --help` and `--dry-run` work on a machine
 without it.
@@ -27,8 +30,10 @@ def _torch():
 
 
 def flops(b, h, s, d, causal, pass_, s_kv=None):
-    """forward 4*B*H*Sq*Skv*D, halved when causal; backward 2.5x; both 3.5x
-    (src/testing/problem.hpp)."""
+    """The FLOP model of every Python benchmark and tool (pass_ "fwd", "bwd" or "both"; h = query
+    heads, s = query length, s_kv = key length, default s). It is the C++ side's
+    (src/testing/problem.cpp forward_flops / backward_flops; docs/PERF.md states it): forward
+    4*B*H*Sq*Skv*D (two matmuls), halved when causal; backward 2.5x the forward; both 3.5x."""
     f = 4.0 * b * h * s * (s if s_kv is None else s_kv) * d * (0.5 if causal else 1.0)
     return {"fwd": f, "bwd": 2.5 * f, "both": 3.5 * f}[pass_]
 
@@ -46,6 +51,12 @@ def make_sets(n_sets, b, h, s, d, dtype, device, seed=0):
             x.requires_grad_(True)
         sets.append((q, k, v, dout))
     return sets
+
+
+def spin_ms(host_ms):
+    """How long a GPU spin before a timed call must last for the host to queue the whole call
+    behind it: 2x the call's host time, plus 50 us for the event records, capped at 50 ms."""
+    return min(2.0 * host_ms + 0.05, 50.0)
 
 
 class Timer:
@@ -93,10 +104,8 @@ class Timer:
             self.sync()  # so the next call's host time is not spent waiting on a full queue
         sleep_ms = 0.0
         if self.gpu_sleep:
-            # 2x the slowest warm call's host time (the first includes one-off setup: skip it
-            # when there is more than one), plus 50 us for the event records, capped at 50 ms.
-            h = max(host[1:] if len(host) > 1 else host)
-            sleep_ms = min(2.0 * h + 0.05, 50.0)
+            # The first warm call includes one-off setup: skip it when there is more than one.
+            sleep_ms = spin_ms(max(host[1:] if len(host) > 1 else host))
             sleep_cycles = int(sleep_ms * self.cycles_per_ms())
         times = []
         t_start = time.perf_counter()
@@ -127,6 +136,76 @@ class Timer:
     def sync(self):
         if self.cuda:
             _torch().cuda.synchronize()
+
+
+# ---- bound calls, timed one by one (bench/gpu.py --suite fp32, ab_cuda_fp32.py) -----------------
+
+
+def call_times(fn, reps, spin_cycles=0, cuda=True):
+    """reps calls of fn(), each timed alone, in ms. On CUDA an event before and after each call,
+    then a synchronisation. spin_cycles = 0: every call starts on an idle GPU, so the host's work
+    up to the call's first launch (and any launch later than the GPU could have run it) counts:
+    the host-inclusive time. spin_cycles > 0: a GPU spin of that many cycles is queued before the
+    first event, long enough for the host to queue the whole call behind it: the GPU's time for
+    the call's kernels (the kernel time). cuda=False: wall clock (a CPU smoke test)."""
+    ts = []
+    if not cuda:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return ts
+    torch = _torch()
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return ts
+
+
+def time_call(fn, warmup, reps, spin_cycles=0, cuda=True):
+    """Median ms of call_times after `warmup` calls and a synchronisation."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        _torch().cuda.synchronize()
+    return statistics.median(call_times(fn, reps, spin_cycles, cuda))
+
+
+def host_ms(fn, calls=3, cuda=True):
+    """The host's time for one call of fn() (wall clock until it returns, the GPU idle before
+    each), the slowest of calls after the first."""
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            _torch().cuda.synchronize()
+    return max(ts[1:] if len(ts) > 1 else ts)
+
+
+def time_views(fn, warmup, reps, timer):
+    """{"host": ms, "kernel": ms} of fn(): the median host-inclusive time (each call from an
+    idle GPU), then the median kernel time (each call behind a GPU spin sized by spin_ms from the
+    call's host time); timer (a Timer) gives the spin's clock rate. Without CUDA both are wall
+    clock."""
+    cuda = timer.cuda
+    out = {"host": time_call(fn, warmup, reps, cuda=cuda)}
+    if not cuda:
+        out["kernel"] = time_call(fn, 0, reps, cuda=False)
+        return out
+    cycles = int(spin_ms(host_ms(fn)) * timer.cycles_per_ms())
+    out["kernel"] = time_call(fn, 0, reps, spin_cycles=cycles)
+    return out
+
+
+# ---- autograd calls over rotating input sets (bench/gpu.py, bench/cpu.py) ---------------------
 
 
 def measure(attn, sets, timer, warmup, reps, budget_s, passes=PASSES, stats=None):

@@ -5,8 +5,8 @@
 //                       [--dim 128] [--mask none,causal] [--dtype float32] [--layout bhsd]
 //                       [--threads 0] [--reps 5] [--gemm 4096]
 //
-// FLOPs follow src/testing/problem.hpp (forward 4*B*H*Sq*Skv*D, halved when causal; backward
-// 2.5x forward); inputs come from testing::Problem.
+// FLOPs: testing::forward_flops / backward_flops (src/testing/problem.cpp, the one FLOP model;
+// docs/PERF.md states it); inputs come from testing::Problem.
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -1,6 +1,6 @@
 """ctypes bindings of flashattn's C ABI (include/flashattn/flashattn.h) for the benchmark and
 profiling scripts that call the library on torch tensors' memory without the Python package
-(bench/gpu.py --via ctypes, bench_cuda_fp32.py, profile_case.py): flashattn_tensor,
+(bench/gpu.py: --via ctypes and --suite fp32; ab_cuda_fp32.py, kernel_times.py, profile_case.py): flashattn_tensor,
 flashattn_options (struct_size versioning) and the forward/backward calls. Options travel as the
 tuple (mask, precision, deterministic); the stream is torch's current one on the tensors' device."""
 import ctypes
@@ -43,6 +43,11 @@ class CtypesLib:
     def version(self):
         return self.lib.flashattn_version().decode()
 
+    @staticmethod
+    def options(causal, precision=0, deterministic=False):
+        """The options tuple: causal (top-left) or no mask; precision 0 = fp32, 1 = tf32."""
+        return (MASK_CAUSAL_TOP_LEFT if causal else MASK_NONE, precision, deterministic)
+
     def cuda_available(self):
         return bool(self.lib.flashattn_cuda_available())
 
@@ -79,10 +84,10 @@ class CtypesLib:
         self.bind_backward(q, k, v, out, dout, lse, dq, dk, dv, opts)()
 
     # The same calls with their argument structures built once: a callable that only crosses into
-    # the library (and checks the status). Benchmarks time these, so that the ~60 us of Python
-    # that fills nine tensor structures per call (measured, docs/PERF.md float32 run 7d) is not
-    # counted as the library's time; the tensors must stay alive and in place, and torch's current
-    # stream at bind time is the one used.
+    # the library (and checks the status). Benchmarks time these because filling nine tensor
+    # structures in Python took ~60 us per backward call (measured on an H200 host), time that is
+    # not the library's; the tensors must stay alive and in place, and torch's current stream at
+    # bind time is the one used.
     def bind_forward(self, q, k, v, out, lse, opts):
         args = [self._view(x) for x in (q, k, v, out, lse)] + [self._options(q, *opts)]
         refs = [ctypes.byref(x) for x in args]  # (each keeps its structure alive)

@@ -7,7 +7,7 @@ its math backend (sdpa-math). Each thread count in --threads (default 1, 2 and a
 with torch.set_num_threads for both sides.
 
 Shapes: B=1, H=8, S in {512, 1024, 2048}, D in {64, 128}, causal and not, float32 (bfloat16 on
-request). GFLOP/s with FLOPs = 4*B*H*S*S*D (halved when causal), backward 2.5x, both 3.5x;
+request). GFLOP/s by the FLOP model of attn_harness.flops (stated in docs/PERF.md);
 wall-clock medians after warm-up, inputs rotated among --sets sets, training mode (requires_grad
 inputs, autograd backward: bench/attn_harness.py).
 

@@ -1,7 +1,23 @@
 #!/usr/bin/env python3
 """flashattn next to PyTorch SDPA's backends on a CUDA GPU: same process, identical inputs.
+The one entry point of the GPU benchmarks, with two suites:
 
-Backends (--backends auto picks per dtype):
+--suite training (the default): every dtype through autograd, as training code calls it,
+  against every SDPA backend that takes the dtype (below).
+--suite fp32: the CUDA float32 kernels' own benchmark: flashattn's precision fp32 (3xTF32) and
+  tf32 modes against SDPA's memory-efficient backend in float32, on the float32 grid (S in
+  {1k, 4k, 16k}, --quick: {1k, 4k}; D in {64, 128}; causal and not). flashattn is called through
+  the C ABI with its argument structures built once (cabi.py bind_forward / bind_backward: the
+  Python that fills them is not the library's time), the peer as training code calls it. Every
+  call is timed alone in two views: host-inclusive (from an idle GPU: the host's work up to the
+  first launch counts, for the peer its Python too) and kernel time (behind a GPU spin: only the
+  GPU's time for the call's kernels). Median of --reps (default 5) after --warmup (default 2).
+  Also per shape: tf32 on the mma.sync kernels, the fp32 mma.sync forward and backward (the
+  wgmma ones are the defaults on compute capability 9.0) and the outputs against the peer's.
+  Writes OUT/fp32.csv (TFLOP/s; the host-inclusive columns first, named as before the suite
+  existed, then kernel_* and the checks) and OUT/fp32.md (the tables).
+
+Backends of --suite training (--backends auto picks per dtype):
   float32           flashattn (precision fp32 = 3xTF32), flashattn-tf32; sdpa-efficient,
                     sdpa-math (full mode). SDPA's flash and cuDNN backends take no float32.
   bfloat16/float16  flashattn (library default backward: deterministic=0, FLASHATTN_CUDA_BWD
@@ -14,8 +30,8 @@ Backends (--backends auto picks per dtype):
 
 Shapes (the CUDA issues): 16k tokens per batch (B = tokens / S), hidden 2048 (H = 2048 / D);
 float32: S in {1k, 4k, 16k}, D in {64, 128}; bfloat16/float16: S in {512, 1k, 2k, 4k, 8k, 16k},
-D in {64, 128, 256}; causal and not. TFLOP/s with FLOPs = 4*B*H*Sq*Skv*D (halved when causal),
-backward 2.5x, both 3.5x. Ratios to sdpa-flash and sdpa-cudnn per pass (the 16-bit target:
+D in {64, 128, 256}; causal and not. TFLOP/s by the FLOP model of attn_harness.flops (stated in
+docs/PERF.md). Ratios to sdpa-flash and sdpa-cudnn per pass (the 16-bit target:
 >= 1.0x sdpa-flash, forward and backward, at every shape; the gap to cuDNN is recorded).
 
 Timing: CUDA-event medians after warm-up, inputs rotated among --sets independent sets (each far
@@ -33,11 +49,11 @@ flashattn is called through the Python package (flashattn.torch.attention) when 
 
 usage: python bench/gpu.py --out out/bench-gpu [--dtypes bfloat16,float16] [--quick]
        python bench/gpu.py --out DIR --lib build-gpu/src/libflashattn.so --quick  (no package)
-       python bench/gpu.py --dry-run [--quick]  (grid, FLOPs, scratch, time estimate; no torch)
-writes OUT/gpu.csv (one row per case and backend, rewritten after every case), OUT/gpu.md (tables,
-summary, notes; also printed last), OUT/gpu-summary.md (the same without the 16-bit per-shape
-tables)
-and OUT/gpu.png (TFLOP/s vs sequence length).
+       python bench/gpu.py --suite fp32 --out DIR --lib build-gpu/src/libflashattn.so [--quick]
+       python bench/gpu.py --dry-run [--suite fp32] [--quick]  (grid, FLOPs, estimate; no torch)
+--suite training writes OUT/gpu.csv (one row per case and backend, rewritten after every case),
+OUT/gpu.md (tables, summary, notes; also printed last), OUT/gpu-summary.md (the same without the
+16-bit per-shape tables) and OUT/gpu.png (TFLOP/s vs sequence length).
 """
 
 import argparse
@@ -55,7 +71,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402  (imports torch only when it needs it)
-from cabi import CtypesLib  # noqa: E402
+from cabi import CtypesLib, EnvSettings  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
@@ -229,6 +245,13 @@ def ctypes_attention(torch, lib):
     return Fn
 
 
+def package_library(pkg):
+    """The package's own copy of libflashattn (next to its extension: python/CMakeLists.txt), or
+    None."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(pkg.__file__), "libflashattn*.so*")))
+    return found[0] if found else None
+
+
 class Flashattn:
     """How this run calls flashattn: 'package' (flashattn.torch.attention) or 'ctypes'."""
 
@@ -250,10 +273,7 @@ class Flashattn:
             self.pkg_det = "deterministic" in inspect.signature(fat.attention).parameters
         lib_path = args.lib
         if lib_path is None and pkg is not None:
-            # The package's own copy of libflashattn (next to its extension: python/CMakeLists.txt).
-            pkg_dir = os.path.dirname(pkg.__file__)
-            found = sorted(glob.glob(os.path.join(pkg_dir, "libflashattn*.so*")))
-            lib_path = found[0] if found else None
+            lib_path = package_library(pkg)
         if args.via == "package" or (args.via == "auto" and fat is not None and
                                      (self.pkg_det or lib_path is None)):
             self.via, self.pkg, self.fat = "package", pkg, fat
@@ -562,6 +582,267 @@ def checks_summary(rows):
     return "\n".join(out)
 
 
+# ---- --suite fp32: the float32 kernels against SDPA's memory-efficient backend ------------------
+
+# TFLOP/s columns of OUT/fp32.csv: the host-inclusive view keeps the names the float32 benchmark's
+# CSV files had before this suite existed (docs/bench/, docs/perf-log/data/), so they compare
+# column by column; the kernel view and the checks follow.
+FP32_MAIN = ("fwd_fp32", "fwd_tf32", "fwd_peer", "bwd_fp32", "bwd_tf32", "bwd_peer",
+             "fb_fp32", "fb_tf32", "fb_peer")
+FP32_SIDE = ("fwd_tf32_mma_sync", "bwd_tf32_mma_sync", "fwd_fp32_other", "bwd_fp32_mma_sync")
+FP32_CHECKS = ("err_out_fp32", "err_out_tf32", "err_grads_tf32", "err_out_fp32_other",
+               "err_grads_fp32_mma_sync")
+FP32_COLUMNS = (("S", "D", "causal") + FP32_MAIN + FP32_SIDE + tuple("kernel_" + c for c in FP32_MAIN)
+                + FP32_CHECKS + ("B", "H"))
+FP32_VIEWS = (("host", "", "host-inclusive: each call from an idle GPU, the host's work up to its "
+               "first launch counted (the peer's Python too)"),
+              ("kernel", "kernel_", "kernel time: each call behind a GPU spin, only the GPU's time "
+               "for its kernels"))
+# The CUDA float32 issue's targets, per pass: fp32 mode and tf32 mode over the peer.
+FP32_TARGETS = (("fp32", 1.3), ("tf32", 3.0))
+
+
+def fp32_cases(args):
+    return [c for c in grid(args) if c[0] == "float32"]
+
+
+def fp32_dry_run(args):
+    cases = fp32_cases(args)
+    print(f"--suite fp32: {len(cases)} shapes; tokens {args.tokens}, hidden {args.hidden}; "
+          f"warm-up {args.warmup}, reps {args.reps}; flashattn fp32 and tf32 (C ABI, bound "
+          f"calls) vs sdpa-efficient, forward and backward, host-inclusive and kernel time")
+    print(f"{'D':>4s} {'S':>6s} {'c':>2s} {'B':>4s} {'H':>4s} {'fwd GFLOP':>10s} {'bwd GFLOP':>10s}")
+    for _, d, s, causal, b, h in cases:
+        print(f"{d:4d} {s:6d} {int(causal):2d} {b:4d} {h:4d} "
+              f"{H.flops(b, h, s, d, causal, 'fwd') / 1e9:10.1f} "
+              f"{H.flops(b, h, s, d, causal, 'bwd') / 1e9:10.1f}")
+
+
+def fp32_table(rows, prefix):
+    """One view's table, as docs/PERF.md shows it: TFLOP/s and the ratios to the peer."""
+    lines = ["| S | D | causal | fwd fp32 | fwd tf32 | fwd peer | bwd fp32 | bwd tf32 | bwd peer | "
+             "f+b fp32 | f+b tf32 | f+b peer | fp32/peer f, b, f+b | tf32/peer f, b, f+b |",
+             "|" + " --- |" * 14]
+    for r in rows:
+        cells = [str(r["S"]), str(r["D"]), "yes" if r["causal"] else "no"]
+        cells += [H.fmt(r[prefix + c]) for c in FP32_MAIN]
+        for m, _ in FP32_TARGETS:
+            cells.append(" ".join(H.fmt(r[f"{prefix}{p}_{m}"] / r[f"{prefix}{p}_peer"], 2)
+                                  for p in ("fwd", "bwd", "fb")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fp32_summary(rows, prefix):
+    """Per mode and pass: at how many shapes the target ratio is met, and the range."""
+    out = []
+    for m, target in FP32_TARGETS:
+        for p, pl in (("fwd", "forward"), ("bwd", "backward")):
+            xs = [r[f"{prefix}{p}_{m}"] / r[f"{prefix}{p}_peer"] for r in rows]
+            out.append(f"- {m} {pl}: >= {target}x the peer at {sum(x >= target for x in xs)}/"
+                       f"{len(xs)} shapes ({min(xs):.2f}-{max(xs):.2f}x)")
+    return "\n".join(out)
+
+
+def fp32_side_table(rows):
+    lines = ["| S | D | causal | tf32 on mma.sync f, b | fp32 mma.sync forward | fp32 mma.sync "
+             "backward | max\\|O - O_peer\\| fp32, tf32 | tf32 grads vs peer | fp32 mma.sync vs "
+             "default: O, grads |", "|" + " --- |" * 9]
+    for r in rows:
+        e = lambda c: f"{r[c]:.1e}"  # noqa: E731
+        lines.append(f"| {r['S']} | {r['D']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{H.fmt(r['fwd_tf32_mma_sync'])} {H.fmt(r['bwd_tf32_mma_sync'])} | "
+                     f"{H.fmt(r['fwd_fp32_other'])} | {H.fmt(r['bwd_fp32_mma_sync'])} | "
+                     f"{e('err_out_fp32')} {e('err_out_tf32')} | {e('err_grads_tf32')} | "
+                     f"{e('err_out_fp32_other')} {e('err_grads_fp32_mma_sync')} |")
+    return "\n".join(lines)
+
+
+def fp32_suite(args):
+    if args.dry_run:
+        fp32_dry_run(args)
+        return 0
+    t_begin = time.monotonic()
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = args.device
+    cuda = dev == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA device (or --device cpu, --dry-run)")
+    path = args.lib
+    if path is None:
+        try:
+            import flashattn as pkg
+            path = package_library(pkg)
+        except ImportError:
+            pass
+    if path is None:
+        sys.exit("--suite fp32 calls the C ABI: give --lib (or install the package with its library)")
+    fa = CtypesLib(os.path.abspath(path), torch)
+    if cuda and not fa.cuda_available():
+        sys.exit(f"this flashattn has no usable CUDA backend ({path})")
+    H.ensure_dir(args.out)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the peer stays float32-accurate
+    torch.backends.cudnn.allow_tf32 = False
+    # The CPU smoke test (--device cpu) has no memory-efficient SDPA: the math backend stands in.
+    peer = SDPBackend.EFFICIENT_ATTENTION if cuda else SDPBackend.MATH
+    timer = H.Timer(cuda=cuda)
+    warmup, reps = args.warmup, args.reps
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    dev_name = (torch.cuda.get_device_name() if cuda else platform.machine() + " CPU")
+    header = (f"{stamp}; {dev_name}; torch {torch.__version__}; flashattn {fa.version()} via C ABI "
+              f"({fa.path}); python {platform.python_version()}\ntiming: median of {reps} after "
+              f"{warmup} warm-up, each call timed alone, peer SDPA {peer.name} float32; command: "
+              f"{' '.join(sys.argv)}")
+    print(header, flush=True)
+    print(f"{'S':>6} {'D':>4} {'causal':>6} {'view':>6} | {'fwd fp32':>8} {'fwd tf32':>8} "
+          f"{'fwd peer':>8} | {'bwd fp32':>8} {'bwd tf32':>8} {'bwd peer':>8} | {'f+b fp32':>8} "
+          f"{'f+b tf32':>8} {'f+b peer':>8} | ratios fp32/peer f,b  tf32/peer f,b", flush=True)
+    csv_path = os.path.join(args.out, "fp32.csv")
+    rows, notes, stopped = [], [], None
+    nan = float("nan")
+    cases = fp32_cases(args)
+    for ci, (_, d, s, causal, b, h) in enumerate(cases):
+        if args.time_limit and time.monotonic() - t_begin > args.time_limit:
+            stopped = (f"time limit {args.time_limit:.0f} s reached: stopped before shape "
+                       f"{ci + 1}/{len(cases)} (D={d} S={s}{' causal' if causal else ''})")
+            notes.append(stopped)
+            break
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, s, d, device=dev, generator=g) for _ in range(4))
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, s, device=dev)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fl_f, fl_b = H.flops(b, h, s, d, causal, "fwd"), H.flops(b, h, s, d, causal, "bwd")
+
+        def tflops(fl, ms):
+            return fl / ms / 1e9
+
+        def side_ms(fn):  # the side measurements: host-inclusive view only
+            return H.time_call(fn, warmup, reps, cuda=cuda)
+
+        ms = {}  # (impl, pass) -> {"host": ms, "kernel": ms}
+        for name, prec in (("fp32", 0), ("tf32", 1)):
+            o = fa.options(causal, prec)
+            ms[name, "fwd"] = H.time_views(fa.bind_forward(q, k, v, out, lse, o), warmup, reps, timer)
+            ms[name, "bwd"] = H.time_views(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o),
+                                           warmup, reps, timer)
+        row = dict(S=s, D=d, causal=int(causal))
+        # tf32 on the mma.sync kernels too (the sm_90a wgmma kernels are the default on compute
+        # capability 9.0 at padded D = 64 and 128, forward and backward): what they gained.
+        o = fa.options(causal, 1)
+        with EnvSettings({"FLASHATTN_CUDA_ARCH": "sm80"}):
+            row["fwd_tf32_mma_sync"] = tflops(fl_f, side_ms(fa.bind_forward(q, k, v, out, lse, o)))
+            row["bwd_tf32_mma_sync"] = tflops(
+                fl_b, side_ms(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o)))
+        # The other fp32 forward on compute capability 9.0, the mma.sync one (the wgmma 3xTF32
+        # forward is the default at padded D = 64 and 128): its speed, and its O against the
+        # default's (a failure is reported, not fatal).
+        row["fwd_fp32_other"] = row["err_out_fp32_other"] = nan
+        row["bwd_fp32_mma_sync"] = row["err_grads_fp32_mma_sync"] = nan
+        if d <= 128:
+            o = fa.options(causal, 0)
+            fa.forward(q, k, v, out, lse, o)
+            out_d = out.clone()
+            try:
+                with EnvSettings({"FLASHATTN_CUDA_FP32_FWD": "mma"}):
+                    row["fwd_fp32_other"] = tflops(fl_f, side_ms(fa.bind_forward(q, k, v, out, lse, o)))
+                row["err_out_fp32_other"] = (out_d - out).abs().max().item()
+            except (RuntimeError, NotImplementedError) as e:
+                notes.append(f"D={d} S={s}: fp32 mma.sync forward failed: {e}")
+            del out_d
+            # The fp32 mma.sync backward at padded D = 64 and 128 (the default there is the wgmma
+            # pair kernels in 3xTF32 on compute capability 9.0): its speed, and its gradients
+            # against the default's, relative to the largest.
+            fa.forward(q, k, v, out, lse, o)
+            try:
+                with EnvSettings({"FLASHATTN_CUDA_FP32_BWD": "mma"}):
+                    row["bwd_fp32_mma_sync"] = tflops(
+                        fl_b, side_ms(fa.bind_backward(q, k, v, out, do, lse, dq, dk, dv, o)))
+                g_w = (dq.clone(), dk.clone(), dv.clone())
+                fa.backward(q, k, v, out, do, lse, dq, dk, dv, o)
+                scale = max(t.abs().max().item() for t in (dq, dk, dv))
+                row["err_grads_fp32_mma_sync"] = max(
+                    (x - y).abs().max().item() for x, y in zip(g_w, (dq, dk, dv))) / scale
+                del g_w
+            except (RuntimeError, NotImplementedError) as e:
+                notes.append(f"D={d} S={s}: fp32 mma.sync backward failed: {e}")
+        # The peer, as training code calls it; then flashattn's outputs against its outputs.
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        with sdpa_kernel(peer):
+            def peer_fwd():
+                return F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+
+            ms["peer", "fwd"] = H.time_views(peer_fwd, warmup, reps, timer)
+            o_peer = peer_fwd()
+
+            def peer_bwd():
+                return torch.autograd.grad(o_peer, (qg, kg, vg), do, retain_graph=True)
+
+            ms["peer", "bwd"] = H.time_views(peer_bwd, warmup, reps, timer)
+            fa.forward(q, k, v, out, lse, fa.options(causal, 0))
+            row["err_out_fp32"] = (out - o_peer.detach()).abs().max().item()
+            fa.forward(q, k, v, out, lse, fa.options(causal, 1))
+            row["err_out_tf32"] = (out - o_peer.detach()).abs().max().item()
+            # the tf32 gradients against the peer's float32 ones, relative to the largest
+            # gradient (as the tests judge them)
+            g_peer = peer_bwd()
+            fa.backward(q, k, v, out, do, lse, dq, dk, dv, fa.options(causal, 1))
+            scale_g = max(t.abs().max().item() for t in g_peer)
+            row["err_grads_tf32"] = max(
+                (x - y).abs().max().item() for x, y in zip((dq, dk, dv), g_peer)) / scale_g
+        del qg, kg, vg, o_peer, g_peer
+        for view, prefix, _ in FP32_VIEWS:
+            for m in ("fp32", "tf32", "peer"):
+                tf, tb = ms[m, "fwd"][view], ms[m, "bwd"][view]
+                row[f"{prefix}fwd_{m}"] = tflops(fl_f, tf)
+                row[f"{prefix}bwd_{m}"] = tflops(fl_b, tb)
+                row[f"{prefix}fb_{m}"] = tflops(fl_f + fl_b, tf + tb)
+        row.update(B=b, H=h)
+        row = {c: row[c] for c in FP32_COLUMNS}
+        for view, prefix, _ in FP32_VIEWS:
+            r = {c: row[prefix + c] for c in FP32_MAIN}
+            line = (f"{s:>6} {d:>4} {str(causal):>6} {view:>6} | {r['fwd_fp32']:8.1f} "
+                    f"{r['fwd_tf32']:8.1f} {r['fwd_peer']:8.1f} | {r['bwd_fp32']:8.1f} "
+                    f"{r['bwd_tf32']:8.1f} {r['bwd_peer']:8.1f} | {r['fb_fp32']:8.1f} "
+                    f"{r['fb_tf32']:8.1f} {r['fb_peer']:8.1f} | "
+                    f"{r['fwd_fp32'] / r['fwd_peer']:.2f} {r['bwd_fp32'] / r['bwd_peer']:.2f}   "
+                    f"{r['fwd_tf32'] / r['fwd_peer']:.2f} {r['bwd_tf32'] / r['bwd_peer']:.2f}")
+            if view == "host":
+                line += (f"   (max|O-O_peer| fp32 {row['err_out_fp32']:.1e}, tf32 "
+                         f"{row['err_out_tf32']:.1e}; tf32 grads rel {row['err_grads_tf32']:.1e}; "
+                         f"tf32 on mma.sync fwd {row['fwd_tf32_mma_sync']:.1f} bwd "
+                         f"{row['bwd_tf32_mma_sync']:.1f}; fp32 mma.sync fwd "
+                         f"{row['fwd_fp32_other']:.1f}, bwd {row['bwd_fp32_mma_sync']:.1f})")
+            print(line, flush=True)
+        rows.append(row)
+        H.write_csv(csv_path, [{c: (float(f"{x:.3g}") if c in FP32_CHECKS else round(x, 2)
+                                    if c in FP32_MAIN + FP32_SIDE or c.startswith("kernel_") else x)
+                                for c, x in r.items()} for r in rows])
+        del q, k, v, do, out, lse, dq, dk, dv
+        if cuda:
+            torch.cuda.empty_cache()
+    if not rows:
+        sys.exit("nothing was measured")
+    md = header + "\n"
+    for view, prefix, what in FP32_VIEWS:
+        md += (f"\n## {what} (TFLOP/s)\n\n" + fp32_table(rows, prefix) + "\n\n"
+               + fp32_summary(rows, prefix) + "\n")
+    md += ("\n## other kernels (host-inclusive TFLOP/s) and checks\n\n" + fp32_side_table(rows)
+           + "\n")
+    if notes:
+        md += "\nNotes:\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    md += f"\n({len(rows)} shapes, {time.monotonic() - t_begin:.0f} s)\n"
+    with open(os.path.join(args.out, "fp32.md"), "w") as f:
+        f.write(md)
+    print(f"\nwrote {args.out}/fp32.csv, fp32.md\n", flush=True)
+    print(md, flush=True)
+    return 2 if stopped else 0
+
+
 # ---- main ----------------------------------------------------------------------------------------
 
 
@@ -569,10 +850,17 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--out", help="folder for gpu.csv, gpu.md, gpu-summary.md and gpu.png "
-                    "(required unless --dry-run)")
-    ap.add_argument("--dtypes", default="float32,bfloat16,float16")
-    ap.add_argument("--seqs", default="1024,4096,16384", help="sequence lengths for float32")
+    ap.add_argument("--suite", choices=("training", "fp32"), default="training",
+                    help="training: every dtype through autograd against SDPA's backends; fp32: "
+                    "the float32 kernels (fp32 and tf32 modes, C ABI) against SDPA's memory-"
+                    "efficient backend, host-inclusive and kernel time (see above)")
+    ap.add_argument("--out", help="folder for the results: gpu.csv, gpu.md, gpu-summary.md and "
+                    "gpu.png; --suite fp32: fp32.csv and fp32.md (required unless --dry-run)")
+    ap.add_argument("--dtypes", default=None,
+                    help="default float32,bfloat16,float16 (--suite fp32: float32 only)")
+    ap.add_argument("--seqs", default=None,
+                    help="sequence lengths for float32 (default 1024,4096,16384; --suite fp32 "
+                    "--quick: 1024,4096)")
     ap.add_argument("--head-dims", default="64,128", help="head dims for float32")
     ap.add_argument("--bf16-seqs", default="512,1024,2048,4096,8192,16384",
                     help="sequence lengths for bfloat16/float16")
@@ -586,13 +874,15 @@ def parse_args(argv=None):
     ap.add_argument("--passes", default=None,
                     help="subset of fwd,bwd,both (default: fwd,bwd,both; --quick: fwd,bwd)")
     ap.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up calls (default 3, --quick 1; --suite fp32: 2)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed calls (default 20, --quick 5; --suite fp32: 5)")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds per measurement, at most")
     ap.add_argument("--quick", action="store_true",
                     help="5 reps, 1 warm-up, 0.3 s budget, passes fwd,bwd, auto backends without "
                     "sdpa-efficient (16-bit) / sdpa-math (float32): the 16-bit grid in ~1-2 min on "
-                    "an H200 (see --dry-run)")
+                    "an H200 (see --dry-run); --suite fp32: S = 1k and 4k only")
     ap.add_argument("--time-limit", type=float, default=0,
                     help="seconds: start no new case after this (results so far are written; "
                     "exit status 2); 0 = none")
@@ -609,8 +899,23 @@ def parse_args(argv=None):
     ap.add_argument("--assume-tflops", default="300,200",
                     help="forward,backward TFLOP/s assumed by --dry-run's time estimate")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.reps, args.warmup, args.budget = 5, 1, 0.3
+    if args.suite == "fp32":
+        # The float32 kernels' benchmark: its own defaults; --quick only shortens the grid.
+        if args.dtypes not in (None, "float32"):
+            ap.error("--suite fp32 measures float32 only (--dtypes float32 or nothing)")
+        if args.device not in ("cuda", "cpu"):
+            ap.error("--suite fp32: --device cuda (or cpu, a smoke test of the script)")
+        args.dtypes = "float32"
+        args.seqs = args.seqs or ("1024,4096" if args.quick else "1024,4096,16384")
+        args.reps = 5 if args.reps is None else args.reps
+        args.warmup = 2 if args.warmup is None else args.warmup
+    else:
+        args.dtypes = args.dtypes or "float32,bfloat16,float16"
+        args.seqs = args.seqs or "1024,4096,16384"
+        args.reps = 20 if args.reps is None else args.reps
+        args.warmup = 3 if args.warmup is None else args.warmup
+        if args.quick:
+            args.reps, args.warmup, args.budget = 5, 1, 0.3
     args.passes = (args.passes or ("fwd,bwd" if args.quick else "fwd,bwd,both")).split(",")
     for p in args.passes:
         if p not in H.PASSES:
@@ -629,6 +934,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.suite == "fp32":
+        return fp32_suite(args)
     if args.dry_run:
         dry_run(args)
         return 0

@@ -8,12 +8,12 @@ kernel (a pre-pass, the dQ pass, the dK/dV pass) before anything is changed. Sin
 call can run at once (the float32 backward's operand copies on a side stream), it also prints the
 call's elapsed time: the median of REPS calls timed one by one with CUDA events, twice - with ~1 ms
 of GPU spin queued before each call (the host's work is not timed: what the GPU needs) and from
-an idle GPU (as bench_cuda_fp32.py times it: the host's work up to its first launch counts, and
-any launch that comes later than the GPU could have run it) - and the host's time per call
-(wall clock of the call while the GPU is busy). --timeline prints the last profiled call's kernels
-in the order they started: start and end (us from the call's first kernel) and stream. Environment
-variables that steer kernel selection (FLASHATTN_CUDA_*) apply as in any call; CASE may set
-them per case: "env=FLASHATTN_CUDA_TF32_BWD=wgmma".
+an idle GPU (as bench/gpu.py --suite fp32 times its host-inclusive view: the host's work up to
+its first launch counts, and any launch that comes later than the GPU could have run it) - and
+the host's time per call (wall clock of the call while the GPU is busy). --timeline prints the
+last profiled call's kernels in the order they started: start and end (us from the call's first
+kernel) and stream. Environment variables that steer kernel selection (FLASHATTN_CUDA_*) apply as
+in any call; CASE may set them per case: "env=FLASHATTN_CUDA_TF32_BWD=wgmma".
 
 usage: kernel_times.py --lib build-gpu/src/libflashattn.so [--reps N] [--timeline] CASE [CASE ...]
   CASE: comma-separated key=value: pass=fwd|bwd, dtype=float32|bfloat16|float16, d=64, s=4096,
@@ -30,6 +30,7 @@ from collections import defaultdict
 
 import torch
 
+import attn_harness as H
 from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib, EnvSettings, issue_problem
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -80,7 +81,7 @@ def run_case(lib, c, reps, show_timeline=False):
         q, k, v, do, out, lse, dq, dk, dv = (prob[n] for n in ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv"))
         opts = (MASK_CAUSAL_TOP_LEFT if c["causal"] else MASK_NONE, 1 if c["precision"] == "tf32" else 0, False)
 
-        # (Argument structures built once, as bench_cuda_fp32.py does: the host time is the library's.)
+        # (Argument structures built once, as bench/gpu.py --suite fp32 does: the host time is the library's.)
         if c["pass"] == "fwd":
             call = lib.bind_forward(q, k, v, out, lse, opts)
         else:
@@ -123,7 +124,7 @@ def run_case(lib, c, reps, show_timeline=False):
             idle.append(t0.elapsed_time(t1) * 1e3)
         med = lambda xs: sorted(xs)[len(xs) // 2]
         wall = med(elapsed)
-        flops = 4.0 * b * h * s * s * d * (0.5 if c["causal"] else 1.0) * (2.5 if c["pass"] == "bwd" else 1.0)
+        flops = H.flops(b, h, s, d, c["causal"], "fwd" if c["pass"] == "fwd" else "bwd")
         label = " ".join(f"{k}={c[k]}" for k in ("pass", "dtype", "precision", "d", "s", "causal")) + (
             " " + " ".join(c["env"]) if c["env"] else "")
         print(f"== {label}: B={b} H={h}; elapsed {wall:.1f} us per call = {flops / wall * 1e-6:.1f} TFLOP/s"

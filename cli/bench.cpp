@@ -104,9 +104,9 @@ int run_bench(int argc, char** argv, int first) {
                 if (opt.naive_cap_gib < 0) throw UsageError("--naive-max-gib: must be >= 0");
               });
   parser.epilogue(
-      "FLOPs: forward 4*B*Hq*Sq*Skv*D (two matmuls), halved for the causal masks;\n"
-      "backward 2.5x forward. GFLOP/s on the CPU, TFLOP/s on CUDA. Times: steady_clock\n"
-      "on the CPU, CUDA events on the problem's stream on CUDA.\n"
+      "FLOPs: the library's one FLOP model (docs/PERF.md; the work line shows the\n"
+      "counts). GFLOP/s on the CPU, TFLOP/s on CUDA. Times: steady_clock on the CPU,\n"
+      "CUDA events on the problem's stream on CUDA.\n"
       "\n"
       "Peak extra memory (CPU only), measured over the timed calls, beyond the inputs\n"
       "and outputs that exist before them, two ways:\n"
@@ -134,8 +134,7 @@ int run_bench(int argc, char** argv, int first) {
        << opt.run.describe_exec() << "; " << opt.warmup << " warm-up + " << opt.reps
        << " timed calls per pass, medians\n"
        << "work: forward " << fmt(fwd_flops / 1e9, 2) << " GFLOP, backward "
-       << fmt(bwd_flops / 1e9, 2) << " GFLOP (4*B*Hq*Sq*Skv*D"
-       << (c.mask == Mask::None ? "" : ", x0.5 causal") << "; backward 2.5x)\n\n";
+       << fmt(bwd_flops / 1e9, 2) << " GFLOP (FLOP model: docs/PERF.md)\n\n";
     emit(os.str());
   }
   const std::unique_ptr<testing::Problem> problem = make_problem(c);

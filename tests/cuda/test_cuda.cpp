@@ -162,7 +162,7 @@ void check_all_maths(const ProblemConfig& cfg) {
     EXPECT_LE(rel(tf32_ob.e[i]), kTf32Tol) << n << " (tf32, other sm_90a backward)\n" << info;
     EXPECT_LE(rel(tf32_p.e[i]), kTf32Tol) << n << " (tf32, pair kernels)\n" << info;
   }
-  // Printed so the logs show the achieved accuracy (docs/PERF.md quotes them).
+  // Printed so the logs show the achieved accuracy (docs/PERF.md quotes the worst).
   std::printf("[ ACCURACY ] %s | fma max rel %.2e | fp32 %.2e | tf32 %.2e | tf32 sm80 kernels %.2e"
               " | tf32 other sm90 bwd %.2e | fp32 other kernels %.2e | tf32 pair %.2e\n",
               cfg.describe().c_str(), fma.worst(), fp32.worst(), tf32.worst(), tf32_80.worst(), tf32_ob.worst(),

@@ -1,8 +1,8 @@
 // The CUDA backend's kernel selection (src/cuda/host/select.cpp) without a GPU: which kernel each
 // pass runs for each (dtype, head dim, mask, lengths, precision, determinism, compute capability,
 // operand alignment, override), the plan's settings, and the reasons given for what is
-// unsupported. The rules come from measurements (docs/PERF.md); these tests pin them so that a
-// change is deliberate. Runs everywhere the CUDA backend is built, CI included (no device needed).
+// unsupported. The rules come from measurements (select.cpp states each one's reason; the runs
+// are in docs/perf-log/); these tests pin them so that a change is deliberate. Runs everywhere the CUDA backend is built, CI included (no device needed).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
