@@ -39,6 +39,7 @@ class CtypesLib:
         self.lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(Options)]
         t = torch
         self.codes = {t.float32: 0, t.float16: 1, t.bfloat16: 2, t.float64: 3}
+        _LOADED.append(self.lib)
 
     def version(self):
         return self.lib.flashattn_version().decode()
@@ -112,21 +113,40 @@ def issue_problem(torch, s, d, dtype):
     return t
 
 
+# Every library loaded through CtypesLib: EnvSettings sets its overrides in each.
+_LOADED = []
+
+
+def set_override(lib, name, value):
+    """One kernel-selection knob (FLASHATTN_CUDA_*, src/cuda/host/overrides.hpp) of a loaded
+    libflashattn; value None: back to the library's choice. The library reads the environment once,
+    so a benchmark that compares variants in one process sets them through this call, which only
+    developer builds (FLASHATTN_DEV_OVERRIDES, e.g. scripts/gpu-check's) export."""
+    fn = getattr(lib, "flashattn_dev_set_override", None)
+    if fn is None:
+        raise RuntimeError(f"{name}: this libflashattn has no kernel-selection overrides "
+                           "(build it with -DFLASHATTN_DEV_OVERRIDES=ON)")
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    if fn(name.encode(), None if value is None else str(value).encode()) != 0:
+        lib.flashattn_last_error.restype = ctypes.c_char_p
+        raise ValueError(lib.flashattn_last_error().decode())
+
+
 class EnvSettings:
-    """Environment variables set for the duration of a with-block (the library reads its
-    FLASHATTN_CUDA_* settings at each call), restored after it."""
+    """Kernel-selection overrides (FLASHATTN_CUDA_* = value; None: the library's choice) for the
+    duration of a with-block in every library loaded through CtypesLib, back to the library's
+    choice after it."""
 
     def __init__(self, settings):
-        self.settings, self.saved = dict(settings), {}
+        self.settings = dict(settings)
 
     def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.settings}
-        os.environ.update(self.settings)
+        for lib in _LOADED:
+            for k, v in self.settings.items():
+                set_override(lib, k, v)
         return self
 
     def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for lib in _LOADED:
+            for k in self.settings:
+                set_override(lib, k, None)

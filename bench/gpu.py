@@ -303,6 +303,9 @@ class Flashattn:
             kw = {"deterministic": impl.deterministic} if self.pkg_det else {}
             if impl.deterministic and not self.pkg_det:
                 return "the package takes no deterministic= and no library for the C ABI"
+            if impl.env:
+                return ("a backward-design override needs the C ABI of a developer build "
+                        "(--lib with FLASHATTN_DEV_OVERRIDES)")
             fat, prec = self.fat, impl.precision
             return lambda q, k, v: fat.attention(q, k, v, mask=mask, precision=prec, **kw)
         opts = (1 if causal else 0, 1 if impl.precision == "tf32" else 0, impl.deterministic)
@@ -351,22 +354,10 @@ class StreamPool:
         return v.value if rc == 0 else None
 
 
-@contextlib.contextmanager
 def bwd_env(value):
-    """FLASHATTN_CUDA_BWD = value (None: unset) for the duration; the library reads it on every
-    call, through getenv, which sees os.environ's changes."""
-    old = os.environ.get(ENV_BWD)
-    if value is None:
-        os.environ.pop(ENV_BWD, None)
-    else:
-        os.environ[ENV_BWD] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV_BWD, None)
-        else:
-            os.environ[ENV_BWD] = old
+    """FLASHATTN_CUDA_BWD = value (None: the library's choice) for the duration, in the library
+    loaded through the C ABI (cabi.EnvSettings: a developer build's override call)."""
+    return EnvSettings({ENV_BWD: value})
 
 
 def probe(torch, fn, inputs, pool, repeat):

@@ -2,7 +2,8 @@
 // pass runs for each (dtype, head dim, mask, lengths, precision, determinism, compute capability,
 // operand alignment, override), the plan's settings, and the reasons given for what is
 // unsupported. The rules come from measurements (select.cpp states each one's reason; the runs
-// are in docs/perf-log/); these tests pin them so that a change is deliberate. Runs everywhere the CUDA backend is built, CI included (no device needed).
+// are in docs/perf-log/); these tests pin them so that a change is deliberate. Runs everywhere
+// the CUDA backend is built, CI included (no device needed).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
