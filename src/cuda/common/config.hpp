@@ -158,7 +158,7 @@ struct TileConfig16 {
   FLASHATTN_CUDA_HD constexpr int threads() const { return warps * 32; }
 };
 
-// Rows measured on the H200 against alternatives (docs/PERF.md, 16-bit run 2): 2 m16 tiles per
+// Rows measured on the H200 against alternatives: 2 m16 tiles per
 // warp win the forward at D <= 128 (8 warps x 1 tile lost 10-25%); block_n 32 removes the D = 128
 // forward's spills (+4%); 128-key dK/dV blocks with 64-128 streamed queries beat 32 (+10-20%).
 FLASHATTN_CUDA_HD constexpr TileConfig16 tile_config16(Pass pass, int dp, bool big) {
@@ -287,7 +287,7 @@ static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds 
 
 // fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 64 and 128 (the
 // default at both on 9.0, fp32_fwd_wgmma_default: at 64 since its descriptors stay on the uniform
-// datapath, 4-17% faster than mma.sync there, docs/PERF.md float32 run 14b): 64 queries (both
+// datapath, 4-17% faster than mma.sync there): 64 queries (both
 // consumer warpgroups, each half the head dim) x 32-key tiles; the producer (one copy thread)
 // keeps 40 registers, 232 per consumer thread: at D = 128 Q's big and small fragments of a half
 // (64), O and the tile's O (32 each), S, its second k-group and the partner's partial (16 each),

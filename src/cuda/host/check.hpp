@@ -55,7 +55,7 @@ void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_
 // use with no release threshold, so the pages of one call's scratch stay mapped for the next.
 // (The device's default pool hands its pages back to the driver at every synchronisation; mapping
 // the tf32 backward's 0.9 GB of operand copies again cost ~1.5 ms per call at S = 1k, about as
-// much as the call's kernels: docs/PERF.md, float32 run 7b.) A private pool leaves the caller's default-pool
+// much as the call's kernels, measured on an H200.) A private pool leaves the caller's default-pool
 // settings alone; what it holds is at most the largest scratch of one call in flight per stream.
 cudaMemPool_t workspace_pool();
 

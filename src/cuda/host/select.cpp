@@ -1,7 +1,7 @@
 // Kernel selection of the CUDA backend (select.hpp). Host code only.
 //
-// Every default below was measured on an H200 with the benchmarks in bench/ (figures and history:
-// docs/PERF.md, docs/perf-log/); each rule says what it won and where.
+// Every default below was measured on an H200 with the benchmarks in bench/ (current figures in
+// docs/PERF.md, the runs behind each rule in docs/perf-log/); each rule says what it won and where.
 #include "cuda/host/select.hpp"
 
 #include <algorithm>

@@ -217,7 +217,7 @@ void launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
     if (convert > 0 && side_stream_free(stream)) {
       side.emplace(stream);
       // D = rowsum(dO O) first there, beside the K/V copies (both memory-bound; the copies alone
-      // do not fill the memory system, run 11c); the dQ pass waits for it at the mark.
+      // do not fill the memory system); the dQ pass waits for it at the mark.
       launch_preprocess(a, side->get());
       side->mark();
       const int ctas = static_cast<int>(std::min<int64_t>(convert, units));
@@ -240,8 +240,8 @@ void launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   if (side) side->wait_mark();  // D, before the dQ pass
   // The dK/dV pass reads none of the dQ pass's results: with the side stream it runs there after
   // the Q/dO copies, beside the dQ pass - its CTAs take the multiprocessors the copies and the dQ
-  // pass's last blocks leave free, instead of waiting for the whole dQ pass (docs/PERF.md float32
-  // run 11c). Without it, after the dQ pass on `stream`.
+  // pass's last blocks leave free, instead of waiting for the whole dQ pass. Without it, after the dQ
+  // pass on `stream`.
   const cudaStream_t dkv_stream = side ? side->get() : stream;
   if constexpr (kPair) {
     // Fewer CTAs than blocks: each takes its next block from a counter (BlockQueue; zeroed above).

@@ -32,7 +32,7 @@ __device__ __forceinline__ float4 tf32_small(float4 v) {
 // 64 rows of one (b, h), staged in shared memory as read so that every output is written in whole
 // coalesced rows. kVec (D = DP and X's rows 16-byte aligned, the usual case): 16-byte loads and
 // stores, all DP / 16 of a thread's loads in flight at once - the scalar loop moved 2.4 TB/s
-// (docs/PERF.md, float32 run 7b), a quarter of the call at S = 1k.
+// (measured on an H200), a quarter of the call at S = 1k.
 // One unit of the copies: rows [n0, n0 + 64) of one (b, h) (bh = b * heads + h), by the 256
 // threads tid of a group that owns `tile` and meets at `sync` (the whole CTA, or a named barrier).
 template <int DP, bool kVec, bool kSplit, class Sync>
@@ -45,8 +45,7 @@ __device__ __forceinline__ void tf32_operand_unit(const In4& x, int64_t b, int64
   if constexpr (kVec) {
     // Loads in batches of four per thread ahead of their stores: interleaved, the compiler cannot
     // move a load above a store to memory it might alias, so a thread had one 16-byte load in
-    // flight at a time (docs/PERF.md float32 run 10e); all of a unit's at D = 128 spilled the
-    // narrow kernel's registers.
+    // flight at a time; all of a unit's at D = 128 spilled the narrow kernel's registers.
     constexpr int kChunks = DP / 4, kPer = 64 * kChunks / 256;  // 16-byte chunks per row, per thread
     constexpr int kBatch = kPer < 4 ? kPer : 4;
     static_assert(kPer % kBatch == 0, "whole batches");
@@ -150,7 +149,7 @@ constexpr int narrow_bulk_smem() {
 // cp.async.bulk, onto an mbarrier) into the second of two tiles while the group writes the current
 // one out, so a unit's ~32 KiB of reads are always in flight: the loads of the plain path wait
 // for the unit's stores to drain first, which held the kernel to ~31 GB/s per multiprocessor
-// (docs/PERF.md float32 run 12b: 777 us of 33 multiprocessors for the Q / dO copies at S = 1k).
+// (measured: 777 us of 33 multiprocessors for the Q / dO copies at S = 1k).
 template <int DP, bool kSplit>
 __device__ __forceinline__ void narrow_bulk(const OperandJobs& J, int grp, int tid, float* smem) {
   constexpr int R = kNarrowRow<DP>, C4 = DP / 4;
