@@ -212,7 +212,7 @@ constexpr bool tiles16_fit() {
 }
 static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leaves warps without rows");
 
-// ==== sm_90a (Hopper) float16 / bfloat16 kernels (kernels_sm90.cuh) ============================
+// ==== sm_90a (Hopper) float16 / bfloat16 kernels (sm90/kernels16.cuh) ============================
 
 // Warpgroup tiles: each warpgroup (4 warps) owns 64 rows of the stationary operand, the M of a
 // wgmma. The streamed operand comes in block_n rows per stage, two stages per operand (K and V
@@ -272,7 +272,7 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0)
                  4 * c.block_n * 4 + 1024 + 16 * 8
            : 0;
 }
-// tf32 forward (kernels_sm90_tf32.cuh), padded D = 64 and 128: 128 queries (two consumer
+// tf32 forward (sm90/tf32_fwd.cuh), padded D = 64 and 128: 128 queries (two consumer
 // warpgroups) x 64 keys per step; the producer warpgroup keeps 40 registers (three of its warps
 // transpose V), which leaves 232 per consumer thread for Q's tf32 fragments (DP/2), O (DP/2),
 // S and P (block_n/2 each).
@@ -285,7 +285,7 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32(int dp) {
 }
 static_assert(smem_bytes90_tf32(128) <= 227 * 1024, "tile_config90_tf32 exceeds shared memory");
 
-// fp32-accurate (3xTF32) forward on wgmma (kernels_sm90_3xtf32.cuh), padded D = 64 and 128 (the
+// fp32-accurate (3xTF32) forward on wgmma (sm90/x3_fwd.cuh), padded D = 64 and 128 (the
 // default at both on 9.0, fp32_fwd_wgmma_default: at 64 since its descriptors stay on the uniform
 // datapath, 4-17% faster than mma.sync there): 64 queries (both
 // consumer warpgroups, each half the head dim) x 32-key tiles; the producer (one copy thread)
@@ -304,14 +304,14 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes90_3xtf32(int dp) {
 static_assert(smem_bytes90_3xtf32(64) <= 227 * 1024 && smem_bytes90_3xtf32(128) <= 227 * 1024,
               "tile_config90_3xtf32 exceeds shared memory");
 
-// tf32 backward (kernels_sm90_tf32_bwd.cuh), padded D = 64: the split design's two passes on
+// tf32 backward (sm90/tf32_bwd.cuh), padded D = 64: the split design's two passes on
 // wgmma, reading operands that a pre-pass rounded to tf32 and transposed (k contiguous for every
 // B operand). dQ: 128 queries (two consumer warpgroups) x 64-key tiles; Q and dO as tf32
 // fragments (DP/2 registers each), dQ, S, dP and dS's fragments DP/2 and block_n/2 each.
 // dK/dV: 128 keys (64 per warpgroup) x 64-query tiles; K and V as fragments, dK, dV, S^T, dP^T.
 // At D = 128 that does not fit: K and V (or Q and dO) alone would take 128 registers per thread,
 // and their tiles with two stages of four streamed operands exceed shared memory. So D = 128 has
-// the pair design (kernels_sm90_tf32_bwd_pair.cuh): 64 rows per CTA, both warpgroups on the same
+// the pair design (sm90/tf32_bwd_pair.cuh): 64 rows per CTA, both warpgroups on the same
 // rows, one stationary operand and one accumulator each (~160 registers), 32-row streamed tiles.
 FLASHATTN_CUDA_HD constexpr bool has_sm90_tf32_bwd(int dp) { return in_dims(kSm90Tf32Backward, dp); }
 // The fp32-accurate (3xTF32) backward on wgmma: the pair kernels with every product in three
@@ -338,7 +338,7 @@ FLASHATTN_CUDA_HD constexpr TileConfig90 tile_config90_tf32_bwd(Pass /*pass*/, b
 // dK/dV: K and V (block_m rows), two buffers of Q, dO, Q^T and dO^T plus LSE and D vectors; pair
 // design: the P^T exchange buffer. x3: every streamed tile twice (big, small); pair_small_in_smem:
 // one buffer of each half instead of two.
-// The streamed tiles in a TileRing (kernels_sm90_tf32_bwd.cuh): two buffers of each tile's X half
+// The streamed tiles in a TileRing (sm90/tf32_bwd.cuh): two buffers of each tile's X half
 // (the scores' operands) and G half (the gradient product's), one each with pair_small_in_smem.
 // Each: 1 KiB for alignment, up to 16 mbarriers and the block queue's two slots (BlockQueue).
 FLASHATTN_CUDA_HD constexpr int smem_bytes90_tf32_bwd(Pass pass, int dp, bool pair, bool x3 = false) {

@@ -21,8 +21,8 @@ __device__ __forceinline__ float4 tf32_small(float4 v) {
   return make_float4(tf32_small(v.x), tf32_small(v.y), tf32_small(v.z), tf32_small(v.w));
 }
 
-// The Hopper float32 kernels' operand copies (the backwards, kernels_sm90_tf32_bwd.cuh; the 3xTF32
-// forward, kernels_sm90_3xtf32.cuh): from X [B, H, S, D]
+// The Hopper float32 kernels' operand copies (the backwards, sm90/tf32_bwd.cuh; the 3xTF32
+// forward, sm90/x3_fwd.cuh): from X [B, H, S, D]
 // (any strides), xr = X rounded to tf32, contiguous [B, H, S, DP] with columns D..DP zero, and
 // when xt is set the same values transposed, contiguous [B, H, DP, S8] (S8 = S rounded up to 8)
 // with position n of each group of 8 in column tf32_slot(n) and the columns past S zero (a NaN
