@@ -1,43 +1,97 @@
-"""A deliberately plain float64 attention in NumPy (explicit S, P, dP, dS), for the tests.
+"""The float64 reference attention for the Python tests: the C++ suite's own reference
+(src/testing/reference.cpp), called through its C ABI (src/testing/reference_c.h) in
+libflashattn_reference, a shared library built with the C++ tests (FLASHATTN_BUILD_TESTS=ON).
+One implementation judges every suite; the C++ suite checks it by finite differences, and
+test_numpy.py does so again through this binding.
 
-Logical [B, H, S, D] arrays; GQA by repeating kv heads; the library's three masks; a row that
-sees no key gives out = 0, lse = -inf and no gradient. test_numpy.py checks its gradients against
-central finite differences of its own forward, so it is not trusted on faith.
+Where the library is looked for, in order:
+  1. FLASHATTN_REFERENCE_LIB: the path of the .so;
+  2. the repository's CMake build folders (src/testing/ of build*/ or build*/*/): build/ first,
+     then the others, newest first; sanitizer builds are skipped (their library needs the ASan
+     runtime loaded first).
+A test that needs the reference fails, saying what to do, when it is in none of them.
+
+Arrays are logical [B, H, S, D] (any strides, any float dtype: converted to float64 first, so
+16-bit inputs are used exactly as stored); GQA when Hkv divides Hq; the library's three masks;
+a row that sees no key gives out = 0, lse = -inf and no gradient.
 """
+
+import ctypes
+import glob
+import os
 
 import numpy as np
 
 MASK_NAMES = ("none", "causal_top_left", "causal_bottom_right")
 
-
-def visible(sq, skv, mask):
-    i = np.arange(sq)[:, None]
-    j = np.arange(skv)[None, :]
-    if mask == "none":
-        return np.ones((sq, skv), dtype=bool)
-    if mask == "causal_top_left":
-        return j <= i
-    if mask == "causal_bottom_right":
-        return j <= i + skv - sq
-    raise ValueError(mask)
+_ENV = "FLASHATTN_REFERENCE_LIB"
+_NAME = "libflashattn_reference.so"
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _expand(kv, group):
-    return np.repeat(kv, group, axis=1)
+class _Shape(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64)
+                for n in ("batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim")]
 
 
-def _probs(q, k, scale, mask):
-    s = scale * np.einsum("bhid,bhjd->bhij", q, k)
-    vis = visible(q.shape[2], k.shape[2], mask)
-    s = np.where(vis, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    dead = ~np.isfinite(m)  # rows with no visible key
-    m = np.where(dead, 0.0, m)
-    e = np.exp(s - m)
-    l = e.sum(axis=-1, keepdims=True)
-    p = np.where(dead, 0.0, e / np.where(dead, 1.0, l))
-    lse = np.where(dead, -np.inf, m + np.log(np.where(dead, 1.0, l)))[..., 0]
-    return p, lse
+def _sanitizer_build(build_dir):
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+            return any(line.startswith("FLASHATTN_SANITIZE:") and
+                       line.strip().split("=", 1)[1].upper() in ("ON", "1", "TRUE", "YES")
+                       for line in f)
+    except OSError:
+        return False
+
+
+def _candidates():
+    if os.environ.get(_ENV):
+        return [os.environ[_ENV]]
+    # CMake build folders directly under build*/ (build/, build-gpu/, ...) or one level below
+    # (build-python/reference/, which scripts/gpu-python makes).
+    dirs = [d for pattern in ("build*", os.path.join("build*", "*"))
+            for d in glob.glob(os.path.join(_REPO, pattern))
+            if os.path.isfile(os.path.join(d, "src", "testing", _NAME))]
+    dirs.sort(key=lambda d: (os.path.relpath(d, _REPO) != "build", -os.path.getmtime(d)))
+    return [os.path.join(d, "src", "testing", _NAME) for d in dirs if not _sanitizer_build(d)]
+
+
+_lib = None
+_error = None  # why the library cannot be used, once known
+
+
+def library():
+    """The loaded libflashattn_reference (ctypes.CDLL); raises RuntimeError, saying what to do,
+    when it cannot be found or loaded."""
+    global _lib, _error
+    if _lib is not None:
+        return _lib
+    if _error is not None:
+        raise RuntimeError(_error)
+    paths = _candidates()
+    if not paths:
+        _error = (
+            f"the float64 reference library {_NAME} was not found: build it with the C++ tests "
+            f"(cmake -S . -B build -DFLASHATTN_BUILD_TESTS=ON && cmake --build build --target "
+            f"flashattn_reference, from the repository root {_REPO}) or set {_ENV} to its path")
+        raise RuntimeError(_error)
+    path = paths[0]
+    try:
+        lib = ctypes.CDLL(path)
+        fwd, bwd, err = (lib.flashattn_ref_forward, lib.flashattn_ref_backward,
+                         lib.flashattn_ref_last_error)
+    except (OSError, AttributeError) as e:
+        _error = (f"cannot use the float64 reference library {path} ({e}); rebuild it (target "
+                  f"flashattn_reference) or set {_ENV}")
+        raise RuntimeError(_error) from e
+    arr = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]  # data, strides
+    shape, scale_mask = [ctypes.POINTER(_Shape)], [ctypes.c_double, ctypes.c_int32]
+    fwd.argtypes = shape + arr * 3 + scale_mask + arr * 2
+    bwd.argtypes = shape + arr * 4 + scale_mask + arr * 3
+    fwd.restype = bwd.restype = ctypes.c_int
+    err.argtypes, err.restype = [], ctypes.c_char_p
+    _lib = lib
+    return lib
 
 
 def abi_scale(scale, head_dim):
@@ -46,29 +100,54 @@ def abi_scale(scale, head_dim):
     return float(np.float32(1.0 / np.sqrt(head_dim) if scale is None else scale))
 
 
+def _arg(x):
+    """([data pointer, strides in elements], array) for a float64 view of x; the array keeps the
+    memory alive. A float64 array is used in place, whatever its strides (outputs included)."""
+    a = np.asarray(x, dtype=np.float64)
+    if any(s % a.itemsize for s in a.strides):
+        a = np.ascontiguousarray(a)
+    strides = (ctypes.c_int64 * a.ndim)(*(s // a.itemsize for s in a.strides))
+    return [ctypes.c_void_p(a.ctypes.data), strides], a
+
+
+def _shape(q, k, v, dout=None):
+    """The C ABI reads every array with q's and k's sizes: they must agree."""
+    ok = (q.ndim == 4 and k.ndim == 4 and k.shape == v.shape and
+          (q.shape[0], q.shape[3]) == (k.shape[0], k.shape[3]) and
+          (dout is None or dout.shape == q.shape))
+    if not ok:
+        raise ValueError(f"the reference takes [B, H, S, D] arrays of matching sizes, got q "
+                         f"{q.shape}, k {k.shape}, v {v.shape}" +
+                         ("" if dout is None else f", dout {dout.shape}"))
+    return _Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+
+
+def _check(lib, rc):
+    if rc != 0:
+        raise ValueError("float64 reference: " + lib.flashattn_ref_last_error().decode())
+
+
 def forward(q, k, v, scale=None, mask="none"):
     """float64 (out, lse)."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    scale = abi_scale(scale, q.shape[-1])
-    group = q.shape[1] // k.shape[1]
-    p, lse = _probs(q, _expand(k, group), scale, mask)
-    return np.einsum("bhij,bhjd->bhid", p, _expand(v, group)), lse
+    lib = library()
+    (qa, q), (ka, k), (va, v) = _arg(q), _arg(k), _arg(v)
+    shape = _shape(q, k, v)
+    out, lse = np.empty(q.shape), np.empty(q.shape[:3])
+    (oa, _), (la, _) = _arg(out), _arg(lse)
+    _check(lib, lib.flashattn_ref_forward(ctypes.byref(shape), *qa, *ka, *va,
+                                          abi_scale(scale, q.shape[-1]), MASK_NAMES.index(mask),
+                                          *oa, *la))
+    return out, lse
 
 
 def backward(dout, q, k, v, scale=None, mask="none"):
     """float64 (dq, dk, dv); dk and dv summed over the query heads of each kv group."""
-    dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
-    scale = abi_scale(scale, q.shape[-1])
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    ke, ve = _expand(k, group), _expand(v, group)
-    p, _ = _probs(q, ke, scale, mask)
-    dv_e = np.einsum("bhij,bhid->bhjd", p, dout)
-    dp = np.einsum("bhid,bhjd->bhij", dout, ve)
-    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds, ke)
-    dk_e = scale * np.einsum("bhij,bhid->bhjd", ds, q)
-    dk = dk_e.reshape(b, hkv, group, skv, d).sum(axis=2)
-    dv = dv_e.reshape(b, hkv, group, skv, d).sum(axis=2)
+    lib = library()
+    (da, dout), (qa, q), (ka, k), (va, v) = _arg(dout), _arg(q), _arg(k), _arg(v)
+    shape = _shape(q, k, v, dout)
+    dq, dk, dv = np.empty(q.shape), np.empty(k.shape), np.empty(v.shape)
+    (dqa, _), (dka, _), (dva, _) = _arg(dq), _arg(dk), _arg(dv)
+    _check(lib, lib.flashattn_ref_backward(ctypes.byref(shape), *qa, *ka, *va, *da,
+                                           abi_scale(scale, q.shape[-1]),
+                                           MASK_NAMES.index(mask), *dqa, *dka, *dva))
     return dq, dk, dv

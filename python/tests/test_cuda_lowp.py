@@ -5,8 +5,9 @@ criterion: on the same 16-bit inputs,
     max|got - ref64| <= 2 x max|naive - ref64|   (out)
     max|got - ref64| <= 3 x max|naive - ref64|   (dq, dk, dv)
 
-where ref64 is PyTorch attention in float64 and naive the same PyTorch code in the 16-bit dtype
-(torch_helpers.attention_ref, differentiated by autograd; float32 accumulation in its matmuls).
+where ref64 is the float64 reference (reference.py: the C++ suite's, on the same 16-bit inputs)
+and naive plain PyTorch attention in the 16-bit dtype (torch_helpers.attention_ref,
+differentiated by autograd; float32 accumulation in its matmuls).
 The floors and the lse tolerance are those of tests/cuda/test_cuda16.cpp, which explains them;
 that suite covers the shape grid, this one the Python paths (custom op, autograd, layouts,
 streams, the deterministic flag). Skipped without CUDA PyTorch and flashattn's CUDA backend."""
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import flashattn.torch as fat  # noqa: E402
 from flashattn import flash_attn_func  # noqa: E402
-from torch_helpers import HAS_CUDA, attention_ref, visible  # noqa: E402
+from torch_helpers import HAS_CUDA, attention_ref, reference64, visible  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA,
                                 reason="needs CUDA PyTorch and flashattn's CUDA backend")
@@ -79,15 +80,13 @@ class _fp32_accumulation:
 
 
 def ref_and_naive(q, k, v, dout, scale, mask):
-    """(out, lse, dq, dk, dv) of PyTorch attention in float64 and in q's dtype."""
-    res = []
-    for dt in (torch.float64, q.dtype):
-        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        with _fp32_accumulation():
-            out, lse = attention_ref(qq, kk, vv, scale, mask, dtype=dt)
-            out.backward(dout.to(dt))
-        res.append([t.double() for t in (out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad)])
-    return res
+    """(out, lse, dq, dk, dv) of the float64 reference and of PyTorch attention in q's dtype."""
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    with _fp32_accumulation():
+        out, lse = attention_ref(qq, kk, vv, scale, mask, dtype=q.dtype)
+        out.backward(dout)
+    naive = [t.double() for t in (out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad)]
+    return list(reference64(q, k, v, dout, scale, mask)), naive
 
 
 def max_abs_err(got, ref, name):

@@ -1,6 +1,6 @@
 """FlashAttention-2-compatible functions (flash_attn_func, flash_attn_qkvpacked_func,
 flash_attn_kvpacked_func): layouts, causal alignment, GQA, return values, autograd, packed
-gradients, unsupported arguments, torch.compile — against PyTorch attention in float64."""
+gradients, unsupported arguments, torch.compile — against the float64 reference."""
 
 import inspect
 
@@ -13,7 +13,7 @@ from flashattn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                        flash_attn_qkvpacked_func)
 from flashattn.flash_attn_interface import flash_attn_func as flash_attn_func_2  # noqa: E402
 from conftest import TOL  # noqa: E402
-from torch_helpers import (DEVICES, DTYPE_NAMES, attention_ref, rel_err,  # noqa: E402
+from torch_helpers import (DEVICES, DTYPE_NAMES, reference64, rel_err,  # noqa: E402
                            skip_unsupported)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -25,12 +25,9 @@ def bhsd(x):
 
 def ref_bshd(q, k, v, dout, scale, causal):
     """float64 reference on (batch, seqlen, nheads, headdim) tensors: out, lse, dq, dk, dv."""
-    qq, kk, vv = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out, lse = attention_ref(bhsd(qq), bhsd(kk), bhsd(vv), scale,
-                             "causal_bottom_right" if causal else "none")
-    out = bhsd(out)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad
+    out, lse, dq, dk, dv = reference64(bhsd(q), bhsd(k), bhsd(v), bhsd(dout), scale,
+                                       "causal_bottom_right" if causal else "none")
+    return bhsd(out), lse, bhsd(dq), bhsd(dk), bhsd(dv)
 
 
 def tol(dtype, device, kind):

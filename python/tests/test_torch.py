@@ -1,6 +1,6 @@
-"""flashattn with PyTorch tensors (CPU, and CUDA where available) against PyTorch's attention in
-float64 with autograd: the low-level functions, flashattn.torch.attention (custom ops, also
-under torch.compile), FlashAttnFunction, gradcheck, bfloat16, streams and errors."""
+"""flashattn with PyTorch tensors (CPU, and CUDA where available) against the float64 reference
+(reference.py, the C++ suite's): the low-level functions, flashattn.torch.attention (custom ops,
+also under torch.compile), FlashAttnFunction, gradcheck, bfloat16, streams and errors."""
 
 import pytest
 
@@ -10,7 +10,7 @@ import flashattn  # noqa: E402
 import flashattn.torch as fat  # noqa: E402
 from conftest import TOL  # noqa: E402
 from torch_helpers import (  # noqa: E402
-    DEVICES, DTYPE_NAMES, HAS_CUDA, MASKS, attention_ref, rel_err, skip_unsupported)
+    DEVICES, DTYPE_NAMES, HAS_CUDA, MASKS, attention_ref, reference64, rel_err, skip_unsupported)
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -54,16 +54,15 @@ def tolerance(dtype, device, naive_err, kind):
 
 
 def reference_and_naive(q, k, v, dout, scale, mask):
-    """float64 reference (out, lse, dq, dk, dv) by autograd, and the naive same-dtype errors."""
-    res = {}
-    for name, dt in (("ref", torch.float64), ("naive", q.dtype)):
-        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        with _no_tf32():
-            out, lse = attention_ref(qq, kk, vv, scale, mask, dtype=dt)
-            out.backward(dout.to(dt))
-        res[name] = (out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad)
-    errs = [rel_err(n, r) for n, r in zip(res["naive"], res["ref"])]
-    return res["ref"], errs
+    """The float64 reference (out, lse, dq, dk, dv), and the errors of plain attention in q's
+    dtype (PyTorch, autograd) against it."""
+    ref = reference64(q, k, v, dout, scale, mask)
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    with _no_tf32():
+        out, lse = attention_ref(qq, kk, vv, scale, mask, dtype=q.dtype)
+        out.backward(dout)
+    naive = (out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad)
+    return ref, [rel_err(n, r) for n, r in zip(naive, ref)]
 
 
 class _no_tf32:
@@ -339,16 +338,22 @@ def test_cpu_uses_torch_thread_count_and_is_deterministic():
 
 
 def test_sdpa_agrees_with_the_reference():
-    """The float64 reference above is PyTorch's own attention: cross-check it against
-    F.scaled_dot_product_attention for all three masks (rows that see a key)."""
+    """The float64 reference and the plain PyTorch attention behind the naive baseline, both
+    against PyTorch's F.scaled_dot_product_attention, an implementation independent of both, for
+    all three masks (rows that see a key): out, and dq, dk, dv by autograd through SDPA."""
     import torch.nn.functional as F
-    q, k, v, _ = problem((2, 4, 2, 12, 20, 16), torch.float64, "cpu")
-    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    for mask, kw in (("none", {}), ("causal_top_left", {"is_causal": True})):
-        ours, _ = attention_ref(q, k, v, None, mask)
-        theirs = F.scaled_dot_product_attention(q, kr, vr, **kw)
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)  # float32 scale
     from torch.nn.attention.bias import causal_lower_right
-    ours, _ = attention_ref(q, k, v, None, "causal_bottom_right")
-    theirs = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal_lower_right(12, 20))
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    q, k, v, dout = problem((2, 4, 2, 12, 20, 16), torch.float64, "cpu")
+    for mask, kw in (("none", {}), ("causal_top_left", {"is_causal": True}),
+                     ("causal_bottom_right", {"attn_mask": causal_lower_right(12, 20)})):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        theirs = F.scaled_dot_product_attention(qq, kk.repeat_interleave(2, 1),
+                                                vv.repeat_interleave(2, 1), **kw)
+        theirs.backward(dout)
+        ref = reference64(q, k, v, dout, None, mask)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (ref[0], *ref[2:]),
+                              (theirs.detach(), qq.grad, kk.grad, vv.grad)):
+            # SDPA takes the scale 1/sqrt(D) in float64, the reference its float32 rounding.
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{mask} {name}")
+        naive, _ = attention_ref(q, k, v, None, mask)
+        torch.testing.assert_close(naive, theirs.detach(), rtol=1e-6, atol=1e-6)

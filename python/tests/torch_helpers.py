@@ -1,9 +1,11 @@
-"""Shared pieces of the PyTorch tests: devices, dtypes, the float64 autograd reference."""
+"""Shared pieces of the PyTorch tests: devices, dtypes, the float64 reference on tensors, and
+plain attention in PyTorch (the 'naive' baseline)."""
 
 import pytest
 import torch
 
 import flashattn
+import reference
 
 MASKS = ("none", "causal_top_left", "causal_bottom_right")
 DTYPE_NAMES = {
@@ -40,10 +42,21 @@ def abi_scale(scale, d):
     return float(torch.tensor(d ** -0.5 if scale is None else scale, dtype=torch.float32))
 
 
+def reference64(q, k, v, dout, scale=None, mask="none"):
+    """The float64 reference (reference.py: the C++ suite's, through libflashattn_reference) on
+    [B, H, S, D] tensors of any dtype, device and strides: (out, lse, dq, dk, dv) as float64
+    tensors on q's device. Inputs are converted to float64 exactly, so 16-bit values are used as
+    stored."""
+    host = [x.detach().to("cpu", torch.float64).numpy() for x in (q, k, v, dout)]
+    out, lse = reference.forward(*host[:3], scale, mask)
+    grads = reference.backward(host[3], *host[:3], scale, mask)
+    return tuple(torch.from_numpy(x).to(q.device) for x in (out, lse, *grads))
+
+
 def attention_ref(q, k, v, scale=None, mask="none", dtype=torch.float64):
     """Plain attention in `dtype` on [B, H, S, D] tensors, differentiable by autograd; GQA by
-    repeating kv heads; rows that see no key give 0 (not NaN). float64 is the yardstick; the same
-    code in a low precision is the 'naive' baseline of FlashAttention's test criterion."""
+    repeating kv heads; rows that see no key give 0 (not NaN). In a low precision it is the
+    'naive' baseline of FlashAttention's test criterion (the yardstick is reference64)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)

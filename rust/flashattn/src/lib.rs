@@ -47,7 +47,6 @@
 mod error;
 mod half;
 mod options;
-pub mod reference;
 mod tensor;
 
 use core::ffi::CStr;

@@ -1,8 +1,7 @@
-//! The library through the safe API, forward and backward, against the Rust float64 reference.
+//! The library through the safe API, forward and backward, against the float64 reference.
 mod common;
 
 use common::*;
-use flashattn::reference::{self, Shape};
 use flashattn::{forward, Bf16, Element, Mask, Options, Tensor, TensorMut, F16};
 
 // Bounds on |got - ref| / (1 + |ref|). A wrong mask, scale or GQA mapping gives errors of order
@@ -153,7 +152,7 @@ fn packed_qkv_views_of_one_buffer() {
     // views of the same slice, which shared borrows allow.
     let (b, s, h, d) = (2, 17, 3, 8);
     let shape = Shape { batch: b, heads_q: h, heads_kv: h, seq_q: s, seq_kv: s, head_dim: d };
-    let mut rng = reference::Rng::new(41);
+    let mut rng = Rng::new(41);
     let packed: Vec<f32> = (0..b * s * 3 * h * d).map(|_| rng.normal() as f32).collect();
     let strides = [s * 3 * h * d, d, 3 * h * d, 1];
     let view =

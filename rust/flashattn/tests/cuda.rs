@@ -9,7 +9,6 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::ptr::NonNull;
 
 use common::*;
-use flashattn::reference;
 use flashattn::{
     backward, forward, CudaStream, Device, Element, ErrorKind, Mask, Options, Precision, Tensor,
     TensorMut,

@@ -1,10 +1,12 @@
-//! The Rust float64 reference is checked on its own before it judges the library: its gradients
-//! against central finite differences of its forward, and its forward against cases with a known
-//! answer.
-use flashattn::reference::{backward, forward, visible, Rng, Shape};
-use flashattn::Mask;
+//! The float64 reference the tests use (the C++ suite's, through libflashattn_reference: see
+//! common/reference.rs) is checked through this binding before it judges the library: its
+//! gradients against central finite differences of its forward, its forward against cases with a
+//! known answer, and a bad shape comes back as the library's message.
+mod common;
 
-const MASKS: [Mask; 3] = [Mask::None, Mask::CausalTopLeft, Mask::CausalBottomRight];
+use common::reference::{backward, forward, visible, Rng, Shape};
+use common::MASKS;
+use flashattn::Mask;
 
 fn loss(s: &Shape, q: &[f64], k: &[f64], v: &[f64], dout: &[f64], scale: f64, mask: Mask) -> f64 {
     let (out, _) = forward(s, q, k, v, scale, mask);
@@ -89,4 +91,18 @@ fn uniform_scores_average_the_visible_values() {
     assert!(!visible(Mask::CausalBottomRight, 2, 1, 6, 4));
     // Top-left with Sq < Skv: row 0 sees key 0 only.
     assert!(visible(Mask::CausalTopLeft, 0, 0, 2, 5) && !visible(Mask::CausalTopLeft, 0, 1, 2, 5));
+}
+
+#[test]
+#[should_panic(expected = "heads_kv does not divide heads_q")]
+fn a_bad_shape_is_refused_with_the_reference_s_message() {
+    let s = Shape { batch: 1, heads_q: 3, heads_kv: 2, seq_q: 2, seq_kv: 2, head_dim: 2 };
+    let _ = forward(
+        &s,
+        &vec![0.0; s.q_len()],
+        &vec![0.0; s.kv_len()],
+        &vec![0.0; s.kv_len()],
+        1.0,
+        Mask::None,
+    );
 }

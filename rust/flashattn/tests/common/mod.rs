@@ -1,9 +1,12 @@
 //! Shared test harness: lays logical [B, H, S, D] data out in a memory layout, runs the library
-//! through the safe API with NaN-poisoned outputs, and compares with the Rust float64 reference.
+//! through the safe API with NaN-poisoned outputs, and compares with the float64 reference (the
+//! C++ suite's, through libflashattn_reference: `reference`).
 #![allow(dead_code)]
 
-use flashattn::reference::{self, visible, Rng, Shape};
+pub mod reference;
+
 use flashattn::{backward, forward, Element, Error, Mask, Options, Tensor, TensorMut};
+pub use reference::{visible, Rng, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {

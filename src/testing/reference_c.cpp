@@ -1,0 +1,168 @@
+// The C ABI of libflashattn_reference (reference_c.h): strided float64 views gathered into the
+// contiguous arrays of the C++ reference (reference.hpp), which does all the arithmetic, and its
+// results scattered back.
+#include "testing/reference_c.h"
+
+#include <cstdint>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "testing/reference.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+thread_local std::string g_error;
+
+struct Invalid {
+  std::string what;
+};
+
+// A logical view: sizes and strides in elements (contiguous when the caller gave none).
+template <int N>
+struct View {
+  int64_t size[N];
+  int64_t stride[N];
+  int64_t count() const {
+    int64_t n = 1;
+    for (int i = 0; i < N; ++i) n *= size[i];
+    return n;
+  }
+};
+
+template <int N>
+View<N> make_view(const char* name, const void* data, const int64_t (&size)[N],
+                  const int64_t* strides) {
+  View<N> v{};
+  int64_t contiguous = 1;
+  for (int i = N - 1; i >= 0; --i) {
+    v.size[i] = size[i];
+    v.stride[i] = strides ? strides[i] : contiguous;
+    contiguous *= size[i];
+  }
+  if (data == nullptr) throw Invalid{std::string(name) + " is NULL"};
+  return v;
+}
+
+// Calls f(logical_index, element_offset) for every element, in row-major logical order.
+template <int N, typename F>
+void for_each(const View<N>& v, F f) {
+  const int64_t n = v.count();
+  int64_t idx[N] = {};
+  int64_t off = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    f(e, off);
+    for (int d = N - 1; d >= 0; --d) {
+      off += v.stride[d];
+      if (++idx[d] < v.size[d]) break;
+      off -= v.stride[d] * v.size[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+template <int N>
+std::vector<double> gather(const double* data, const View<N>& v) {
+  std::vector<double> out(static_cast<size_t>(v.count()));
+  for_each(v, [&](int64_t e, int64_t off) { out[e] = data[off]; });
+  return out;
+}
+
+template <int N>
+void scatter(const std::vector<double>& src, double* data, const View<N>& v) {
+  for_each(v, [&](int64_t e, int64_t off) { data[off] = src[e]; });
+}
+
+RefShape check_shape(const flashattn_ref_shape* s, int32_t mask) {
+  if (s == nullptr) throw Invalid{"shape is NULL"};
+  const int64_t dims[] = {s->batch, s->heads_q, s->heads_kv, s->seq_q, s->seq_kv, s->head_dim};
+  const char* names[] = {"batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim"};
+  for (int i = 0; i < 6; ++i)
+    if (dims[i] < 1) throw Invalid{std::string(names[i]) + " = " + std::to_string(dims[i]) +
+                               ": every size must be at least 1"};
+  if (s->heads_q % s->heads_kv != 0) throw Invalid{"heads_kv does not divide heads_q"};
+  if (mask < 0 || mask > 2)
+    throw Invalid{"mask " + std::to_string(mask) + " is none of 0 (none), 1 (causal top-left), "
+                                                   "2 (causal bottom-right)"};
+  return RefShape{s->batch, s->heads_q, s->heads_kv, s->seq_q, s->seq_kv, s->head_dim};
+}
+
+template <typename F>
+int guarded(F f) {
+  try {
+    f();
+    return FLASHATTN_REF_OK;
+  } catch (const Invalid& e) {
+    g_error = e.what;
+    return FLASHATTN_REF_INVALID_ARGUMENT;
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return FLASHATTN_REF_FAILED;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return FLASHATTN_REF_FAILED;
+  } catch (...) {
+    g_error = "unknown exception";
+    return FLASHATTN_REF_FAILED;
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::testing
+
+using namespace flashattn::testing;
+
+extern "C" int flashattn_ref_forward(const flashattn_ref_shape* shape, const double* q,
+                                     const int64_t* q_strides, const double* k,
+                                     const int64_t* k_strides, const double* v,
+                                     const int64_t* v_strides, double softmax_scale, int32_t mask,
+                                     double* out, const int64_t* out_strides, double* lse,
+                                     const int64_t* lse_strides) {
+  return guarded([&] {
+    const RefShape s = check_shape(shape, mask);
+    const int64_t qd[4] = {s.batch, s.heads_q, s.seq_q, s.head_dim};
+    const int64_t kd[4] = {s.batch, s.heads_kv, s.seq_kv, s.head_dim};
+    const int64_t ld[3] = {s.batch, s.heads_q, s.seq_q};
+    const auto qv = make_view("q", q, qd, q_strides);
+    const auto kv = make_view("k", k, kd, k_strides);
+    const auto vv = make_view("v", v, kd, v_strides);
+    const auto ov = make_view("out", out, qd, out_strides);
+    const auto lv = make_view("lse", lse, ld, lse_strides);
+    const RefForward r = reference_forward(s, gather(q, qv), gather(k, kv), gather(v, vv),
+                                           softmax_scale, static_cast<flashattn::Mask>(mask));
+    scatter(r.out, out, ov);
+    scatter(r.lse, lse, lv);
+  });
+}
+
+extern "C" int flashattn_ref_backward(const flashattn_ref_shape* shape, const double* q,
+                                      const int64_t* q_strides, const double* k,
+                                      const int64_t* k_strides, const double* v,
+                                      const int64_t* v_strides, const double* dout,
+                                      const int64_t* dout_strides, double softmax_scale,
+                                      int32_t mask, double* dq, const int64_t* dq_strides,
+                                      double* dk, const int64_t* dk_strides, double* dv,
+                                      const int64_t* dv_strides) {
+  return guarded([&] {
+    const RefShape s = check_shape(shape, mask);
+    const int64_t qd[4] = {s.batch, s.heads_q, s.seq_q, s.head_dim};
+    const int64_t kd[4] = {s.batch, s.heads_kv, s.seq_kv, s.head_dim};
+    const auto qv = make_view("q", q, qd, q_strides);
+    const auto kv = make_view("k", k, kd, k_strides);
+    const auto vv = make_view("v", v, kd, v_strides);
+    const auto dov = make_view("dout", dout, qd, dout_strides);
+    const auto dqv = make_view("dq", dq, qd, dq_strides);
+    const auto dkv = make_view("dk", dk, kd, dk_strides);
+    const auto dvv = make_view("dv", dv, kd, dv_strides);
+    const RefBackward r =
+        reference_backward(s, gather(q, qv), gather(k, kv), gather(v, vv), gather(dout, dov),
+                           softmax_scale, static_cast<flashattn::Mask>(mask));
+    scatter(r.dq, dq, dqv);
+    scatter(r.dk, dk, dkv);
+    scatter(r.dv, dv, dvv);
+  });
+}
+
+extern "C" const char* flashattn_ref_last_error(void) { return g_error.c_str(); }

@@ -1,0 +1,84 @@
+/* The float64 reference attention (src/testing/reference.hpp) behind a small C ABI, so that the
+ * Python and Rust test suites judge the library by the same yardstick as the C++ tests.
+ *
+ * Built only with the tests (FLASHATTN_BUILD_TESTS=ON) as the shared library
+ * libflashattn_reference (build/src/testing/); it is not part of libflashattn, not installed and
+ * not exported. It computes in float64 only: callers convert their inputs to float64 first
+ * (16-bit or float32 inputs rounded to the library's dtype beforehand, so that the reference sees
+ * exactly what the kernels see).
+ *
+ * Arrays are logical [B, H, S, D] views of float64 memory with per-dimension strides in elements
+ * (signed; NULL means contiguous, i.e. strides {H*S*D, S*D, D, 1}), so any memory layout
+ * ([B, H, S, D], [B, S, H, D], padded, packed) is read and written in place:
+ *   q, out, dout, dq   [B, Hq,  Sq,  D]
+ *   k, v, dk, dv       [B, Hkv, Skv, D]   Hkv divides Hq; query head h reads kv head h / (Hq/Hkv)
+ *   lse                [B, Hq,  Sq]       natural log; -inf for a row that sees no key
+ * Semantics are those of flashattn.h: S = softmax_scale * Q K^T with masked entries -inf,
+ * P = softmax(S) per row, O = P V; a row with no visible key gives O = 0, lse = -inf and no
+ * gradient. The backward returns the gradients of sum(O * dO); dk and dv sum over the query heads
+ * of each kv group. softmax_scale is used exactly as given (the library carries it as a float32:
+ * pass that float32's value to compare with it). The backward recomputes P from q and k: it needs
+ * no forward output.
+ *
+ * Outputs are overwritten on success and untouched on failure; every input is read in full before
+ * any output is written, so outputs may alias inputs. Every size is at least 1 and no data
+ * pointer may be NULL.
+ */
+#ifndef FLASHATTN_TESTING_REFERENCE_C_H
+#define FLASHATTN_TESTING_REFERENCE_C_H
+
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FLASHATTN_REF_API __declspec(dllexport)
+#else
+#define FLASHATTN_REF_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* return codes */
+#define FLASHATTN_REF_OK 0
+#define FLASHATTN_REF_INVALID_ARGUMENT 1 /* bad shape, mask or NULL pointer: see the message */
+#define FLASHATTN_REF_FAILED 2           /* out of memory (the reference is O(Sq * Skv) per head) */
+
+/* the mask codes of flashattn.h (FLASHATTN_MASK_*) */
+#define FLASHATTN_REF_MASK_NONE 0
+#define FLASHATTN_REF_MASK_CAUSAL_TOP_LEFT 1     /* key j visible to query i when j <= i */
+#define FLASHATTN_REF_MASK_CAUSAL_BOTTOM_RIGHT 2 /* key j visible to query i when j <= i + Skv - Sq */
+
+typedef struct flashattn_ref_shape {
+  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, head_dim; /* all >= 1 */
+} flashattn_ref_shape;
+
+/* out [B,Hq,Sq,D] and lse [B,Hq,Sq] of attention over q, k, v. */
+FLASHATTN_REF_API int flashattn_ref_forward(const flashattn_ref_shape* shape,
+                                            const double* q, const int64_t* q_strides,
+                                            const double* k, const int64_t* k_strides,
+                                            const double* v, const int64_t* v_strides,
+                                            double softmax_scale, int32_t mask,
+                                            double* out, const int64_t* out_strides,
+                                            double* lse, const int64_t* lse_strides);
+
+/* dq, dk, dv: the gradients of sum(out * dout) with respect to q, k and v. */
+FLASHATTN_REF_API int flashattn_ref_backward(const flashattn_ref_shape* shape,
+                                             const double* q, const int64_t* q_strides,
+                                             const double* k, const int64_t* k_strides,
+                                             const double* v, const int64_t* v_strides,
+                                             const double* dout, const int64_t* dout_strides,
+                                             double softmax_scale, int32_t mask,
+                                             double* dq, const int64_t* dq_strides,
+                                             double* dk, const int64_t* dk_strides,
+                                             double* dv, const int64_t* dv_strides);
+
+/* What the last failed call on this thread objected to ("" before any failure). Owned by the
+ * library, valid until the next call on this thread. */
+FLASHATTN_REF_API const char* flashattn_ref_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHATTN_TESTING_REFERENCE_C_H */
