@@ -10,13 +10,14 @@
 // must never be shared with (and picked by) a baseline caller. For the same reason no std::
 // templates are used below, and libm is reached through __builtin_ functions.
 //
-// Mask. The mask arrives as a MaskRule (core/mask.hpp) built by the driver, and every pass visits
-// exactly its band.
+// Mask and scale. The mask arrives as a MaskRule (core/mask.hpp) built by the driver, and every
+// pass visits exactly its band; the score transform is core/score.hpp's ScoreTransform.
 //
-// Numerics. Scores are kept in log2 units: the softmax scale is pre-multiplied by log2(e) into
-// the packed Q (forward, dQ pass) or K^T (dK/dV pass), so every exponential is an exp2 and LSE is
-// converted to natural log once per row. float16/bfloat16/float32 tiles are converted to float32
-// when packed and accumulate in float32; float64 computes in double throughout.
+// Numerics. Scores are kept in log2 units: ScoreTransform::prescale() (the softmax scale times
+// log2(e)) is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass), so every
+// exponential is an exp2 and LSE is converted to natural log once per row. float16/bfloat16/
+// float32 tiles are converted to float32 when packed and accumulate in float32; float64 computes
+// in double throughout.
 //
 // Determinism. Every output element is produced by exactly one task, and the sequence of
 // floating-point operations a task performs depends only on the problem shape (tile sizes are
@@ -25,16 +26,17 @@
 #include <cstdint>
 #include <cstring>
 
-// The mask rule is shared with the CUDA kernels and the reference, so its helpers are plain
-// `inline` functions with external linkage. Compiled here with -mavx512f, an out-of-line copy of
-// one would be a COMDAT that the linker may also hand to a baseline caller (the driver builds the
-// MaskRule). always_inline leaves no out-of-line copy in
-// this translation unit at any optimisation level; the header must be included here first.
+// The mask rule and the score transform are shared with the CUDA kernels and the reference, so
+// their helpers are plain `inline` functions with external linkage. Compiled here with -mavx512f,
+// an out-of-line copy of one would be a COMDAT that the linker may also hand to a baseline caller
+// (the driver builds the MaskRule). always_inline leaves no out-of-line copy in this translation
+// unit at any optimisation level; these headers must be included here first.
 #include "core/host_device.hpp"
 #pragma push_macro("FLASHATTN_HD")
 #undef FLASHATTN_HD
 #define FLASHATTN_HD inline __attribute__((always_inline))
 #include "core/mask.hpp"
+#include "core/score.hpp"
 #pragma pop_macro("FLASHATTN_HD")
 
 #include "cpu/kernels.hpp"
@@ -486,7 +488,7 @@ inline C neg_inf() {
   return -__builtin_inf();
 }
 
-// ---- mask ------------------------------------------------------------------------------------
+// ---- mask and score transform -----------------------------------------------------------------
 // Every pass visits exactly the band of core/mask.hpp: a query block [i0, i0 + nq) sweeps keys
 // [key_begin(i0), key_end(i0 + nq - 1)) and a key block [j0, j0 + nk) sweeps queries
 // [row_begin(j0), row_end(j0 + nk - 1)), so blocks wholly before or after the band cost nothing.
@@ -521,6 +523,21 @@ void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t
     for (int64_t c = ce; c < ncols; ++c) row[c] = neg_inf<C>();
   }
 }
+
+// The score transform is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass) operand:
+// after ScoreTransform::prescale() every product is a log2-unit logit. float64 compute takes the
+// multiplier in double: prescale() is a float, whose rounding (up to 3e-8 of every logit) would
+// dominate the float64 path's error (its outputs are checked to 1e-10 against the reference).
+template <class C>
+inline C prescale_of(const ScoreTransform& st) {
+  if constexpr (Same<C, double>::value)
+    return static_cast<double>(st.scale) * kLog2e;
+  else
+    return st.prescale();
+}
+// The backward applies grad_scale() once, in the dQ and dK epilogues; a transform with a
+// per-element factor on dS would need it in the dS loops, which do not apply one.
+static_assert(!ScoreTransform::kElementwiseGrad, "CPU backward: no per-element dS factor");
 
 // Carves 64-byte aligned buffers out of one scratch block; `bytes()` sizes the block.
 template <class C>
@@ -566,6 +583,7 @@ struct Forward {
   struct Ctx {
     const ForwardParams* p;
     MaskRule rule;
+    ScoreTransform st;
   };
 
   static void task(const void* vctx, int64_t task, void* scratch) {
@@ -588,7 +606,7 @@ struct Forward {
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
 
     const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(ctx.st), t.qt, BQ);
     for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
@@ -670,7 +688,7 @@ struct Forward {
     const int64_t nqb = (sh.seq_q + BQ - 1) / BQ;
     Carve<C> cv{nullptr};
     carve(cv, sh.head_dim);
-    const Ctx ctx{&p, rule};
+    const Ctx ctx{&p, rule, ScoreTransform::make(p.num.scale)};
     par.run(nqb * sh.batch * sh.heads_q, cv.bytes(), &task, &ctx);
   }
 };
@@ -685,6 +703,7 @@ struct Backward {
   struct Ctx {
     const BackwardParams* p;
     MaskRule rule;
+    ScoreTransform st;
     C* delta;       // D = rowsum(dO * O), [B, Hq, Sq] contiguous
     const C* lse2;  // float64 only: LSE recomputed in double, log2 units, [B, Hq, Sq]; else null
   };
@@ -712,7 +731,7 @@ struct Backward {
     Carve<C> cv{static_cast<C*>(scratch)};
     const typename F::Tiles t = F::carve(cv, D);
     const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(lc.ctx->st), t.qt, BQ);
     for (int64_t c = 0; c < BQ; ++c) {
       t.m[c] = neg_inf<C>();
       t.l[c] = C(0);
@@ -723,7 +742,8 @@ struct Backward {
       const int64_t nk = smin(BK, kend - j0);
       const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, t.st, BQ);
-      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk)) mask_key_rows(t.st, BQ, rule, i0, BQ, j0, nk);
+      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+        mask_key_rows(t.st, BQ, rule, i0, BQ, j0, nk);
       F::online_softmax(t.st, nk, t.m, t.l, nullptr, 0);
     }
     for (int64_t c = 0; c < nq; ++c)
@@ -795,7 +815,7 @@ struct Backward {
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
       const Panels<C> QT =
-          pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+          pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(ctx.st), t.qt, BQ);
       const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
       for (int64_t c = 0; c < BQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
@@ -813,7 +833,8 @@ struct Backward {
         const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
         gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
         gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
-        if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk)) mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
+        if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+          mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
         for (int64_t r = 0; r < nk; ++r) {
           for (int64_t c0 = 0; c0 < BQ; c0 += W) {
             V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
@@ -823,7 +844,7 @@ struct Backward {
         }
         gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
       }
-      const C gs = static_cast<C>(p.num.scale);
+      const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t c = 0; c < nq; ++c) {
         S* dst = row_ptr<S>(p.dq, b, h, i0 + c);
         for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * gs);
@@ -874,7 +895,7 @@ struct Backward {
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
       const Panels<C> KT =
-          pack_transposed<S, C>(p.k, b, hk, j0, nk, D, static_cast<C>(p.num.scale * kLog2e), t.kt, BK);
+          pack_transposed<S, C>(p.k, b, hk, j0, nk, D, prescale_of<C>(ctx.st), t.kt, BK);
       const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
       for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
@@ -895,7 +916,8 @@ struct Backward {
           }
           gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
           gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
-          if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk)) mask_query_rows(Sb, BK, rule, j0, BK, i0, nq);
+          if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+            mask_query_rows(Sb, BK, rule, j0, BK, i0, nq);
           for (int64_t r = 0; r < nq; ++r) {
             const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
             for (int64_t c0 = 0; c0 < BK; c0 += W) {
@@ -908,7 +930,7 @@ struct Backward {
           gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
         }
       }
-      const C gs = static_cast<C>(p.num.scale);
+      const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t r = 0; r < nk; ++r) {
         S* dk = row_ptr<S>(p.dk, b, hk, j0 + r);
         S* dv = row_ptr<S>(p.dv, b, hk, j0 + r);
@@ -936,7 +958,8 @@ struct Backward {
   static void run(const BackwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
     const size_t rows = static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q);
-    Ctx ctx{&p, rule, static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
+    Ctx ctx{&p, rule, ScoreTransform::make(p.num.scale),
+            static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
     if constexpr (Same<C, double>::value) {
       LseCtx lc{&ctx, static_cast<C*>(par.alloc(rows * sizeof(C)))};
