@@ -359,10 +359,12 @@ TEST_P(CpuMaskBand, ForwardBackwardEveryIsa) {
     int64_t bad = 0;
     for (size_t r = 0; r < e.row_sees_key.size(); ++r)
       if (!e.row_sees_key[r])
-        for (int64_t x = 0; x < D; ++x) bad += !(g.out[r * D + x] == 0.0) + !(g.dq[r * D + x] == 0.0);
+        for (int64_t x = 0; x < D; ++x)
+          bad += !(g.out[r * D + x] == 0.0) + !(g.dq[r * D + x] == 0.0);
     for (size_t r = 0; r < e.key_seen.size(); ++r)
       if (!e.key_seen[r])
-        for (int64_t x = 0; x < D; ++x) bad += !(g.dk[r * D + x] == 0.0) + !(g.dv[r * D + x] == 0.0);
+        for (int64_t x = 0; x < D; ++x)
+          bad += !(g.dk[r * D + x] == 0.0) + !(g.dv[r * D + x] == 0.0);
     EXPECT_EQ(bad, 0) << "nonzero out/dq of rows without keys or dk/dv of unseen keys";
   }
 }
@@ -387,7 +389,8 @@ TEST(CpuMaskBandCoverage, GridHoldsTheEdges) {
     partial_rows |= rows > 0 && rows < c.seq_q;
     unseen_keys |= keys > 0 && keys < c.seq_kv;
     empty_band |= rows == 0;
-    multi_tile |= c.seq_q > 2 * 64 && c.seq_kv > 2 * 128 && (c.window_left >= 0 || c.window_right >= 0);
+    multi_tile |= c.seq_q > 2 * 64 && c.seq_kv > 2 * 128 &&
+                  (c.window_left >= 0 || c.window_right >= 0);
   }
   EXPECT_TRUE(window_mask[0] && window_mask[1] && window_mask[2]);
   EXPECT_TRUE(partial_rows);

@@ -620,7 +620,8 @@ struct Forward {
       const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
       const Panels<C> Vp = pack_panels<S, C>(p.v, b, hk, j0, nk, D, t.vp);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
-      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk)) mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
+      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+        mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
       online_softmax(ST, nk, mrow, lrow, O, Dp);
       gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
     }
