@@ -15,7 +15,6 @@
 #include "cpu/thread_pool.hpp"
 
 namespace flashattn::cpu {
-namespace {
 
 bool supported(const KernelSet& k) {
 #if defined(FLASHATTN_CPU_X86)
@@ -28,6 +27,8 @@ bool supported(const KernelSet& k) {
 #endif
   return &k == &generic::kernels;
 }
+
+namespace {
 
 // Candidates, best first.
 std::vector<const KernelSet*> candidates() {
@@ -125,6 +126,11 @@ class PoolParallel final : public Parallel {
   std::vector<Buffer> owned_;
 };
 
+// The mask the API asked for, as the band every kernel iterates and masks by.
+MaskRule rule_of(const Shape& s, const Numerics& n) {
+  return make_mask_rule(static_cast<int32_t>(n.mask), s.seq_q, s.seq_kv);
+}
+
 }  // namespace
 
 const KernelSet& select_kernel() {
@@ -137,7 +143,7 @@ void forward(const ForwardParams& p) {
   std::unique_lock<std::mutex> lock;
   ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
   PoolParallel par(pool);
-  k.forward(p, par);
+  k.forward(p, rule_of(p.shape, p.num), par);
 }
 
 void backward(const BackwardParams& p) {
@@ -145,7 +151,7 @@ void backward(const BackwardParams& p) {
   std::unique_lock<std::mutex> lock;
   ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
   PoolParallel par(pool);
-  k.backward(p, par);
+  k.backward(p, rule_of(p.shape, p.num), par);
 }
 
 std::string describe() {

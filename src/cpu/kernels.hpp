@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/mask.hpp"
 #include "core/params.hpp"
 
 namespace flashattn::cpu {
@@ -27,13 +28,19 @@ class Parallel {
   ~Parallel() = default;
 };
 
+// The kernels take the mask as a MaskRule (core/mask.hpp) that the driver builds once from
+// p.num.mask and the sequence lengths; they never read p.num.mask. Any band works, e.g. a sliding
+// window, which the public API does not offer yet (tests/test_cpu_mask_band.cpp passes one).
 struct KernelSet {
   const char* name;       // "avx512", "avx2", "generic"
   int vector_bytes;       // SIMD register width the kernels were built for
   int block_q, block_kv;  // float32 tile sizes (rows of Q, rows of K/V)
-  void (*forward)(const ForwardParams& p, Parallel& par);
-  void (*backward)(const BackwardParams& p, Parallel& par);
+  void (*forward)(const ForwardParams& p, const MaskRule& rule, Parallel& par);
+  void (*backward)(const BackwardParams& p, const MaskRule& rule, Parallel& par);
 };
+
+// Whether this CPU can run the set (defined by the driver).
+bool supported(const KernelSet& k);
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define FLASHATTN_CPU_X86 1

@@ -10,10 +10,14 @@
 // must never be shared with (and picked by) a baseline caller. For the same reason no std::
 // templates are used below, and libm is reached through __builtin_ functions.
 //
-// Numerics. Scores are kept in log2 units: the softmax scale is pre-multiplied by log2(e) into
-// the packed Q (forward, dQ pass) or K^T (dK/dV pass), so every exponential is an exp2 and LSE is
-// converted to natural log once per row. float16/bfloat16/float32 tiles are converted to float32
-// when packed and accumulate in float32; float64 computes in double throughout.
+// Mask and scale. The mask arrives as a MaskRule (core/mask.hpp) built by the driver, and every
+// pass visits exactly its band; the score transform is core/score.hpp's ScoreTransform.
+//
+// Numerics. Scores are kept in log2 units: ScoreTransform::prescale() (the softmax scale times
+// log2(e)) is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass), so every
+// exponential is an exp2 and LSE is converted to natural log once per row. float16/bfloat16/
+// float32 tiles are converted to float32 when packed and accumulate in float32; float64 computes
+// in double throughout.
 //
 // Determinism. Every output element is produced by exactly one task, and the sequence of
 // floating-point operations a task performs depends only on the problem shape (tile sizes are
@@ -21,6 +25,19 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+// The mask rule and the score transform are shared with the CUDA kernels and the reference, so
+// their helpers are plain `inline` functions with external linkage. Compiled here with -mavx512f,
+// an out-of-line copy of one would be a COMDAT that the linker may also hand to a baseline caller
+// (the driver builds the MaskRule). always_inline leaves no out-of-line copy in this translation
+// unit at any optimisation level; these headers must be included here first.
+#include "core/host_device.hpp"
+#pragma push_macro("FLASHATTN_HD")
+#undef FLASHATTN_HD
+#define FLASHATTN_HD inline __attribute__((always_inline))
+#include "core/mask.hpp"
+#include "core/score.hpp"
+#pragma pop_macro("FLASHATTN_HD")
 
 #include "cpu/kernels.hpp"
 
@@ -466,28 +483,61 @@ Panels<C> pack_transposed(const In4& t, int64_t b, int64_t h, int64_t row0, int6
   return {dst, D * PW};
 }
 
-// The mask rule of core/mask.hpp, restated here (see the file comment on inline functions).
-struct Mask2 {
-  bool causal;
-  int64_t offset;  // key j visible to query i iff !causal || j <= i + offset
-  int64_t visible_end(int64_t i, int64_t skv) const {
-    if (!causal) return skv;
-    return smax<int64_t>(0, smin<int64_t>(skv, i + offset + 1));
-  }
-  int64_t first_row(int64_t j, int64_t sq) const {
-    if (!causal) return 0;
-    return smax<int64_t>(0, smin<int64_t>(sq, j - offset));
-  }
-};
-inline Mask2 mask_of(const Shape& s, const Numerics& n) {
-  const int32_t m = static_cast<int32_t>(n.mask);
-  return Mask2{m != 0, m == 2 ? s.seq_kv - s.seq_q : 0};
-}
-
 template <class C>
 inline C neg_inf() {
   return -__builtin_inf();
 }
+
+// ---- mask and score transform -----------------------------------------------------------------
+// Every pass visits exactly the band of core/mask.hpp: a query block [i0, i0 + nq) sweeps keys
+// [key_begin(i0), key_end(i0 + nq - 1)) and a key block [j0, j0 + nk) sweeps queries
+// [row_begin(j0), row_end(j0 + nk - 1)), so blocks wholly before or after the band cost nothing.
+// Entries are masked one by one only in tiles that tile_inside() does not vouch for, against both
+// edges of the band, so any band (a sliding window, too) needs no change here.
+
+// T holds keys [j0, j0 + nk) in rows and queries [i0, i0 + ncols) in columns (row stride ld):
+// entries outside the band become -inf. Columns past the last query are padding nobody reads.
+template <class C>
+void mask_key_rows(C* T, int64_t ld, const MaskRule& rule, int64_t i0, int64_t ncols, int64_t j0,
+                   int64_t nk) {
+  for (int64_t r = 0; r < nk; ++r) {
+    // Queries that see key j0 + r, as columns: [cb, ce), empty when ce <= cb.
+    const int64_t cb = MaskRule::clamp(rule.row_begin(j0 + r) - i0, 0, ncols);
+    const int64_t ce = MaskRule::clamp(rule.row_end(j0 + r, i0 + ncols) - i0, cb, ncols);
+    C* row = T + r * ld;
+    for (int64_t c = 0; c < cb; ++c) row[c] = neg_inf<C>();
+    for (int64_t c = ce; c < ncols; ++c) row[c] = neg_inf<C>();
+  }
+}
+
+// T holds queries [i0, i0 + nq) in rows and keys [j0, j0 + ncols) in columns: the same with the
+// roles swapped.
+template <class C>
+void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t ncols, int64_t i0,
+                     int64_t nq) {
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t cb = MaskRule::clamp(rule.key_begin(i0 + r) - j0, 0, ncols);
+    const int64_t ce = MaskRule::clamp(rule.key_end(i0 + r, j0 + ncols) - j0, cb, ncols);
+    C* row = T + r * ld;
+    for (int64_t c = 0; c < cb; ++c) row[c] = neg_inf<C>();
+    for (int64_t c = ce; c < ncols; ++c) row[c] = neg_inf<C>();
+  }
+}
+
+// The score transform is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass) operand:
+// after ScoreTransform::prescale() every product is a log2-unit logit. float64 compute takes the
+// multiplier in double: prescale() is a float, whose rounding (up to 3e-8 of every logit) would
+// dominate the float64 path's error (its outputs are checked to 1e-10 against the reference).
+template <class C>
+inline C prescale_of(const ScoreTransform& st) {
+  if constexpr (Same<C, double>::value)
+    return static_cast<double>(st.scale) * kLog2e;
+  else
+    return st.prescale();
+}
+// The backward applies grad_scale() once, in the dQ and dK epilogues; a transform with a
+// per-element factor on dS would need it in the dS loops, which do not apply one.
+static_assert(!ScoreTransform::kElementwiseGrad, "CPU backward: no per-element dS factor");
 
 // Carves 64-byte aligned buffers out of one scratch block; `bytes()` sizes the block.
 template <class C>
@@ -530,8 +580,16 @@ struct Forward {
     return t;
   }
 
-  static void task(const void* ctx, int64_t task, void* scratch) {
-    const ForwardParams& p = *static_cast<const ForwardParams*>(ctx);
+  struct Ctx {
+    const ForwardParams* p;
+    MaskRule rule;
+    ScoreTransform st;
+  };
+
+  static void task(const void* vctx, int64_t task, void* scratch) {
+    const Ctx& ctx = *static_cast<const Ctx*>(vctx);
+    const ForwardParams& p = *ctx.p;
+    const MaskRule& rule = ctx.rule;
     const Shape& sh = p.shape;
     const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
     const int64_t nqb = (Sq + BQ - 1) / BQ;
@@ -543,33 +601,27 @@ struct Forward {
     const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-    const Mask2 mask = mask_of(sh, p.num);
     Carve<C> cv{static_cast<C*>(scratch)};
     const Tiles t = carve(cv, D);
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
 
     const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(ctx.st), t.qt, BQ);
     for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
       lrow[c] = C(0);
     }
 
-    const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
-    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+    // An empty range (every row of the block sees no key) leaves l = 0: O = 0, LSE = -inf.
+    const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
+    for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
       const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
       const Panels<C> Vp = pack_panels<S, C>(p.v, b, hk, j0, nk, D, t.vp);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
-      // Only blocks crossing the diagonal need per-element masking: key j is hidden from the
-      // block's columns c with i0 + c < j - offset.
-      if (mask.causal && j0 + nk - 1 > i0 + mask.offset) {
-        for (int64_t r = 0; r < nk; ++r) {
-          const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
-          for (int64_t c = 0; c < cmin; ++c) ST[r * BQ + c] = neg_inf<C>();
-        }
-      }
+      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+        mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
       online_softmax(ST, nk, mrow, lrow, O, Dp);
       gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
     }
@@ -632,12 +684,13 @@ struct Forward {
     }
   }
 
-  static void run(const ForwardParams& p, Parallel& par) {
+  static void run(const ForwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
     const int64_t nqb = (sh.seq_q + BQ - 1) / BQ;
     Carve<C> cv{nullptr};
     carve(cv, sh.head_dim);
-    par.run(nqb * sh.batch * sh.heads_q, cv.bytes(), &task, &p);
+    const Ctx ctx{&p, rule, ScoreTransform::make(p.num.scale)};
+    par.run(nqb * sh.batch * sh.heads_q, cv.bytes(), &task, &ctx);
   }
 };
 
@@ -650,6 +703,8 @@ struct Backward {
 
   struct Ctx {
     const BackwardParams* p;
+    MaskRule rule;
+    ScoreTransform st;
     C* delta;       // D = rowsum(dO * O), [B, Hq, Sq] contiguous
     const C* lse2;  // float64 only: LSE recomputed in double, log2 units, [B, Hq, Sq]; else null
   };
@@ -658,14 +713,15 @@ struct Backward {
   // product). The LSE the API carries is float32; used as is it would limit float64 gradients to
   // about 1e-7 relative error, 1e-5 with large scores, which is too coarse for gradient checks.
   struct LseCtx {
-    const BackwardParams* p;
+    const Ctx* ctx;
     C* out;
   };
   static void lse_task(const void* vctx, int64_t task, void* scratch) {
     using F = Forward<S>;
     constexpr int64_t BQ = F::BQ, BK = F::BK;
-    const LseCtx& ctx = *static_cast<const LseCtx*>(vctx);
-    const BackwardParams& p = *ctx.p;
+    const LseCtx& lc = *static_cast<const LseCtx*>(vctx);
+    const BackwardParams& p = *lc.ctx->p;
+    const MaskRule& rule = lc.ctx->rule;
     const Shape& sh = p.shape;
     const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
     const int64_t nqb = (Sq + BQ - 1) / BQ;
@@ -673,30 +729,26 @@ struct Backward {
     const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-    const Mask2 mask = mask_of(sh, p.num);
     Carve<C> cv{static_cast<C*>(scratch)};
     const typename F::Tiles t = F::carve(cv, D);
     const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(lc.ctx->st), t.qt, BQ);
     for (int64_t c = 0; c < BQ; ++c) {
       t.m[c] = neg_inf<C>();
       t.l[c] = C(0);
     }
-    const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
-    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+    // The forward's key sweep and masking, without the PV product.
+    const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
+    for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
       const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, t.st, BQ);
-      if (mask.causal && j0 + nk - 1 > i0 + mask.offset) {
-        for (int64_t r = 0; r < nk; ++r) {
-          const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
-          for (int64_t c = 0; c < cmin; ++c) t.st[r * BQ + c] = neg_inf<C>();
-        }
-      }
+      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+        mask_key_rows(t.st, BQ, rule, i0, BQ, j0, nk);
       F::online_softmax(t.st, nk, t.m, t.l, nullptr, 0);
     }
     for (int64_t c = 0; c < nq; ++c)
-      ctx.out[bh * Sq + i0 + c] =
+      lc.out[bh * Sq + i0 + c] =
           t.l[c] > C(0) ? t.m[c] + static_cast<C>(__builtin_log2(static_cast<double>(t.l[c])))
                         : static_cast<C>(__builtin_inf());
   }
@@ -758,13 +810,13 @@ struct Backward {
       const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
       const int64_t hk = h / (sh.heads_q / sh.heads_kv);
       const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-      const Mask2 mask = mask_of(sh, p.num);
+      const MaskRule& rule = ctx.rule;
       Carve<C> cv{static_cast<C*>(scratch)};
       const DqTiles t = dq_carve(cv, D);
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D,
-                                                 static_cast<C>(p.num.scale * kLog2e), t.qt, BQ);
+      const Panels<C> QT =
+          pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(ctx.st), t.qt, BQ);
       const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
       for (int64_t c = 0; c < BQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
@@ -773,20 +825,18 @@ struct Backward {
       }
       for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
 
-      const int64_t kend = mask.visible_end(i0 + nq - 1, Skv);
-      for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+      // The forward's key range: rows without a visible key have P = 0 (lse2 = +inf), dQ = 0.
+      const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
+      for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
         const int64_t nk = smin(BK, kend - j0);
         const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
         const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, t.vrows);
         const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
         gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
         gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
-        const bool diag = mask.causal && j0 + nk - 1 > i0 + mask.offset;
+        if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+          mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
         for (int64_t r = 0; r < nk; ++r) {
-          if (diag) {
-            const int64_t cmin = smin<int64_t>(BQ, smax<int64_t>(0, j0 + r - mask.offset - i0));
-            for (int64_t c = 0; c < cmin; ++c) ST[r * BQ + c] = neg_inf<C>();
-          }
           for (int64_t c0 = 0; c0 < BQ; c0 += W) {
             V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
             V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
@@ -795,10 +845,10 @@ struct Backward {
         }
         gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
       }
-      const C scale = static_cast<C>(p.num.scale);
+      const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t c = 0; c < nq; ++c) {
         S* dst = row_ptr<S>(p.dq, b, h, i0 + c);
-        for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * scale);
+        for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * gs);
       }
     }
   };
@@ -840,24 +890,23 @@ struct Backward {
       const int64_t kb = task % nkb, bhk = task / nkb;
       const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
       const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
-      const Mask2 mask = mask_of(sh, p.num);
+      const MaskRule& rule = ctx.rule;
       Carve<C> cv{static_cast<C*>(scratch)};
       const DkvTiles t = dkv_carve(cv, D);
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> KT = pack_transposed<S, C>(p.k, b, hk, j0, nk, D,
-                                                 static_cast<C>(p.num.scale * kLog2e), t.kt, BK);
+      const Panels<C> KT =
+          pack_transposed<S, C>(p.k, b, hk, j0, nk, D, prescale_of<C>(ctx.st), t.kt, BK);
       const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
       for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
-      const int64_t istart = mask.first_row(j0, Sq);
-      // Rows before this one do not see the block's last key: they need per-element masking.
-      const int64_t ifull = mask.first_row(j0 + nk - 1, Sq);
+      // The queries that see some key of the block; keys no query sees get dK = dV = 0.
+      const int64_t ibegin = rule.row_begin(j0), iend = rule.row_end(j0 + nk - 1, Sq);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
         const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
-        for (int64_t i0 = istart; i0 < Sq; i0 += BQ) {
-          const int64_t nq = smin(BQ, Sq - i0);
+        for (int64_t i0 = ibegin; i0 < iend; i0 += BQ) {
+          const int64_t nq = smin(BQ, iend - i0);
           const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, t.qrows);
           const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, t.dorows);
           const Panels<C> Qp = pack_panels<S, C>(p.q, b, h, i0, nq, D, t.qp);
@@ -868,13 +917,9 @@ struct Backward {
           }
           gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
           gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
+          if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+            mask_query_rows(Sb, BK, rule, j0, BK, i0, nq);
           for (int64_t r = 0; r < nq; ++r) {
-            const int64_t i = i0 + r;
-            if (mask.causal && i < ifull) {
-              // key j0 + c visible iff c <= i + offset - j0
-              const int64_t cend = smax<int64_t>(0, smin<int64_t>(BK, i + mask.offset - j0 + 1));
-              for (int64_t c = cend; c < BK; ++c) Sb[r * BK + c] = neg_inf<C>();
-            }
             const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
             for (int64_t c0 = 0; c0 < BK; c0 += W) {
               V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
@@ -886,12 +931,12 @@ struct Backward {
           gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
         }
       }
-      const C scale = static_cast<C>(p.num.scale);
+      const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t r = 0; r < nk; ++r) {
         S* dk = row_ptr<S>(p.dk, b, hk, j0 + r);
         S* dv = row_ptr<S>(p.dv, b, hk, j0 + r);
         for (int64_t d = 0; d < D; ++d) {
-          store_as<C>(dk + d, dK[r * Dp + d] * scale);
+          store_as<C>(dk + d, dK[r * Dp + d] * gs);
           store_as<C>(dv + d, dV[r * Dp + d]);
         }
       }
@@ -911,13 +956,14 @@ struct Backward {
       Dq::dq_task(m.ctx, task - m.n_dkv, scratch);
   }
 
-  static void run(const BackwardParams& p, Parallel& par) {
+  static void run(const BackwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
     const size_t rows = static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q);
-    Ctx ctx{&p, static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
+    Ctx ctx{&p, rule, ScoreTransform::make(p.num.scale),
+            static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
     if constexpr (Same<C, double>::value) {
-      LseCtx lc{&p, static_cast<C*>(par.alloc(rows * sizeof(C)))};
+      LseCtx lc{&ctx, static_cast<C*>(par.alloc(rows * sizeof(C)))};
       Carve<C> cv{nullptr};
       Forward<S>::carve(cv, sh.head_dim);
       const int64_t nqb_f = (sh.seq_q + Forward<S>::BQ - 1) / Forward<S>::BQ;
@@ -936,25 +982,29 @@ struct Backward {
 };
 
 template <template <class> class K, class P>
-void dispatch_dtype(const P& p, Parallel& par) {
+void dispatch_dtype(const P& p, const MaskRule& rule, Parallel& par) {
   switch (p.num.dtype) {
     case DType::Float32:
-      K<float>::run(p, par);
+      K<float>::run(p, rule, par);
       break;
     case DType::Float16:
-      K<F16>::run(p, par);
+      K<F16>::run(p, rule, par);
       break;
     case DType::BFloat16:
-      K<BF16>::run(p, par);
+      K<BF16>::run(p, rule, par);
       break;
     case DType::Float64:
-      K<double>::run(p, par);
+      K<double>::run(p, rule, par);
       break;
   }
 }
 
-void forward_entry(const ForwardParams& p, Parallel& par) { dispatch_dtype<Forward>(p, par); }
-void backward_entry(const BackwardParams& p, Parallel& par) { dispatch_dtype<Backward>(p, par); }
+void forward_entry(const ForwardParams& p, const MaskRule& rule, Parallel& par) {
+  dispatch_dtype<Forward>(p, rule, par);
+}
+void backward_entry(const BackwardParams& p, const MaskRule& rule, Parallel& par) {
+  dispatch_dtype<Backward>(p, rule, par);
+}
 
 #define FLASHATTN_STR2(x) #x
 #define FLASHATTN_STR(x) FLASHATTN_STR2(x)

@@ -101,22 +101,24 @@ void naive_forward(const NaiveShape& s, const float* q, const float* k, const fl
          P + i0 * Skv, Skv, false);
     for (int64_t i = i0; i < i1; ++i) {
       float* row = P + i * Skv;
-      const int64_t end = rule.visible_end(i, Skv);
+      // The keys row i sees: [begin, end) (core/mask.hpp), possibly empty.
+      const int64_t begin = rule.key_begin(i), end = rule.key_end(i, Skv);
       float* l = lse + bh * Sq + i;
-      if (end == 0) {  // no visible key: P = 0, lse = -inf, O = 0 below
+      if (begin >= end) {  // no visible key: P = 0, lse = -inf, O = 0 below
         std::fill(row, row + Skv, 0.0f);
         *l = -std::numeric_limits<float>::infinity();
         continue;
       }
-      float m = row[0];
-      for (int64_t j = 1; j < end; ++j) m = std::max(m, row[j]);
+      float m = row[begin];
+      for (int64_t j = begin + 1; j < end; ++j) m = std::max(m, row[j]);
       float sum = 0.0f;
-      for (int64_t j = 0; j < end; ++j) {
+      for (int64_t j = begin; j < end; ++j) {
         row[j] = std::exp(row[j] - m);
         sum += row[j];
       }
       const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < end; ++j) row[j] *= inv;
+      for (int64_t j = begin; j < end; ++j) row[j] *= inv;
+      std::fill(row, row + begin, 0.0f);
       std::fill(row + end, row + Skv, 0.0f);
       *l = m + std::log(sum);
     }

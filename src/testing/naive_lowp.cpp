@@ -88,22 +88,24 @@ LowpResult naive_lowp(const LowpShape& s, DType dtype, const float* q, const flo
     gemm(Sq, Skv, D, Qh, D, 1, Kt.data() + kvh * D * Skv, Skv, P.data());  // S0 (unrounded)
     for (int64_t i = 0; i < Sq; ++i) {
       float* row = P.data() + i * Skv;
-      const int64_t end = rule.visible_end(i, Skv);
+      // The keys row i sees: [begin, end) (core/mask.hpp), possibly empty.
+      const int64_t begin = rule.key_begin(i), end = rule.key_end(i, Skv);
       float* lse = &res.lse[bh * Sq + i];
-      if (end == 0) {
+      if (begin >= end) {
         std::fill(row, row + Skv, 0.0f);
         *lse = -std::numeric_limits<float>::infinity();
         continue;
       }
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < end; ++j) {
+      for (int64_t j = begin; j < end; ++j) {
         row[j] = r(scale * r(row[j]));  // S = r(scale * r(S0))
         m = std::max(m, row[j]);
       }
       float sum = 0.0f;
-      for (int64_t j = 0; j < end; ++j) sum += std::exp(row[j] - m);
+      for (int64_t j = begin; j < end; ++j) sum += std::exp(row[j] - m);
       *lse = r(m + std::log(sum));
-      for (int64_t j = 0; j < end; ++j) row[j] = r(std::exp(row[j] - m) / sum);
+      for (int64_t j = begin; j < end; ++j) row[j] = r(std::exp(row[j] - m) / sum);
+      std::fill(row, row + begin, 0.0f);
       std::fill(row + end, row + Skv, 0.0f);
     }
     gemm(Sq, D, Skv, P.data(), Skv, 1, Vh, D, acc.data());
