@@ -26,6 +26,12 @@ struct ScoreTransform {
   // The multiplier that can be folded into Q once (CPU kernels pack Q pre-scaled): after it, a
   // product is already a log2-unit logit and apply2() finishes the transform.
   FLASHATTN_HD float prescale() const { return sl2; }
+  // The same multiplier in the compute type T (float: exactly prescale(); double: scale * log2(e)
+  // rounded once in double, so that the float64 path carries no float rounding of its logits).
+  template <class T>
+  FLASHATTN_HD T prescale_as() const {
+    return static_cast<T>(scale) * static_cast<T>(1.4426950408889634);
+  }
   FLASHATTN_HD float apply2(float s2) const { return s2; }  // on a pre-scaled product
   // The log2-unit logit of a raw product.
   FLASHATTN_HD float logit2(float s) const { return s * sl2; }

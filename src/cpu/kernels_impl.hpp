@@ -26,18 +26,11 @@
 #include <cstdint>
 #include <cstring>
 
-// The mask rule and the score transform are shared with the CUDA kernels and the reference, so
-// their helpers are plain `inline` functions with external linkage. Compiled here with -mavx512f,
-// an out-of-line copy of one would be a COMDAT that the linker may also hand to a baseline caller
-// (the driver builds the MaskRule). always_inline leaves no out-of-line copy in this translation
-// unit at any optimisation level; these headers must be included here first.
-#include "core/host_device.hpp"
-#pragma push_macro("FLASHATTN_HD")
-#undef FLASHATTN_HD
-#define FLASHATTN_HD inline __attribute__((always_inline))
+// The mask rule and the score transform are shared with the CUDA kernels and the reference
+// (FLASHATTN_HD helpers: always inlined, so the AVX-512 units leave no out-of-line copy a baseline
+// caller could be linked to).
 #include "core/mask.hpp"
 #include "core/score.hpp"
-#pragma pop_macro("FLASHATTN_HD")
 
 #include "cpu/kernels.hpp"
 
@@ -525,16 +518,9 @@ void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t
 }
 
 // The score transform is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass) operand:
-// after ScoreTransform::prescale() every product is a log2-unit logit. float64 compute takes the
-// multiplier in double: prescale() is a float, whose rounding (up to 3e-8 of every logit) would
-// dominate the float64 path's error (its outputs are checked to 1e-10 against the reference).
-template <class C>
-inline C prescale_of(const ScoreTransform& st) {
-  if constexpr (Same<C, double>::value)
-    return static_cast<double>(st.scale) * kLog2e;
-  else
-    return st.prescale();
-}
+// after ScoreTransform::prescale_as<C>() every product is a log2-unit logit (float64 compute takes
+// the multiplier in double: a float's rounding, up to 3e-8 of every logit, would dominate the
+// float64 path's error, checked to 1e-10 against the reference).
 // The backward applies grad_scale() once, in the dQ and dK epilogues; a transform with a
 // per-element factor on dS would need it in the dS loops, which do not apply one.
 static_assert(!ScoreTransform::kElementwiseGrad, "CPU backward: no per-element dS factor");
@@ -606,7 +592,7 @@ struct Forward {
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
 
     const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(ctx.st), t.qt, BQ);
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, ctx.st.template prescale_as<C>(), t.qt, BQ);
     for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
@@ -732,7 +718,7 @@ struct Backward {
     Carve<C> cv{static_cast<C*>(scratch)};
     const typename F::Tiles t = F::carve(cv, D);
     const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(lc.ctx->st), t.qt, BQ);
+        pack_transposed<S, C>(p.q, b, h, i0, nq, D, lc.ctx->st.template prescale_as<C>(), t.qt, BQ);
     for (int64_t c = 0; c < BQ; ++c) {
       t.m[c] = neg_inf<C>();
       t.l[c] = C(0);
@@ -816,7 +802,7 @@ struct Backward {
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
       const Panels<C> QT =
-          pack_transposed<S, C>(p.q, b, h, i0, nq, D, prescale_of<C>(ctx.st), t.qt, BQ);
+          pack_transposed<S, C>(p.q, b, h, i0, nq, D, ctx.st.template prescale_as<C>(), t.qt, BQ);
       const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
       for (int64_t c = 0; c < BQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
@@ -896,7 +882,7 @@ struct Backward {
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
       const Panels<C> KT =
-          pack_transposed<S, C>(p.k, b, hk, j0, nk, D, prescale_of<C>(ctx.st), t.kt, BK);
+          pack_transposed<S, C>(p.k, b, hk, j0, nk, D, ctx.st.template prescale_as<C>(), t.kt, BK);
       const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
       for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
