@@ -14,6 +14,7 @@
 #include "core/backend.hpp"
 #include "cuda/common/config.hpp"
 #include "cuda/host/check.hpp"
+#include "cuda/host/resources.hpp"
 #include "cuda/host/launch.hpp"
 #include "cuda/host/overrides.hpp"
 #include "cuda/host/select.hpp"

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "cuda/host/check.hpp"
+#include "cuda/host/resources.hpp"
 #include "cuda/sm90/kernels16.cuh"
 #include "cuda/sm90/x3_fwd.cuh"
 #include "cuda/sm90/tf32_fwd.cuh"
