@@ -21,28 +21,47 @@
 
 namespace flashattn::cuda::dev {
 
+// The band's lower edge (a window's left side) as the ranges below use it. Without a window the
+// rule's lo is the constant -kUnbounded (make_mask_rule's default), so testing bounded_below()
+// first lets the compiler drop that side's arithmetic altogether: the kernels of the masks without
+// a window keep the code (and registers) they had before the band had a lower edge.
+FLASHATTN_HD int64_t first_key(const MaskRule& rule, int64_t row) {  // key_begin(row)
+  return rule.bounded_below() ? rule.key_begin(row) : 0;
+}
+FLASHATTN_HD int64_t end_row(const MaskRule& rule, int64_t key, int64_t seq_q) {  // row_end(key, seq_q)
+  return rule.bounded_below() ? rule.row_end(key, seq_q) : seq_q;
+}
+// Whether the band holds a diagonal at all (lo > hi: a window left of a top-left causal diagonal).
+FLASHATTN_HD bool band_empty(const MaskRule& rule) { return rule.bounded_below() && rule.lo > rule.hi; }
+
 // Tiles [begin, begin + count) of bn entries each.
 struct TileRange {
   int begin, count;
 };
-// The tiles of bn entries holding [first, end) (empty: none, begin 0).
+// The tiles of bn entries holding [first, end) (empty: count 0). (Written in the form of the
+// range arithmetic before the band had a lower edge, a clamped start and a count, with one select
+// for the empty case: the mma.sync kernels sit at ptxas' 255-register limit, where a branch here
+// or an unclamped start measured up to 20 more spill bytes in the tile loops' kernels.)
 FLASHATTN_HD TileRange tiles_of(int64_t first, int64_t end, int bn) {
-  if (first >= end) return TileRange{0, 0};
-  const int64_t t0 = first / bn;
-  return TileRange{static_cast<int>(t0), static_cast<int>((end + bn - 1) / bn - t0)};
+  const int t0 = static_cast<int>((first < end ? first : end) / bn);
+  const int n = static_cast<int>((end + bn - 1) / bn) - t0;
+  return TileRange{t0, first < end ? n : 0};
 }
 // The key tiles holding every key that query rows [r0, r0 + rows) see: the band's edges are
 // monotone in the row and consecutive rows' ranges overlap (a band at least one diagonal wide), so
 // the union of the rows' ranges is [key_begin(r0), key_end(last row)). An empty band (lo > hi: a
 // window left of a top-left causal diagonal) hides everything.
 FLASHATTN_HD TileRange key_tiles(const MaskRule& rule, int64_t r0, int rows, int64_t seq_kv, int bn) {
-  if (rule.lo > rule.hi) return TileRange{0, 0};
-  return tiles_of(rule.key_begin(r0), rule.key_end(r0 + rows - 1, seq_kv), bn);
+  const int64_t end = rule.key_end(r0 + rows - 1, seq_kv);
+  // No lower edge: from tile 0, the arithmetic of the kernels before windows (see tiles_of).
+  if (!rule.bounded_below()) return TileRange{0, static_cast<int>((end + bn - 1) / bn)};
+  if (band_empty(rule)) return TileRange{0, 0};
+  return tiles_of(rule.key_begin(r0), end, bn);
 }
 // The query tiles holding every query that sees one of keys [k0, k0 + keys), likewise.
 FLASHATTN_HD TileRange query_tiles(const MaskRule& rule, int64_t k0, int keys, int64_t seq_q, int bn) {
-  if (rule.lo > rule.hi) return TileRange{0, 0};
-  return tiles_of(rule.row_begin(k0), rule.row_end(k0 + keys - 1, seq_q), bn);
+  if (band_empty(rule)) return TileRange{0, 0};
+  return tiles_of(rule.row_begin(k0), end_row(rule, k0 + keys - 1, seq_q), bn);
 }
 
 // An absolute bound x (a key or query index) as a column of the tile of bn entries from n0,
@@ -149,19 +168,21 @@ FLASHATTN_HD WorkItem work_item(int64_t i, int64_t nx, int64_t heads) {
 // (the sm_90a forwards and the float32 sm_90a dQ passes) take the tile-relative form.
 struct RowKeys {
   int64_t lo[2], hi[2];
-  FLASHATTN_HD RowKeys(const MaskRule& rule, int64_t row0, int64_t sq, int64_t skv) {
+  bool lower;  // the band has a lower edge (a constant without a window: see first_key)
+  FLASHATTN_HD RowKeys(const MaskRule& rule, int64_t row0, int64_t sq, int64_t skv) : lower(rule.bounded_below()) {
 FLASHATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row0 + 8 * r;
-      lo[r] = rule.key_begin(row);
+      lo[r] = first_key(rule, row);
       hi[r] = row < sq ? rule.key_end(row, skv) : 0;
     }
   }
-  // The visible columns [c0[r], c1[r]) of the tile of bn keys from n0.
+  // The visible columns [c0[r], c1[r]) of the tile of bn keys from n0 (c0 = 0 without a lower
+  // edge: the compiler then drops the test c < c0).
   FLASHATTN_HD void tile_cols(int64_t n0, int bn, int (&c0)[2], int (&c1)[2]) const {
 FLASHATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
-      c0[r] = tile_col(lo[r], n0, bn);
+      c0[r] = lower ? tile_col(lo[r], n0, bn) : 0;
       c1[r] = tile_col(hi[r], n0, bn);
     }
   }
@@ -176,8 +197,8 @@ struct KeyRowQueries {
 FLASHATTN_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int64_t key = key0 + 8 * r;
-      q_lo[r] = rule.row_begin(key);
-      q_hi[r] = key < skv ? rule.row_end(key, sq) : 0;
+      q_lo[r] = rule.first_row(key, sq);
+      q_hi[r] = key < skv ? end_row(rule, key, sq) : 0;
     }
   }
   // The bounds in the tile of bn queries from n0 (all columns when the tile is not masked).

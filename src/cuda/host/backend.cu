@@ -257,7 +257,7 @@ void forward(const ForwardParams& p) {
   FwdArgs a{};
   a.big = info.big();
   a.p = p;
-  a.sl2 = p.num.scale * 1.4426950408889634f;
+  a.score = ScoreTransform::make(p.num.scale);
   const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e);
   a.pingpong = c.sm90_fwd && use_pingpong(p.shape, c.dp);
@@ -301,7 +301,7 @@ void backward(const BackwardParams& p) {
   Workspace ws((accum_at + accum) * sizeof(float), stream);
   BwdArgs a{};
   a.p = p;
-  a.sl2 = p.num.scale * 1.4426950408889634f;
+  a.score = ScoreTransform::make(p.num.scale);
   const int64_t e = 16 / dtype_size(p.num.dtype);  // elements per 16 bytes
   a.vec16 = vec_ok(p.q, e) && vec_ok(p.k, e) && vec_ok(p.v, e) && vec_ok(p.out, e) &&
             vec_ok(p.dout, e) && vec_ok(p.dq, e) && vec_ok(p.dk, e) && vec_ok(p.dv, e);
