@@ -14,11 +14,13 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
+#include "core/score.hpp"
 #include "cuda/common/config.hpp"
+#include "cuda/common/work.hpp"
 
 namespace flashattn::cuda::dev {
 
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLog2e = ScoreTransform::kLog2e;
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
@@ -83,7 +85,9 @@ __device__ __forceinline__ void load_tile(float* smem, const float* g, int64_t l
   }
 }
 
-// The software pipeline every kernel runs over its streamed tiles (one cp.async group per tile).
+// The software pipeline every kernel runs over its streamed tiles (one cp.async group per tile),
+// tiles numbered it < ntiles (an iteration count, or a tile index and the end of the range: any
+// numbering whose consecutive tiles alternate the buffers).
 // Top of iteration `it`: with two stages, start copying tile it + 1 into the other buffer (the
 // barrier that ended it - 1 released it) and wait for tile it only; then a barrier so that every
 // thread sees tile it.
@@ -108,7 +112,7 @@ __device__ __forceinline__ void pipeline_release(int it, int ntiles, Load&& load
     cp_async_commit();
   }
 }
-// After the loop: no copy may still be in flight into shared memory (with ntiles == 0 the
+// After the loop: no copy may still be in flight into shared memory (with no tiles the
 // stationary tile's may be) and every thread is done with the tiles the epilogue reuses.
 __device__ __forceinline__ void pipeline_drain() {
   cp_async_wait<0>();
@@ -226,8 +230,8 @@ __device__ __forceinline__ void split_tile_tf32(float* tile) {
 
 // One tile step's operand conversion in the mma.sync kernels (then a barrier): in 3xTF32 mode
 // with SOFF the stage's two streamed tiles are split. Nothing otherwise. (tf32 mode rounds per
-// fragment: rounding its tiles once per CTA the same way measured 10-19% slower in the backward,
-// docs/PERF.md float32 run 7 - the extra barrier per tile costs more than the adds it saves.)
+// fragment: rounding its tiles once per CTA the same way measured 10-19% slower in the float32
+// backward on an H200 - the extra barrier per tile costs more than the adds it saves.)
 template <Math M, int SOFF, int RB, int DP, int LD, int T>
 __device__ __forceinline__ void convert_step_tiles(float* b0, float* b1) {
   if constexpr (SOFF != 0) {
@@ -415,7 +419,7 @@ __device__ __forceinline__ void for_each_entry(F&& f) {
     for (int e = 0; e < 4; ++e) f(j, e, g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
 }
 
-// Mask test of one score: in range and visible under the causal rule.
+// Mask test of one score: in range and inside the mask's band (both edges).
 __device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j, int64_t sq, int64_t skv) {
   return i < sq && j < skv && rule.visible(i, j);
 }
@@ -431,121 +435,16 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// ---- CTA work ranges ---------------------------------------------------------------------------
-// A CTA of the forward or dQ pass: BM query rows of one (batch, head) and the BN-key tiles
-// [0, ntiles) that hold every key the mask leaves visible to them.
-struct QueryBlock {
-  int64_t b, h, hk;  // batch, query head, its kv head
-  int64_t m0;        // first query row
-  int rows;          // valid query rows (<= BM)
-  int ntiles;
-  MaskRule rule;
-  // Only key tiles that cross the sequence end or an edge of the mask's band need per-entry masking.
-  __device__ __forceinline__ bool tile_masked(int64_t n0, int bn, int64_t skv) const {
-    return n0 + bn > skv || !rule.tile_inside(m0, m0 + rows, n0, n0 + bn);
-  }
-};
-// Row block x of (b, h) in launch order: x = 0 starts first.
-template <int BM, int BN>
-__device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask, int64_t b, int64_t h, int64_t x) {
-  QueryBlock q;
-  q.b = b;
-  q.h = h;
-  q.hk = q.h / (s.heads_q / s.heads_kv);
-  q.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
-  // Causal: the last query blocks see the most keys; start them first.
-  const int64_t nx = (s.seq_q + BM - 1) / BM;
-  const int64_t mb = q.rule.bounded_above() ? nx - 1 - x : x;
-  q.m0 = mb * BM;
-  q.rows = static_cast<int>(s.seq_q - q.m0 < BM ? s.seq_q - q.m0 : BM);
-  const int64_t n_end = q.rule.visible_end(q.m0 + q.rows - 1, s.seq_kv);  // later keys: masked for all rows
-  q.ntiles = static_cast<int>((n_end + BN - 1) / BN);
-  return q;
-}
-// The CTA's block (grid: row blocks x heads x batch).
+// ---- CTA work ranges (work.hpp) -----------------------------------------------------------------
+// The CTA's blocks (grid: row blocks x heads x batch).
 template <int BM, int BN>
 __device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask) {
   return query_block<BM, BN>(s, mask, blockIdx.z, blockIdx.y, blockIdx.x);
-}
-
-// A CTA of the dK/dV pass: BM key rows of one (batch, kv head) and, for each query head of its
-// group, the BN-query tiles that can see those keys. Iteration x (in [0, ntiles)) is query tile
-// t_begin + x % per_head of query head hk * G + x / per_head.
-struct KeyBlock {
-  int64_t b, hk;  // batch, kv head
-  int64_t m0;     // first key row
-  int rows;       // valid key rows (<= BM)
-  int t_begin, per_head, ntiles;
-  int64_t group;  // query heads per kv head
-  MaskRule rule;
-  __device__ __forceinline__ int64_t head(int x) const { return hk * group + x / per_head; }
-  __device__ __forceinline__ int64_t q0(int x, int bn) const {
-    return static_cast<int64_t>(t_begin + x % per_head) * bn;
-  }
-  // Fully visible when in range and inside the mask's band.
-  __device__ __forceinline__ bool tile_masked(int64_t n0, int bn, int bm, int64_t sq, int64_t skv) const {
-    return n0 + bn > sq || m0 + bm > skv || !rule.tile_inside(n0, n0 + bn, m0, m0 + bm);
-  }
-};
-template <int BM, int BN>
-__device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask, int64_t b, int64_t hk, int64_t x) {
-  KeyBlock k;
-  k.b = b;
-  k.hk = hk;
-  k.group = s.heads_q / s.heads_kv;
-  k.rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
-  k.m0 = x * BM;
-  k.rows = static_cast<int>(s.seq_kv - k.m0 < BM ? s.seq_kv - k.m0 : BM);
-  k.t_begin = static_cast<int>(k.rule.first_row(k.m0, s.seq_q) / BN);  // earlier queries see none
-  k.per_head = static_cast<int>((s.seq_q + BN - 1) / BN) - k.t_begin;
-  k.ntiles = static_cast<int>(k.group) * k.per_head;
-  return k;
 }
 template <int BM, int BN>
 __device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
   return key_block<BM, BN>(s, mask, blockIdx.z, blockIdx.y, blockIdx.x);
 }
-
-// The persistent kernels' work list (the pair kernels): item i of nx row blocks x heads x batch
-// is row block i % nx of head i / nx % heads, batch i / (nx heads) - the order of the
-// non-persistent grid (row blocks fastest), so that the CTAs running at one time work on the
-// blocks of one or two heads and share their streamed tiles in L2. (Row blocks slowest, all
-// heads at once, measured 10-30% slower at D = 128: every CTA streamed other K and V tiles.)
-struct WorkItem {
-  int64_t b, h, x;
-};
-__device__ __forceinline__ WorkItem work_item(int64_t i, int64_t nx, int64_t heads) {
-  const int64_t hb = i / nx;
-  return WorkItem{hb / heads, hb % heads, i % nx};
-}
-
-// The lane's key rows (g and g + 8 of the warp's 16 from key0) in the sm_90a dK/dV kernels: the
-// queries that see each form one column range [first_row(key), Sq) (none for keys past Skv); per
-// query tile they become tile-relative bounds [lo, hi) of the S^T columns kept.
-struct KeyRowQueries {
-  int64_t q_lo[2], q_hi[2];
-  __device__ __forceinline__ KeyRowQueries(const MaskRule& rule, int64_t key0, int64_t sq, int64_t skv) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t key = key0 + 8 * r;
-      q_lo[r] = rule.first_row(key, sq);
-      q_hi[r] = key < skv ? sq : 0;
-    }
-  }
-  // The bounds in the tile of bn queries from n0 (all columns when the tile is not masked).
-  __device__ __forceinline__ void tile_bounds(int64_t n0, int bn, bool masked, int (&lo)[2], int (&hi)[2]) const {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      lo[r] = 0;
-      hi[r] = bn;
-      if (masked) {
-        const int64_t l = q_lo[r] - n0, u = q_hi[r] - n0;
-        lo[r] = l < 0 ? 0 : (l > bn ? bn : static_cast<int>(l));
-        hi[r] = u < 0 ? 0 : (u > bn ? bn : static_cast<int>(u));
-      }
-    }
-  }
-};
 
 // Reductions over the 4 lanes of a quad (they hold one row between them).
 __device__ __forceinline__ float quad_max(float x) {
@@ -566,35 +465,35 @@ struct SoftmaxState {
 };
 
 // S (scaled scores, masked entries -inf) becomes P = exp2(S - m_new); O is rescaled.
-// s holds scores already multiplied by scale*log2(e) (scale_scores) with masked entries at -inf:
-// scaling before masking and before the max keeps a negative softmax scale exact (the max of
-// s*sl2 is then the max of the scaled values, and a masked -inf stays -inf).
+// s holds the scores' log2-unit logits (scale_scores) with masked entries at -inf: the transform
+// before masking and before the max keeps a negative softmax scale exact (the max of the logits
+// is then the max of the scaled values, and a masked -inf stays -inf).
 template <int NS>
-__device__ __forceinline__ void scale_scores(float (&s)[NS][4], float sl2) {
+__device__ __forceinline__ void scale_scores(float (&s)[NS][4], const ScoreTransform& score) {
 #pragma unroll
   for (int j = 0; j < NS; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] *= sl2;
+    for (int e = 0; e < 4; ++e) s[j][e] = score.logit2(s[j][e]);
 }
 
 // The statistics half of online softmax: s becomes P = exp2(s - m_new) and alpha[r] the factor
 // that rescales everything accumulated before (the sm_90 forward applies it later, once the
 // asynchronous product that still writes O has finished). s holds scores already in the log2
-// domain (scale_scores ran), or with SCALED raw scores and a positive mul = scale * log2(e): the
-// row max is then taken on the raw scores and the scaling folds into the exponent's FFMA,
-// exp2(s * mul - m_new), one instruction per score fewer (the sm_90 forward, whose softmax is
-// issue-bound). A negative scale turns the max into a min, so it must go through scale_scores.
-// Masked entries are -inf either way.
+// domain (scale_scores ran), or with SCALED raw scores and an increasing transform `score`
+// (positive scale): the row max is then taken on the raw scores and the transform folds into the
+// exponent's FFMA, exp2(score.exp2_arg(s, m_new)), one instruction per score fewer (the sm_90
+// forward, whose softmax is issue-bound). A negative scale turns the max into a min, so it must
+// go through scale_scores. Masked entries are -inf either way.
 template <int NS, bool FAST = false, bool SCALED = false>  // SCALED implies FAST
 __device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4], float (&alpha)[2],
-                                             float mul = 1.0f) {
+                                             const ScoreTransform& score = ScoreTransform{}) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
     mx = quad_max(mx);
-    const float m_new = fmaxf(st.m[r], SCALED ? mx * mul : mx);
+    const float m_new = fmaxf(st.m[r], SCALED ? score.logit2(mx) : mx);
     // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
     // instead of exp2(-inf + inf) = NaN.
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
@@ -604,8 +503,8 @@ __device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4]
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
       if constexpr (SCALED) {
-        s[j][2 * r] = exp2_ftz(fmaf(s[j][2 * r], mul, -m_use));
-        s[j][2 * r + 1] = exp2_ftz(fmaf(s[j][2 * r + 1], mul, -m_use));
+        s[j][2 * r] = exp2_ftz(score.exp2_arg(s[j][2 * r], m_use));
+        s[j][2 * r + 1] = exp2_ftz(score.exp2_arg(s[j][2 * r + 1], m_use));
       } else {
         const float x0 = s[j][2 * r] - m_use, x1 = s[j][2 * r + 1] - m_use;
         s[j][2 * r] = FAST ? exp2_ftz(x0) : exp2f(x0);
@@ -617,47 +516,38 @@ __device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4]
   }
 }
 
-// Masks the keys at or past `end[r]` (tile-relative) in the lane's rows g (r = 0) and g + 8 (r = 1).
+// Masks the keys outside [lo[r], hi[r]) (tile-relative) in the lane's rows g (r = 0) and g + 8
+// (r = 1).
 template <int NS>
-__device__ __forceinline__ void mask_cols(float (&s)[NS][4], const int (&end)[2]) {
+__device__ __forceinline__ void mask_cols(float (&s)[NS][4], const int (&lo)[2], const int (&hi)[2]) {
   const int t = lane_id() & 3;
 #pragma unroll
   for (int j = 0; j < NS; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (8 * j + 2 * t + (e & 1) >= end[e >> 1]) s[j][e] = -INFINITY;
-}
-
-// The visible keys of the lane's rows g and g + 8 in a tile of BN keys from n0: the tile's columns
-// [0, end[h]), from each row's end of visible keys (vis_end: sequence end and causal rule in one
-// bound; a row past the query sequence's end has 0).
-template <int BN>
-__device__ __forceinline__ void visible_cols(int (&end)[2], const int64_t (&vis_end)[2], int64_t n0) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t e = vis_end[h] - n0;
-    end[h] = e < 0 ? 0 : (e > BN ? BN : static_cast<int>(e));
-  }
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1);
+      if (c < lo[e >> 1] || c >= hi[e >> 1]) s[j][e] = -INFINITY;
+    }
 }
 
 // One key tile of the sm_90a forwards' online softmax: the scores of keys [n0, n0 + BN) in s
-// become P, the statistics are updated and alpha (for O) is returned. Keys at or past vis_end[r]
-// (sequence end and causal rule in one bound) are hidden from the lane's rows g and g + 8; only
-// tiles that cross such a bound (`masked`) pay for the test. fused (sl2 > 0): the scale folds into
-// the exponent's FFMA; a negative scale turns the max into a min, so it scales first.
+// become P, the statistics are updated and alpha (for O) is returned. Keys outside the lane's
+// rows' ranges (keys: sequence end and both band edges) are hidden from them; only tiles that
+// cross such a bound (`masked`) pay for the test. fused (positive scale): the transform folds
+// into the exponent's FFMA; a negative scale turns the max into a min, so it scales first.
 template <int BN, int NS>
 __device__ __forceinline__ void softmax_tile_sm90(float (&s)[NS][4], SoftmaxState& st, float (&alpha)[2],
-                                                  const int64_t (&vis_end)[2], int64_t n0, bool masked, bool fused,
-                                                  float sl2) {
+                                                  const RowKeys& keys, int64_t n0, bool masked, bool fused,
+                                                  const ScoreTransform& score) {
   if (masked) {
-    int end[2];
-    visible_cols<BN>(end, vis_end, n0);
-    mask_cols(s, end);
+    int lo[2], hi[2];
+    keys.tile_cols(n0, BN, lo, hi);
+    mask_cols(s, lo, hi);
   }
   if (fused) {
-    softmax_rows<NS, true, true>(st, s, alpha, sl2);
+    softmax_rows<NS, true, true>(st, s, alpha, score);
   } else {
-    scale_scores(s, sl2);
+    scale_scores(s, score);
     softmax_rows<NS, true>(st, s, alpha);
   }
 }
@@ -705,7 +595,7 @@ __device__ __forceinline__ void store_lse(const OutLse& out, int64_t b, int64_t 
   }
 }
 
-// LSE in the backward's log2 domain: P = exp2(s*sl2 - l2). A row with no visible key (lse = -inf)
+// LSE in the backward's log2 domain: P = exp2(score.exp2_arg(s, l2)). A row with no visible key (lse = -inf)
 // maps to +inf so that every P of it is exp2(-inf) = 0.
 __device__ __forceinline__ float lse_to_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;

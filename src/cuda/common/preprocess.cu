@@ -26,7 +26,7 @@ __device__ __forceinline__ void store_from_float(__nv_bfloat16* p, float x) { *p
 //   a warp reads 32 / G whole rows with 16-byte loads;
 // - scalar (any strides): one warp per row, one element per lane at a time.
 // The row decomposition uses 32-bit division (the host checks B*Hq*Sq < 2^31): the 64-bit one cost
-// more than the loads at D = 64 (measured, docs/PERF.md).
+// more than the loads at D = 64 (measured on an H200).
 struct RowAt {
   int64_t b, h, i;
 };
@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__
   if (lane_id() == 0) a.delta[row] = acc;
 }
 
-// dq[b,h,i,:] = scale * dq_accum[(b*Hq + h)*Sq + i, :D].
+// dq[b,h,i,:] = grad_scale * dq_accum[(b*Hq + h)*Sq + i, :D] (the score transform's factor on dQ,
+// which the atomic dK/dV pass leaves out of its accumulator).
 template <class T, int G>
 __global__ void __launch_bounds__(256) dq_convert_vec_kernel(const __grid_constant__ BwdArgs a, int dp) {
   constexpr int E = Chunk16<T>::kN;
@@ -131,12 +132,13 @@ __global__ void __launch_bounds__(256) dq_convert_vec_kernel(const __grid_consta
   if (row >= row_count(p.shape) || c * E >= p.shape.head_dim) return;
   const RowAt r = row_at(p.shape, row);
   const float4* acc = reinterpret_cast<const float4*>(a.dq_accum + static_cast<int64_t>(row) * dp + c * E);
+  const float gs = a.score.grad_scale();
   float x[E];
 #pragma unroll
   for (int k = 0; k < E / 4; ++k) {
     const float4 v = acc[k];
-    x[4 * k] = v.x * p.num.scale, x[4 * k + 1] = v.y * p.num.scale;
-    x[4 * k + 2] = v.z * p.num.scale, x[4 * k + 3] = v.w * p.num.scale;
+    x[4 * k] = v.x * gs, x[4 * k + 1] = v.y * gs;
+    x[4 * k + 2] = v.z * gs, x[4 * k + 3] = v.w * gs;
   }
   Chunk16<T>::store(static_cast<T*>(p.dq.ptr) + r.b * p.dq.sb + r.h * p.dq.sh + r.i * p.dq.ss + c * E, x);
 }
@@ -149,7 +151,8 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   const RowAt r = row_at(p.shape, row);
   T* dq = static_cast<T*>(p.dq.ptr) + r.b * p.dq.sb + r.h * p.dq.sh + r.i * p.dq.ss;
   const float* acc = a.dq_accum + static_cast<int64_t>(row) * dp;
-  for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * p.num.scale);
+  const float gs = a.score.grad_scale();
+  for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * gs);
 }
 
 }  // namespace dev

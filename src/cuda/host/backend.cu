@@ -234,7 +234,7 @@ void forward(const ForwardParams& p) {
   Workspace ws(plan.workspace, stream);
   FwdArgs a{};
   a.p = p;
-  a.sl2 = p.num.scale * 1.4426950408889634f;
+  a.score = ScoreTransform::make(p.num.scale);
   a.vec16 = plan.vec16;
   a.big = plan.big;
   a.pingpong = plan.pingpong;
@@ -273,7 +273,7 @@ void backward(const BackwardParams& p) {
   const size_t after_delta = (rows + 3) / 4 * 4;
   BwdArgs a{};
   a.p = p;
-  a.sl2 = p.num.scale * 1.4426950408889634f;
+  a.score = ScoreTransform::make(p.num.scale);
   a.vec16 = plan.vec16;
   a.big = plan.big;
   a.delta = ws.get();

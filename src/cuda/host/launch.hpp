@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/params.hpp"
+#include "core/score.hpp"
 #include "cuda/common/config.hpp"
 #include "cuda/host/select.hpp"  // vec_ok, persistent_ctas
 
@@ -16,7 +17,7 @@ namespace flashattn::cuda {
 // derived once on the host.
 struct FwdArgs {
   ForwardParams p;
-  float sl2;   // softmax scale * log2(e): scores go straight to exp2
+  ScoreTransform score;  // raw score -> logit (core/score.hpp); the kernels' only scale arithmetic
   bool vec16;  // every operand base 16-byte aligned and every stride a multiple of 4 elements
   bool big;    // the device runs the sm_90 cubin: tile_config(..., big = true)
   bool pingpong;  // sm_90a forward: the consumer warpgroups take turns issuing products
@@ -25,7 +26,7 @@ struct FwdArgs {
 };
 struct BwdArgs {
   BackwardParams p;
-  float sl2;
+  ScoreTransform score;  // as FwdArgs::score; grad_scale() for dQ and dK
   bool vec16;
   bool big;
   float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]

@@ -29,8 +29,9 @@ __device__ __forceinline__ uint16_t* out16(const T& op, int64_t b, int64_t h, in
 
 // ================================================================================================
 // Forward. CTA = block_m query rows of one (batch, head); warp = 16*mt of them. Loops over the key
-// tiles the mask leaves visible: S = Q K^T (Q and K fragments by ldmatrix), online softmax in
-// float32 registers, P rounded to 16 bits and used directly as the A fragments of O += P V.
+// tiles the mask leaves visible (QueryBlock: tiles [t_begin, t_begin + ntiles)): S = Q K^T (Q and
+// K fragments by ldmatrix), online softmax in float32 registers, P rounded to 16 bits and used
+// directly as the A fragments of O += P V.
 // ================================================================================================
 template <int DP, Half16 H>
 __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).threads(), 1)
@@ -50,7 +51,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   const int D = static_cast<int>(p.shape.head_dim);
   const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
   const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
-  const int rows = qb.rows, ntiles = qb.ntiles;
+  // The key tiles [t_begin, t_end) (QueryBlock), the loop counting tiles: the cp.async buffer of
+  // tile t is t & 1 (no barrier phases that must start at 0), so one counter stays live instead
+  // of an iteration count and t_begin.
+  const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
 
   auto load_kv = [&](int tile, int stage) {
@@ -61,7 +65,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   };
   load_tile16<BM, DP, T>(sQ, in16(p.q, b, h, m0), p.q.ss, rows, D, a.vec16);
   cp_async_commit();
-  if (ntiles > 0) load_kv(0, 0);
+  if (qb.ntiles > 0) load_kv(qb.t_begin, qb.t_begin & 1);
   cp_async_commit();
 
   const int warp = threadIdx.x / 32;
@@ -71,9 +75,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   zero(o);
   SoftmaxState st[MT];
 
-  for (int it = 0; it < ntiles; ++it) {
-    pipeline_acquire<2>(it, ntiles, load_kv);
-    const int stage = it & 1;
+  for (int t = qb.t_begin; t < t_end; ++t) {
+    pipeline_acquire<2>(t, t_end, load_kv);
+    const int stage = t & 1;
     const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
 
     float s[MT][NS][4];
@@ -81,8 +85,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
     gemm_ss<H, MT, NS, DP, TQ, TK>(s, smem_addr(sQ), wrow, kst, 0);
 
 #pragma unroll
-    for (int m = 0; m < MT; ++m) scale_scores(s[m], a.sl2);
-    const int64_t n0 = static_cast<int64_t>(it) * BN;
+    for (int m = 0; m < MT; ++m) scale_scores(s[m], a.score);
+    const int64_t n0 = static_cast<int64_t>(t) * BN;
     if (qb.tile_masked(n0, BN, Skv)) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -95,7 +99,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
     uint32_t pa[MT][NS / 2][4];
     to_afrag<H, MT, NS / 2>(pa, s);
     gemm_rs<H, MT, NO, NS / 2, TK>(o, pa, vst, 0, 0);
-    pipeline_release<2>(it, ntiles, load_kv);
+    pipeline_release<2>(t, t_end, load_kv);
   }
   pipeline_drain();
 
@@ -127,7 +131,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
 
 // ================================================================================================
 // dQ (split backward). CTA = block_m query rows of one (batch, head), Q and dO stationary; loops
-// over key tiles: S = Q K^T, P = exp2(S*sl2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K.
+// over key tiles: S = Q K^T, P = exp2(logit2(S) - lse2), dP = dO V^T, dS = P (dP - D),
+// dQ += dS K; dQ *= grad_scale.
 // ================================================================================================
 template <int DP, Half16 H>
 __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).threads(), 1)
@@ -149,7 +154,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   const int D = static_cast<int>(p.shape.head_dim);
   const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
   const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
-  const int rows = qb.rows, ntiles = qb.ntiles;
+  // The key tiles [t_begin, t_end) (QueryBlock), the loop counting tiles: the cp.async buffer of
+  // tile t is t & 1 (no barrier phases that must start at 0), so one counter stays live instead
+  // of an iteration count and t_begin.
+  const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
 
   auto load_kv = [&](int tile, int stage) {
@@ -161,7 +169,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   load_tile16<BM, DP, T>(sQ, in16(p.q, b, h, m0), p.q.ss, rows, D, a.vec16);
   load_tile16<BM, DP, T>(sdO, in16(p.dout, b, h, m0), p.dout.ss, rows, D, a.vec16);
   cp_async_commit();
-  if (ntiles > 0) load_kv(0, 0);
+  if (qb.ntiles > 0) load_kv(qb.t_begin, qb.t_begin & 1);
   cp_async_commit();
 
   const int warp = threadIdx.x / 32, lane = lane_id();
@@ -177,9 +185,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   float dq[1][NO][4];
   zero(dq);
 
-  for (int it = 0; it < ntiles; ++it) {
-    pipeline_acquire<2>(it, ntiles, load_kv);
-    const int stage = it & 1;
+  for (int t = qb.t_begin; t < t_end; ++t) {
+    pipeline_acquire<2>(t, t_end, load_kv);
+    const int stage = t & 1;
     const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
     float s[1][NS][4], dp[1][NS][4];
     zero(s);
@@ -187,20 +195,20 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     gemm_ss<H, 1, NS, DP, TQ, TK>(s, smem_addr(sQ), warp * 16, kst, 0);
     gemm_ss<H, 1, NS, DP, TQ, TK>(dp, smem_addr(sdO), warp * 16, vst, 0);
 
-    const int64_t n0 = static_cast<int64_t>(it) * BN;
+    const int64_t n0 = static_cast<int64_t>(t) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -l2[e >> 1]));
+      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[0][j][e] = pe * (dp[0][j][e] - dl[e >> 1]);  // dS
     });
     uint32_t pds[1][NS / 2][4];
     to_afrag<H, 1, NS / 2>(pds, dp);
     gemm_rs<H, 1, NO, NS / 2, TK>(dq, pds, kst, 0, 0);
-    pipeline_release<2>(it, ntiles, load_kv);
+    pipeline_release<2>(t, t_end, load_kv);
   }
   pipeline_drain();
-  stage_acc<H, BM, DP, 1, NO>(sQ, dq, warp * 16, 0, p.num.scale);
+  stage_acc<H, BM, DP, 1, NO>(sQ, dq, warp * 16, 0, a.score.grad_scale());
   __syncthreads();
   store_tile16<BM, DP, T>(out16(p.dq, b, h, m0), p.dq.ss, sQ, rows, D, a.vec16);
 }
@@ -208,10 +216,11 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
 // ================================================================================================
 // dK/dV. CTA = block_m key rows of one (batch, kv head), K and V stationary; loops over the query
 // heads of the kv group and, for each, the query tiles that can see these keys:
-//   S^T = K Q^T, P^T = exp2(S^T*sl2 - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
-//   dK += dS^T Q; dK *= scale.
+//   S^T = K Q^T, P^T = exp2(logit2(S^T) - lse2), dV += P^T dO, dP^T = V dO^T,
+//   dS^T = P^T (dP^T - D), dK += dS^T Q; dK *= grad_scale.
 // ATOMIC (FlashAttention 2's single pass): dS^T also goes to shared memory and the CTA adds
-// dQ_tile += dS K to a float32 accumulator with atomics (a convert pass scales and rounds it);
+// dQ_tile += dS K to a float32 accumulator with atomics (a convert pass applies grad_scale and
+// rounds it);
 // the dQ pass is then not needed. Float atomics make dQ's summation order vary run to run.
 // ================================================================================================
 template <int DP, Half16 H, bool ATOMIC>
@@ -283,7 +292,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -lse_to_log2(sLs[c])));
+      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
@@ -321,7 +330,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     pipeline_release<2>(it, ntiles, load_q);
   }
   pipeline_drain();
-  stage_acc<H, BK, DP, 1, NO>(sK, dk, kw * 16, cw * DW, p.num.scale);
+  stage_acc<H, BK, DP, 1, NO>(sK, dk, kw * 16, cw * DW, a.score.grad_scale());
   stage_acc<H, BK, DP, 1, NO>(sV, dv, kw * 16, cw * DW, 1.0f);
   __syncthreads();
   store_tile16<BK, DP, T>(out16(p.dk, b, hk, m0), p.dk.ss, sK, rows, D, a.vec16);

@@ -18,7 +18,7 @@ namespace dev {
 
 // ================================================================================================
 // Forward. CTA = block_m query rows of one (batch, head); loops over the key tiles that the mask
-// leaves visible: S = Q K^T, online softmax, O += P V.
+// leaves visible (QueryBlock: tiles [t_begin, t_begin + ntiles)): S = Q K^T, online softmax, O += P V.
 // ================================================================================================
 template <int DP, Math M>
 __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).threads(), 1)
@@ -37,7 +37,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   const int D = static_cast<int>(p.shape.head_dim);
   const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
   const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
-  const int rows = qb.rows, ntiles = qb.ntiles;
+  // The key tiles [t_begin, t_end) (QueryBlock), the loop counting tiles: with two stages the
+  // cp.async buffer of tile t is t & 1 (no barrier phases that must start at 0), so one counter
+  // stays live instead of an iteration count and t_begin.
+  const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
 
   const float* q = static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + m0 * p.q.ss;
@@ -52,7 +55,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
 
   load_tile<BM, DP, T>(sQ, q, p.q.ss, rows, D, a.vec16);
   cp_async_commit();
-  if (ntiles > 0) load_kv(0, 0);
+  if (qb.ntiles > 0) load_kv(qb.t_begin, C.stages == 2 ? (qb.t_begin & 1) : 0);
   cp_async_commit();
 
   const int warp = threadIdx.x / 32;
@@ -65,17 +68,17 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   // [stages][BN][LD] each following sV, SOFF floats past the big parts (split_smem_bytes).
   constexpr int SOFF = split_smem_bytes(Pass::Forward, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD : 0;
 
-  for (int it = 0; it < ntiles; ++it) {
-    pipeline_acquire<C.stages>(it, ntiles, load_kv);
-    const int stage = C.stages == 2 ? (it & 1) : 0;
+  for (int t = qb.t_begin; t < t_end; ++t) {
+    pipeline_acquire<C.stages>(t, t_end, load_kv);
+    const int stage = C.stages == 2 ? (t & 1) : 0;
     convert_step_tiles<M, SOFF, BN, DP, LD, T>(sK + stage * BN * LD, sV + stage * BN * LD);
 
     float s[NS][4];
     zero(s);
     gemm_nt<M, NS, DP, LD, SOFF>(s, sQw, sK + stage * BN * LD);
 
-    scale_scores(s, a.sl2);
-    const int64_t n0 = static_cast<int64_t>(it) * BN;
+    scale_scores(s, a.score);
+    const int64_t n0 = static_cast<int64_t>(t) * BN;
     if (qb.tile_masked(n0, BN, Skv)) {
       for_each_entry<NS>([&](int j, int e, int r, int c) {
         if (!keep(rule, row_w + r, n0 + c, Sq, Skv)) s[j][e] = -INFINITY;
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
     }
     online_softmax(st, s, o);
     gemm_rn<M, NO, NS, LD, SOFF>(o, s, sV + stage * BN * LD);
-    pipeline_release<C.stages>(it, ntiles, load_kv);
+    pipeline_release<C.stages>(t, t_end, load_kv);
   }
   pipeline_drain();
   // Epilogue: O /= l; LSE = ln(sum exp(S)) = (m + log2 l) * ln 2. A row with no visible key has
@@ -102,7 +105,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
 
 // ================================================================================================
 // dQ. CTA = block_m query rows of one (batch, head), stationary Q and dO; loops over key tiles:
-//   S = Q K^T, P = exp2(S*sl2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K; dQ *= scale.
+//   S = Q K^T, P = exp2(logit2(S) - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K;
+//   dQ *= grad_scale.
 // ================================================================================================
 template <int DP, Math M>
 __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(), 1)
@@ -122,7 +126,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   const int D = static_cast<int>(p.shape.head_dim);
   const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
   const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
-  const int rows = qb.rows, ntiles = qb.ntiles;
+  // The key tiles [t_begin, t_end) (QueryBlock), the loop counting tiles: with two stages the
+  // cp.async buffer of tile t is t & 1 (no barrier phases that must start at 0), so one counter
+  // stays live instead of an iteration count and t_begin.
+  const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
 
   const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
@@ -138,7 +145,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   load_tile<BM, DP, T>(sdO, static_cast<const float*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + m0 * p.dout.ss,
                        p.dout.ss, rows, D, a.vec16);
   cp_async_commit();
-  if (ntiles > 0) load_kv(0, 0);
+  if (qb.ntiles > 0) load_kv(qb.t_begin, C.stages == 2 ? (qb.t_begin & 1) : 0);
   cp_async_commit();
 
   const int warp = threadIdx.x / 32, lane = lane_id();
@@ -157,9 +164,9 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   // sV, SOFF floats past the big parts (split_smem_bytes).
   constexpr int SOFF = split_smem_bytes(Pass::Dq, DP, kDeviceBig, M) > 0 ? 2 * C.stages * BN * LD : 0;
 
-  for (int it = 0; it < ntiles; ++it) {
-    pipeline_acquire<C.stages>(it, ntiles, load_kv);
-    const int stage = C.stages == 2 ? (it & 1) : 0;
+  for (int t = qb.t_begin; t < t_end; ++t) {
+    pipeline_acquire<C.stages>(t, t_end, load_kv);
+    const int stage = C.stages == 2 ? (t & 1) : 0;
     convert_step_tiles<M, SOFF, BN, DP, LD, T>(sK + stage * BN * LD, sV + stage * BN * LD);
     const float* sKs = sK + stage * BN * LD;
     float s[NS][4], dp[NS][4];
@@ -168,27 +175,28 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
     gemm_nt<M, NS, DP, LD, SOFF>(s, sQ + warp * 16 * LD, sKs);
     gemm_nt<M, NS, DP, LD, SOFF>(dp, sdO + warp * 16 * LD, sV + stage * BN * LD);
 
-    const int64_t n0 = static_cast<int64_t>(it) * BN;
+    const int64_t n0 = static_cast<int64_t>(t) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
+      float pe = exp2f(a.score.exp2_arg(s[j][e], l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
     });
     gemm_rn<M, NO, NS, LD, SOFF>(dq, dp, sKs);
-    pipeline_release<C.stages>(it, ntiles, load_kv);
+    pipeline_release<C.stages>(t, t_end, load_kv);
   }
   pipeline_drain();
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
-  store_rows<NO>(out, p.dq.ss, warp * 16, rows, 0, D, dq, p.num.scale, a.vec16);
+  store_rows<NO>(out, p.dq.ss, warp * 16, rows, 0, D, dq, a.score.grad_scale(), a.vec16);
 }
 
 // ================================================================================================
 // dK/dV. CTA = block_m key rows of one (batch, kv head), stationary K and V; loops over the
 // query heads of the kv group and, for each, the query tiles that can see these keys:
-//   S^T = K Q^T, P^T = exp2(S^T*sl2 - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
-//   dK += dS^T Q; dK *= scale. col_split warps share 16 key rows, each owning D/col_split columns
-// of dK and dV (recomputing S^T and dP^T) so that the accumulators fit in registers at D = 256.
+//   S^T = K Q^T, P^T = exp2(logit2(S^T) - lse2), dV += P^T dO, dP^T = V dO^T,
+//   dS^T = P^T (dP^T - D), dK += dS^T Q; dK *= grad_scale. col_split warps share 16 key rows,
+// each owning D/col_split columns of dK and dV (recomputing S^T and dP^T) so that the
+// accumulators fit in registers at D = 256.
 // ================================================================================================
 template <int DP, Math M>
 __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads(), 1)
@@ -261,7 +269,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
     const int64_t n0 = kb.q0(it, BN);  // first query row
     const bool masked = kb.tile_masked(n0, BN, BM, Sq, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(fmaf(s[j][e], a.sl2, -lse_to_log2(sLs[c])));
+      float pe = exp2f(a.score.exp2_arg(s[j][e], lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
@@ -274,7 +282,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   const int cols = D - cw * DW;
   float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss + cw * DW;
   float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss + cw * DW;
-  store_rows<NO>(dkp, p.dk.ss, kw * 16, rows, 0, cols, dk, p.num.scale, a.vec16);
+  store_rows<NO>(dkp, p.dk.ss, kw * 16, rows, 0, cols, dk, a.score.grad_scale(), a.vec16);
   store_rows<NO>(dvp, p.dv.ss, kw * 16, rows, 0, cols, dv, 1.0f, a.vec16);
 }
 

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
     if (threadIdx.x == TC)
       copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
                                          static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
-                                         static_cast<int>(b), ntiles);
+                                         static_cast<int>(b), qb.t_begin, ntiles);
     return;
   }
 
@@ -107,15 +107,14 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   float s[1][NS][4];
   uint32_t pa[1][BN / 16][4];
 
-  // The lane's rows g and g + 8: keys at or past vis_end are hidden from them (sequence end and
-  // causal rule in one bound; rows past Sq are computed but never stored).
-  const int64_t vis_end[2] = {rule.visible_end(row_w + lane_id() / 4, Skv),
-                              rule.visible_end(row_w + lane_id() / 4 + 8, Skv)};
-  const bool fused = a.sl2 > 0.0f;  // uniform
-  // Scores of tile `tile` (in s) -> P in s, statistics updated, alpha for O.
-  auto softmax_tile = [&](int tile, float(&alpha)[2]) {
-    const int64_t n0 = static_cast<int64_t>(tile) * BN;
-    softmax_tile_sm90<BN>(s[0], st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
+  // The lane's rows g and g + 8: keys outside their ranges are hidden from them (sequence end
+  // and both band edges; rows past Sq see none and are never stored).
+  const RowKeys keys(rule, row_w + lane_id() / 4, Sq, Skv);
+  const bool fused = a.score.scale > 0.0f;  // uniform: an increasing transform (softmax_rows)
+  // Scores of iteration it's key tile (in s) -> P in s, statistics updated, alpha for O.
+  auto softmax_tile = [&](int it, float(&alpha)[2]) {
+    const int64_t n0 = qb.key0(it, BN);
+    softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
   };
   auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
   auto wait_v = [&](int t) { mbar_wait(full_v + (t & 1), (t >> 1) & 1); };
@@ -214,7 +213,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
 // (one warp), over every query head of the group, two stages deep. Per consumer warpgroup and
 // query tile:
 //   S^T = K_w Q^T, dP^T = V_w dO^T                       (wgmma from shared memory)
-//   P^T = exp2(S^T sl2 - lse2), dS^T = P^T (dP^T - D)    (registers; masks)
+//   P^T = exp2(logit2(S^T) - lse2), dS^T = P^T (dP^T - D) (registers; masks)
 //   dV_w += P^T dO, dK_w += dS^T Q                        (wgmma, P^T and dS^T from registers)
 //   dS^T -> shared memory (double buffer); barrier among the consumers
 //   dQ[:, cols_w] = dS K[:, cols_w]                       (wgmma, both operands read transposed)
@@ -355,7 +354,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     kq.tile_bounds(n0, BQ, masked, lo, hi);
     for_each_entry<NS>([&](int j, int e, int r, int cw) {
       const int c = qc0 + cw;  // query column in the tile
-      float pe = exp2_ftz(fmaf(s[0][j][e], a.sl2, -sLs[c]));
+      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], sLs[c]));
       if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
@@ -437,11 +436,11 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     }
   }
 
-  // Epilogue: dK (times the softmax scale) and dV through the Q and dO stages' shared memory
+  // Epilogue: dK (times grad_scale) and dV through the Q and dO stages' shared memory
   // (plain swizzled Tile layout, BK rows each) once every consumer is done with them.
   static_assert(BK * DP * 2 <= 2 * TQ::kBytes, "dK/dV staging reuses both Q (dO) stages");
   named_barrier(1, TC);
-  stage_acc<H, BK, DP, 1, NO>(sQ, dk, krow, cg * DW, p.num.scale);
+  stage_acc<H, BK, DP, 1, NO>(sQ, dk, krow, cg * DW, a.score.grad_scale());
   stage_acc<H, BK, DP, 1, NO>(sdO, dv, krow, cg * DW, 1.0f);
   named_barrier(1, TC);
   const int D = static_cast<int>(p.shape.head_dim);

@@ -47,7 +47,7 @@ struct Sm90Tf32BwdArgs {
 // blockIdx.x alone (the default). Fewer CTAs than blocks (select.hpp persistent_ctas): every block,
 // the first too, taken from a global counter (zeroed before the launch) by the producer thread, so
 // that a CTA whose blocks ran short takes more - causal blocks differ in length, and a fixed walk
-// (c, c + N, ...) left CTAs idle while others worked (docs/PERF.md float32 run 8b) - and a CTA that
+// (c, c + N, ...) measured slower: it left CTAs idle while others worked - and a CTA that
 // starts late (its multiprocessor busy with the side stream's copies) holds no block meanwhile.
 // The producer thread publishes the k-th block's index in shared slot k & 1 before the arrival that
 // starts the block's stationary copy, and an index >= the block count (then arriving without a
@@ -162,7 +162,7 @@ __device__ __forceinline__ const CUtensorMap* const (&first_maps(const CUtensorM
   return *reinterpret_cast<const CUtensorMap* const(*)[N]>(&maps);
 }
 
-// The producer warpgroups of the dQ kernels (here and kernels_sm90_tf32_bwd_pair.cuh): one thread
+// The producer warpgroups of the dQ kernels (here and tf32_bwd_pair.cuh): one thread
 // copies the block's Q and dO (BM rows, 64-row boxes) once, then per BN-key tile its X half
 // [K, V] (rows = keys; X3: then [Ks, Vs]) and its G half [K^T] (rows = head dim; X3: then K^Ts)
 // into the TileRing's buffers from sX and sG.
@@ -186,8 +186,9 @@ __device__ __forceinline__ void copy_dq_tiles(const Sm90Tf32BwdArgs& A, const Qu
       tma_load_4d(sQ + off, &A.tq, full_q, 32 * blk, row, hh, bb);
       tma_load_4d(sdO + off, &A.tdo, full_q, 32 * blk, row, hh, bb);
     }
+  // t counts the block's iterations, gt the CTA's (ring slots and phases); the key tile is t_begin + t.
   for (int t = 0; t < qb.ntiles; ++t) {
-    const int gt = ph.g0 + t, n0 = t * BN, sl = ring.slot(gt);
+    const int gt = ph.g0 + t, n0 = static_cast<int>(qb.key0(t, BN)), sl = ring.slot(gt);
     // the big copies' maps, then the small parts' (X3 only)
     const CUtensorMap* const xs[4] = {&A.tk, &A.tv, &A.tks, &A.tvs};
     const CUtensorMap* const gs[2] = {&A.tkt, &A.tkts};
@@ -247,7 +248,7 @@ __device__ __forceinline__ void copy_dkv_tiles(const Sm90Tf32BwdArgs& A, const K
 // Per consumer warpgroup, with S_0, dP_0 issued before the loop and P_0, dS_0 computed:
 //   iteration j: dS_j -> A fragments; issue S_{j+1} = Q K_{j+1}^T, dP_{j+1} = dO V_{j+1}^T and
 //   dQ += dS_j K_j (asynchronous, in that order); wait for S_{j+1}, dP_{j+1}, release tile j + 1's
-//   X half; P_{j+1} = exp2(S sl2 - lse2), dS_{j+1} = P (dP - D) while dQ += dS_j K_j runs; wait;
+//   X half; P_{j+1} = exp2(logit2(S) - lse2), dS_{j+1} = P (dP - D) while dQ += dS_j K_j runs; wait;
 //   release tile j's G half.
 // ================================================================================================
 template <int DP>
@@ -295,15 +296,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   const uint32_t x_addr = smem_addr(sX), g_addr = smem_addr(sG);
 
   float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain) and D
-  int64_t vis_end[2];  // and their ends of visible keys (visible_cols)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_w + g + 8 * r;
     const bool in = row < Sq;
     l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
     dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
-    vis_end[r] = in ? rule.visible_end(row, Skv) : 0;
   }
+  const RowKeys keys(rule, row_w + g, Sq, Skv);  // and their visible keys
   uint32_t qa[KS][4], doa[KS][4];
   mbar_wait(full_q, 0);
   load_afrag_tf32<TQ>(qa, sQ, 16 * warp);
@@ -324,20 +324,20 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
     wg_gemm_rs_tf32<KS, TK>(dp, doa, s0 + TK::kBytes, 0, false);
     wgmma_commit();
   };
-  // P = exp2(S sl2 - lse2) (0 where masked), dS = P (dP - D) into dp.
+  // P = exp2(logit2(S) - lse2) (0 where masked), dS = P (dP - D) into dp; iteration t.
   auto probs = [&](int t) {
-    const int64_t n0 = static_cast<int64_t>(t) * BN;
+    const int64_t n0 = qb.key0(t, BN);
     // (Masked or not as two loops: with the test inside one, every entry branched around it.)
     if (qb.tile_masked(n0, BN, Skv)) {
-      int end[2];
-      visible_cols<BN>(end, vis_end, n0);
+      int lo[2], hi[2];
+      keys.tile_cols(n0, BN, lo, hi);
       for_each_entry<NS>([&](int j, int e, int r, int c) {
-        const float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -l2[e >> 1]));
-        dp[j][e] = (c < end[r >> 3] ? pe : 0.0f) * (dp[j][e] - dl[e >> 1]);
+        const float pe = exp2_ftz(a.score.exp2_arg(s[j][e], l2[e >> 1]));
+        dp[j][e] = (c >= lo[r >> 3] && c < hi[r >> 3] ? pe : 0.0f) * (dp[j][e] - dl[e >> 1]);
       });
     } else {
       for_each_entry<NS>([&](int j, int e, int, int) {
-        dp[j][e] = exp2_ftz(fmaf(s[j][e], a.sl2, -l2[e >> 1])) * (dp[j][e] - dl[e >> 1]);
+        dp[j][e] = exp2_ftz(a.score.exp2_arg(s[j][e], l2[e >> 1])) * (dp[j][e] - dl[e >> 1]);
       });
     }
   };
@@ -377,7 +377,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
   }
 
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
-  store_rows(out, p.dq.ss, 16 * warp, qb.rows, 0, static_cast<int>(p.shape.head_dim), dq, p.num.scale, true);
+  store_rows(out, p.dq.ss, 16 * warp, qb.rows, 0, static_cast<int>(p.shape.head_dim), dq, a.score.grad_scale(),
+             true);
 #endif
 }
 
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
 // TileRing of two. Per consumer
 // warpgroup and query tile:
 //   S^T = K_w Q^T, dP^T = V_w dO^T                       (K_w, V_w: register fragments)
-//   P^T = exp2(S^T sl2 - lse2), dS^T = P^T (dP^T - D)    (registers; masks)
+//   P^T = exp2(logit2(S^T) - lse2), dS^T = P^T (dP^T - D) (registers; masks)
 //   dV_w += P^T dO, dK_w += dS^T Q                        (P^T, dS^T as A fragments; B = dO^T, Q^T)
 // K_w and V_w (64 of the 240 registers), dK_w, dV_w and S^T, dP^T (then P^T, dS^T as A
 // fragments) leave no room for a second set of scores, so a warpgroup's products do not overlap
@@ -473,14 +474,14 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
       int lo[2], hi[2];
       kq.tile_bounds(n0, BQ, true, lo, hi);
       for_each_entry<NS>([&](int j, int e, int r, int c) {
-        const float ex = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
+        const float ex = exp2_ftz(a.score.exp2_arg(s[j][e], sLs[c]));
         const float pe = c >= lo[r >> 3] && c < hi[r >> 3] ? ex : 0.0f;
         s[j][e] = pe;
         dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
       });
     } else {
       for_each_entry<NS>([&](int j, int e, int, int c) {
-        const float pe = exp2_ftz(fmaf(s[j][e], a.sl2, -sLs[c]));
+        const float pe = exp2_ftz(a.score.exp2_arg(s[j][e], sLs[c]));
         s[j][e] = pe;
         dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
       });
@@ -511,7 +512,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
   const int D = static_cast<int>(p.shape.head_dim);
   float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
   float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;
-  store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, dk, p.num.scale, true);
+  store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, dk, a.score.grad_scale(), true);
   store_rows(dvp, p.dv.ss, krow, kb.rows, 0, D, dv, 1.0f, true);
 #endif
 }

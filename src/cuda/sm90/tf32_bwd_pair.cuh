@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) float32 backward in tf32 mode at padded D = 128: the same split design, pre-pass
-// and operand copies as the D = 64 kernels (kernels_sm90_tf32_bwd.cuh), with the work of a tile
+// and operand copies as the D = 64 kernels (tf32_bwd.cuh), with the work of a tile
 // divided between two consumer warpgroups by product instead of by rows.
 //
 // Why: at D = 128 one warpgroup's stationary tf32 fragments (K and V, or Q and dO: 64 registers
@@ -7,11 +7,11 @@
 // registers a thread can have. Here both warpgroups cover the same 64 rows, and each holds one
 // stationary operand and one accumulator: ~160 registers.
 //   dK/dV pass (CTA = 64 keys; 32-query tiles):
-//     warpgroup 0 (scores side):   S^T = K Q^T; P^T = exp2(S^T sl2 - lse2), masked -> shared
+//     warpgroup 0 (scores side):   S^T = K Q^T; P^T = exp2(logit2(S^T) - lse2), masked -> shared
 //                                  memory; dV += P^T dO
 //     warpgroup 1 (gradient side): dP^T = V dO^T; reads P^T; dS^T = P^T (dP^T - D); dK += dS^T Q
 //   dQ pass (CTA = 64 queries; 32-key tiles):
-//     warpgroup 0: S = Q K^T; P = exp2(S sl2 - lse2), masked -> shared memory; reads dS;
+//     warpgroup 0: S = Q K^T; P = exp2(logit2(S) - lse2), masked -> shared memory; reads dS;
 //                  dQ[:, :64] += dS K
 //     warpgroup 1: dP = dO V^T; reads P; dS = P (dP - D) -> shared memory; dQ[:, 64:] += dS K
 // Each warpgroup issues 2 of the tile's 4 (dK/dV) or 3 (dQ, the last one split by columns)
@@ -57,10 +57,10 @@ __device__ __forceinline__ void init_exchange_barriers(uint64_t* ahead, uint64_t
 // A tile's scores in a 3xTF32 pair kernel (tf32: pair_tiles_pipelined): x = A B^T over the head
 // dim, A the warpgroup's stationary fragments (big xa, small xs), B the streamed K-major tile at bx
 // (its small part at bx + part), waited for: two chains of 4 k-steps (x2: the head dim's second
-// half), added in float32 (kernels_sm90_3xtf32.cuh on short chains). No keep_live_in_loop on the stationary
+// half), added in float32 (x3_fwd.cuh on short chains). No keep_live_in_loop on the stationary
 // fragments (the D = 64 split kernels' ptxas fault, wgmma.cuh): the SASS check of CI
 // (scripts/check-sass-wgmma.py) finds no reuse of their registers in these kernels, and the
-// XORs cost 64 instructions per tile in an instruction-bound loop (docs/PERF.md float32 run 14).
+// XORs cost 64 instructions per tile in an instruction-bound loop (measurably slower).
 template <class TB, int KS, int KX, int NS>
 __device__ __forceinline__ void pair_scores(float (&x)[NS][4], uint32_t (&xa)[KS][4], uint32_t (&xs)[KX][4],
                                             uint32_t bx, int part) {
@@ -204,7 +204,7 @@ __device__ __forceinline__ void pair_tiles_pipelined(float (&acc)[NT][4], uint32
 // dQ pass, pair design. CTA = BM = 64 queries of one (batch, head); the producer streams BN-key
 // tiles of K, V (X half) and K^T (G half) through a TileRing (two buffers; 3xTF32 at D = 128
 // one). Per key tile t (in tf32 the next tile's S / dP issued first, below):
-//   wg 0: S = Q K_t^T; P = exp2(S sl2 - lse2) (masked) -> xP; arrive(ahead); wait(back, t);
+//   wg 0: S = Q K_t^T; P = exp2(logit2(S) - lse2) (masked) -> xP; arrive(ahead); wait(back, t);
 //         dsa <- xdS; dQ[:, 0:64] += dS K_t
 //   wg 1: dP = dO V_t^T; wait(ahead, t); P <- xP; dS = P (dP - D); dsa = tf32(dS) -> xdS;
 //         arrive(back); dQ[:, 64:128] += dS K_t
@@ -246,8 +246,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
   uint64_t* empty_q = bars + 3;  // Q and dO read into registers (persistent: the next block's may land)
   const TileRing<NB> ring{bars + 4};
   // (kWalk false: one block per CTA, blockIdx.x known uniform at compile time - with the queue
-  // chosen at run time the block's coordinates left the uniform datapath: 5-8% slower dQ pass at
-  // 3xTF32 D = 128, docs/PERF.md float32 run 11.)
+  // chosen at run time the block's coordinates left the uniform datapath: the dQ pass measured
+  // 5-8% slower at 3xTF32 D = 128.)
   const BlockQueue queue{kWalk ? A.queue : nullptr, reinterpret_cast<int*>(bars + 4 + TileRing<NB>::kBars)};
 
   const BwdArgs& a = A.f;
@@ -308,12 +308,11 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     const int64_t row_w = m0 + 16 * wq;  // the warp's first query row
 
     float l2[2], dl[2];  // the lane's rows g and g + 8: LSE (log2 domain; scores side), D (gradient side)
-    int64_t vis_end[2];  // and their ends of visible keys (visible_cols)
+    const RowKeys keys(rule, row_w + g, Sq, Skv);  // and their visible keys
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row_w + g + 8 * r;
       const bool in = row < Sq;
-      vis_end[r] = in ? rule.visible_end(row, Skv) : 0;
       l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
       dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
     }
@@ -333,17 +332,17 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     // warpgroups leave with dS's fragments in dsa (X3: and dss).
     auto softmax_ds = [&](int t, int gt, float(&x)[NS][4]) {
       if (wg == 0) {
-        const int64_t n0 = static_cast<int64_t>(t) * BN;
+        const int64_t n0 = qb.key0(t, BN);  // t: the block's iteration; gt: the CTA's (phases)
         // (Masked or not as two loops: with the test inside one, every entry branched around it.)
         if (qb.tile_masked(n0, BN, Skv)) {
-          int end[2];
-          visible_cols<BN>(end, vis_end, n0);
+          int lo[2], hi[2];
+          keys.tile_cols(n0, BN, lo, hi);
           for_each_entry<NS>([&](int j, int e, int r, int c) {
-            const float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1]));
-            x[j][e] = c < end[r >> 3] ? pe : 0.0f;
+            const float pe = exp2_ftz(a.score.exp2_arg(x[j][e], l2[e >> 1]));
+            x[j][e] = c >= lo[r >> 3] && c < hi[r >> 3] ? pe : 0.0f;
           });
         } else {
-          for_each_entry<NS>([&](int j, int e, int, int) { x[j][e] = exp2_ftz(fmaf(x[j][e], a.sl2, -l2[e >> 1])); });
+          for_each_entry<NS>([&](int j, int e, int, int) { x[j][e] = exp2_ftz(a.score.exp2_arg(x[j][e], l2[e >> 1])); });
         }
         exchange_store<NS>(xP, x);
         mbar_arrive(ahead);
@@ -397,8 +396,8 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     if constexpr (kSm) mbar_arrive(empty_q);  // the tensor cores' last read of Q's / dO's small part is done
 
     float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
-    store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq, p.num.scale,
-               true);
+    store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq,
+               a.score.grad_scale(), true);
     g0 += ntiles;
   }
 #endif
@@ -409,7 +408,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
 // BQ-query tiles of Q, dO (X half), Q^T and dO^T (G half; one thread) and their LSE and D vectors
 // (one warp) over every query head of the group through a TileRing (two buffers; 3xTF32 at
 // D = 128 one). Per query tile (in tf32 the next tile's S^T / dP^T issued first, below):
-//   wg 0: S^T = K Q^T; P^T = exp2(S^T sl2 - lse2) (masked); wait(back, t - 1) unless first;
+//   wg 0: S^T = K Q^T; P^T = exp2(logit2(S^T) - lse2) (masked); wait(back, t - 1) unless first;
 //         P^T -> xP; arrive(ahead); dV += P^T dO
 //   wg 1: dP^T = V dO^T; wait(ahead, t); P^T <- xP; arrive(back);
 //         dS^T = P^T (dP^T - D); dK += dS^T Q
@@ -537,11 +536,11 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
           int lo[2], hi[2];
           kq.tile_bounds(n0, BQ, true, lo, hi);
           for_each_entry<NS>([&](int j, int e, int r, int c) {
-            const float pe = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c]));
+            const float pe = exp2_ftz(a.score.exp2_arg(x[j][e], sLs[c]));
             x[j][e] = c >= lo[r >> 3] && c < hi[r >> 3] ? pe : 0.0f;
           });
         } else {
-          for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = exp2_ftz(fmaf(x[j][e], a.sl2, -sLs[c])); });
+          for_each_entry<NS>([&](int j, int e, int, int c) { x[j][e] = exp2_ftz(a.score.exp2_arg(x[j][e], sLs[c])); });
         }
         ring.release_v(gt);
         if (gt > 0) mbar_wait(back, (gt - 1) & 1);  // the other side has read the last tile's P^T
@@ -599,7 +598,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       store_rows(dvp, p.dv.ss, krow, kb.rows, 0, D, acc, 1.0f, true);
     } else {
       float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
-      store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, acc, p.num.scale, true);
+      store_rows(dkp, p.dk.ss, krow, kb.rows, 0, D, acc, a.score.grad_scale(), true);
     }
     g0 += ntiles;
   }

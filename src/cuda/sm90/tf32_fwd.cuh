@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) float32 forward in tf32 mode: the float16/bfloat16 forward's design
-// (kernels_sm90.cuh: TMA copies into 128-byte-swizzled shared memory, a producer warpgroup, two
+// (sm90/kernels16.cuh: TMA copies into 128-byte-swizzled shared memory, a producer warpgroup, two
 // consumer warpgroups on mbarriers, S_{j+1} overlapping P_j V_j) with tf32 wgmma (m64nNk8).
 // tf32 wgmma reads both shared-memory operands K-major only (no transposing descriptor as for
 // 16 bits), so:
@@ -30,7 +30,7 @@
 
 namespace flashattn::cuda::dev {
 
-// The 3xTF32 forward (kernels_sm90_3xtf32.cuh): tk, tks = K's big and small copies, tv, tvs = V's
+// The 3xTF32 forward (x3_fwd.cuh): tk, tks = K's big and small copies, tv, tvs = V's
 // transposed big and small copies (the pre-pass's), tq = Q as stored.
 struct Sm90Tf32FwdArgs {
   FwdArgs f;
@@ -156,22 +156,23 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
     regs_decrease<C.producer_regs>();
     const int pt = threadIdx.x - TC;
     if (pt == 0 && kCopies > 0) {
-      // Vt_t straight into its stage (columns = key slots t BN.., rows = head dim); the Vt stages
-      // are the Q tile's memory: the first waits until both warpgroups hold Q in registers.
+      // Vt of iteration t straight into its stage (columns = key slots n0.., rows = head dim); the
+      // Vt stages are the Q tile's memory: the first waits until both warpgroups hold Q in registers.
       const int hk = static_cast<int>(qb.hk), bb = static_cast<int>(b);
       copy_forward_tiles_with<TQ, TK, DP, BN>(&A.tq, &A.tk, sQ, sK, full_q, full_k, empty_k, static_cast<int>(m0),
-                                              static_cast<int>(h), hk, bb, ntiles, [&](int t) {
+                                              static_cast<int>(h), hk, bb, qb.t_begin, ntiles, [&](int t, int n0) {
                                                 if (t == 0) mbar_wait(q_free, 0);
-                                                tma_load_stage<TVt, 32>(&A.tv, sVt, full_vt, empty_vt, t, t * BN, 0,
-                                                                        hk, bb);
+                                                tma_load_stage<TVt, 32>(&A.tv, sVt, full_vt, empty_vt, t, n0, 0, hk,
+                                                                        bb);
                                               });
     } else if (pt == 0) {
       copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
                                          static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
-                                         static_cast<int>(b), ntiles);
+                                         static_cast<int>(b), qb.t_begin, ntiles);
     } else if (pt >= 32 && kCopies < 2) {
       // Warps 1-3: K_t rounded in place (contiguous 16-byte words: no bank conflicts), then
-      // published; without the V copy also V_t -> Vt_t (transpose_v_tf32).
+      // published; without the V copy also V_t -> Vt_t (transpose_v_tf32). t counts iterations
+      // (stages, phases); the tiles' keys are the copying thread's business.
       const int tid = pt - 32;
       auto round_tile_k = [&](int t) {
         const int st = t & 1;
@@ -219,12 +220,12 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
   float s[1][NS][4];
   uint32_t pa[NS][4];
 
-  const int64_t vis_end[2] = {rule.visible_end(row_w + g, Skv), rule.visible_end(row_w + g + 8, Skv)};
-  const bool fused = a.sl2 > 0.0f;  // uniform
-  // Scores of tile `tile` (in s) -> P in s, statistics updated, alpha for O.
-  auto softmax_tile = [&](int tile, float(&alpha)[2]) {
-    const int64_t n0 = static_cast<int64_t>(tile) * BN;
-    softmax_tile_sm90<BN>(s[0], st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
+  const RowKeys keys(rule, row_w + g, Sq, Skv);  // the lane's rows' visible keys
+  const bool fused = a.score.scale > 0.0f;       // uniform: an increasing transform (softmax_rows)
+  // Scores of iteration it's key tile (in s) -> P in s, statistics updated, alpha for O.
+  auto softmax_tile = [&](int it, float(&alpha)[2]) {
+    const int64_t n0 = qb.key0(it, BN);
+    softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
   };
   // P (fp32 in s) -> tf32 A fragments, k-slot t = column 2t, slot t + 4 = column 2t + 1.
   auto to_pa = [&] { acc_to_afrag_tf32(pa, s[0]); };

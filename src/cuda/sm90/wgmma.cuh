@@ -1,8 +1,8 @@
-// sm_90a building blocks of the Hopper kernels (kernels_sm90.cuh): 128-byte-swizzled shared-memory
+// sm_90a building blocks of the Hopper kernels (sm90/*.cuh): 128-byte-swizzled shared-memory
 // tiles in the layout the warpgroup tensor-core instructions (wgmma) read through descriptors,
 // the descriptors themselves, the wgmma ordering primitives, and warpgroup products built on the
 // generated wrappers of wgmma_ops.cuh. Only the sm_90a cubin executes these instructions; the
-// kernels using them compile to empty bodies elsewhere (see kernels_sm90.cuh).
+// kernels using them compile to empty bodies elsewhere (see kernels16.cuh).
 //
 // Register layout: a warpgroup (4 consecutive warps, 128 threads) owns 64 rows of an M x N
 // product; warp w of the group owns rows 16w..16w+15 in the m16n8 accumulator layout of
@@ -248,7 +248,7 @@ __device__ __forceinline__ const uint32_t (&ksteps(const uint32_t (&a)[N][4], in
 
 // D (+)= A B^T in 3xTF32 (the fp32-accurate kernels): A as big and small fragments, B's big and
 // small tiles at b_big and b_small (the same layout): small terms first, while D is small, then
-// big * big; one accumulation chain of 3 KS wgmmas (keep KS at 4: see kernels_sm90_3xtf32.cuh on
+// big * big; one accumulation chain of 3 KS wgmmas (keep KS at 4: see x3_fwd.cuh on
 // why chains stay short).
 template <int KS, class TB, bool kWriteOnly = false, int NT>
 __device__ __forceinline__ void wg_gemm3_rs_tf32(float (&d)[NT][4], const uint32_t (&ab)[KS][4],
@@ -312,8 +312,8 @@ __device__ __forceinline__ float (&acc_cols(float (&a)[M][4], int j0))[N][4] {
   return *reinterpret_cast<float(*)[N][4]>(&a[j0]);
 }
 
-// The pair kernels' exchange between two warpgroups that own the same rows (kernels_sm90_tf32_bwd_pair.cuh,
-// kernels_sm90_3xtf32.cuh): a warpgroup's accumulator entries of one tile in a shared-memory buffer,
+// The pair kernels' exchange between two warpgroups that own the same rows (tf32_bwd_pair.cuh,
+// x3_fwd.cuh): a warpgroup's accumulator entries of one tile in a shared-memory buffer,
 // thread i's NS float4 at [j][i] (consecutive threads, consecutive 16 bytes: conflict free), read
 // back by thread i of the other warpgroup, which owns the same entries.
 template <int NS>
@@ -357,7 +357,8 @@ __device__ __forceinline__ void exchange_load_frags(uint32_t (&a)[NS][4], const 
 
 // The dK/dV kernels' per-query vectors of one streamed tile (query head h, queries n0 + [0, BQ)),
 // written by the 32 lanes of one producer warp: LSE in the log2 domain and D = rowsum(dO * O).
-// Past the last query LSE = +inf, so P = exp2(s - inf) = 0 there (those entries are masked too).
+// Past the last query LSE = +inf, so P = exp2(score.exp2_arg(s, inf)) = 0 there (those entries
+// are masked too).
 template <int BQ>
 __device__ __forceinline__ void fill_lse_delta(float* sL, float* sD, const BwdArgs& a, int64_t b, int64_t h,
                                                int64_t n0) {
@@ -381,7 +382,7 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 // The 16-bit split backward kernels' barriers: `once` for the block's stationary tiles (one
 // copy-engine arrival) and two stages of full / empty barriers; initialised by thread 0 and
 // published to the whole CTA (and the copy engine) before return. (The float32 kernels stream
-// through a TileRing, kernels_sm90_tf32_bwd.cuh.)
+// through a TileRing, tf32_bwd.cuh.)
 __device__ __forceinline__ void init_stage_barriers(uint64_t* once, uint64_t* full, int full_count, uint64_t* empty,
                                                     int empty_count) {
   if (threadIdx.x == 0) {
@@ -421,22 +422,25 @@ __device__ __forceinline__ void tma_load_stage(const void* map, unsigned char* b
 }
 // The forward kernels' copy schedule, run by one producer thread: Q once (full_q), then K_0, and
 // K_{t+1} before V_t (the order the consumers need them), each tile into stage t & 1 of its ring.
+// t counts the block's iterations (stages and barrier phases follow it); iteration t copies key
+// tile t_begin + t (QueryBlock), keys from n0 = (t_begin + t) BN.
 // TQ/TK: the shared-memory tile types (one box of 128 bytes' columns per column block); BN keys per
-// tile; coordinates (column, row, head, batch). load_v(t) copies V's tile t (as stored:
-// copy_forward_tiles below; the tf32 forward's transposed copy: kernels_sm90_tf32.cuh).
+// tile; coordinates (column, row, head, batch). load_v(t, n0) copies V's tile of iteration t (as
+// stored: copy_forward_tiles below; the tf32 forward's transposed copy: tf32_fwd.cuh).
 template <class TQ, class TK, int DP, int BN, class LoadV>
 __device__ __forceinline__ void copy_forward_tiles_with(const void* tq, const void* tk, unsigned char* sQ,
                                                         unsigned char* sK, uint64_t* full_q, uint64_t* full_k,
-                                                        uint64_t* empty_k, int m0, int h, int hk, int b, int ntiles,
-                                                        LoadV load_v) {
+                                                        uint64_t* empty_k, int m0, int h, int hk, int b, int t_begin,
+                                                        int ntiles, LoadV load_v) {
   constexpr int kBlocks = TQ::kBytes / TQ::kBlockBytes, kCols = DP / kBlocks;  // boxes per row, their width
   mbar_expect_tx(full_q, TQ::kBytes);
 #pragma unroll
   for (int blk = 0; blk < kBlocks; ++blk) tma_load_4d(sQ + blk * TQ::kBlockBytes, tq, full_q, kCols * blk, m0, h, b);
-  if (ntiles > 0) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, 0, 0, 0, hk, b);
+  const int n_first = t_begin * BN;
+  if (ntiles > 0) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, 0, 0, n_first, hk, b);
   for (int t = 0; t < ntiles; ++t) {
-    if (t + 1 < ntiles) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, t + 1, 0, (t + 1) * BN, hk, b);
-    load_v(t);
+    if (t + 1 < ntiles) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, t + 1, 0, n_first + (t + 1) * BN, hk, b);
+    load_v(t, n_first + t * BN);
   }
 }
 // The same with V's tiles as stored (rows = keys), into their own ring.
@@ -444,11 +448,12 @@ template <class TQ, class TK, int DP, int BN>
 __device__ __forceinline__ void copy_forward_tiles(const void* tq, const void* tk, const void* tv, unsigned char* sQ,
                                                    unsigned char* sK, unsigned char* sV, uint64_t* full_q,
                                                    uint64_t* full_k, uint64_t* empty_k, uint64_t* full_v,
-                                                   uint64_t* empty_v, int m0, int h, int hk, int b, int ntiles) {
+                                                   uint64_t* empty_v, int m0, int h, int hk, int b, int t_begin,
+                                                   int ntiles) {
   constexpr int kCols = DP / (TQ::kBytes / TQ::kBlockBytes);
-  copy_forward_tiles_with<TQ, TK, DP, BN>(tq, tk, sQ, sK, full_q, full_k, empty_k, m0, h, hk, b, ntiles, [&](int t) {
-    tma_load_stage<TK, kCols>(tv, sV, full_v, empty_v, t, 0, t * BN, hk, b);
-  });
+  copy_forward_tiles_with<TQ, TK, DP, BN>(
+      tq, tk, sQ, sK, full_q, full_k, empty_k, m0, h, hk, b, t_begin, ntiles,
+      [&](int t, int n0) { tma_load_stage<TK, kCols>(tv, sV, full_v, empty_v, t, 0, n0, hk, b); });
 }
 
 // Registers per thread of this warpgroup from here on (the kernel starts with an even split).

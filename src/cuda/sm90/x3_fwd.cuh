@@ -1,12 +1,13 @@
 // The Hopper (sm_90a) float32 forward in the fp32-accurate mode (3xTF32) on wgmma: the default at
-// padded D = 128 (1.3-1.5x the mma.sync 3xTF32 kernel; docs/PERF.md float32 run 9) and, since its
-// descriptors stay on the uniform datapath, at D = 64 (4-17% faster than mma.sync; run 14b; it was
-// 5-6% slower at S = 1k before: run 10). FLASHATTN_CUDA_FP32_FWD=mma keeps the mma.sync kernel.
+// padded D = 128 (measured 1.3-1.5x the mma.sync 3xTF32 kernel on an H200) and, since its
+// descriptors stay on the uniform datapath, at D = 64 (measured 4-17% faster than mma.sync; with
+// the descriptors built per thread it was 5-6% slower at S = 1k). FLASHATTN_CUDA_FP32_FWD=mma
+// keeps the mma.sync kernel.
 //
 // Every product X Y is X_big Y_big + X_big Y_small + X_small Y_big (tf32_split, device.cuh), small
 // terms first. With Q's big and small fragments (128 registers per thread at D = 128) a warpgroup
 // owning 64 rows as in the tf32 forward cannot also hold O, so both consumer warpgroups own the
-// same 64 query rows and split the head dim (the backward's pair design, kernels_sm90_tf32_bwd_pair.cuh):
+// same 64 query rows and split the head dim (the backward's pair design, tf32_bwd_pair.cuh):
 //   warpgroup w (dims [w DP/2, (w + 1) DP/2)): qb, qs = split(Q[:, half w]) as A fragments (DP/2 registers)
 //   per 32-key tile t:
 //     S_w = Q[:, half w] K_t[:, half w]^T            (3 products x DP/16 k-steps, groups of 4 k-steps
@@ -21,7 +22,7 @@
 // fragment unshuffled), big and small; the producer thread copies Q once and those four tiles per
 // key tile. (Splitting K and transposing V in shared memory by producer warps, the first version,
 // made the kernel shared-memory bound: ~1900 cycles of traffic per tile against ~1540 of tensor
-// work; 40-48 TFLOP/s, docs/PERF.md float32 run 8.)
+// work; it measured 40-48 TFLOP/s.)
 // docs/ALGORITHM.md ("fp32 forward on sm_90a") has the work model.
 #pragma once
 
@@ -100,9 +101,10 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
       for (int blk = 0; blk < DP / 32; ++blk)
         tma_load_4d(sQ + blk * TQ::kBlockBytes, &A.tq, full_q, 32 * blk, static_cast<int>(m0), static_cast<int>(h), bb);
       // K_t (big, small) into stage t & 1 once both warpgroups released K_{t-2}; then Vt_t alike.
-      // The consumers need K_0, then K_{t+1} before Vt_t: that order.
+      // The consumers need K_0, then K_{t+1} before Vt_t: that order. t counts iterations (stages,
+      // phases); iteration t copies key tile t_begin + t.
       auto load_k = [&](int t) {
-        const int st = t & 1, n0 = t * BN;
+        const int st = t & 1, n0 = static_cast<int>(qb.key0(t, BN));
         mbar_wait(empty_k + st, ((t >> 1) & 1) ^ 1);
         mbar_expect_tx(full_k + st, 2 * TK::kBytes);
 #pragma unroll
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
         }
       };
       auto load_vt = [&](int t) {
-        const int st = t & 1, n0 = t * BN;
+        const int st = t & 1, n0 = static_cast<int>(qb.key0(t, BN));
         mbar_wait(empty_vt + st, ((t >> 1) & 1) ^ 1);
         mbar_expect_tx(full_vt + st, 2 * TVt::kBytes);
         tma_load_4d(sVt + st * TVt::kBytes, &A.tv, full_vt + st, n0, 0, hk, bb);
@@ -149,8 +151,8 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   uint32_t pb[NS][4], ps[NS][4];
   float alpha_prev[2] = {1.0f, 1.0f};
 
-  const int64_t vis_end[2] = {rule.visible_end(row_w + g, Skv), rule.visible_end(row_w + g + 8, Skv)};
-  const bool fused = a.sl2 > 0.0f;  // uniform
+  const RowKeys keys(rule, row_w + g, Sq, Skv);  // the lane's rows' visible keys
+  const bool fused = a.score.scale > 0.0f;       // uniform: an increasing transform (softmax_rows)
   float* xmine = xS + wg * BM * BN;
   const float* xother = xS + (1 - wg) * BM * BN;
 
@@ -179,7 +181,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     wg_gemm3_rs_tf32<NS, TVt, true>(ot, pb, ps, vt_addr + off, vts_addr + off, 0, false);
     wgmma_commit();
   };
-  // After the scores of tile t completed: S = S_0 + S_1 through the exchange, softmax, P's
+  // After the scores of iteration t completed: S = S_0 + S_1 through the exchange, softmax, P's
   // fragments; alpha (for O) returned.
   auto scores_to_p = [&](int t, float (&alpha)[2]) {
     fence_regs(s);
@@ -193,8 +195,8 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     mbar_arrive(taken + (1 - wg));
     // S_0 + S_1 in both warpgroups (addition commutes exactly): the same P and statistics.
     add_into(s, s2);
-    const int64_t n0 = static_cast<int64_t>(t) * BN;
-    softmax_tile_sm90<BN>(s, st, alpha, vis_end, n0, qb.tile_masked(n0, BN, Skv), fused, a.sl2);
+    const int64_t n0 = qb.key0(t, BN);
+    softmax_tile_sm90<BN>(s, st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
   };
   // P (in s) -> its big and small A fragments; only once no P V product still reads pb, ps.
   auto to_pa = [&] { acc_to_afrag_split_tf32(pb, ps, s); };

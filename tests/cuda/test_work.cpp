@@ -1,0 +1,246 @@
+// The CUDA kernels' work arithmetic (src/cuda/common/work.hpp) on the host, against a brute-force
+// mask written out from its definition: the key tiles a query block visits and the query tiles a
+// key block visits (exactly the tiles holding a visible entry, none for a block that sees nothing),
+// which tiles skip per-entry masking (only those whose every entry is visible), and the per-lane
+// column bounds that mask the others (exactly the visible entries). Masks none, causal top-left
+// and bottom-right, sliding windows with and without causal, Sq != Skv, tiles of 16 to 128.
+// Host code only: runs in CI.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "cuda/common/work.hpp"
+
+namespace flashattn::cuda::dev {
+namespace {
+
+struct Band {
+  int32_t mask;          // 0 none, 1 causal top-left, 2 causal bottom-right
+  int64_t left, right;   // window sizes (FlashAttention's window_size), -1 = unbounded
+};
+
+// Key j visible to query i, from the definitions (not from MaskRule): causal top-left j <= i,
+// bottom-right j <= i + Skv - Sq; a window keeps i + d - left <= j <= i + d + right around the
+// bottom-right diagonal d = Skv - Sq.
+bool ref_visible(const Band& m, int64_t sq, int64_t skv, int64_t i, int64_t j) {
+  if (i < 0 || i >= sq || j < 0 || j >= skv) return false;
+  const int64_t d = skv - sq;
+  if (m.mask == 1 && j > i) return false;
+  if (m.mask == 2 && j > i + d) return false;
+  if (m.left >= 0 && j < i + d - m.left) return false;
+  if (m.right >= 0 && j > i + d + m.right) return false;
+  return true;
+}
+
+// The visibility of one problem with rectangle counts (2-d prefix sums; nothing outside
+// [0, Sq) x [0, Skv) is visible).
+class Grid {
+ public:
+  Grid(const Band& m, int64_t sq, int64_t skv) : sq_(sq), skv_(skv), r_(sq), c_(skv) {
+    vis_.assign(r_ * c_, 0);
+    sum_.assign((r_ + 1) * (c_ + 1), 0);
+    for (int64_t i = 0; i < r_; ++i)
+      for (int64_t j = 0; j < c_; ++j) vis_[i * c_ + j] = ref_visible(m, sq, skv, i, j);
+    for (int64_t i = 0; i < r_; ++i)
+      for (int64_t j = 0; j < c_; ++j)
+        sum_[(i + 1) * (c_ + 1) + j + 1] =
+            vis_[i * c_ + j] + sum_[i * (c_ + 1) + j + 1] + sum_[(i + 1) * (c_ + 1) + j] - sum_[i * (c_ + 1) + j];
+  }
+  bool at(int64_t i, int64_t j) const { return i >= 0 && i < r_ && j >= 0 && j < c_ && vis_[i * c_ + j] != 0; }
+  // Visible entries of rows [i0, i1) x keys [j0, j1).
+  int64_t count(int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    auto cl = [](int64_t x, int64_t n) { return x < 0 ? 0 : (x > n ? n : x); };
+    i0 = cl(i0, r_), i1 = cl(i1, r_), j0 = cl(j0, c_), j1 = cl(j1, c_);
+    auto s = [&](int64_t i, int64_t j) { return sum_[i * (c_ + 1) + j]; };
+    return s(i1, j1) - s(i0, j1) - s(i1, j0) + s(i0, j0);
+  }
+  // The first and last key seen by rows [i0, i1), or query seeing keys [j0, j1); {-1, -1} for none.
+  std::pair<int64_t, int64_t> keys_of_rows(int64_t i0, int64_t i1) const {
+    int64_t lo = -1, hi = -1;
+    for (int64_t j = 0; j < skv_; ++j)
+      if (count(i0, i1, j, j + 1) > 0) {
+        if (lo < 0) lo = j;
+        hi = j;
+      }
+    return {lo, hi};
+  }
+  std::pair<int64_t, int64_t> rows_of_keys(int64_t j0, int64_t j1) const {
+    int64_t lo = -1, hi = -1;
+    for (int64_t i = 0; i < sq_; ++i)
+      if (count(i, i + 1, j0, j1) > 0) {
+        if (lo < 0) lo = i;
+        hi = i;
+      }
+    return {lo, hi};
+  }
+
+ private:
+  int64_t sq_, skv_, r_, c_;
+  std::vector<char> vis_;
+  std::vector<int64_t> sum_;
+};
+
+constexpr int64_t kSizes[] = {1, 7, 16, 17, 64, 65, 100, 129, 200, 300};
+constexpr Band kBands[] = {
+    {0, -1, -1}, {1, -1, -1}, {2, -1, -1},  // none, causal top-left, causal bottom-right
+    {0, 0, 0},   {0, 5, 3},   {0, 16, 0},   {0, 70, -1}, {0, -1, 40}, {0, 130, 2},  // windows
+    {1, 5, 3},   {1, 70, -1}, {2, 0, 0},    {2, 16, -1}, {2, 1, 1},   {2, 130, 2},  // windows and causal
+};
+// (block rows, streamed tile) pairs: the kernels' and some odd ones.
+constexpr int kTiles[][2] = {{16, 16}, {64, 32}, {128, 64}, {64, 128}, {128, 128}, {48, 80}, {192, 16}};
+
+std::string what(const Band& m, int64_t sq, int64_t skv, int bm, int bn) {
+  return "mask " + std::to_string(m.mask) + " window (" + std::to_string(m.left) + ", " + std::to_string(m.right) +
+         ") Sq " + std::to_string(sq) + " Skv " + std::to_string(skv) + " tiles " + std::to_string(bm) + "/" +
+         std::to_string(bn);
+}
+
+// Runs f(band, rule, sq, skv, grid) over every problem of the grid above.
+template <class F>
+void for_each_problem(F&& f) {
+  for (const Band& m : kBands)
+    for (int64_t sq : kSizes)
+      for (int64_t skv : kSizes) {
+        const MaskRule rule = make_mask_rule(m.mask, sq, skv, m.left, m.right);
+        const Grid grid(m, sq, skv);
+        f(m, rule, sq, skv, grid);
+      }
+}
+
+TEST(CudaWork, QueryBlocksVisitExactlyTheKeyTilesTheirRowsSee) {
+  for_each_problem([](const Band& m, const MaskRule& rule, int64_t sq, int64_t skv, const Grid& grid) {
+    const Shape s{1, 4, 2, sq, skv, 64};
+    for (const auto& tile : kTiles) {
+      const int bm = tile[0], bn = tile[1];
+      const std::string w = what(m, sq, skv, bm, bn);
+      const int64_t nx = (sq + bm - 1) / bm;
+      std::set<int64_t> starts;
+      for (int64_t x = 0; x < nx; ++x) {
+        const QueryBlock qb = query_block_at(s, rule, 0, 3, x, bm, bn);
+        ASSERT_EQ(qb.hk, 1) << w;
+        ASSERT_EQ(qb.m0 % bm, 0) << w;
+        ASSERT_EQ(qb.rows, std::min<int64_t>(bm, sq - qb.m0)) << w;
+        starts.insert(qb.m0);
+        // The tile range: exactly from the first to the last tile holding a visible key.
+        const auto [k_lo, k_hi] = grid.keys_of_rows(qb.m0, qb.m0 + qb.rows);
+        if (k_lo < 0) {
+          ASSERT_EQ(qb.ntiles, 0) << w << " block " << qb.m0;
+        } else {
+          ASSERT_EQ(qb.t_begin, k_lo / bn) << w << " block " << qb.m0;
+          ASSERT_EQ(qb.t_begin + qb.ntiles - 1, k_hi / bn) << w << " block " << qb.m0;
+        }
+        for (int it = 0; it < qb.ntiles; ++it) {
+          const int64_t n0 = qb.key0(it, bn);
+          ASSERT_EQ(n0, static_cast<int64_t>(qb.t_begin + it) * bn) << w;
+          // Unmasked exactly when every entry of the tile (the block's valid rows) is visible.
+          const bool full = grid.count(qb.m0, qb.m0 + qb.rows, n0, n0 + bn) == static_cast<int64_t>(qb.rows) * bn;
+          ASSERT_EQ(qb.tile_masked(n0, bn, skv), !full) << w << " block " << qb.m0 << " tile " << n0;
+          // The per-lane bounds of every row of the block (r = 0 and r = 1 of RowKeys; rows past
+          // Sq see nothing): exactly the visible keys.
+          for (int64_t i = qb.m0; i < qb.m0 + bm; ++i)
+            for (int r = 0; r < 2; ++r) {
+              const RowKeys keys(rule, i - 8 * r, sq, skv);
+              int lo[2], hi[2];
+              keys.tile_cols(n0, bn, lo, hi);
+              for (int c = 0; c < bn; ++c)
+                ASSERT_EQ(c >= lo[r] && c < hi[r], grid.at(i, n0 + c)) << w << " row " << i << " key " << n0 + c;
+            }
+        }
+      }
+      ASSERT_EQ(static_cast<int64_t>(starts.size()), nx) << w << ": every row block once";
+    }
+  });
+}
+
+TEST(CudaWork, KeyBlocksVisitExactlyTheQueryTilesThatSeeTheirKeys) {
+  for_each_problem([](const Band& m, const MaskRule& rule, int64_t sq, int64_t skv, const Grid& grid) {
+    const int64_t group = 3;
+    const Shape s{1, 2 * group, 2, sq, skv, 64};
+    for (const auto& tile : kTiles) {
+      const int bm = tile[0], bn = tile[1];
+      const std::string w = what(m, sq, skv, bm, bn);
+      const int64_t nx = (skv + bm - 1) / bm;
+      for (int64_t x = 0; x < nx; ++x) {
+        const KeyBlock kb = key_block_at(s, rule, 0, 1, x, bm, bn);
+        ASSERT_EQ(kb.m0, x * bm) << w;
+        ASSERT_EQ(kb.rows, std::min<int64_t>(bm, skv - kb.m0)) << w;
+        ASSERT_EQ(kb.per_head, kb.t_end - kb.t_begin) << w;
+        ASSERT_EQ(kb.ntiles, group * kb.per_head) << w;
+        const auto [q_lo, q_hi] = grid.rows_of_keys(kb.m0, kb.m0 + kb.rows);
+        if (q_lo < 0) {
+          ASSERT_EQ(kb.ntiles, 0) << w << " block " << kb.m0;
+        } else {
+          ASSERT_EQ(kb.t_begin, q_lo / bn) << w << " block " << kb.m0;
+          ASSERT_EQ(kb.t_end - 1, q_hi / bn) << w << " block " << kb.m0;
+        }
+        // The iterations enumerate (query head of the group, query tile) once each.
+        std::set<std::pair<int64_t, int64_t>> seen;
+        for (int it = 0; it < kb.ntiles; ++it) {
+          const int64_t h = kb.head(it), n0 = kb.q0(it, bn);
+          ASSERT_TRUE(h >= group && h < 2 * group) << w;
+          ASSERT_TRUE(n0 % bn == 0 && n0 / bn >= kb.t_begin && n0 / bn < kb.t_end) << w;
+          seen.insert({h, n0});
+          const bool full = grid.count(n0, n0 + bn, kb.m0, kb.m0 + bm) == static_cast<int64_t>(bn) * bm;
+          ASSERT_EQ(kb.tile_masked(n0, bn, bm, sq, skv), !full) << w << " block " << kb.m0 << " tile " << n0;
+          if (it >= kb.per_head) continue;  // the other heads' tiles: the same bounds
+          for (int64_t j = kb.m0; j < kb.m0 + bm; ++j)
+            for (int r = 0; r < 2; ++r) {
+              const KeyRowQueries kq(rule, j - 8 * r, sq, skv);
+              int lo[2], hi[2];
+              kq.tile_bounds(n0, bn, true, lo, hi);
+              for (int c = 0; c < bn; ++c)
+                ASSERT_EQ(c >= lo[r] && c < hi[r], grid.at(n0 + c, j)) << w << " key " << j << " query " << n0 + c;
+              kq.tile_bounds(n0, bn, false, lo, hi);
+              ASSERT_TRUE(lo[r] == 0 && hi[r] == bn) << w;
+            }
+        }
+        ASSERT_EQ(static_cast<int64_t>(seen.size()), kb.ntiles) << w;
+      }
+    }
+  });
+}
+
+// The ranges of rows that see nothing: bottom-right with Sq > Skv (the first Sq - Skv rows), and
+// keys nobody sees (top-left with Skv > Sq): no tiles, so the kernels write O = 0, LSE = -inf and
+// zero dK, dV there.
+TEST(CudaWork, BlocksThatSeeNothingVisitNoTiles) {
+  const Shape s{1, 1, 1, 300, 100, 64};
+  const MaskRule br = make_mask_rule(2, 300, 100);
+  // 64-row blocks in launch order 4, 3, 2, 1, 0: rows from 200 on see keys.
+  for (int64_t x = 0; x < 5; ++x) {
+    const QueryBlock qb = query_block_at(s, br, 0, 0, x, 64, 64);
+    EXPECT_EQ(qb.m0, (4 - x) * 64);
+    EXPECT_EQ(qb.ntiles, x == 0 ? 2 : x == 1 ? 1 : 0) << x;  // rows 256-299: keys [0, 100); 192-255: [0, 56)
+  }
+  const Shape t{1, 1, 1, 100, 300, 64};
+  const MaskRule tl = make_mask_rule(1, 100, 300);
+  EXPECT_EQ(key_block_at(t, tl, 0, 0, 1, 64, 64).ntiles, 1);  // keys [64, 128): queries [64, 100)
+  for (int64_t x = 2; x < 5; ++x) EXPECT_EQ(key_block_at(t, tl, 0, 0, x, 64, 64).ntiles, 0);
+  // The template forms (the kernels') agree with the run-time ones.
+  const QueryBlock a = query_block<64, 32>(s, Mask::CausalBottomRight, 0, 0, 1);
+  const QueryBlock b = query_block_at(s, br, 0, 0, 1, 64, 32);
+  EXPECT_TRUE(a.m0 == b.m0 && a.t_begin == b.t_begin && a.ntiles == b.ntiles);
+  const KeyBlock c = key_block<64, 32>(t, Mask::CausalTopLeft, 0, 0, 1);
+  const KeyBlock d = key_block_at(t, tl, 0, 0, 1, 64, 32);
+  EXPECT_TRUE(c.m0 == d.m0 && c.t_begin == d.t_begin && c.ntiles == d.ntiles);
+}
+
+// A window narrows both ends of the range: the tiles before the band's lower edge are skipped
+// (the forward and dQ start at t_begin > 0; dK/dV stop before the end of Sq).
+TEST(CudaWork, WindowsSkipTilesOnBothSides) {
+  const Shape s{1, 1, 1, 1024, 1024, 64};
+  const MaskRule w = make_mask_rule(2, 1024, 1024, 100, 0);  // causal, 100 keys to the left
+  const QueryBlock qb = query_block_at(s, w, 0, 0, 0, 128, 64);  // the last row block first
+  EXPECT_EQ(qb.m0, 896);
+  EXPECT_EQ(qb.t_begin, (896 - 100) / 64);
+  EXPECT_EQ(qb.t_begin + qb.ntiles, 1024 / 64);
+  const KeyBlock kb = key_block_at(s, w, 0, 0, 2, 128, 64);  // keys [256, 384): queries [256, 484)
+  EXPECT_EQ(kb.t_begin, 256 / 64);
+  EXPECT_EQ(kb.t_end, (383 + 100) / 64 + 1);
+}
+
+}  // namespace
+}  // namespace flashattn::cuda::dev
