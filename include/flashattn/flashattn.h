@@ -57,6 +57,20 @@ extern "C" {
 #define FLASHATTN_PRECISION_FP32 0 /* default: as accurate as plain float32 arithmetic */
 #define FLASHATTN_PRECISION_TF32 1 /* opt-in: TF32 tensor cores, about 1e-3 relative error */
 
+/* Largest accepted options.num_threads (a larger value is an invalid argument). 1024 is above
+ * the hardware threads of the largest current servers (2 sockets x 192 cores x 2 = 768); more
+ * threads than that only oversubscribe the cores, and each costs a stack (8 MiB of address space
+ * by default). num_threads = 0 (all hardware threads) is capped at this value too. */
+#define FLASHATTN_MAX_THREADS 1024
+
+/* Largest accepted |options.softmax_scale| (a larger or non-finite one is an invalid argument).
+ * The scores softmax_scale * q.k are computed in float32 (times log2(e) = 1.44): at this bound
+ * they stay finite, below float32's 3.4e38, whenever |q.k| <= 2e8 (e.g. every element of q and k
+ * below 880 in magnitude at head_dim 256). A score that overflows makes every output meaningless
+ * (3e38 gave all zeros), and that cannot be checked without reading the inputs. Typical scales
+ * are 1/sqrt(head_dim); even very sharp softmax temperatures stay far below 1e30. */
+#define FLASHATTN_MAX_SOFTMAX_SCALE 1e30f
+
 /* status codes */
 #define FLASHATTN_OK 0
 #define FLASHATTN_ERROR_INVALID_ARGUMENT 1 /* bad shape, dtype, stride, pointer, aliasing, ... */
@@ -77,11 +91,16 @@ typedef struct {
 typedef struct {
   uint32_t struct_size; /* sizeof(flashattn_options) as the caller knows it: the struct grows
                            compatibly by appending fields; fields past struct_size take defaults */
-  float softmax_scale;  /* 0 means 1/sqrt(D) */
+  float softmax_scale;  /* 0 means 1/sqrt(D); finite, |scale| <= FLASHATTN_MAX_SOFTMAX_SCALE */
   int32_t mask;         /* FLASHATTN_MASK_* */
   void* stream;         /* CUDA stream (cudaStream_t); NULL = the default stream */
   /* ---- end of version 1 (FLASHATTN_OPTIONS_V1_SIZE) ---- */
-  int32_t num_threads; /* CPU worker threads; 0 = all hardware threads. Results do not depend on it */
+  int32_t num_threads; /* CPU worker threads, 0..FLASHATTN_MAX_THREADS; 0 = all hardware threads
+                          (at most FLASHATTN_MAX_THREADS). Results do not depend on it. When the
+                          system refuses to start some threads (a container's pid limit,
+                          RLIMIT_NPROC, an address-space limit), the call is not an error: it
+                          runs on the threads that did start (at least the calling thread),
+                          with the same results */
   int32_t precision;   /* FLASHATTN_PRECISION_*; 0 = fp32-accurate */
   int32_t deterministic; /* nonzero: bitwise-reproducible backward on every backend (CUDA
                             float16/bfloat16 then uses the split dQ + dK/dV passes instead of

@@ -263,9 +263,19 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
     os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
     fail(os.str());
   }
+  if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
+       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE; larger scales overflow the "
+          "float32 scores)";
+    fail(os.str());
+  }
   if (o.num_threads < 0)
     fail("options.num_threads = " + std::to_string(o.num_threads) +
          " is negative (0 means all hardware threads)");
+  if (o.num_threads > FLASHATTN_MAX_THREADS)
+    fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
+         std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
 
   std::vector<Named> all = {q, k, v, lse};
   all.insert(all.end(), same_as_q.begin(), same_as_q.end());
@@ -280,7 +290,9 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
                                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic};
   int32_t threads = o.num_threads;
-  if (threads == 0) threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads == 0)
+    threads = static_cast<int32_t>(std::min<unsigned>(
+        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
   c.exec = Exec{q.t->device, o.stream, threads};
   return c;
 }
