@@ -333,8 +333,8 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
   if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
     std::ostringstream os;
     os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
-       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE; larger scales overflow the "
-          "float32 scores)";
+       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE: float32 scores that large "
+          "are rounding noise and overflow in the backward)";
     fail(os.str());
   }
   if (o.num_threads < 0)
