@@ -150,10 +150,6 @@ long status_field(const char* key) {  // a "Key:   123 kB" line of /proc/self/st
 // process-wide pool lock); the alarm turns that into a failure. tests/test_thread_pool.cpp
 // provokes the failure at every possible thread, deterministically, with a test hook.
 TEST(ThreadLimits, CallsSucceedWhenThreadsCannotStart) {
-#if defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "AddressSanitizer aborts when its own mappings hit RLIMIT_AS; this build runs "
-                  "the hook-driven ThreadPoolStartFailure tests instead";
-#endif
   const ProblemConfig cfg = small();
   Problem want(cfg);
   run_forward(want, options_for(cfg, 1));
