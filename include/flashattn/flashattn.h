@@ -13,11 +13,13 @@
  *   lse              : ndim 3, [B, Hq, Sq], always float32, natural log
  * Strides are in elements, one per logical dimension, so [B,H,S,D] and [B,S,H,D] memory layouts
  * (or any other) work without copies. The head_dim stride must be 1; strides must not be negative.
- * No output may share a byte with an input or with another output, and no output may reach one
- * element from two indices. Views of one buffer that share no element are fine, whatever their
- * shapes: packed q/k/v of a [B,S,3,H,D] buffer, or dq/dk/dv as head ranges of one fused
- * [B,S,Hq+2*Hkv,D] gradient buffer. (The check is exact for such layouts; only for strides built
- * to defeat it may it refuse views that do not actually overlap.)
+ * No output may share a byte with an input or with another output. Views of one buffer that
+ * share no byte are fine, whatever their shapes and dtypes: packed q/k/v of a [B,S,3,H,D] buffer,
+ * or dq/dk/dv as head ranges of one fused [B,S,Hq+2*Hkv,D] gradient buffer. (This check is exact;
+ * only for strides built to defeat its bounded search may it refuse views that do not overlap.)
+ * An output's strides must be nested - sorted by size, each stride exceeds the span of the
+ * dimensions with smaller strides (true of every contiguous or padded layout) - so that no
+ * element is reached twice.
  *
  * Semantics: S = softmax_scale * Q K^T, masked; P = softmax(S) per row; O = P V;
  * lse = log(sum_j exp(S_ij)). A row that sees no key gets O = 0, lse = -inf, zero gradients.
