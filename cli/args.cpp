@@ -1,5 +1,6 @@
 #include "args.hpp"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -59,8 +60,12 @@ bool ArgParser::parse(int argc, char** argv, int first) {
       std::fputs(help().c_str(), stdout);
       return false;
     }
-    if (arg.size() < 3 || arg.compare(0, 2, "--") != 0)
-      throw UsageError("unexpected argument '" + arg + "'" + see);
+    // Flags are long (--name) or short (-x, as aliases of long ones); both take their value as
+    // the next argument or after '='. Anything else is a stray argument.
+    const bool is_long = arg.size() > 2 && arg.compare(0, 2, "--") == 0;
+    const bool is_short = arg.size() >= 2 && arg[0] == '-' && arg[1] != '-' &&
+                          (arg.size() == 2 || arg[2] == '=');
+    if (!is_long && !is_short) throw UsageError("unexpected argument '" + arg + "'" + see);
     std::string value;
     bool has_value = false;
     const size_t eq = arg.find('=');
@@ -126,7 +131,9 @@ int64_t parse_int(const std::string& flag, const std::string& text, int64_t min,
   errno = 0;
   char* end = nullptr;
   const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE)
+  // (strtoll would skip leading white space; a value is the whole argument or nothing)
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || *end != '\0' ||
+      errno == ERANGE)
     throw UsageError(flag + ": expected an integer, got '" + text + "'");
   if (v < min || v > max)
     throw UsageError(flag + ": " + text + " is out of range [" + std::to_string(min) + ", " +
@@ -138,7 +145,8 @@ double parse_double(const std::string& flag, const std::string& text) {
   errno = 0;
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v))
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || *end != '\0' ||
+      errno == ERANGE || !std::isfinite(v))
     throw UsageError(flag + ": expected a finite number, got '" + text + "'");
   return v;
 }

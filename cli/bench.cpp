@@ -101,7 +101,8 @@ int run_bench(int argc, char** argv, int first) {
               "all heads) would exceed G GiB (default 4)",
               [&](const std::string& t) {
                 opt.naive_cap_gib = parse_double("--naive-max-gib", t);
-                if (opt.naive_cap_gib < 0) throw UsageError("--naive-max-gib: must be >= 0");
+                if (opt.naive_cap_gib < 0)
+                  throw UsageError("--naive-max-gib: must be >= 0, got '" + t + "'");
               });
   parser.epilogue(
       "FLOPs: the library's one FLOP model (docs/PERF.md; the work line shows the\n"

@@ -83,7 +83,13 @@ Outputs reference(const testing::Problem& p, int threads) {
     }
   };
   std::vector<std::thread> pool;
-  for (int i = 1; i < std::min<int64_t>(threads, heads); ++i) pool.emplace_back(worker);
+  for (int i = 1; i < std::min<int64_t>(threads, heads); ++i) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::exception&) {
+      break;  // the system refuses more threads (pid or memory limit): the rest do the work
+    }
+  }
   worker();
   for (auto& t : pool) t.join();
 

@@ -21,6 +21,7 @@ void RunOptions::add_flags(ArgParser& p) {
     };
   };
   constexpr int64_t kMaxDim = int64_t{1} << 31;
+  constexpr int64_t kMaxHeadDim = 256;  // the library's limit (a larger one is Unsupported)
   p.section("problem");
   p.flag("--batch", "B", "batch size (default " + std::to_string(c.batch) + ")",
          dim(kMaxDim)(&c.batch, "--batch"), {"-b"});
@@ -43,7 +44,7 @@ void RunOptions::add_flags(ArgParser& p) {
   p.flag("--head-dim", "D",
          "head dimension (default " + std::to_string(c.head_dim) +
              "; the library accepts 1..256)",
-         dim(1 << 20)(&c.head_dim, "--head-dim"), {"--dim"});
+         dim(kMaxHeadDim)(&c.head_dim, "--head-dim"), {"--dim"});
   p.flag("--mask", "M",
          "none | causal | causal_top_left | causal_bottom_right (default none).\n"
          "causal = causal_top_left: key j visible to query i when j <= i;\n"
@@ -73,9 +74,18 @@ void RunOptions::add_flags(ArgParser& p) {
                                 ? testing::Layout::BHSD
                                 : testing::Layout::BSHD;
          });
-  p.flag("--scale", "X", "softmax scale (default 0 = 1/sqrt(head_dim))",
+  p.flag("--scale", "X",
+         "softmax scale, |X| <= 1e6 (default 0 = 1/sqrt(head_dim))",
          [this](const std::string& t) {
-           problem.softmax_scale = static_cast<float>(parse_double("--scale", t));
+           const double v = parse_double("--scale", t);
+           const float f = static_cast<float>(v);
+           // The library's bound, checked here on the float the library would get.
+           if (!std::isfinite(f) || std::fabs(f) > FLASHATTN_MAX_SOFTMAX_SCALE)
+             throw UsageError("--scale: " + t + " is out of range (|scale| must be <= 1e6)");
+           if (f == 0.0f && v != 0.0)
+             throw UsageError("--scale: " + t +
+                              " rounds to 0 in float32, which means the default 1/sqrt(head_dim)");
+           problem.softmax_scale = f;
          });
   p.flag("--seed", "N", "seed of the random inputs, drawn from N(0,1) (default 0)",
          [this](const std::string& t) {
@@ -89,15 +99,21 @@ void RunOptions::add_flags(ArgParser& p) {
            device_text = t;
            if (t == "cpu" || t == "cuda") return;
            if (t.compare(0, 5, "cuda:") == 0) {
-             parse_int("--device", t.substr(5), 0, 1023);
-             return;
+             try {
+               parse_int("--device", t.substr(5), 0, 1023);
+               return;
+             } catch (const UsageError&) {
+               // reported below, with the whole value
+             }
            }
-           throw UsageError("--device: expected cpu, cuda or cuda:N, got '" + t + "'");
+           throw UsageError("--device: expected cpu, cuda or cuda:N (N in 0..1023), got '" + t + "'");
          });
   p.flag("--threads", "N",
-         "CPU threads for the library, the reference and the naive baseline\n"
-         "(default 0 = all hardware threads)",
-         [this](const std::string& t) { threads = static_cast<int>(parse_int("--threads", t, 0, 4096)); });
+         "CPU threads for the library, the reference and the naive baseline,\n"
+         "at most 1024 (default 0 = all hardware threads)",
+         [this](const std::string& t) {
+           threads = static_cast<int>(parse_int("--threads", t, 0, FLASHATTN_MAX_THREADS));
+         });
   p.flag("--precision", "P",
          "fp32 | tf32: how float32 is multiplied on CUDA (default fp32, as\n"
          "accurate as plain float32; tf32 is faster, ~1e-3 relative error).\n"
@@ -144,8 +160,8 @@ Options RunOptions::library_options(void* stream) const {
 
 int RunOptions::resolved_threads() const {
   if (threads > 0) return threads;
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
+  const unsigned hw = std::thread::hardware_concurrency();  // as the library resolves 0
+  return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, FLASHATTN_MAX_THREADS));
 }
 
 double problem_bytes(const testing::ProblemConfig& c) {

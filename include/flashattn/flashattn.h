@@ -12,7 +12,14 @@
  *                                                      h / (Hq / Hkv): GQA / MQA)
  *   lse              : ndim 3, [B, Hq, Sq], always float32, natural log
  * Strides are in elements, one per logical dimension, so [B,H,S,D] and [B,S,H,D] memory layouts
- * (or any other) work without copies. The head_dim stride must be 1.
+ * (or any other) work without copies. The head_dim stride must be 1; strides must not be negative.
+ * No output may share a byte with an input or with another output. Views of one buffer that
+ * share no byte are fine, whatever their shapes and dtypes: packed q/k/v of a [B,S,3,H,D] buffer,
+ * or dq/dk/dv as head ranges of one fused [B,S,Hq+2*Hkv,D] gradient buffer. (This check is exact;
+ * only for strides built to defeat its bounded search may it refuse views that do not overlap.)
+ * An output's strides must be nested - sorted by size, each stride exceeds the span of the
+ * dimensions with smaller strides (true of every contiguous or padded layout) - so that no
+ * element is reached twice.
  *
  * Semantics: S = softmax_scale * Q K^T, masked; P = softmax(S) per row; O = P V;
  * lse = log(sum_j exp(S_ij)). A row that sees no key gets O = 0, lse = -inf, zero gradients.
@@ -57,6 +64,22 @@ extern "C" {
 #define FLASHATTN_PRECISION_FP32 0 /* default: as accurate as plain float32 arithmetic */
 #define FLASHATTN_PRECISION_TF32 1 /* opt-in: TF32 tensor cores, about 1e-3 relative error */
 
+/* Largest accepted options.num_threads (a larger value is an invalid argument). 1024 is above
+ * the hardware threads of the largest current servers (2 sockets x 192 cores x 2 = 768); more
+ * threads than that only oversubscribe the cores, and each costs a stack (8 MiB of address space
+ * by default). num_threads = 0 (all hardware threads) is capped at this value too. */
+#define FLASHATTN_MAX_THREADS 1024
+
+/* Largest accepted |options.softmax_scale| (a larger or non-finite one is an invalid argument).
+ * The scores S = softmax_scale * q.k are float32, and their rounding alone moves the softmax
+ * probabilities by about |S| * 6e-8 relative: at |S| ~ 1e6, reached with unit-norm q and k at
+ * this bound, that is already ~6%; beyond ~1e9 the backward's recomputed exp(S - lse) overflows
+ * to inf (scale 1e30 gave NaN gradients for unit inputs, 3e38 all-zero outputs). No cheap check
+ * can see |S| (it needs the inputs), so the bound is on the scale: 1e6 is four orders of
+ * magnitude above practical scales (1/sqrt(head_dim); cosine attention's logit scale <= 100),
+ * and with it the scores cannot overflow in either pass while |q.k| <= 700. */
+#define FLASHATTN_MAX_SOFTMAX_SCALE 1e6f
+
 /* status codes */
 #define FLASHATTN_OK 0
 #define FLASHATTN_ERROR_INVALID_ARGUMENT 1 /* bad shape, dtype, stride, pointer, aliasing, ... */
@@ -77,11 +100,16 @@ typedef struct {
 typedef struct {
   uint32_t struct_size; /* sizeof(flashattn_options) as the caller knows it: the struct grows
                            compatibly by appending fields; fields past struct_size take defaults */
-  float softmax_scale;  /* 0 means 1/sqrt(D) */
+  float softmax_scale;  /* 0 means 1/sqrt(D); finite, |scale| <= FLASHATTN_MAX_SOFTMAX_SCALE */
   int32_t mask;         /* FLASHATTN_MASK_* */
   void* stream;         /* CUDA stream (cudaStream_t); NULL = the default stream */
   /* ---- end of version 1 (FLASHATTN_OPTIONS_V1_SIZE) ---- */
-  int32_t num_threads; /* CPU worker threads; 0 = all hardware threads. Results do not depend on it */
+  int32_t num_threads; /* CPU worker threads, 0..FLASHATTN_MAX_THREADS; 0 = all hardware threads
+                          (at most FLASHATTN_MAX_THREADS). Results do not depend on it. When the
+                          system refuses to start some threads (a container's pid limit,
+                          RLIMIT_NPROC, an address-space limit), the call is not an error: it
+                          runs on the threads that did start (at least the calling thread),
+                          with the same results */
   int32_t precision;   /* FLASHATTN_PRECISION_*; 0 = fp32-accurate */
   int32_t deterministic; /* nonzero: bitwise-reproducible backward on every backend (CUDA
                             float16/bfloat16 then uses the split dQ + dK/dV passes instead of

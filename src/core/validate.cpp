@@ -129,41 +129,108 @@ bool nested_strides(const Tensor& t) {
   return true;
 }
 
-// Can `delta` (elements) be written as sum c_i * stride_i with |c_i| < shape_i? For nested
-// strides each dim, from the largest down, has at most two candidate digits, so this search is
-// exact and tiny. Used to tell interleaved views of one buffer (packed qkv / dqkv) apart from
-// real aliasing.
-bool reachable(const Tensor& t, const std::vector<int>& dims, int idx, int64_t delta) {
-  if (idx < 0) return delta == 0;
-  int d = dims[idx];
-  int64_t s = t.stride[d], n = t.shape[d];
-  int64_t rest = 0;
-  for (int i = 0; i < idx; ++i) rest += (t.shape[dims[i]] - 1) * t.stride[dims[i]];
-  // c in (-n, n) with |delta - c*s| <= rest
-  int64_t c0 = delta >= 0 ? delta / s : -((-delta) / s);
-  for (int64_t c = c0 - 1; c <= c0 + 1; ++c) {
-    if (c <= -n || c >= n) continue;
-    int64_t r = delta - c * s;
-    if (r > rest || r < -rest) continue;
-    if (reachable(t, dims, idx - 1, r)) return true;
-  }
-  return false;
-}
+// Does sum_t x_t * step_t == target have an integer solution with lo_t <= x_t <= hi_t? A
+// depth-first search over the terms, largest step first, that only visits values of x_t the
+// remaining terms can still complete: exhaustive, so exact when it finishes. For the layouts of
+// real tensors (nested strides) each level has at most a few candidates; a search that needs more
+// than `budget` steps (strides chosen to defeat it) gives up and answers "maybe" (Unknown).
+class BoundedLinearSearch {
+ public:
+  enum Result { No, Yes, Unknown };
+  using i128 = __int128;
+  struct Term {
+    i128 step, lo, hi;
+  };
 
-// Do two tensors share at least one element? Exact when both have the same dtype, shape and
-// (nested) strides; conservative (interval overlap) otherwise.
+  // Terms with equal steps are merged (x + y over [lo1 + lo2, hi1 + hi2] is again every integer
+  // of that interval), which keeps views with equal strides exact and cheap.
+  void add(i128 step, i128 lo, i128 hi) {
+    if (step == 0 || lo == hi) {
+      base_ += step * lo;
+      return;
+    }
+    if (step < 0) {
+      step = -step;
+      std::swap(lo, hi);
+      lo = -lo;
+      hi = -hi;
+    }
+    for (Term& t : terms_)
+      if (t.step == step) {
+        t.lo += lo;
+        t.hi += hi;
+        return;
+      }
+    terms_.push_back({step, lo, hi});
+  }
+
+  Result solve(i128 target, int budget) {
+    std::sort(terms_.begin(), terms_.end(),
+              [](const Term& a, const Term& b) { return a.step > b.step; });
+    const size_t n = terms_.size();
+    min_.assign(n + 1, 0);
+    max_.assign(n + 1, 0);
+    for (size_t i = n; i-- > 0;) {
+      min_[i] = min_[i + 1] + terms_[i].lo * terms_[i].step;
+      max_[i] = max_[i + 1] + terms_[i].hi * terms_[i].step;
+    }
+    budget_ = budget;
+    return search(0, target - base_);
+  }
+
+ private:
+  static i128 floor_div(i128 a, i128 b) {  // b > 0
+    i128 q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+  }
+  static i128 ceil_div(i128 a, i128 b) { return -floor_div(-a, b); }
+
+  Result search(size_t i, i128 rest) {
+    if (rest < min_[i] || rest > max_[i]) return No;
+    if (i == terms_.size()) return Yes;  // rest == 0: the bounds above are both 0
+    const Term& t = terms_[i];
+    if (i + 1 == terms_.size())
+      return rest % t.step == 0 ? Yes : No;  // rest / step is within [lo, hi] by the bounds
+    const i128 x_lo = std::max(t.lo, ceil_div(rest - max_[i + 1], t.step));
+    const i128 x_hi = std::min(t.hi, floor_div(rest - min_[i + 1], t.step));
+    bool unknown = false;
+    for (i128 x = x_lo; x <= x_hi; ++x) {
+      if (--budget_ < 0) return Unknown;
+      const Result r = search(i + 1, rest - x * t.step);
+      if (r == Yes) return Yes;
+      unknown |= r == Unknown;
+    }
+    return unknown ? Unknown : No;
+  }
+
+  std::vector<Term> terms_;
+  i128 base_ = 0;
+  std::vector<i128> min_, max_;
+  int budget_ = 0;
+};
+
+// Do two tensors share at least one byte? Element (i) of a covers the bytes
+// a.data + es_a * sum_d i_d a.stride[d] + [0, es_a), and likewise for b, so they share a byte
+// exactly when
+//   sum_d i_d (es_a a.stride[d]) - sum_d j_d (es_b b.stride[d]) + u - w = b.data - a.data
+// for some indices 0 <= i_d < a.shape[d], 0 <= j_d < b.shape[d], 0 <= u < es_a, 0 <= w < es_b:
+// one bounded linear equation. BoundedLinearSearch answers it exactly for any shapes, strides,
+// dtypes and offsets (e.g. the dq, dk and dv head ranges of one fused [B, S, Hq + 2 Hkv, D]
+// gradient buffer, or the interleaved q, k, v of a packed [B, S, 3, H, D] one); only when its
+// step budget runs out does it answer "overlap" without proof. It never misses a real overlap.
 bool share_memory(const Tensor& a, const Tensor& b) {
-  Span sa = span_of(a), sb = span_of(b);
+  const Span sa = span_of(a), sb = span_of(b);
   if (sa.hi <= sb.lo || sb.hi <= sa.lo) return false;
-  bool same_layout = a.dtype == b.dtype && a.ndim == b.ndim && nested_strides(a);
-  for (int i = 0; same_layout && i < a.ndim; ++i)
-    same_layout = a.shape[i] == b.shape[i] && a.stride[i] == b.stride[i];
-  if (!same_layout) return true;
-  auto diff = static_cast<int64_t>(sb.lo - sa.lo);  // two's complement difference
-  int64_t es = dtype_size(a.dtype);
-  if (diff % es != 0) return true;
-  std::vector<int> dims = live_dims(a);
-  return reachable(a, dims, static_cast<int>(dims.size()) - 1, diff / es);
+  using i128 = BoundedLinearSearch::i128;
+  const int64_t ea = dtype_size(a.dtype), eb = dtype_size(b.dtype);
+  BoundedLinearSearch eq;
+  for (int d = 0; d < a.ndim; ++d)
+    eq.add(static_cast<i128>(a.stride[d]) * ea, 0, a.shape[d] - 1);
+  for (int d = 0; d < b.ndim; ++d)
+    eq.add(-static_cast<i128>(b.stride[d]) * eb, 0, b.shape[d] - 1);
+  eq.add(1, -(eb - 1), ea - 1);  // u - w
+  const i128 delta = static_cast<i128>(sb.lo) - static_cast<i128>(sa.lo);
+  return eq.solve(delta, /*budget=*/1 << 14) != BoundedLinearSearch::No;
 }
 
 void check_outputs(const std::vector<Named>& inputs, const std::vector<Named>& outputs) {
@@ -263,9 +330,19 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
     os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
     fail(os.str());
   }
+  if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
+       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE: float32 scores that large "
+          "are rounding noise and overflow in the backward)";
+    fail(os.str());
+  }
   if (o.num_threads < 0)
     fail("options.num_threads = " + std::to_string(o.num_threads) +
          " is negative (0 means all hardware threads)");
+  if (o.num_threads > FLASHATTN_MAX_THREADS)
+    fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
+         std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
 
   std::vector<Named> all = {q, k, v, lse};
   all.insert(all.end(), same_as_q.begin(), same_as_q.end());
@@ -280,7 +357,9 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
                                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic};
   int32_t threads = o.num_threads;
-  if (threads == 0) threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads == 0)
+    threads = static_cast<int32_t>(std::min<unsigned>(
+        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
   c.exec = Exec{q.t->device, o.stream, threads};
   return c;
 }

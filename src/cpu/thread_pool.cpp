@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <memory>
+#include <system_error>
+#include <utility>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
@@ -10,20 +12,63 @@
 
 namespace flashattn::cpu {
 
-ThreadPool::ThreadPool(int threads) {
-  if (threads < 1) threads = 1;
-  workers_.reserve(static_cast<size_t>(threads - 1));
-  for (int t = 1; t < threads; ++t) workers_.emplace_back([this, t] { worker_main(t); });
+namespace {
+
+#if defined(FLASHATTN_THREAD_POOL_TESTING)
+std::atomic<int> g_start_limit{-1};
+#endif
+
+template <class F>
+void start_thread(std::vector<std::thread>& threads, F&& f) {
+#if defined(FLASHATTN_THREAD_POOL_TESTING)
+  for (int left = g_start_limit.load(); left >= 0;) {
+    if (left == 0)
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                              "thread start refused by the test limit");
+    if (g_start_limit.compare_exchange_weak(left, left - 1)) break;
+  }
+#endif
+  threads.emplace_back(std::forward<F>(f));
 }
 
-ThreadPool::~ThreadPool() {
+}  // namespace
+
+#if defined(FLASHATTN_THREAD_POOL_TESTING)
+void set_thread_start_limit_for_testing(int n) { g_start_limit.store(n < 0 ? -1 : n); }
+#endif
+
+// A thread that cannot be started (std::system_error from pthread_create's EAGAIN, or bad_alloc)
+// ends the loop: the pool keeps the workers it has. Nothing here may throw once a worker runs:
+// an exception leaving the constructor would destroy wake_ while workers wait on it (glibc's
+// pthread_cond_destroy then blocks forever) and destroy joinable std::threads (std::terminate).
+ThreadPool::ThreadPool(int threads) {
+  if (threads < 1) threads = 1;
+  requested_ = threads;
+  try {
+    workers_.reserve(static_cast<size_t>(threads - 1));
+  } catch (...) {
+    // emplace_back grows the vector as needed (and stops the loop below if it cannot)
+  }
+  for (int t = 1; t < threads; ++t) {
+    try {
+      start_thread(workers_, [this, t] { worker_main(t); });
+    } catch (...) {
+      break;
+    }
+  }
+}
+
+void ThreadPool::stop_workers() noexcept {
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
   }
   wake_.notify_all();
-  for (auto& w : workers_) w.join();
+  for (auto& w : workers_)
+    if (w.joinable()) w.join();
 }
+
+ThreadPool::~ThreadPool() { stop_workers(); }
 
 void ThreadPool::drain(int thread) {
   for (;;) {
@@ -115,7 +160,7 @@ ThreadPool& shared_pool(int threads, std::unique_lock<std::mutex>& lock) {
   });
   Shared& s = *g_shared;
   lock = std::unique_lock<std::mutex>(s.mu);
-  if (!s.pool || s.pool->threads() != threads) {
+  if (!s.pool || s.pool->requested() != threads) {
     s.pool.reset();  // join the old workers before starting new ones
     s.pool = std::make_unique<ThreadPool>(threads);
   }

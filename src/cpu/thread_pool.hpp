@@ -4,6 +4,10 @@
 // thread 0). Tasks are handed out dynamically through one atomic counter, so which thread runs a
 // task varies from run to run; determinism comes from the kernels (every output element is
 // written by exactly one task with a fixed order of operations), never from the schedule.
+//
+// Starting threads can fail (a container's pid limit, RLIMIT_NPROC, an address-space limit too
+// small for another stack). The pool then runs on the threads it did start - at least the
+// caller's - and never fails because of it: results do not depend on the thread count.
 #pragma once
 
 #include <atomic>
@@ -21,20 +25,24 @@ class ThreadPool {
  public:
   using TaskFn = void (*)(const void* ctx, int64_t task, int thread);
 
+  // Asks for `threads` threads in all (the caller included); threads() tells how many it got.
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
+  int requested() const { return requested_; }
   // Runs every task; rethrows the first exception a task threw (remaining tasks are skipped).
   void run(int64_t num_tasks, TaskFn fn, const void* ctx);
 
  private:
   void worker_main(int thread);
   void drain(int thread);
+  void stop_workers() noexcept;
 
   std::vector<std::thread> workers_;
+  int requested_ = 1;
   std::mutex mu_;
   std::condition_variable wake_, done_;
   uint64_t generation_ = 0;  // bumped per run(); workers wait for a new one
@@ -49,8 +57,16 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-// The process-wide pool with exactly `threads` threads, created or resized on demand. The
-// returned lock serialises concurrent callers (the pool runs one job at a time).
+// The process-wide pool for `threads` requested threads, created or resized on demand (a pool that
+// got fewer threads than requested is kept, not re-created on every call). The returned lock
+// serialises concurrent callers (the pool runs one job at a time).
 ThreadPool& shared_pool(int threads, std::unique_lock<std::mutex>& lock);
+
+#if defined(FLASHATTN_THREAD_POOL_TESTING)
+// Test builds only (tests/test_thread_pool.cpp compiles this file with the macro): the next
+// `n` thread starts succeed and every later one throws std::system_error(EAGAIN), as
+// pthread_create does at a pid limit; n < 0 removes the limit.
+void set_thread_start_limit_for_testing(int n);
+#endif
 
 }  // namespace flashattn::cpu

@@ -1,0 +1,38 @@
+cmake_minimum_required(VERSION 3.24)
+# Fails when `flashattn --help` or a command's --help spells a flag (long or short) that the cli
+# tests do not cover: OK lists the flags of accepted cases, BAD those of refused ones (exit 2),
+# NO_BAD the flags exempt from the second rule (--help, --version: nothing to refuse).
+set(found "")
+foreach(cmd "" check bench info)
+  if(cmd STREQUAL "")
+    execute_process(COMMAND ${EXE} --help RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  else()
+    execute_process(COMMAND ${EXE} ${cmd} --help RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                    ERROR_VARIABLE err)
+  endif()
+  if(NOT rc STREQUAL "0")
+    message(FATAL_ERROR "'flashattn ${cmd} --help' exited ${rc}:\n${out}${err}")
+  endif()
+  # A flag: '-' or '--', a letter, then letters, digits and dashes, after a space, comma,
+  # parenthesis or line start (so "O(S^2)-memory" or "1e-10" are not flags).
+  string(REGEX MATCHALL "(^|[ ,(\n])--?[a-z][a-z0-9-]*" hits "${out}")
+  foreach(h IN LISTS hits)
+    string(REGEX REPLACE "^[ ,(\n]" "" h "${h}")
+    list(APPEND found "${h}")
+  endforeach()
+endforeach()
+list(REMOVE_DUPLICATES found)
+set(problems "")
+foreach(f IN LISTS found)
+  if(NOT f IN_LIST OK)
+    string(APPEND problems "  ${f}: listed by --help, but no test shows it accepted\n")
+  endif()
+  if(NOT f IN_LIST BAD AND NOT f IN_LIST NO_BAD)
+    string(APPEND problems "  ${f}: listed by --help, but no test shows a bad value refused (exit 2)\n")
+  endif()
+endforeach()
+if(problems)
+  message(FATAL_ERROR "untested flags:\n${problems}")
+endif()
+list(LENGTH found n)
+message(STATUS "${n} flags in the help texts, each tested: ${found}")

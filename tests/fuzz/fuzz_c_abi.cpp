@@ -1,0 +1,733 @@
+// Coverage-guided fuzzer of the C ABI (flashattn_forward / flashattn_backward).
+//
+// Each input decodes into one call: a problem (B, Hq, Hkv, Sq, Skv, D, dtype), a layout per tensor
+// (bhsd, bshd, padded, head ranges of a fused buffer, broadcast), a placement of the tensors in a
+// few real heap buffers (separate, fused qkv / dqkv, packed, or random offsets that alias), then
+// mutations (ndim, shapes, strides incl. negative / zero / huge, dtype and device codes, NULL
+// data, NULL tensor pointers, misaligned pointers) and an options struct (NULL, every
+// struct_size, non-finite and out-of-range scales, masks, thread counts, precisions). Valid calls
+// run the CPU backend on the tiny problem.
+//
+// Invariants (any violation aborts, which the fuzzer reports as a crash):
+//   - no crash, no ASan/UBSan report (build with -fsanitize=fuzzer,address,undefined);
+//   - a non-zero status is a known code and comes with a non-empty flashattn_last_error(), and
+//     a zero status with "";
+//   - on error, no byte of any buffer changed (every byte is compared, canaries included);
+//   - on success, the call was valid by the documented rules (model_valid below), no output
+//     shared a byte with an input or another output and no output reached an element twice
+//     (checked exactly, byte by byte), only bytes of output elements changed, and for finite,
+//     small inputs at a moderate scale the outputs are finite (lse may be -inf for a row that
+//     sees no key);
+//   - a valid call is refused only for (conservatively assumed) overlap, with a message saying so.
+// Views that would reach outside their buffer are never handed to a call that could succeed:
+// such a call gets an invalid mask (the library must refuse it before touching memory).
+//
+// Built two ways: with libFuzzer (tests/fuzz/CMakeLists.txt, FLASHATTN_BUILD_FUZZ=ON, clang), and
+// without it as a replay tool (FLASHATTN_FUZZ_REPLAY: main() runs the files and directories
+// given) that CTest runs over tests/fuzz/corpus in every build, sanitizer build included.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.h"
+
+namespace {
+
+// ---- input decoding ----------------------------------------------------------------------------
+
+class Reader {
+ public:
+  Reader(const uint8_t* d, size_t n) : d_(d), n_(n) {}
+  uint8_t u8() { return i_ < n_ ? d_[i_++] : 0; }
+  uint32_t u32() {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(u8()) << (8 * i);
+    return v;
+  }
+  uint64_t u64() { return u32() | (static_cast<uint64_t>(u32()) << 32); }
+  template <class T, size_t N>
+  T pick(const T (&a)[N]) { return a[u8() % N]; }
+
+ private:
+  const uint8_t* d_;
+  size_t n_, i_ = 0;
+};
+
+constexpr int kQ = 0, kK = 1, kV = 2, kOut = 3, kLse = 4, kDout = 5, kDq = 6, kDk = 7, kDv = 8;
+constexpr int kTensors = 9;
+const char* const kName[kTensors] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
+constexpr int kBuffers = 9;
+constexpr int64_t kMaxBuffer = int64_t{1} << 22;  // bytes
+
+struct View {
+  bool used = false, null_ptr = false, null_data = false;
+  int buf = 0;
+  int64_t byte_off = 0;
+  int32_t dtype = 0, device = FLASHATTN_CPU, ndim = 4;
+  int64_t shape[4] = {0, 0, 0, 0}, stride[4] = {0, 0, 0, 0};
+  bool safe = false;  // every element lies inside its buffer (computed after mutation)
+};
+
+int64_t dtype_bytes(int32_t dt) {
+  switch (dt) {
+    case FLASHATTN_FLOAT32: return 4;
+    case FLASHATTN_FLOAT16: return 2;
+    case FLASHATTN_BFLOAT16: return 2;
+    case FLASHATTN_FLOAT64: return 8;
+    default: return 0;
+  }
+}
+
+void set_strides(View& v, const int64_t (&order)[4], const int64_t (&pad)[4]) {
+  // order: dims from innermost to outermost; pad: extra elements after each dim's extent.
+  int64_t s = 1;
+  for (int i = 0; i < 4; ++i) {
+    const int d = static_cast<int>(order[i]);
+    v.stride[d] = s;
+    s = s * v.shape[d] + pad[i];
+  }
+}
+
+struct Case {
+  bool backward = false;
+  View t[kTensors];
+  bool opts_null = true;
+  std::vector<unsigned char> opts_bytes;  // exactly what the caller "owns"
+  flashattn_options opts{};               // the fields as set (copied into opts_bytes)
+  int64_t buf_size[kBuffers] = {};
+  int64_t B = 1, Hq = 1, Hkv = 1, Sq = 1, Skv = 1, D = 1;
+};
+
+// Canonical views of a valid problem, laid out and placed as the input says.
+void decode_layout(Reader& r, Case& c) {
+  const uint8_t mode = r.u8();
+  c.backward = mode & 1;
+  if (mode < 248) {  // tiny: everything within one tile of the kernels
+    c.B = 1 + r.u8() % 3;
+    c.Hkv = 1 + r.u8() % 3;
+    c.Hq = c.Hkv * (1 + r.u8() % 3);
+    c.Sq = 1 + r.u8() % 9;
+    c.Skv = (r.u8() & 1) ? c.Sq : 1 + r.u8() % 9;
+    static const int64_t dims[] = {1, 2, 3, 4, 5, 7, 8, 8, 8, 8, 16, 16, 16, 17, 24, 32,
+                                   1, 2, 4, 8, 8, 16, 32, 33, 40, 64, 64, 80, 128, 255, 256, 257};
+    c.D = r.pick(dims);
+  } else {  // several tiles in both directions, ragged tails (rarely: it costs ~100x more)
+    static const int64_t seqs[] = {17, 31, 64, 65, 100, 130};
+    static const int64_t dims[] = {1, 8, 17, 64};
+    c.B = 1;
+    c.Hkv = 1;
+    c.Hq = 1 + r.u8() % 2;
+    c.Sq = r.pick(seqs);
+    c.Skv = r.pick(seqs);
+    c.D = r.pick(dims);
+  }
+  static const int32_t dtypes[] = {0, 0, 0, 1, 2, 3};
+  const int32_t dt = r.pick(dtypes);
+  const uint8_t placement = r.u8() % 5;
+
+  for (int i = 0; i < kTensors; ++i) {
+    View& v = c.t[i];
+    v.used = c.backward || i <= kLse;
+    if (!v.used) continue;
+    v.dtype = i == kLse ? FLASHATTN_FLOAT32 : dt;
+    v.buf = i;
+    if (i == kLse) {
+      v.ndim = 3;
+      v.shape[0] = c.B;
+      v.shape[1] = c.Hq;
+      v.shape[2] = c.Sq;
+      const int64_t pad = r.u8() % 3;
+      v.stride[2] = 1 + pad;
+      v.stride[1] = c.Sq * v.stride[2] + (r.u8() % 2);
+      v.stride[0] = c.Hq * v.stride[1];
+      continue;
+    }
+    const bool is_kv = i == kK || i == kV || i == kDk || i == kDv;
+    v.shape[0] = c.B;
+    v.shape[1] = is_kv ? c.Hkv : c.Hq;
+    v.shape[2] = is_kv ? c.Skv : c.Sq;
+    v.shape[3] = c.D;
+    const uint8_t layout = r.u8() % 6;
+    const bool input = i == kQ || i == kK || i == kV || i == kDout || (c.backward && i == kOut);
+    switch (layout) {
+      case 1:  // bshd
+        set_strides(v, {3, 1, 2, 0}, {0, 0, 0, 0});
+        break;
+      case 2:  // padded bhsd
+        set_strides(v, {3, 2, 1, 0}, {r.u8() % 4, r.u8() % 4, r.u8() % 4, 0});
+        break;
+      case 3: {  // a head range of a wider [B, S, Htot, D] buffer
+        const int64_t extra = r.u8() % 4, h0 = extra ? r.u8() % (extra + 1) : 0;
+        v.shape[1] += extra;
+        set_strides(v, {3, 1, 2, 0}, {0, 0, 0, 0});
+        v.shape[1] -= extra;
+        v.byte_off += h0 * c.D * dtype_bytes(v.dtype);
+        break;
+      }
+      case 4:  // broadcast (an input may read one element many times)
+        set_strides(v, {3, 2, 1, 0}, {0, 0, 0, 0});
+        if (input) v.stride[r.u8() & 1] = 0;
+        break;
+      default:
+        set_strides(v, {3, 2, 1, 0}, {0, 0, 0, 0});
+    }
+  }
+
+  // Placement. Fused (1) and packed (2) put q, k, v (and dq, dk, dv) as head ranges of one
+  // buffer, the way fused projections lay them out; random (3, 4) aliases freely.
+  auto fuse = [&](int a, int b, int d, int bufid, bool packed) {
+    const int64_t Htot = packed ? 3 * c.Hq : c.Hq + 2 * c.Hkv;
+    const int64_t h0[3] = {0, packed ? c.Hq : c.Hq, packed ? 2 * c.Hq : c.Hq + c.Hkv};
+    const int ids[3] = {a, b, d};
+    for (int j = 0; j < 3; ++j) {
+      View& v = c.t[ids[j]];
+      if (!v.used) continue;
+      v.buf = bufid;
+      v.stride[3] = 1;
+      v.stride[1] = c.D;
+      v.stride[2] = Htot * c.D;
+      v.stride[0] = std::max(c.Sq, c.Skv) * Htot * c.D;
+      v.byte_off = h0[j] * c.D * dtype_bytes(v.dtype);
+    }
+    // Sometimes shift one view by a few elements (a real overlap, or a near miss).
+    if (r.u8() % 4 == 0) {
+      View& v = c.t[ids[r.u8() % 3]];
+      v.byte_off += (static_cast<int8_t>(r.u8()) % 9) * dtype_bytes(v.dtype) * (r.u8() % 2 ? 1 : c.D);
+      if (v.byte_off < 0) v.byte_off = 0;
+    }
+  };
+  if (placement == 1 || (placement == 2 && c.Hq == c.Hkv)) {
+    fuse(kQ, kK, kV, kQ, placement == 2);
+    if (c.backward) fuse(kDq, kDk, kDv, kDq, placement == 2);
+  } else if (placement >= 3) {
+    for (int i = 0; i < kTensors; ++i) {
+      View& v = c.t[i];
+      if (!v.used || (r.u8() & 3) == 0) continue;
+      v.buf = r.u8() % 3;
+      const int64_t es = std::max<int64_t>(1, dtype_bytes(v.dtype));
+      v.byte_off = placement == 3 ? static_cast<int64_t>(r.u8()) * es : (r.u8() % 16) * es * c.D;
+    }
+  }
+}
+
+int64_t pick_i64(Reader& r, int64_t cur) {
+  static const int64_t special[] = {0,
+                                    -1,
+                                    1,
+                                    2,
+                                    3,
+                                    int64_t{1} << 31,
+                                    int64_t{1} << 40,
+                                    int64_t{1} << 62,
+                                    std::numeric_limits<int64_t>::max(),
+                                    std::numeric_limits<int64_t>::min(),
+                                    -(int64_t{1} << 62)};
+  const uint64_t u = static_cast<uint64_t>(cur);  // wrapping arithmetic: no UB in the fuzzer
+  switch (r.u8() % 6) {
+    case 0: return static_cast<int64_t>(u + 1);
+    case 1: return static_cast<int64_t>(u - 1);
+    case 2: return static_cast<int64_t>(0 - u);
+    case 3: return static_cast<int64_t>(u * 2);
+    case 4: return static_cast<int64_t>(r.u64());
+    default: return r.pick(special);
+  }
+}
+
+void decode_mutations(Reader& r, Case& c) {
+  const int n = r.u8() % 8;  // 0-3 mutations half the time, none otherwise
+  for (int m = 0; m < (n > 3 ? 0 : n); ++m) {
+    View& v = c.t[r.u8() % kTensors];
+    if (!v.used) continue;
+    const uint8_t kind = r.u8() % 11;
+    switch (kind) {
+      case 0: v.ndim = static_cast<int8_t>(r.u8()) % 7; break;
+      case 1: { const int d = r.u8() % 4; v.shape[d] = pick_i64(r, v.shape[d]); break; }
+      case 2:
+      case 3: { const int d = r.u8() % 4; v.stride[d] = pick_i64(r, v.stride[d]); break; }
+      case 4: v.dtype = static_cast<int8_t>(r.u8()) % 6; break;
+      case 5: {
+        static const int32_t devs[] = {0, 1, -2, std::numeric_limits<int32_t>::min(), 7};
+        v.device = r.pick(devs);
+        break;
+      }
+      case 6: v.null_data = true; break;
+      case 7: v.null_ptr = true; break;
+      case 8: v.byte_off += 1 + r.u8() % 7; break;  // misaligned (for most dtypes)
+      case 9: v.buf = r.u8() % 3; break;              // into another tensor's buffer
+      default: v.byte_off += static_cast<int64_t>(r.u8()) * std::max<int64_t>(1, dtype_bytes(v.dtype));
+    }
+  }
+}
+
+void decode_options(Reader& r, Case& c) {
+  const uint8_t mode = r.u8() % 8;
+  c.opts_null = mode == 0;
+  if (c.opts_null) return;
+  flashattn_options_init(&c.opts);
+  static const uint32_t sizes[] = {0, 4, 8, 16, 23, 24, 25, 27, 28, 32, 33, 36,
+                                   sizeof(flashattn_options), sizeof(flashattn_options) + 8, 1000};
+  if (mode == 1) c.opts.struct_size = r.pick(sizes);
+  static const float scales[] = {0.0f, 0.0f, 1.0f, 0.125f, -0.5f, 2.0f, 100.0f, 1e-30f, -0.0f,
+                                 FLASHATTN_MAX_SOFTMAX_SCALE, -FLASHATTN_MAX_SOFTMAX_SCALE,
+                                 1.0000001e6f, 1e30f, 3e38f,
+                                 std::numeric_limits<float>::infinity(),
+                                 -std::numeric_limits<float>::infinity(),
+                                 std::numeric_limits<float>::quiet_NaN(),
+                                 std::numeric_limits<float>::denorm_min()};
+  const uint8_t s = r.u8();
+  if (s < 200) {
+    c.opts.softmax_scale = scales[s % (sizeof scales / sizeof scales[0])];
+  } else {
+    const uint32_t bits = r.u32();
+    std::memcpy(&c.opts.softmax_scale, &bits, sizeof bits);
+  }
+  const uint8_t m = r.u8();
+  c.opts.mask = m < 240 ? m % 3 : static_cast<int32_t>(r.u32());
+  static const int32_t threads[] = {0, 0, 1, 1, 2, 2, 3, 4, 7, -1, FLASHATTN_MAX_THREADS + 1,
+                                    std::numeric_limits<int32_t>::max(),
+                                    std::numeric_limits<int32_t>::min()};
+  // Mostly 0 (all hardware threads): each new count rebuilds the pool, which costs more than a
+  // tiny call.
+  const uint8_t th = r.u8();
+  c.opts.num_threads = th < 192   ? 0
+                       : th == 255 ? FLASHATTN_MAX_THREADS
+                                   : threads[th % (sizeof threads / sizeof threads[0])];
+  static const int32_t precisions[] = {0, 0, 1, 2, -1};
+  c.opts.precision = r.pick(precisions);
+  c.opts.deterministic = r.u8() & 1;
+  if (r.u8() % 8 == 0) c.opts.stream = reinterpret_cast<void*>(uintptr_t{0x1000});  // ignored on the CPU
+}
+
+// ---- layout facts ------------------------------------------------------------------------------
+
+// Byte range [lo, hi) that the elements of v reach relative to its buffer start, or false when
+// the view has no elements, an unknown dtype, more elements than a buffer has bytes, or
+// arithmetic beyond int64.
+bool extent(const View& v, __int128& lo, __int128& hi) {
+  const int64_t es = dtype_bytes(v.dtype);
+  if (es == 0 || v.ndim < 0 || v.ndim > 4) return false;
+  __int128 mn = 0, mx = 0, elems = 1;
+  for (int d = 0; d < v.ndim; ++d) {
+    if (v.shape[d] <= 0) return false;
+    elems *= v.shape[d];
+    if (elems > kMaxBuffer) return false;  // (stride-0 views of huge shapes fit any buffer)
+    const __int128 span = static_cast<__int128>(v.shape[d] - 1) * v.stride[d];
+    (span < 0 ? mn : mx) += span;
+  }
+  lo = v.byte_off + mn * es;
+  hi = v.byte_off + (mx + 1) * es;
+  return true;
+}
+
+template <class F>
+void for_each_element(const View& v, F&& f) {  // f(byte offset in the buffer); safe views only
+  const int64_t es = dtype_bytes(v.dtype);
+  int64_t n[4] = {1, 1, 1, 1}, s[4] = {0, 0, 0, 0};
+  for (int d = 0; d < v.ndim; ++d) {
+    n[d] = v.shape[d];
+    s[d] = v.stride[d];
+  }
+  for (int64_t a = 0; a < n[0]; ++a)
+    for (int64_t b = 0; b < n[1]; ++b)
+      for (int64_t c = 0; c < n[2]; ++c)
+        for (int64_t d = 0; d < n[3]; ++d)
+          f(v.byte_off + (a * s[0] + b * s[1] + c * s[2] + d * s[3]) * es);
+}
+
+bool is_output(const Case& c, int i) {
+  return c.backward ? (i == kDq || i == kDk || i == kDv) : (i == kOut || i == kLse);
+}
+
+// The documented rules of flashattn.h (plus this build's: CPU only, head_dim <= 256), except
+// aliasing, which the byte marks decide exactly.
+bool model_valid(const Case& c, const std::vector<unsigned char*>& base, std::string* why) {
+  auto no = [&](const std::string& s) {
+    *why = s;
+    return false;
+  };
+  const int n = c.backward ? kTensors : kLse + 1;
+  for (int i = 0; i < n; ++i) {
+    const View& v = c.t[i];
+    const int want = i == kLse ? 3 : 4;
+    if (v.null_ptr) return no(std::string(kName[i]) + " NULL");
+    if (v.ndim != want) return no(std::string(kName[i]) + " ndim");
+    if (v.null_data) return no(std::string(kName[i]) + " data NULL");
+    const int64_t es = dtype_bytes(v.dtype);
+    if (es == 0) return no(std::string(kName[i]) + " dtype");
+    if (v.device != FLASHATTN_CPU) return no(std::string(kName[i]) + " device");
+    for (int d = 0; d < v.ndim; ++d) {
+      if (v.shape[d] <= 0) return no(std::string(kName[i]) + " shape");
+      if (v.stride[d] < 0) return no(std::string(kName[i]) + " stride");
+    }
+    if (want == 4 && v.shape[3] > 1 && v.stride[3] != 1) return no(std::string(kName[i]) + " head stride");
+    if (!v.safe) return no(std::string(kName[i]) + " outside its buffer");  // (such calls get a bad mask)
+    const uintptr_t p = reinterpret_cast<uintptr_t>(base[static_cast<size_t>(v.buf)] + v.byte_off);
+    if (p % static_cast<uintptr_t>(es) != 0) return no(std::string(kName[i]) + " misaligned");
+  }
+  const View &q = c.t[kQ], &k = c.t[kK], &v = c.t[kV], &lse = c.t[kLse];
+  const int32_t dt = q.dtype;
+  if (k.dtype != dt || v.dtype != dt) return no("qkv dtypes");
+  for (int i : {kOut, kDout, kDq, kDk, kDv})
+    if (i < n && i != kLse && c.t[i].dtype != dt) return no(std::string(kName[i]) + " dtype != q");
+  if (lse.dtype != FLASHATTN_FLOAT32) return no("lse dtype");
+  const int64_t B = q.shape[0], Hq = q.shape[1], Sq = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], Skv = k.shape[2];
+  if (k.shape[0] != B || k.shape[3] != D) return no("k shape");
+  for (int d = 0; d < 4; ++d)
+    if (v.shape[d] != k.shape[d]) return no("v shape");
+  if (Hq % Hkv != 0) return no("Hq % Hkv");
+  for (int i : {kOut, kDout, kDq, kDk, kDv}) {
+    if (i >= n) continue;
+    const View& ref = (i == kDk || i == kDv) ? k : q;
+    for (int d = 0; d < 4; ++d)
+      if (c.t[i].shape[d] != ref.shape[d]) return no(std::string(kName[i]) + " shape");
+  }
+  if (lse.shape[0] != B || lse.shape[1] != Hq || lse.shape[2] != Sq) return no("lse shape");
+  if (D > 256) return no("head_dim > 256");
+  // Outputs: nested strides (each stride above the span of the dimensions with smaller ones).
+  for (int i = 0; i < n; ++i) {
+    if (!is_output(c, i)) continue;
+    const View& o = c.t[i];
+    int dims[4], nd = 0;
+    for (int d = 0; d < o.ndim; ++d)
+      if (o.shape[d] > 1) dims[nd++] = d;
+    std::sort(dims, dims + nd, [&](int a, int b) { return o.stride[a] < o.stride[b]; });
+    int64_t span = 0;
+    for (int j = 0; j < nd; ++j) {
+      if (o.stride[dims[j]] <= span) return no(std::string(kName[i]) + " strides not nested");
+      span += (o.shape[dims[j]] - 1) * o.stride[dims[j]];
+    }
+  }
+  (void)Skv;
+  if (!c.opts_null) {
+    const flashattn_options& o = c.opts;
+    const uint32_t size = o.struct_size;
+    if (size < FLASHATTN_OPTIONS_V1_SIZE) return no("struct_size");
+    if (!std::isfinite(o.softmax_scale) || std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE)
+      return no("scale");
+    if (o.mask < 0 || o.mask > 2) return no("mask");
+    if (size >= offsetof(flashattn_options, num_threads) + 4 &&
+        (o.num_threads < 0 || o.num_threads > FLASHATTN_MAX_THREADS))
+      return no("num_threads");
+    if (size >= offsetof(flashattn_options, precision) + 4 && o.precision != 0 && o.precision != 1)
+      return no("precision");
+  }
+  return true;
+}
+
+// Counts for the summary printed at exit: how often a call was valid, and how often a valid
+// call that aliases nothing was refused as a (conservatively assumed) overlap.
+struct Stats {
+  long calls = 0, ok = 0, valid_refused_as_overlap = 0;
+  Stats() {
+    std::atexit([] {
+      const Stats& s = get();
+      std::fprintf(stderr, "fuzz_c_abi: %ld calls, %ld succeeded, %ld valid calls refused as overlap\n",
+                   s.calls, s.ok, s.valid_refused_as_overlap);
+    });
+  }
+  static Stats& get() {
+    static Stats s;
+    return s;
+  }
+};
+
+[[noreturn]] void violation(const char* what, const std::string& detail) {
+  std::fprintf(stderr, "\nfuzz_c_abi: INVARIANT VIOLATED: %s\n  %s\n", what, detail.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Small finite values written into the inputs' elements.
+void store_value(unsigned char* p, int32_t dt, double x) {
+  switch (dt) {
+    case FLASHATTN_FLOAT32: { const float f = static_cast<float>(x); std::memcpy(p, &f, 4); break; }
+    case FLASHATTN_FLOAT64: std::memcpy(p, &x, 8); break;
+    case FLASHATTN_FLOAT16:
+    case FLASHATTN_BFLOAT16: {
+      // Values k/4 for |k| <= 8 are exact in both formats; build the bits directly.
+      uint16_t h = 0;
+      if (x != 0) {
+        const float f = static_cast<float>(x);
+        uint32_t b;
+        std::memcpy(&b, &f, 4);
+        if (dt == FLASHATTN_BFLOAT16) {
+          h = static_cast<uint16_t>(b >> 16);
+        } else {
+          const uint32_t sign = (b >> 16) & 0x8000, exp = (b >> 23) & 0xff, man = b & 0x7fffff;
+          h = static_cast<uint16_t>(sign | ((exp - 127 + 15) << 10) | (man >> 13));
+        }
+      }
+      std::memcpy(p, &h, 2);
+      break;
+    }
+    default: break;
+  }
+}
+
+double load_value(const unsigned char* p, int32_t dt) {
+  switch (dt) {
+    case FLASHATTN_FLOAT32: { float f; std::memcpy(&f, p, 4); return f; }
+    case FLASHATTN_FLOAT64: { double d; std::memcpy(&d, p, 8); return d; }
+    case FLASHATTN_BFLOAT16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      const uint32_t b = static_cast<uint32_t>(h) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    }
+    case FLASHATTN_FLOAT16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      const int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+      const double sign = (h & 0x8000) ? -1 : 1;
+      if (exp == 0x1f) return man ? std::numeric_limits<double>::quiet_NaN() : sign * INFINITY;
+      if (exp == 0) return sign * std::ldexp(man, -24);
+      return sign * std::ldexp(1024 + man, exp - 25);
+    }
+    default: return 0;
+  }
+}
+
+void run_case(const uint8_t* data, size_t size) {
+  Reader r(data, size);
+  Case c;
+  decode_layout(r, c);
+  decode_mutations(r, c);
+  decode_options(r, c);
+  const int n = c.backward ? kTensors : kLse + 1;
+
+  // Buffers sized to the views they hold (exactly, plus optional slack), so ASan sees a read one
+  // element past a view that ends its buffer.
+  for (int i = 0; i < n; ++i) {
+    View& v = c.t[i];
+    __int128 lo, hi;
+    if (v.byte_off < 0 || v.byte_off > kMaxBuffer) v.byte_off = 0;
+    if (extent(v, lo, hi) && lo >= 0 && hi <= kMaxBuffer) {
+      v.safe = true;
+      c.buf_size[v.buf] = std::max<int64_t>(c.buf_size[v.buf], static_cast<int64_t>(hi));
+    }
+    c.buf_size[v.buf] = std::max<int64_t>(c.buf_size[v.buf], v.byte_off);
+  }
+  const uint8_t slack = r.u8() % 4 == 0 ? r.u8() % 16 : 0;
+  std::vector<std::vector<unsigned char>> storage(kBuffers);
+  std::vector<unsigned char*> base(kBuffers);
+  for (int b = 0; b < kBuffers; ++b) {
+    storage[static_cast<size_t>(b)].assign(static_cast<size_t>(c.buf_size[b] + slack), 0xA5);
+    // (a zero-size vector may have no storage: give every buffer a distinct real address)
+    if (storage[static_cast<size_t>(b)].empty()) storage[static_cast<size_t>(b)].assign(1, 0xA5);
+    base[static_cast<size_t>(b)] = storage[static_cast<size_t>(b)].data();
+  }
+
+  // Inputs get small values k/4 (|k| <= 8) in their dtype; outputs keep the 0xA5 canaries.
+  uint32_t h = 2166136261u;
+  for (size_t i = 0; i < size; ++i) h = (h ^ data[i]) * 16777619u;
+  for (int i = 0; i < n; ++i) {
+    const View& v = c.t[i];
+    if (!v.safe || is_output(c, i)) continue;
+    for_each_element(v, [&](int64_t off) {
+      h = h * 1103515245u + 12345u;
+      store_value(base[static_cast<size_t>(v.buf)] + off, v.dtype,
+                  static_cast<double>(static_cast<int>((h >> 16) % 17) - 8) / 4);
+    });
+  }
+
+  // Exact aliasing facts from byte marks.
+  std::vector<std::vector<uint8_t>> in_mark(kBuffers), out_count(kBuffers);
+  for (int b = 0; b < kBuffers; ++b) {
+    in_mark[static_cast<size_t>(b)].assign(storage[static_cast<size_t>(b)].size(), 0);
+    out_count[static_cast<size_t>(b)].assign(storage[static_cast<size_t>(b)].size(), 0);
+  }
+  std::string alias;  // why the call aliases, "" when it does not
+  for (int i = 0; i < n; ++i) {
+    const View& v = c.t[i];
+    if (!v.safe) continue;
+    const int64_t es = dtype_bytes(v.dtype);
+    const bool out = is_output(c, i);
+    auto& marks = out ? out_count[static_cast<size_t>(v.buf)] : in_mark[static_cast<size_t>(v.buf)];
+    uint8_t* const m0 = marks.data();
+    bool twice = false;
+    for_each_element(v, [&](int64_t off) {
+      uint8_t* m = m0 + off;
+      for (int64_t j = 0; j < es; ++j) {
+        twice |= m[j] != 0;
+        m[j] = 1;
+      }
+    });
+    if (out && twice && alias.empty())
+      alias = std::string(kName[i]) + " reaches a byte twice or shares it with another output";
+  }
+  for (int b = 0; b < kBuffers && alias.empty(); ++b)
+    for (size_t j = 0; j < in_mark[static_cast<size_t>(b)].size(); ++j)
+      if (in_mark[static_cast<size_t>(b)][j] && out_count[static_cast<size_t>(b)][j]) {
+        alias = "an output shares a byte with an input";
+        break;
+      }
+
+  std::string why_invalid;
+  bool valid = model_valid(c, base, &why_invalid);
+  // A view outside its buffer must not reach the kernels: make such a call invalid for sure.
+  bool any_unsafe = false;
+  for (int i = 0; i < n; ++i) any_unsafe |= !c.t[i].safe && !c.t[i].null_ptr;
+  if (any_unsafe) {
+    if (c.opts_null) {
+      c.opts_null = false;
+      flashattn_options_init(&c.opts);
+    }
+    if (c.opts.struct_size < FLASHATTN_OPTIONS_V1_SIZE) c.opts.struct_size = FLASHATTN_OPTIONS_V1_SIZE;
+    c.opts.mask = 77;
+    valid = false;
+  }
+
+  // Small finite inputs (|x| <= 2) at a moderate scale must give finite outputs. The forward's
+  // out is a convex combination of v rows. The backward takes out and lse as given (here not
+  // the forward's), so exp(S - lse) is bounded only by |S| + 2 <= |scale| * 4 D + 2: checked
+  // when that stays below 62 (float32 exp overflows at 88), and not for float16 gradients.
+  const double eff_scale = c.opts_null || c.opts.softmax_scale == 0.0f
+                               ? 1.0 / std::sqrt(static_cast<double>(c.D))
+                               : std::fabs(static_cast<double>(c.opts.softmax_scale));
+  bool numeric_check =
+      valid && (c.backward ? c.t[kQ].dtype != FLASHATTN_FLOAT16 && eff_scale * 4 * c.D <= 60
+                           : eff_scale <= 100);
+  for (int i = 0; i < n && numeric_check; ++i) {
+    const View& v = c.t[i];
+    if (is_output(c, i)) continue;
+    for_each_element(v, [&](int64_t off) {
+      const double x = load_value(base[static_cast<size_t>(v.buf)] + off, v.dtype);
+      if (!(std::fabs(x) <= 2)) numeric_check = false;
+    });
+  }
+
+  // The C structs, and the options in exactly as many bytes as struct_size claims.
+  flashattn_tensor ct[kTensors];
+  const flashattn_tensor* cp[kTensors];
+  for (int i = 0; i < kTensors; ++i) {
+    const View& v = c.t[i];
+    std::memset(&ct[i], 0, sizeof ct[i]);
+    ct[i].data = v.null_data ? nullptr : base[static_cast<size_t>(v.buf)] + v.byte_off;
+    ct[i].dtype = v.dtype;
+    ct[i].device = v.device;
+    ct[i].ndim = v.ndim;
+    for (int d = 0; d < 4; ++d) {
+      ct[i].shape[d] = v.shape[d];
+      ct[i].stride[d] = v.stride[d];
+    }
+    cp[i] = v.null_ptr ? nullptr : &ct[i];
+  }
+  const flashattn_options* op = nullptr;
+  std::vector<unsigned char> opts_mem;
+  if (!c.opts_null) {
+    const size_t bytes = std::max<size_t>(4, c.opts.struct_size);
+    opts_mem.assign(bytes, 0xCD);
+    std::memcpy(opts_mem.data(), &c.opts, std::min(bytes, sizeof c.opts));
+    // (vector storage comes from operator new: aligned for the struct)
+    op = reinterpret_cast<const flashattn_options*>(opts_mem.data());
+  }
+
+  const std::vector<std::vector<unsigned char>> before = storage;
+  const int status =
+      c.backward ? flashattn_backward(cp[kQ], cp[kK], cp[kV], cp[kOut], cp[kDout], cp[kLse], cp[kDq],
+                                      cp[kDk], cp[kDv], op)
+                 : flashattn_forward(cp[kQ], cp[kK], cp[kV], cp[kOut], cp[kLse], op);
+  const std::string msg = flashattn_last_error();
+  const char* dir = c.backward ? "backward" : "forward";
+  Stats& stats = Stats::get();
+  ++stats.calls;
+  stats.ok += status == FLASHATTN_OK;
+
+  if (status != FLASHATTN_OK) {
+    if (status != FLASHATTN_ERROR_INVALID_ARGUMENT && status != FLASHATTN_ERROR_UNSUPPORTED)
+      violation("unexpected status", std::string(dir) + ": status " + std::to_string(status) + ": " + msg);
+    if (msg.empty()) violation("error without a message", std::string(dir) + ": status " + std::to_string(status));
+    for (int b = 0; b < kBuffers; ++b)
+      if (storage[static_cast<size_t>(b)] != before[static_cast<size_t>(b)])
+        violation("a failed call wrote memory", std::string(dir) + ": " + msg);
+    if (valid && alias.empty()) {
+      if (msg.find("overlap") == std::string::npos && msg.find("alias") == std::string::npos)
+        violation("a valid call was refused", std::string(dir) + ": " + msg);
+      ++stats.valid_refused_as_overlap;
+      if (std::getenv("FUZZ_C_ABI_VERBOSE")) std::fprintf(stderr, "refused as overlap: %s\n", msg.c_str());
+    }
+    return;
+  }
+  if (!msg.empty()) violation("success with a message", msg);
+  if (!valid) violation("an invalid call succeeded", std::string(dir) + ": " + why_invalid);
+  if (!alias.empty()) violation("an aliasing call succeeded", std::string(dir) + ": " + alias);
+  for (int b = 0; b < kBuffers; ++b) {
+    if (storage[static_cast<size_t>(b)] == before[static_cast<size_t>(b)]) continue;
+    for (size_t j = 0; j < storage[static_cast<size_t>(b)].size(); ++j)
+      if (storage[static_cast<size_t>(b)][j] != before[static_cast<size_t>(b)][j] &&
+          !out_count[static_cast<size_t>(b)][j])
+        violation("a byte outside the outputs changed",
+                  std::string(dir) + ": buffer " + std::to_string(b) + " byte " + std::to_string(j));
+  }
+  if (numeric_check) {
+    for (int i = 0; i < n; ++i) {
+      if (!is_output(c, i)) continue;
+      const View& v = c.t[i];
+      for_each_element(v, [&](int64_t off) {
+        const double x = load_value(base[static_cast<size_t>(v.buf)] + off, v.dtype);
+        if (std::isnan(x) || (std::isinf(x) && !(i == kLse && x < 0)))
+          violation("a non-finite output from small finite inputs",
+                    std::string(dir) + ": " + kName[i] + " = " + std::to_string(x));
+      });
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  run_case(data, size);
+  return 0;
+}
+
+#if defined(FLASHATTN_FUZZ_REPLAY)
+// Replays files, and every file of directories, through the target (no libFuzzer needed).
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+
+static int replay(const std::string& path, int& count) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    std::fprintf(stderr, "cannot read %s\n", path.c_str());
+    return 1;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    std::vector<std::string> names;
+    if (DIR* d = opendir(path.c_str())) {
+      while (dirent* e = readdir(d))
+        if (e->d_name[0] != '.') names.push_back(e->d_name);
+      closedir(d);
+    }
+    std::sort(names.begin(), names.end());
+    int rc = 0;
+    for (const std::string& nm : names) rc |= replay(path + "/" + nm, count);
+    return rc;
+  }
+  std::ifstream f(path, std::ios::binary);
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  LLVMFuzzerTestOneInput(bytes.data(), bytes.size());
+  ++count;
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  int count = 0, rc = 0;
+  for (int i = 1; i < argc; ++i) rc |= replay(argv[i], count);
+  std::printf("fuzz_c_abi replay: %d inputs, invariants held\n", count);
+  return rc != 0 || count == 0;
+}
+#endif

@@ -1,0 +1,205 @@
+// The documented bounds of the options (FLASHATTN_MAX_THREADS, FLASHATTN_MAX_SOFTMAX_SCALE), and a
+// CPU call in a process that cannot start all the threads it asks for.
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.h"
+#include "test_util.hpp"
+
+namespace flashattn::test {
+namespace {
+
+ProblemConfig small(float scale = 0.0f) {
+  return make_config(2, 4, 2, 9, 11, 16, Mask::CausalBottomRight, DType::Float32,
+                     testing::Layout::BHSD, scale, /*seed=*/17);
+}
+
+// Both directions fail with `needles` and write nothing.
+void expect_rejected(const Options& o, const std::vector<std::string>& needles) {
+  Problem p(small());
+  const Snapshot before = snapshot(p);
+  EXPECT_TRUE(throws_error([&] { run_forward(p, o); }, Status::InvalidArgument, needles));
+  EXPECT_TRUE(throws_error([&] { run_backward(p, o); }, Status::InvalidArgument, needles));
+  EXPECT_TRUE(snapshot(p) == before) << "written before the error";
+}
+
+// ---- num_threads ---------------------------------------------------------------------------
+
+TEST(BadInputBounds, NumThreadsAboveTheBound) {
+  static_assert(FLASHATTN_MAX_THREADS == 1024, "the documented bound");
+  for (int32_t n : {FLASHATTN_MAX_THREADS + 1, 2000, std::numeric_limits<int32_t>::max()}) {
+    SCOPED_TRACE(n);
+    Options o;
+    o.num_threads = n;
+    expect_rejected(o, {"options.num_threads = " + std::to_string(n), "too large", "at most 1024"});
+  }
+}
+
+// The bound itself is accepted, and (as for every thread count) gives the bytes of one thread.
+TEST(BadInputBounds, NumThreadsAtTheBoundWorks) {
+  Problem one(small()), many(small());
+  run_forward(one, options_for(one.cfg, 1));
+  run_backward(one, options_for(one.cfg, 1));
+  ASSERT_NO_THROW(run_forward(many, options_for(many.cfg, FLASHATTN_MAX_THREADS)));
+  ASSERT_NO_THROW(run_backward(many, options_for(many.cfg, FLASHATTN_MAX_THREADS)));
+  EXPECT_TRUE(snapshot(one) == snapshot(many));
+}
+
+// ---- softmax_scale ---------------------------------------------------------------------------
+
+// 3e38 used to pass validation and give all-zero outputs (scale * log2(e) overflows float32); at
+// 1e30 the backward gave NaN for unit inputs.
+TEST(BadInputBounds, SoftmaxScaleAboveTheBound) {
+  static_assert(FLASHATTN_MAX_SOFTMAX_SCALE == 1e6f, "the documented bound");
+  const float above = std::nextafter(FLASHATTN_MAX_SOFTMAX_SCALE, std::numeric_limits<float>::infinity());
+  const std::pair<float, std::string> cases[] = {{3e38f, "3e+38"},
+                                                 {-3e38f, "-3e+38"},
+                                                 {std::numeric_limits<float>::max(), "3.40282e+38"},
+                                                 {1e30f, "1e+30"},
+                                                 {1e7f, "1e+07"},
+                                                 {above, "1e+06"},
+                                                 {-above, "-1e+06"}};
+  for (const auto& [s, text] : cases) {
+    SCOPED_TRACE(text);
+    Options o;
+    o.softmax_scale = s;
+    expect_rejected(o, {"options.softmax_scale = " + text, "out of range", "<= 1e+06",
+                        "FLASHATTN_MAX_SOFTMAX_SCALE"});
+  }
+}
+
+// At the bound, inputs of ordinary size work: the softmax is one-hot, the forward matches the
+// float64 reference, and the backward is finite (its values are rounding-dominated at such a
+// scale - a one-hot softmax has ill-conditioned gradients - so they are not compared).
+TEST(BadInputBounds, SoftmaxScaleAtTheBoundWorks) {
+  for (float s : {FLASHATTN_MAX_SOFTMAX_SCALE, -FLASHATTN_MAX_SOFTMAX_SCALE}) {
+    SCOPED_TRACE(s);
+    Problem p(make_config(1, 2, 1, 7, 9, 16, Mask::None, DType::Float32, testing::Layout::BHSD, s, 3));
+    Options o = options_for(p.cfg, 2);
+    ASSERT_NO_THROW(run_forward(p, o));
+    ASSERT_NO_THROW(run_backward(p, o));
+    const Reference r = reference_for(p);
+    const auto eo = testing::compare(p.to_double(p.out), r.fwd.out);
+    const auto el = testing::compare(p.to_double(p.lse), r.fwd.lse);
+    EXPECT_EQ(eo.nan, 0) << eo.str();
+    EXPECT_LE(eo.rel, 2e-5) << eo.str();
+    EXPECT_EQ(el.nan, 0) << el.str();
+    EXPECT_LE(el.rel, 2e-5) << el.str();
+    for (const testing::HostTensor* t : {&p.dq, &p.dk, &p.dv})
+      for (double x : p.to_double(*t)) ASSERT_TRUE(std::isfinite(x)) << "a gradient is not finite";
+  }
+}
+
+// Through the C ABI: the status and the message.
+TEST(BadInputBounds, ThroughTheCAbi) {
+  Problem p(small());
+  auto c = [](const Tensor& t) {
+    flashattn_tensor r{};
+    r.data = t.data;
+    r.dtype = static_cast<int32_t>(t.dtype);
+    r.device = t.device;
+    r.ndim = t.ndim;
+    for (int i = 0; i < 4; ++i) {
+      r.shape[i] = t.shape[i];
+      r.stride[i] = t.stride[i];
+    }
+    return r;
+  };
+  const flashattn_tensor q = c(p.q.view), k = c(p.k.view), v = c(p.v.view), out = c(p.out.view),
+                         lse = c(p.lse.view);
+  flashattn_options o;
+  flashattn_options_init(&o);
+  o.softmax_scale = 3e38f;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashattn_last_error()).find("options.softmax_scale = 3e+38"), std::string::npos)
+      << flashattn_last_error();
+  o.softmax_scale = 0;
+  o.num_threads = 5000;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashattn_last_error()).find("options.num_threads = 5000"), std::string::npos)
+      << flashattn_last_error();
+}
+
+// ---- a process that cannot start all its threads -----------------------------------------------
+
+long status_field(const char* key) {  // a "Key:   123 kB" line of /proc/self/status
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(f, line))
+    if (line.compare(0, k.size(), k) == 0) return std::stol(line.substr(k.size()));
+  return -1;
+}
+
+// A forked child caps its address space a little above what it uses (RLIMIT_AS, as `ulimit -v`
+// does), then asks for 512 threads: at 8 MiB of stack each, most cannot start. The calls must
+// still succeed with the bytes of a one-thread run, and later calls must work too. Before the fix
+// the first call hung for ever (the pool's cleanup blocked in pthread_cond_destroy holding the
+// process-wide pool lock); the alarm turns that into a failure. tests/test_thread_pool.cpp
+// provokes the failure at every possible thread, deterministically, with a test hook.
+TEST(ThreadLimits, CallsSucceedWhenThreadsCannotStart) {
+  const ProblemConfig cfg = small();
+  Problem want(cfg);
+  run_forward(want, options_for(cfg, 1));
+  run_backward(want, options_for(cfg, 1));
+  const Snapshot expected = snapshot(want);
+
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0) << std::strerror(errno);
+  if (pid == 0) {
+    close(fds[0]);
+    alarm(60);
+    std::string msg;
+    try {
+      Problem p(cfg);  // allocated before the cap
+      const long vm_kb = status_field("VmSize");
+      const rlim_t cap = static_cast<rlim_t>(vm_kb + 48 * 1024) * 1024;  // + 48 MiB
+      struct rlimit rl = {cap, cap};
+      if (vm_kb < 0 || setrlimit(RLIMIT_AS, &rl) != 0) {
+        msg = "setrlimit failed";
+      } else {
+        for (int32_t threads : {512, 512, 3, 700}) {
+          p.poison_outputs();
+          run_forward(p, options_for(cfg, threads));
+          run_backward(p, options_for(cfg, threads));
+          if (!(snapshot(p) == expected))
+            msg += "num_threads=" + std::to_string(threads) + ": results differ from 1 thread; ";
+          const long running = status_field("Threads");
+          if (threads >= 512 && running >= threads)
+            msg += "the limit did not bite (" + std::to_string(running) + " threads running); ";
+        }
+      }
+    } catch (const std::exception& e) {
+      msg = std::string("threw: ") + e.what();
+    }
+    (void)!write(fds[1], msg.data(), msg.size());
+    _exit(msg.empty() ? 0 : 1);
+  }
+  close(fds[1]);
+  std::string msg;
+  char buf[256];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_FALSE(WIFSIGNALED(status)) << "the child died of signal " << WTERMSIG(status)
+                                    << (WTERMSIG(status) == SIGALRM ? " (it hung)" : "");
+  EXPECT_EQ(WEXITSTATUS(status), 0) << msg;
+}
+
+}  // namespace
+}  // namespace flashattn::test

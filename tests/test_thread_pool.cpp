@@ -1,0 +1,187 @@
+// The CPU thread pool when the system refuses to start some of its threads (a container's pid
+// limit, RLIMIT_NPROC, an address-space limit too small for another stack).
+//
+// This binary compiles src/cpu/thread_pool.cpp itself with FLASHATTN_THREAD_POOL_TESTING, whose
+// hook makes every thread start after the first n throw std::system_error(EAGAIN), exactly what
+// std::thread does when pthread_create fails. Before the fix the pool's constructor let that
+// exception unwind past workers already waiting on its condition variable: the unwinding blocked
+// forever in pthread_cond_destroy while shared_pool() held the process-wide lock, so that call and
+// every later one hung. Each case therefore runs in a forked child with an alarm: a hang fails the
+// test within seconds instead of stalling CI. (tests/test_thread_limits.cpp provokes the same
+// failure in the real library with RLIMIT_AS.)
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "cpu/thread_pool.hpp"
+
+namespace flashattn::cpu {
+namespace {
+
+// Runs body() in a forked child that must exit 0 within `seconds`. body returns "" on success or
+// a description of what went wrong, which the child sends back through a pipe.
+::testing::AssertionResult in_child(const std::function<std::string()>& body, int seconds = 20) {
+  int fds[2];
+  if (pipe(fds) != 0) return ::testing::AssertionFailure() << "pipe: " << std::strerror(errno);
+  const pid_t pid = fork();
+  if (pid < 0) return ::testing::AssertionFailure() << "fork: " << std::strerror(errno);
+  if (pid == 0) {
+    close(fds[0]);
+    alarm(static_cast<unsigned>(seconds));
+    std::string msg;
+    try {
+      msg = body();
+    } catch (const std::exception& e) {
+      msg = std::string("threw: ") + e.what();
+    } catch (...) {
+      msg = "threw a non-std exception";
+    }
+    (void)!write(fds[1], msg.data(), msg.size());
+    _exit(msg.empty() ? 0 : 1);
+  }
+  close(fds[1]);
+  std::string msg;
+  char buf[256];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return ::testing::AssertionFailure() << "waitpid failed";
+  if (WIFSIGNALED(status))
+    return ::testing::AssertionFailure()
+           << "the child died of signal " << WTERMSIG(status)
+           << (WTERMSIG(status) == SIGALRM ? " (it hung: alarm after " + std::to_string(seconds) + " s)"
+                                           : std::string(WTERMSIG(status) == SIGABRT ? " (abort / std::terminate)" : ""));
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return ::testing::AssertionFailure() << "the child failed: " << msg;
+  return ::testing::AssertionSuccess();
+}
+
+// Runs `tasks` tasks on the pool; "" when each ran exactly once on a thread index below threads().
+std::string run_and_count(ThreadPool& pool, int64_t tasks) {
+  struct Ctx {
+    explicit Ctx(int64_t n, int t) : hits(static_cast<size_t>(n)), threads(t) {}
+    std::vector<std::atomic<int>> hits;
+    std::atomic<int> bad_thread{0};
+    int threads;
+  } ctx(tasks, pool.threads());
+  pool.run(
+      tasks,
+      [](const void* c, int64_t task, int thread) {
+        Ctx& x = *const_cast<Ctx*>(static_cast<const Ctx*>(c));
+        x.hits[static_cast<size_t>(task)]++;
+        if (thread < 0 || thread >= x.threads) x.bad_thread++;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));  // let every worker join in
+      },
+      &ctx);
+  for (int64_t t = 0; t < tasks; ++t)
+    if (ctx.hits[static_cast<size_t>(t)] != 1)
+      return "task " + std::to_string(t) + " ran " + std::to_string(ctx.hits[static_cast<size_t>(t)]) + " times";
+  if (ctx.bad_thread) return "a task saw a thread index outside [0, threads())";
+  return "";
+}
+
+TEST(ThreadPoolStartFailure, RunsOnTheThreadsThatStarted) {
+  EXPECT_TRUE(in_child([]() -> std::string {
+    set_thread_start_limit_for_testing(3);  // workers 1..3 start, worker 4 fails
+    std::string err;
+    {
+      ThreadPool pool(8);
+      if (pool.threads() != 4) return "threads() = " + std::to_string(pool.threads()) + ", expected 4";
+      if (pool.requested() != 8) return "requested() = " + std::to_string(pool.requested());
+      err = run_and_count(pool, 500);
+      if (err.empty()) err = run_and_count(pool, 3);
+    }  // the destructor joins the three workers
+    return err;
+  }));
+}
+
+TEST(ThreadPoolStartFailure, NoThreadAtAllRunsInline) {
+  EXPECT_TRUE(in_child([]() -> std::string {
+    set_thread_start_limit_for_testing(0);
+    ThreadPool pool(16);
+    if (pool.threads() != 1) return "threads() = " + std::to_string(pool.threads()) + ", expected 1";
+    return run_and_count(pool, 100);
+  }));
+}
+
+TEST(ThreadPoolStartFailure, TaskExceptionsStillPropagate) {
+  EXPECT_TRUE(in_child([]() -> std::string {
+    set_thread_start_limit_for_testing(2);
+    ThreadPool pool(6);
+    try {
+      pool.run(
+          64,
+          [](const void*, int64_t task, int) {
+            if (task == 17) throw std::runtime_error("task 17");
+          },
+          nullptr);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what()) == "task 17" ? run_and_count(pool, 50) : "wrong exception";
+    }
+    return std::string("the task's exception was lost");
+  }));
+}
+
+// The process-wide pool: a start failure neither leaves the lock held nor breaks later calls; a
+// pool that got fewer threads than asked is kept for that request (no new attempt, and no
+// thread churn, on every call), and a different request builds a new pool.
+TEST(ThreadPoolStartFailure, SharedPoolStaysUsable) {
+  EXPECT_TRUE(in_child([]() -> std::string {
+    set_thread_start_limit_for_testing(2);
+    {
+      std::unique_lock<std::mutex> lock;
+      ThreadPool& pool = shared_pool(8, lock);
+      if (pool.threads() != 3) return "first pool: threads() = " + std::to_string(pool.threads());
+      std::string err = run_and_count(pool, 200);
+      if (!err.empty()) return err;
+    }
+    set_thread_start_limit_for_testing(-1);
+    // Another thread gets the lock (it was released) and the same pool back.
+    std::string err;
+    std::thread other([&] {
+      std::unique_lock<std::mutex> lock;
+      ThreadPool& pool = shared_pool(8, lock);
+      if (pool.threads() != 3) err = "second call: threads() = " + std::to_string(pool.threads());
+      else err = run_and_count(pool, 200);
+    });
+    other.join();
+    if (!err.empty()) return err;
+    std::unique_lock<std::mutex> lock;
+    ThreadPool& pool = shared_pool(5, lock);
+    if (pool.threads() != 5) return "new request: threads() = " + std::to_string(pool.threads());
+    return run_and_count(pool, 200);
+  }));
+}
+
+// Every possible failure point of a 12-thread pool, with pools re-created in between.
+TEST(ThreadPoolStartFailure, EveryFailurePoint) {
+  EXPECT_TRUE(in_child([]() -> std::string {
+    for (int limit = 0; limit <= 12; ++limit) {
+      set_thread_start_limit_for_testing(limit);
+      std::unique_lock<std::mutex> lock;
+      ThreadPool& pool = shared_pool(limit % 2 ? 12 : 13, lock);
+      const int want = std::min(limit + 1, limit % 2 ? 12 : 13);
+      if (pool.threads() != want)
+        return "limit " + std::to_string(limit) + ": threads() = " + std::to_string(pool.threads()) +
+               ", expected " + std::to_string(want);
+      const std::string err = run_and_count(pool, 97);
+      if (!err.empty()) return "limit " + std::to_string(limit) + ": " + err;
+    }
+    return std::string();
+  }, 60));
+}
+
+}  // namespace
+}  // namespace flashattn::cpu
