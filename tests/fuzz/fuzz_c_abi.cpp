@@ -22,6 +22,8 @@
 // Views that would reach outside their buffer are never handed to a call that could succeed:
 // such a call gets an invalid mask (the library must refuse it before touching memory).
 //
+// FUZZ_C_ABI_VERBOSE=1 prints valid calls refused as overlap; =2 every call's status and message.
+//
 // Built two ways: with libFuzzer (tests/fuzz/CMakeLists.txt, FLASHATTN_BUILD_FUZZ=ON, clang), and
 // without it as a replay tool (FLASHATTN_FUZZ_REPLAY: main() runs the files and directories
 // given) that CTest runs over tests/fuzz/corpus in every build, sanitizer build included.
@@ -643,6 +645,8 @@ void run_case(const uint8_t* data, size_t size) {
   ++stats.calls;
   stats.ok += status == FLASHATTN_OK;
 
+  if (const char* verbose = std::getenv("FUZZ_C_ABI_VERBOSE"); verbose && *verbose == '2')
+    std::fprintf(stderr, "%s: status %d: %s\n", dir, status, msg.c_str());
   if (status != FLASHATTN_OK) {
     if (status != FLASHATTN_ERROR_INVALID_ARGUMENT && status != FLASHATTN_ERROR_UNSUPPORTED)
       violation("unexpected status", std::string(dir) + ": status " + std::to_string(status) + ": " + msg);
