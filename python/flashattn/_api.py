@@ -66,6 +66,10 @@ def scale_value(softmax_scale):
     if scale == 0.0:
         # 0 is the ABI's "default" marker: passing it through would silently mean 1/sqrt(D).
         raise ValueError("softmax_scale = 0 is not supported (None means 1/sqrt(head_dim))")
+    if np.float32(scale) == 0.0:
+        # The library takes the scale as float32: one that rounds to 0 there would also read as
+        # the default.
+        raise ValueError(f"softmax_scale = {scale!r} rounds to 0 in float32 (None means 1/sqrt(head_dim))")
     return scale
 
 

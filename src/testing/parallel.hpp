@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -32,7 +33,16 @@ void parallel_for(int64_t tasks, int threads, F&& fn) {
   };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<size_t>(n - 1));
-  for (int i = 0; i < n - 1; ++i) pool.emplace_back(worker);
+  // A thread that cannot start (the process's thread or memory limit) leaves the work to those
+  // that did and the caller: the counter hands out every task either way. (Letting the exception
+  // leave with joinable threads in `pool` would call std::terminate.)
+  for (int i = 0; i < n - 1; ++i) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
   worker();
   for (auto& th : pool) th.join();
 }
