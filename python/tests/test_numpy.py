@@ -348,6 +348,8 @@ BAD_FORWARD = [
      r"precision = 'fp16' is unknown"),
     ("zero scale", lambda q, k, v: (q, k, v, {"softmax_scale": 0.0}), ValueError,
      r"softmax_scale = 0"),
+    ("scale rounding to 0", lambda q, k, v: (q, k, v, {"softmax_scale": 1e-50}), ValueError,
+     r"softmax_scale = 1e-50 rounds to 0 in float32"),
     ("nan scale", lambda q, k, v: (q, k, v, {"softmax_scale": float("nan")}), ValueError,
      r"softmax_scale = nan is not finite"),
     ("negative threads", lambda q, k, v: (q, k, v, {"num_threads": -1}), ValueError,
