@@ -35,6 +35,10 @@ pub const FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT: i32 = 2;
 pub const FLASHATTN_PRECISION_FP32: i32 = 0;
 pub const FLASHATTN_PRECISION_TF32: i32 = 1;
 
+// Largest accepted options.num_threads and |options.softmax_scale| (larger: invalid argument)
+pub const FLASHATTN_MAX_THREADS: i32 = 1024;
+pub const FLASHATTN_MAX_SOFTMAX_SCALE: f32 = 1e6;
+
 // status codes
 pub const FLASHATTN_OK: c_int = 0;
 pub const FLASHATTN_ERROR_INVALID_ARGUMENT: c_int = 1;

@@ -88,6 +88,8 @@ fn rust_side() -> BTreeMap<String, i64> {
         ("FLASHATTN_ERROR_OUT_OF_MEMORY", FLASHATTN_ERROR_OUT_OF_MEMORY as i64),
         ("FLASHATTN_ERROR_INTERNAL", FLASHATTN_ERROR_INTERNAL as i64),
         ("FLASHATTN_OPTIONS_V1_SIZE", FLASHATTN_OPTIONS_V1_SIZE as i64),
+        ("FLASHATTN_MAX_THREADS", FLASHATTN_MAX_THREADS as i64),
+        ("FLASHATTN_MAX_SOFTMAX_SCALE", FLASHATTN_MAX_SOFTMAX_SCALE as i64),
     ];
     m.extend(field!(flashattn_tensor, data));
     m.extend(field!(flashattn_tensor, dtype));
