@@ -9,14 +9,13 @@
 #include <string>
 #include <type_traits>
 #include <utility>
-#include <utility>
 
 #include "core/backend.hpp"
 #include "cuda/common/config.hpp"
 #include "cuda/host/check.hpp"
-#include "cuda/host/resources.hpp"
 #include "cuda/host/launch.hpp"
 #include "cuda/host/overrides.hpp"
+#include "cuda/host/resources.hpp"
 #include "cuda/host/select.hpp"
 #include "cuda/sm90/tma.hpp"
 
@@ -270,7 +269,7 @@ void backward(const BackwardParams& p) {
   // backward's operand copies.
   Workspace ws(plan.workspace, stream);
   const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
-  const size_t after_delta = (rows + 3) / 4 * 4;
+  const size_t after_delta = delta_floats(s);
   BwdArgs a{};
   a.p = p;
   a.score = ScoreTransform::make(p.num.scale);

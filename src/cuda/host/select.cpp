@@ -10,8 +10,6 @@
 namespace flashattn::cuda {
 namespace {
 
-int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
-
 // 16-bit backward design when the caller did not ask for a deterministic one: the single pass with
 // atomic dQ at D <= 64 (+2-6% over the split passes on an H200) and wherever the sm_90a dK/dV
 // kernel exists; the split passes (dQ pass + dK/dV pass, every sum in a fixed order) from D = 96
@@ -175,7 +173,6 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
     if (!float32_math(n, dev, ov, &f.math, &r.why)) return r;
     f.kernel = FwdKernel::Sm80Mma32;
     f.smem = smem_bytes(Pass::Forward, f.dp, f.big);
-    const int64_t kv = s.batch * s.heads_kv;
     if (sm90 && f.math == Math::Tf32 && has_sm90_tf32(f.dp) && maps_q()) {
       // tf32 on Hopper: the wgmma forward; the operands it streams as stored need maps.
       const int copies = ov.tf32_fwd_copies >= 0 ? ov.tf32_fwd_copies : tf32_fwd_copies_default(s, n.mask);
@@ -183,9 +180,8 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
         f.kernel = FwdKernel::Sm90Tf32;
         f.tf32_copies = copies;
         f.smem = smem_bytes90_tf32(f.dp);
-        const size_t nvt = copies >= 1 ? static_cast<size_t>(kv * round8(s.seq_kv)) * f.dp : 0;
-        const size_t nk = copies == 2 ? static_cast<size_t>(kv * s.seq_kv) * f.dp : 0;
-        f.workspace = (nvt + nk) * sizeof(float);
+        const CopySizes c = copy_sizes(s, f.dp, false);
+        f.workspace = ((copies >= 1 ? c.kt : 0) + (copies == 2 ? c.k : 0)) * sizeof(float);
       }
     } else if (sm90 && f.math == Math::Tf32x3 && has_sm90_3xtf32(f.dp) && maps_q() &&
                (ov.fp32_fwd >= 0 ? ov.fp32_fwd == 1 : fp32_fwd_wgmma_default(f.dp))) {
@@ -194,8 +190,8 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
       // of K (rows) and V (transposed): 2 |K| + 2 |V| floats.
       f.kernel = FwdKernel::Sm90X3;
       f.smem = smem_bytes90_3xtf32(f.dp);
-      f.workspace = (2 * static_cast<size_t>(kv * s.seq_kv) * f.dp + 2 * static_cast<size_t>(kv * round8(s.seq_kv)) * f.dp) *
-                    sizeof(float);
+      const CopySizes c = copy_sizes(s, f.dp, false);
+      f.workspace = (2 * c.k + 2 * c.kt) * sizeof(float);
     }
   }
   if (!(r.why = smem_limit(s, f.smem, dev)).empty()) return r;
@@ -221,7 +217,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
                     tma_ok(p.dout, eb, s.batch, s.heads_q, s.seq_q) && tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv) &&
                     tma_ok(p.v, eb, s.batch, s.heads_kv, s.seq_kv);
   const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
-  const size_t delta = (rows + 3) / 4 * 4;  // D [B*Hq*Sq] floats; what follows starts 16-byte aligned
+  const size_t delta = delta_floats(s);
   if (half) {
     bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov));
     if (ov.bwd >= 0) atomic = ov.bwd == 1;
@@ -271,11 +267,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       // The copies: Q, dO [B, Hq, Sq, DP] and Q^T, dO^T [B, Hq, DP, Sq8] (only for the wgmma dK/dV
       // pass); K, V [B, Hkv, Skv, DP] and K^T [B, Hkv, DP, Skv8]; as much again for the small
       // parts (3xTF32); 4 more floats: the persistent pair kernels' two block counters.
-      const size_t nq = b.dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * b.dp : 0;
-      const size_t nqt = b.dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * round8(s.seq_q)) * b.dp : 0;
-      const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * b.dp;
-      const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * round8(s.seq_kv)) * b.dp;
-      const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
+      const size_t part = copy_sizes(s, b.dp, b.dkv_wgmma).backward_part();
       b.workspace = (delta + (x3 ? 2 : 1) * part + 4) * sizeof(float);
     }
   }

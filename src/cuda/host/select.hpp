@@ -104,6 +104,32 @@ bool vec_ok(const Op& o, int64_t per16) {
 // what passes this test).
 bool tma_ok(const In4& o, int elem_bytes, int64_t batch, int64_t heads, int64_t seq);
 
+// The float32 sm_90a kernels' operand copies in the workspace, in floats (padded head dim dp):
+// one definition for the plans' workspace sizes and the launchers' carving of it. Row copies
+// [B, H, seq, dp]; transposed copies [B, H, dp, seq8] with seq8 = round8(seq).
+inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+struct CopySizes {
+  size_t q, qt;  // Q (or dO) rows and transposed (the backward's wgmma dK/dV pass only, else 0)
+  size_t k, kt;  // K (or V) rows and transposed
+  // One part of the backward's copies: Q, dO, Q^T, dO^T, K, V, K^T (3xTF32 has a second part, the
+  // small terms).
+  size_t backward_part() const { return 2 * q + 2 * qt + 2 * k + kt; }
+};
+inline CopySizes copy_sizes(const Shape& s, int dp, bool with_q) {
+  const size_t d = static_cast<size_t>(dp);
+  CopySizes c;
+  c.q = with_q ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * d : 0;
+  c.qt = with_q ? static_cast<size_t>(s.batch * s.heads_q * round8(s.seq_q)) * d : 0;
+  c.k = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * d;
+  c.kt = static_cast<size_t>(s.batch * s.heads_kv * round8(s.seq_kv)) * d;
+  return c;
+}
+// Floats of the backward workspace before the accumulator or the copies: D [B*Hq*Sq], rounded up
+// so that what follows starts 16-byte aligned (the sm_90 kernels' vector reductions need 8).
+inline size_t delta_floats(const Shape& s) {
+  return (static_cast<size_t>(s.batch * s.heads_q * s.seq_q) + 3) / 4 * 4;
+}
+
 // The pair kernels' CTAs for `items` blocks: one per block unless `cap` > 0 (at most cap CTAs,
 // each taking its next block from a counter).
 int persistent_ctas(int64_t items, long cap);

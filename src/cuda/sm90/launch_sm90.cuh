@@ -20,8 +20,8 @@ namespace flashattn::cuda {
 
 // The operand pre-pass's copies (launch_tf32_operands) as tensor maps, the float32 sm_90a kernels'
 // streamed operands: row copies [B, H, seq, DP] (boxes of box_rows rows: the pass's tile) and
-// transposed copies [B, H, DP, seq8] (seq8 = round8(seq); boxes of all DP rows).
-inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+// transposed copies [B, H, DP, seq8] (seq8 = round8(seq); boxes of all DP rows); their sizes are
+// copy_sizes() (select.hpp), which also sized the plan's workspace.
 template <int DP>
 bool map_copy_rows(CUtensorMap* map, float* ptr, int64_t batch, int64_t heads, int64_t seq, int box_rows) {
   return make_tensor_map32(map, In4{ptr, heads * seq * DP, seq * DP, DP}, batch, heads, seq, DP, box_rows);
@@ -75,8 +75,9 @@ void launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream) {
     return;
   }
   const int64_t skv8 = round8(s.seq_kv);
-  const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
-  const size_t nk = a.tf32_copies == 2 ? static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP : 0;
+  const CopySizes cs = copy_sizes(s, DP, false);
+  const size_t nvt = cs.kt;
+  const size_t nk = a.tf32_copies == 2 ? cs.k : 0;
   float* vt = a.workspace;
   float* kr = nk > 0 ? vt + nvt : nullptr;
   launch_tf32_operands(OperandJob{a.p.v, s.batch, s.heads_kv, s.seq_kv, nullptr, vt, nullptr, nullptr}, s.head_dim,
@@ -104,8 +105,8 @@ void launch_forward_3xtf32_sm90(const FwdArgs& a, cudaStream_t stream) {
   require_maps(make_tensor_map32(&args.tq, a.p.q, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m),
                "cuda 3xtf32 forward");
   const int64_t skv8 = round8(s.seq_kv);
-  const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
-  const size_t nvt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
+  const CopySizes cs = copy_sizes(s, DP, false);
+  const size_t nk = cs.k, nvt = cs.kt;
   float* kb = a.workspace;
   float* ks = kb + nk;
   float* vtb = ks + nk;
@@ -163,11 +164,9 @@ void launch_bwd_f32_sm90(const BwdArgs& a, cudaStream_t stream) {
   // pass); K, V [B, Hkv, Skv, DP] and K^T [B, Hkv, DP, Skv8]: 4 |Q| (or none) + 3 |K| floats
   // (padded), and as much again for the small parts (X3); freed on the stream after the passes.
   const int64_t sq8 = round8(s.seq_q), skv8 = round8(s.seq_kv);
-  const size_t nq = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * DP : 0;
-  const size_t nqt = dkv_wgmma ? static_cast<size_t>(s.batch * s.heads_q * sq8) * DP : 0;
-  const size_t nk = static_cast<size_t>(s.batch * s.heads_kv * s.seq_kv) * DP;
-  const size_t nkt = static_cast<size_t>(s.batch * s.heads_kv * skv8) * DP;
-  const size_t part = 2 * nq + 2 * nqt + 2 * nk + nkt;
+  const CopySizes cs = copy_sizes(s, DP, dkv_wgmma);
+  const size_t nq = cs.q, nqt = cs.qt, nk = cs.k;
+  const size_t part = cs.backward_part();
   // (+ 4: the persistent pair kernels' two block counters, BlockQueue; BackwardPlan::workspace
   // sized a.copies for all of it)
   // The counters (walking only) zeroed before the side stream forks (below): its dK/dV pass may
