@@ -47,8 +47,8 @@ struct MaskRule {
     return (c1 - 1) - r0 <= hi && c0 - (r1 - 1) >= lo;
   }
 
-  // Older names kept for the row-end form most kernels use.
-  FLASHATTN_HD int64_t visible_end(int64_t i, int64_t seq_kv) const { return key_end(i, seq_kv); }
+  // row_begin(j) clamped to seq_q as well (the sm_90a dK/dV kernels' per-key bound: cheaper in
+  // registers there than the unclamped form).
   FLASHATTN_HD int64_t first_row(int64_t j, int64_t seq_q) const {
     const int64_t r = row_begin(j);
     return r > seq_q ? seq_q : r;

@@ -166,7 +166,7 @@ int64_t mask_violations(const ProblemConfig& c, const std::vector<double>* got, 
   int64_t bad = 0;
   for (int64_t bh = 0; bh < c.batch * c.heads_q; ++bh)
     for (int64_t i = 0; i < c.seq_q; ++i) {
-      if (rule.visible_end(i, c.seq_kv) != 0) continue;
+      if (rule.key_end(i, c.seq_kv) != 0) continue;
       for (int t : {0, 2})
         if (t >= first && t <= last)
           for (int64_t x = 0; x < D; ++x) bad += got[t][(bh * c.seq_q + i) * D + x] != 0.0;

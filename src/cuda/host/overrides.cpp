@@ -66,15 +66,16 @@ std::mutex& mutex() {
   static std::mutex m;
   return m;
 }
-// The process's overrides; `loaded` once the environment has been read.
-Overrides& current(bool* loaded = nullptr) {
+// The process's overrides, read from the environment on first use (callers hold mutex()). A bad
+// value throws once, from that first call; the environment is then not read again and every knob
+// stays at the library's choice.
+Overrides& current() {
   static Overrides o;
   static bool read = false;
   if (!read) {
-    read = true;  // (a bad value throws once, from the first call, and is then left unset)
+    read = true;
     o = parse_overrides([](const char* n, void*) -> const char* { return std::getenv(n); }, nullptr);
   }
-  if (loaded) *loaded = read;
   return o;
 }
 #endif
