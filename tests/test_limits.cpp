@@ -3,11 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -16,6 +14,7 @@
 #include <vector>
 
 #include "flashattn/flashattn.h"
+#include "child_process.hpp"
 #include "test_util.hpp"
 
 namespace flashattn::test {
@@ -156,49 +155,30 @@ TEST(ThreadLimits, CallsSucceedWhenThreadsCannotStart) {
   run_backward(want, options_for(cfg, 1));
   const Snapshot expected = snapshot(want);
 
-  int fds[2];
-  ASSERT_EQ(pipe(fds), 0);
-  const pid_t pid = fork();
-  ASSERT_GE(pid, 0) << std::strerror(errno);
-  if (pid == 0) {
-    close(fds[0]);
-    alarm(60);
-    std::string msg;
-    try {
-      Problem p(cfg);  // allocated before the cap
-      const long vm_kb = status_field("VmSize");
-      const rlim_t cap = static_cast<rlim_t>(vm_kb + 48 * 1024) * 1024;  // + 48 MiB
-      struct rlimit rl = {cap, cap};
-      if (vm_kb < 0 || setrlimit(RLIMIT_AS, &rl) != 0) {
-        msg = "setrlimit failed";
-      } else {
-        for (int32_t threads : {512, 512, 3, 700}) {
-          p.poison_outputs();
-          run_forward(p, options_for(cfg, threads));
-          run_backward(p, options_for(cfg, threads));
-          if (!(snapshot(p) == expected))
-            msg += "num_threads=" + std::to_string(threads) + ": results differ from 1 thread; ";
-          const long running = status_field("Threads");
-          if (threads >= 512 && running >= threads)
-            msg += "the limit did not bite (" + std::to_string(running) + " threads running); ";
+  EXPECT_TRUE(in_child(
+      [&] {
+        std::string msg;
+        Problem p(cfg);  // allocated before the cap
+        const long vm_kb = status_field("VmSize");
+        const rlim_t cap = static_cast<rlim_t>(vm_kb + 48 * 1024) * 1024;  // + 48 MiB
+        struct rlimit rl = {cap, cap};
+        if (vm_kb < 0 || setrlimit(RLIMIT_AS, &rl) != 0) {
+          msg = "setrlimit failed";
+        } else {
+          for (int32_t threads : {512, 512, 3, 700}) {
+            p.poison_outputs();
+            run_forward(p, options_for(cfg, threads));
+            run_backward(p, options_for(cfg, threads));
+            if (!(snapshot(p) == expected))
+              msg += "num_threads=" + std::to_string(threads) + ": results differ from 1 thread; ";
+            const long running = status_field("Threads");
+            if (threads >= 512 && running >= threads)
+              msg += "the limit did not bite (" + std::to_string(running) + " threads running); ";
+          }
         }
-      }
-    } catch (const std::exception& e) {
-      msg = std::string("threw: ") + e.what();
-    }
-    (void)!write(fds[1], msg.data(), msg.size());
-    _exit(msg.empty() ? 0 : 1);
-  }
-  close(fds[1]);
-  std::string msg;
-  char buf[256];
-  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_FALSE(WIFSIGNALED(status)) << "the child died of signal " << WTERMSIG(status)
-                                    << (WTERMSIG(status) == SIGALRM ? " (it hung)" : "");
-  EXPECT_EQ(WEXITSTATUS(status), 0) << msg;
+        return msg;
+      },
+      60));
 }
 
 }  // namespace

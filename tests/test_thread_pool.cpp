@@ -7,7 +7,7 @@
 // exception unwind past workers already waiting on its condition variable: the unwinding blocked
 // forever in pthread_cond_destroy while shared_pool() held the process-wide lock, so that call and
 // every later one hung. Each case therefore runs in a forked child with an alarm: a hang fails the
-// test within seconds instead of stalling CI. (tests/test_thread_limits.cpp provokes the same
+// test within seconds instead of stalling CI. (tests/test_limits.cpp provokes the same
 // failure in the real library with RLIMIT_AS.)
 #include <gtest/gtest.h>
 
@@ -25,48 +25,13 @@
 #include <unistd.h>
 #include <vector>
 
+#include "child_process.hpp"
 #include "cpu/thread_pool.hpp"
 
 namespace flashattn::cpu {
 namespace {
 
-// Runs body() in a forked child that must exit 0 within `seconds`. body returns "" on success or
-// a description of what went wrong, which the child sends back through a pipe.
-::testing::AssertionResult in_child(const std::function<std::string()>& body, int seconds = 20) {
-  int fds[2];
-  if (pipe(fds) != 0) return ::testing::AssertionFailure() << "pipe: " << std::strerror(errno);
-  const pid_t pid = fork();
-  if (pid < 0) return ::testing::AssertionFailure() << "fork: " << std::strerror(errno);
-  if (pid == 0) {
-    close(fds[0]);
-    alarm(static_cast<unsigned>(seconds));
-    std::string msg;
-    try {
-      msg = body();
-    } catch (const std::exception& e) {
-      msg = std::string("threw: ") + e.what();
-    } catch (...) {
-      msg = "threw a non-std exception";
-    }
-    (void)!write(fds[1], msg.data(), msg.size());
-    _exit(msg.empty() ? 0 : 1);
-  }
-  close(fds[1]);
-  std::string msg;
-  char buf[256];
-  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  int status = 0;
-  if (waitpid(pid, &status, 0) != pid) return ::testing::AssertionFailure() << "waitpid failed";
-  if (WIFSIGNALED(status))
-    return ::testing::AssertionFailure()
-           << "the child died of signal " << WTERMSIG(status)
-           << (WTERMSIG(status) == SIGALRM ? " (it hung: alarm after " + std::to_string(seconds) + " s)"
-                                           : std::string(WTERMSIG(status) == SIGABRT ? " (abort / std::terminate)" : ""));
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    return ::testing::AssertionFailure() << "the child failed: " << msg;
-  return ::testing::AssertionSuccess();
-}
+using test::in_child;
 
 // Runs `tasks` tasks on the pool; "" when each ran exactly once on a thread index below threads().
 std::string run_and_count(ThreadPool& pool, int64_t tasks) {

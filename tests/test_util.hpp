@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
@@ -100,6 +101,60 @@ template <class F>
   return ::testing::AssertionFailure() << "did not throw (expected status "
                                        << static_cast<int>(status) << " and " << join(needles)
                                        << ")";
+}
+
+// ---- strided views (packed and fused layouts) -------------------------------------------------
+// Logical [B,H,S,D] (or [B,H,S]) contents of any strided view, in double.
+inline std::vector<double> gather(const Tensor& t) {
+  std::vector<double> r;
+  const int64_t n3 = t.ndim == 4 ? t.shape[3] : 1;
+  for (int64_t a = 0; a < t.shape[0]; ++a)
+    for (int64_t b = 0; b < t.shape[1]; ++b)
+      for (int64_t c = 0; c < t.shape[2]; ++c)
+        for (int64_t d = 0; d < n3; ++d)
+          r.push_back(testing::load_element(
+              t.data, t.dtype,
+              a * t.stride[0] + b * t.stride[1] + c * t.stride[2] + (t.ndim == 4 ? d * t.stride[3] : 0)));
+  return r;
+}
+
+// Fills a [B,H,S,D] view with U(-2, 2) values from a linear congruential generator started at
+// `state`.
+inline void fill_uniform(const Tensor& t, uint64_t state) {
+  uint64_t s = state;
+  for (int64_t a = 0; a < t.shape[0]; ++a)
+    for (int64_t b = 0; b < t.shape[1]; ++b)
+      for (int64_t c = 0; c < t.shape[2]; ++c)
+        for (int64_t d = 0; d < t.shape[3]; ++d) {
+          s = s * 6364136223846793005ull + 1442695040888963407ull;
+          const double x = static_cast<double>(s >> 11) * 0x1.0p-53 * 4 - 2;  // U(-2, 2)
+          testing::store_element(t.data, t.dtype,
+                                 a * t.stride[0] + b * t.stride[1] + c * t.stride[2] + d, x);
+        }
+}
+
+// Forward + backward on the views (default scale), every output against the float64 reference
+// computed on their logical contents: relative error <= `tol` (LSE <= 2e-5), no NaN.
+inline void check_views_against_reference(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                          const Tensor& lse, const Tensor& dout, const Tensor& dq,
+                                          const Tensor& dk, const Tensor& dv, Mask mask, double tol) {
+  Options o;
+  o.mask = mask;
+  ASSERT_NO_THROW(forward(q, k, v, out, lse, o));
+  ASSERT_NO_THROW(backward(q, k, v, out, dout, lse, dq, dk, dv, o));
+  const testing::RefShape s{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]};
+  const double scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.shape[3])));
+  const auto f = testing::reference_forward(s, gather(q), gather(k), gather(v), scale, mask);
+  const auto g =
+      testing::reference_backward(s, gather(q), gather(k), gather(v), gather(dout), scale, mask);
+  const std::pair<const Tensor*, const std::vector<double>*> checks[] = {
+      {&out, &f.out}, {&lse, &f.lse}, {&dq, &g.dq}, {&dk, &g.dk}, {&dv, &g.dv}};
+  const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+  for (int i = 0; i < 5; ++i) {
+    const auto e = testing::compare(gather(*checks[i].first), *checks[i].second);
+    EXPECT_EQ(e.nan, 0) << names[i] << ": " << e.str();
+    EXPECT_LE(e.rel, i == 1 ? 2e-5 : tol) << names[i] << ": " << e.str();
+  }
 }
 
 }  // namespace flashattn::test

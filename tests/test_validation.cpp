@@ -480,57 +480,15 @@ TEST_F(BadInputHalf, MisalignedPointers) {
 
 // ---- legitimate layouts that must be accepted ------------------------------------------------
 
-// Logical [B,H,S,D] (or [B,H,S]) contents of any strided view, in double.
-std::vector<double> gather(const Tensor& t) {
-  std::vector<double> r;
-  const int64_t n3 = t.ndim == 4 ? t.shape[3] : 1;
-  for (int64_t a = 0; a < t.shape[0]; ++a)
-    for (int64_t b = 0; b < t.shape[1]; ++b)
-      for (int64_t c = 0; c < t.shape[2]; ++c)
-        for (int64_t d = 0; d < n3; ++d)
-          r.push_back(testing::load_element(
-              t.data, t.dtype,
-              a * t.stride[0] + b * t.stride[1] + c * t.stride[2] + (t.ndim == 4 ? d * t.stride[3] : 0)));
-  return r;
-}
-
-void fill(const Tensor& t, uint64_t seed) {
-  uint64_t s = seed;
-  for (int64_t a = 0; a < t.shape[0]; ++a)
-    for (int64_t b = 0; b < t.shape[1]; ++b)
-      for (int64_t c = 0; c < t.shape[2]; ++c)
-        for (int64_t d = 0; d < t.shape[3]; ++d) {
-          s = s * 6364136223846793005ull + 1442695040888963407ull;
-          const double x = static_cast<double>(s >> 11) * 0x1.0p-53 * 4 - 2;  // U(-2, 2)
-          testing::store_element(t.data, t.dtype,
-                                 a * t.stride[0] + b * t.stride[1] + c * t.stride[2] + d, x);
-        }
-}
-
 // Runs forward + backward on the given views and checks them against the reference computed on
 // their logical contents (float32 tolerance, see test_cpu_grid.cpp).
 void check_against_reference(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                              const Tensor& lse, const Tensor& dout, const Tensor& dq,
                              const Tensor& dk, const Tensor& dv, Mask mask) {
-  Options o;
-  o.mask = mask;
-  ASSERT_NO_THROW(forward(q, k, v, out, lse, o));
-  ASSERT_NO_THROW(backward(q, k, v, out, dout, lse, dq, dk, dv, o));
-  const testing::RefShape s{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]};
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.shape[3]));
-  const double scale_f = static_cast<float>(scale);
-  const auto f = testing::reference_forward(s, gather(q), gather(k), gather(v), scale_f, mask);
-  const auto g =
-      testing::reference_backward(s, gather(q), gather(k), gather(v), gather(dout), scale_f, mask);
-  const std::pair<const Tensor*, const std::vector<double>*> checks[] = {
-      {&out, &f.out}, {&lse, &f.lse}, {&dq, &g.dq}, {&dk, &g.dk}, {&dv, &g.dv}};
-  const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-  for (int i = 0; i < 5; ++i) {
-    const auto e = testing::compare(gather(*checks[i].first), *checks[i].second);
-    EXPECT_EQ(e.nan, 0) << names[i] << ": " << e.str();
-    EXPECT_LE(e.rel, 2e-5) << names[i] << ": " << e.str();
-  }
+  check_views_against_reference(q, k, v, out, lse, dout, dq, dk, dv, mask, 2e-5);
 }
+
+void fill(const Tensor& t, uint64_t seed) { fill_uniform(t, seed); }
 
 // FlashAttention's packed layouts: q/k/v and dq/dk/dv as interleaved views of [B, S, 3, H, D]
 // buffers. The views share no element, so they must be accepted.
