@@ -71,7 +71,7 @@ void check_tensor(const Named& n, int32_t want_ndim) {
            format_dims(t.stride, t.ndim) + " is too large: its index arithmetic overflows int64");
   }
   int64_t bytes = 0;
-  if (__builtin_mul_overflow(max_off + 1, es, &bytes) ||
+  if (__builtin_add_overflow(max_off, int64_t{1}, &bytes) || __builtin_mul_overflow(bytes, es, &bytes) ||
       __builtin_add_overflow(bytes, static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data) & 0xffff), &bytes))
     fail(std::string(n.name) + " with shape " + format_dims(t.shape, t.ndim) + " and stride " +
          format_dims(t.stride, t.ndim) + " is too large: its byte extent overflows int64");
