@@ -21,8 +21,9 @@
  * dimensions with smaller strides (true of every contiguous or padded layout) - so that no
  * element is reached twice.
  *
- * Semantics: S = softmax_scale * Q K^T, masked; P = softmax(S) per row; O = P V;
- * lse = log(sum_j exp(S_ij)). A row that sees no key gets O = 0, lse = -inf, zero gradients.
+ * Semantics: S = softmax_scale * Q K^T, then softcap * tanh(S / softcap) when a softcap is set,
+ * plus the ALiBi bias when slopes are given; masked (causal and/or sliding window: hidden entries
+ * are -inf); P = softmax(S) per row; O = P V; lse = log(sum_j exp(S_ij)). A row that sees no key gets O = 0, lse = -inf, zero gradients.
  * Accumulation is float32 for float32/float16/bfloat16 inputs (float64 for float64 inputs).
  * Results are deterministic: bitwise identical run to run and for any thread count.
  */
@@ -114,9 +115,28 @@ typedef struct {
   int32_t deterministic; /* nonzero: bitwise-reproducible backward on every backend (CUDA
                             float16/bfloat16 then uses the split dQ + dK/dV passes instead of
                             float atomics for dQ). CPU and CUDA float32 are always deterministic */
+  int32_t reserved0;     /* unused, never read: version-2 callers' struct_size (40) covers it as
+                            padding, so it can carry nothing */
+  /* ---- end of version 2 (FLASHATTN_OPTIONS_V2_SIZE) ---- */
+  /* Sliding window (local) attention, FlashAttention's window_size = (window_left, window_right),
+   * read only when sliding_window is nonzero (so a zero-filled struct means no window): key j is
+   * visible to query i when i + Skv - Sq - window_left <= j <= i + Skv - Sq + window_right; -1
+   * leaves that side unbounded; other negative values are invalid. Combined with a causal mask
+   * by intersection (causal bottom-right with (left, -1) is FlashAttention's causal local). */
+  int64_t window_left;
+  int64_t window_right;
+  /* Logit softcap (Gemma 2): 0 = none; > 0: each score s = softmax_scale * q.k becomes
+   * softcap * tanh(s / softcap) before the softmax (and before the ALiBi bias); must be finite. */
+  float softcap;
+  int32_t sliding_window; /* nonzero: window_left / window_right apply */
+  /* ALiBi: NULL = none; else a float32 tensor of slopes, ndim 1 [Hq] or ndim 2 [B, Hq], on q's
+   * device, that adds -slope[b, h] * |i + Skv - Sq - j| to score (i, j) of query head h (after the
+   * softcap). Read-only; outputs must not overlap it. */
+  const flashattn_tensor* alibi_slopes;
 } flashattn_options;
 
 #define FLASHATTN_OPTIONS_V1_SIZE 24u
+#define FLASHATTN_OPTIONS_V2_SIZE 40u
 
 /* Fills *opts with defaults (struct_size = sizeof, everything else 0 / NULL). */
 FLASHATTN_API void flashattn_options_init(flashattn_options* opts);

@@ -80,6 +80,15 @@ struct Options {
   int32_t num_threads = 0;     // CPU threads; 0 = all hardware threads
   Precision precision = Precision::Fp32;
   bool deterministic = false;  // bitwise-reproducible backward (see flashattn_options)
+  // FlashAttention's window_size = (window_left, window_right), -1 = unbounded on that side
+  // (flashattn_options: key j visible to query i when
+  // i + Skv - Sq - window_left <= j <= i + Skv - Sq + window_right); combined with `mask`.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  float softcap = 0.0f;  // 0 = none; > 0: scores -> softcap * tanh(scores / softcap)
+  // ALiBi slopes, float32 [Hq] or [B, Hq] on q's device (nullptr = none): score (i, j) of head h
+  // gets -slope * |i + Skv - Sq - j| after the softcap. The view must outlive the call.
+  const Tensor* alibi_slopes = nullptr;
 };
 
 // out [B,Hq,Sq,D], lse [B,Hq,Sq] float32.

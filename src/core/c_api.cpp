@@ -73,9 +73,10 @@ int flashattn_forward(const flashattn_tensor* q, const flashattn_tensor* k,
                       const flashattn_tensor* v, const flashattn_tensor* out,
                       const flashattn_tensor* lse, const flashattn_options* opts) {
   return guarded([&] {
+    flashattn::Tensor alibi;
+    const flashattn::Options o = flashattn::detail::options_from_c(opts, &alibi);
     flashattn::forward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
-                       to_tensor(out, "out"), to_tensor(lse, "lse"),
-                       flashattn::detail::options_from_c(opts));
+                       to_tensor(out, "out"), to_tensor(lse, "lse"), o);
   });
 }
 
@@ -85,10 +86,11 @@ int flashattn_backward(const flashattn_tensor* q, const flashattn_tensor* k,
                        const flashattn_tensor* dq, const flashattn_tensor* dk,
                        const flashattn_tensor* dv, const flashattn_options* opts) {
   return guarded([&] {
+    flashattn::Tensor alibi;
+    const flashattn::Options o = flashattn::detail::options_from_c(opts, &alibi);
     flashattn::backward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
                         to_tensor(out, "out"), to_tensor(dout, "dout"), to_tensor(lse, "lse"),
-                        to_tensor(dq, "dq"), to_tensor(dk, "dk"), to_tensor(dv, "dv"),
-                        flashattn::detail::options_from_c(opts));
+                        to_tensor(dq, "dq"), to_tensor(dk, "dk"), to_tensor(dv, "dv"), o);
   });
 }
 

@@ -13,7 +13,8 @@
 namespace flashattn::detail {
 
 // nullptr means all defaults. Throws Error(InvalidArgument) when struct_size is below version 1.
-inline Options options_from_c(const flashattn_options* o) {
+// The ALiBi slopes' view is copied into *alibi_storage (which must outlive the Options).
+inline Options options_from_c(const flashattn_options* o, Tensor* alibi_storage = nullptr) {
   Options r;
   if (o == nullptr) return r;
   if (o->struct_size < FLASHATTN_OPTIONS_V1_SIZE)
@@ -32,6 +33,30 @@ inline Options options_from_c(const flashattn_options* o) {
     r.precision = static_cast<Precision>(o->precision);
   if (has(offsetof(flashattn_options, deterministic), sizeof(int32_t)))
     r.deterministic = o->deterministic != 0;
+  if (has(offsetof(flashattn_options, sliding_window), sizeof(int32_t)) && o->sliding_window != 0) {
+    r.window_left = o->window_left;
+    r.window_right = o->window_right;
+  }
+  if (has(offsetof(flashattn_options, softcap), sizeof(float))) r.softcap = o->softcap;
+  if (has(offsetof(flashattn_options, alibi_slopes), sizeof(void*)) && o->alibi_slopes != nullptr)
+  {
+    const flashattn_tensor* t = o->alibi_slopes;
+    if (t->ndim < 1 || t->ndim > 2)
+      throw Error(Status::InvalidArgument, "opts->alibi_slopes->ndim = " + std::to_string(t->ndim) +
+                                               ", expected 1 ([Hq]) or 2 ([B, Hq])");
+    Tensor a;
+    a.data = t->data;
+    a.dtype = static_cast<DType>(t->dtype);
+    a.device = t->device;
+    a.ndim = t->ndim;
+    for (int i = 0; i < t->ndim; ++i) {
+      a.shape[i] = t->shape[i];
+      a.stride[i] = t->stride[i];
+    }
+    if (alibi_storage == nullptr) throw Error(Status::Internal, "options_from_c: no storage for alibi_slopes");
+    *alibi_storage = a;
+    r.alibi_slopes = alibi_storage;
+  }
   return r;
 }
 

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "core/host_device.hpp"
+#include "core/mask.hpp"
 #include "flashattn/flashattn.hpp"
 
 namespace flashattn {
@@ -23,12 +25,26 @@ struct Shape {
   int64_t group() const { return heads_q / heads_kv; }  // query heads per kv head
 };
 
+// ALiBi slopes (float32, on the call's device): slope of (batch b, query head h) at
+// slopes[b * sb + h * sh]; sb = 0 for one [Hq] vector shared by the batch. slopes == nullptr: none.
+struct Alibi {
+  const float* slopes;
+  int64_t sb, sh;
+};
+
 struct Numerics {
   DType dtype;          // of q, k, v, out, dout, dq, dk, dv (lse is always float32)
   float scale;          // softmax scale, resolved (never 0)
   Mask mask;
   Precision precision;  // CUDA float32 only
   bool deterministic;   // backward must be bitwise reproducible (CUDA 16-bit: split design)
+  int64_t window_left;  // sliding window (FlashAttention's window_size), -1 = unbounded side;
+  int64_t window_right; // the band they make with `mask` is mask_rule() (core/mask.hpp)
+  float softcap;        // 0 = none, else > 0 and finite (core/score.hpp)
+  Alibi alibi;
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  // A score transform that is not one multiply (softcap, ALiBi): kernels with a per-entry step.
+  bool elementwise_scores() const { return softcap > 0.0f || alibi.slopes != nullptr; }
 };
 
 struct Exec {
@@ -73,5 +89,10 @@ struct BackwardParams {
   InLse lse;
   Out4 dq, dk, dv;
 };
+
+// The call's mask band: its mask and sliding window over its sequence lengths.
+FLASHATTN_HD MaskRule mask_rule(const Shape& s, const Numerics& n) {
+  return make_mask_rule(static_cast<int32_t>(n.mask), s.seq_q, s.seq_kv, n.window_left, n.window_right);
+}
 
 }  // namespace flashattn

@@ -269,6 +269,31 @@ void check_devices(const std::vector<Named>& all) {
   }
 }
 
+// ALiBi slopes: float32, [Hq] or [B, Hq], non-negative strides, data present and aligned (their
+// device is checked with the other tensors').
+void check_alibi(const Named& n, int64_t B, int64_t Hq) {
+  const Tensor& t = *n.t;
+  const std::string want = "[" + std::to_string(Hq) + "] or [" + std::to_string(B) + ", " + std::to_string(Hq) + "]";
+  if (t.ndim != 1 && t.ndim != 2)
+    fail("alibi_slopes.ndim = " + std::to_string(t.ndim) + ", expected 1 or 2 (shape " + want + ")");
+  if (t.dtype != DType::Float32)
+    fail("alibi_slopes.dtype = " + dtype_str(t.dtype) + ", expected float32");
+  if (t.data == nullptr) fail("alibi_slopes.data is NULL");
+  if (t.device < -1)
+    fail("alibi_slopes.device = " + std::to_string(t.device) +
+         " is invalid (-1 for the CPU, n >= 0 for CUDA device n)");
+  if (t.shape[t.ndim - 1] != Hq || (t.ndim == 2 && t.shape[0] != B))
+    fail("alibi_slopes.shape = " + format_dims(t.shape, t.ndim) + " does not match q: expected " + want);
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.stride[i] < 0 || t.stride[i] > (int64_t{1} << 40))
+      fail("alibi_slopes.stride = " + format_dims(t.stride, t.ndim) + " has a negative or huge stride");
+  if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) {
+    std::ostringstream os;
+    os << "alibi_slopes.data = " << t.data << " is not aligned to 4 bytes (float32)";
+    fail(os.str());
+  }
+}
+
 struct Common {
   Shape shape;
   Numerics num;
@@ -344,8 +369,24 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
     fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
          std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
 
+  for (const auto& [name, w] : {std::pair<const char*, int64_t>{"window_left", o.window_left},
+                                 std::pair<const char*, int64_t>{"window_right", o.window_right}})
+    if (w < -1)
+      fail(std::string("options.") + name + " = " + std::to_string(w) +
+           " is invalid (the window size must be >= 0, or -1 for unbounded)");
+  if (!std::isfinite(o.softcap) || o.softcap < 0.0f) {
+    std::ostringstream os;
+    os << "options.softcap = " << o.softcap << " is invalid (0 for none, or a finite value > 0)";
+    fail(os.str());
+  }
+
   std::vector<Named> all = {q, k, v, lse};
   all.insert(all.end(), same_as_q.begin(), same_as_q.end());
+  Named alibi{o.alibi_slopes, "alibi_slopes"};
+  if (o.alibi_slopes != nullptr) {
+    check_alibi(alibi, B, Hq);
+    all.push_back(alibi);
+  }
   check_devices(all);
   if (q.t->dtype == DType::Float64 && q.t->device >= 0)
     throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
@@ -355,13 +396,24 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
   c.shape = Shape{B, Hq, Hkv, Sq, Skv, D};
   float scale = o.softmax_scale != 0.0f ? o.softmax_scale
                                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic};
+  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic, o.window_left, o.window_right,
+                   o.softcap, Alibi{nullptr, 0, 0}};
+  if (o.alibi_slopes != nullptr) {
+    const Tensor& a = *o.alibi_slopes;
+    c.num.alibi = Alibi{static_cast<const float*>(a.data), a.ndim == 2 ? a.stride[0] : 0, a.stride[a.ndim - 1]};
+  }
   int32_t threads = o.num_threads;
   if (threads == 0)
     threads = static_cast<int32_t>(std::min<unsigned>(
         std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
   c.exec = Exec{q.t->device, o.stream, threads};
   return c;
+}
+
+// The inputs an output must not overlap: the call's tensors and the ALiBi slopes.
+std::vector<Named> with_alibi(std::vector<Named> inputs, const Options& o) {
+  if (o.alibi_slopes != nullptr) inputs.push_back(Named{o.alibi_slopes, "alibi_slopes"});
+  return inputs;
 }
 
 template <class P>
@@ -381,7 +433,7 @@ ForwardParams make_forward_params(const Tensor& q, const Tensor& k, const Tensor
                                   const Tensor& out, const Tensor& lse, const Options& options) {
   Named nq{&q, "q"}, nk{&k, "k"}, nv{&v, "v"}, no{&out, "out"}, nl{&lse, "lse"};
   Common c = check_common(nq, nk, nv, nl, {no}, options);
-  check_outputs({nq, nk, nv}, {no, nl});
+  check_outputs(with_alibi({nq, nk, nv}, options), {no, nl});
   ForwardParams p{};
   p.shape = c.shape;
   p.num = c.num;
@@ -401,7 +453,7 @@ BackwardParams make_backward_params(const Tensor& q, const Tensor& k, const Tens
   Named nq{&q, "q"}, nk{&k, "k"}, nv{&v, "v"}, no{&out, "out"}, ndo{&dout, "dout"},
       nl{&lse, "lse"}, ndq{&dq, "dq"}, ndk{&dk, "dk"}, ndv{&dv, "dv"};
   Common c = check_common(nq, nk, nv, nl, {no, ndo, ndq, ndk, ndv}, options);
-  check_outputs({nq, nk, nv, no, ndo, nl}, {ndq, ndk, ndv});
+  check_outputs(with_alibi({nq, nk, nv, no, ndo, nl}, options), {ndq, ndk, ndv});
   BackwardParams p{};
   p.shape = c.shape;
   p.num = c.num;

@@ -126,9 +126,12 @@ class PoolParallel final : public Parallel {
   std::vector<Buffer> owned_;
 };
 
-// The mask the API asked for, as the band every kernel iterates and masks by.
+// The mask the API asked for (mask and sliding window), as the band every kernel iterates and
+// masks by.
 MaskRule rule_of(const Shape& s, const Numerics& n) {
-  return make_mask_rule(static_cast<int32_t>(n.mask), s.seq_q, s.seq_kv);
+  if (n.elementwise_scores())
+    throw Error(Status::Unsupported, "softcap / alibi_slopes are not implemented on the CPU yet");
+  return mask_rule(s, n);
 }
 
 }  // namespace

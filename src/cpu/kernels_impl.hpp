@@ -521,9 +521,7 @@ void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t
 // after ScoreTransform::prescale_as<C>() every product is a log2-unit logit (float64 compute takes
 // the multiplier in double: a float's rounding, up to 3e-8 of every logit, would dominate the
 // float64 path's error, checked to 1e-10 against the reference).
-// The backward applies grad_scale() once, in the dQ and dK epilogues; a transform with a
-// per-element factor on dS would need it in the dS loops, which do not apply one.
-static_assert(!ScoreTransform::kElementwiseGrad, "CPU backward: no per-element dS factor");
+// The backward applies grad_scale() once, in the dQ and dK epilogues.
 
 // Carves 64-byte aligned buffers out of one scratch block; `bytes()` sizes the block.
 template <class C>

@@ -1,6 +1,8 @@
 #include "testing/reference.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "core/mask.hpp"
@@ -16,12 +18,16 @@ struct HeadView {
   int64_t sq, skv, d;
 };
 
-// S = scale * q k^T with masked entries -inf; P = softmax(S) rowwise (rows with no visible key: 0).
-void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, std::vector<double>& P,
-                      std::vector<double>& lse) {
+// S = scale * q k^T (softcapped, plus the ALiBi bias) with masked entries -inf; P = softmax(S)
+// rowwise (rows with no visible key: 0). F (when given) gets d S / d (scale * q.k): 1 - tanh^2
+// under a softcap, else 1.
+void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, double softcap, double slope,
+                      std::vector<double>& P, std::vector<double>& lse, std::vector<double>* F = nullptr) {
   P.assign(h.sq * h.skv, 0.0);
   lse.assign(h.sq, -std::numeric_limits<double>::infinity());
+  if (F) F->assign(h.sq * h.skv, 0.0);
   std::vector<double> S(h.skv);
+  const int64_t diag = h.skv - h.sq;
   for (int64_t i = 0; i < h.sq; ++i) {
     double m = -std::numeric_limits<double>::infinity();
     for (int64_t j = 0; j < h.skv; ++j) {
@@ -31,7 +37,15 @@ void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, std
       }
       double acc = 0;
       for (int64_t x = 0; x < h.d; ++x) acc += h.q[i * h.d + x] * h.k[j * h.d + x];
-      S[j] = scale * acc;
+      double s = scale * acc, f = 1.0;
+      if (softcap > 0) {
+        const double t = std::tanh(s / softcap);
+        s = softcap * t;
+        f = 1.0 - t * t;
+      }
+      if (slope != 0) s -= slope * static_cast<double>(std::llabs(j - i - diag));
+      S[j] = s;
+      if (F) (*F)[i * h.skv + j] = f;
       m = std::max(m, S[j]);
     }
     if (m == -std::numeric_limits<double>::infinity()) continue;  // no visible key
@@ -43,15 +57,22 @@ void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, std
   }
 }
 
+MaskRule rule_of(const RefShape& s, Mask mask, const RefMods& mods) {
+  return make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv, mods.window_left, mods.window_right);
+}
+double slope_of(const RefShape& s, const RefMods& mods, int64_t b, int64_t h) {
+  return mods.alibi.empty() ? 0.0 : mods.alibi[b * s.heads_q + h];
+}
+
 }  // namespace
 
 RefForward reference_forward(const RefShape& s, const std::vector<double>& q,
                              const std::vector<double>& k, const std::vector<double>& v,
-                             double scale, Mask mask) {
+                             double scale, Mask mask, const RefMods& mods) {
   RefForward r;
   r.out.assign(s.batch * s.heads_q * s.seq_q * s.head_dim, 0.0);
   r.lse.assign(s.batch * s.heads_q * s.seq_q, 0.0);
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
+  const MaskRule rule = rule_of(s, mask, mods);
   const int64_t group = s.heads_q / s.heads_kv, D = s.head_dim;
   std::vector<double> P, lse;
   for (int64_t b = 0; b < s.batch; ++b)
@@ -59,7 +80,7 @@ RefForward reference_forward(const RefShape& s, const std::vector<double>& q,
       const int64_t qo = (b * s.heads_q + h) * s.seq_q * D;
       const int64_t ko = (b * s.heads_kv + h / group) * s.seq_kv * D;
       HeadView hv{&q[qo], &k[ko], &v[ko], s.seq_q, s.seq_kv, D};
-      scores_and_probs(hv, scale, rule, P, lse);
+      scores_and_probs(hv, scale, rule, mods.softcap, slope_of(s, mods, b, h), P, lse);
       // Loops below run their innermost index over contiguous memory: walking a column of P or
       // dS touches a new page per element (10x slower at S = 2048). Every element still sums its
       // terms from zero in ascending index order, so results are bitwise those of the textbook
@@ -78,20 +99,21 @@ RefForward reference_forward(const RefShape& s, const std::vector<double>& q,
 
 RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
                                const std::vector<double>& k, const std::vector<double>& v,
-                               const std::vector<double>& dout, double scale, Mask mask) {
+                               const std::vector<double>& dout, double scale, Mask mask,
+                               const RefMods& mods) {
   RefBackward r;
   r.dq.assign(q.size(), 0.0);
   r.dk.assign(k.size(), 0.0);
   r.dv.assign(v.size(), 0.0);
-  const MaskRule rule = make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv);
+  const MaskRule rule = rule_of(s, mask, mods);
   const int64_t group = s.heads_q / s.heads_kv, D = s.head_dim, Sq = s.seq_q, Skv = s.seq_kv;
-  std::vector<double> P, lse, dP(Sq * Skv), dS(Sq * Skv), acc;
+  std::vector<double> P, lse, F, dP(Sq * Skv), dS(Sq * Skv), acc;
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.heads_q; ++h) {
       const int64_t qo = (b * s.heads_q + h) * Sq * D;
       const int64_t ko = (b * s.heads_kv + h / group) * Skv * D;
       HeadView hv{&q[qo], &k[ko], &v[ko], Sq, Skv, D};
-      scores_and_probs(hv, scale, rule, P, lse);
+      scores_and_probs(hv, scale, rule, mods.softcap, slope_of(s, mods, b, h), P, lse, &F);
       const double* dO = &dout[qo];
       // dV += P^T dO ; dP = dO V^T
       // (innermost loops over contiguous memory, sums in the textbook order: see the forward)
@@ -108,11 +130,13 @@ RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
           for (int64_t x = 0; x < D; ++x) acc += dO[i * D + x] * hv.v[j * D + x];
           dP[i * Skv + j] = acc;
         }
-      // dS = P * (dP - rowsum(P * dP))   (the softmax Jacobian, written out)
+      // dS = P * (dP - rowsum(P * dP))   (the softmax Jacobian, written out), times the
+      // softcap's derivative F (the bias is constant)
       for (int64_t i = 0; i < Sq; ++i) {
         double rs = 0;
         for (int64_t j = 0; j < Skv; ++j) rs += P[i * Skv + j] * dP[i * Skv + j];
-        for (int64_t j = 0; j < Skv; ++j) dS[i * Skv + j] = P[i * Skv + j] * (dP[i * Skv + j] - rs);
+        for (int64_t j = 0; j < Skv; ++j)
+          dS[i * Skv + j] = P[i * Skv + j] * (dP[i * Skv + j] - rs) * F[i * Skv + j];
       }
       // dQ = scale * dS K ; dK += scale * dS^T Q
       for (int64_t i = 0; i < Sq; ++i) {

@@ -89,6 +89,18 @@ RefShape check_shape(const flashattn_ref_shape* s, int32_t mask) {
   return RefShape{s->batch, s->heads_q, s->heads_kv, s->seq_q, s->seq_kv, s->head_dim};
 }
 
+RefMods mods_of(const flashattn_ref_mods* m, const RefShape& s) {
+  RefMods r;
+  if (m == nullptr) return r;
+  if (m->window_left < -1 || m->window_right < -1) throw Invalid{"window sizes must be >= -1"};
+  if (!(m->softcap >= 0)) throw Invalid{"softcap must be >= 0"};
+  r.window_left = m->window_left;
+  r.window_right = m->window_right;
+  r.softcap = m->softcap;
+  if (m->alibi != nullptr) r.alibi.assign(m->alibi, m->alibi + s.batch * s.heads_q);
+  return r;
+}
+
 template <typename F>
 int guarded(F f) {
   try {
@@ -120,6 +132,17 @@ extern "C" int flashattn_ref_forward(const flashattn_ref_shape* shape, const dou
                                      const int64_t* v_strides, double softmax_scale, int32_t mask,
                                      double* out, const int64_t* out_strides, double* lse,
                                      const int64_t* lse_strides) {
+  return flashattn_ref_forward_ex(shape, q, q_strides, k, k_strides, v, v_strides, softmax_scale, mask, nullptr,
+                                  out, out_strides, lse, lse_strides);
+}
+
+extern "C" int flashattn_ref_forward_ex(const flashattn_ref_shape* shape, const double* q,
+                                        const int64_t* q_strides, const double* k,
+                                        const int64_t* k_strides, const double* v,
+                                        const int64_t* v_strides, double softmax_scale, int32_t mask,
+                                        const flashattn_ref_mods* mods, double* out,
+                                        const int64_t* out_strides, double* lse,
+                                        const int64_t* lse_strides) {
   return guarded([&] {
     const RefShape s = check_shape(shape, mask);
     const int64_t qd[4] = {s.batch, s.heads_q, s.seq_q, s.head_dim};
@@ -131,7 +154,8 @@ extern "C" int flashattn_ref_forward(const flashattn_ref_shape* shape, const dou
     const auto ov = make_view("out", out, qd, out_strides);
     const auto lv = make_view("lse", lse, ld, lse_strides);
     const RefForward r = reference_forward(s, gather(q, qv), gather(k, kv), gather(v, vv),
-                                           softmax_scale, static_cast<flashattn::Mask>(mask));
+                                           softmax_scale, static_cast<flashattn::Mask>(mask),
+                                           mods_of(mods, s));
     scatter(r.out, out, ov);
     scatter(r.lse, lse, lv);
   });
@@ -145,6 +169,19 @@ extern "C" int flashattn_ref_backward(const flashattn_ref_shape* shape, const do
                                       int32_t mask, double* dq, const int64_t* dq_strides,
                                       double* dk, const int64_t* dk_strides, double* dv,
                                       const int64_t* dv_strides) {
+  return flashattn_ref_backward_ex(shape, q, q_strides, k, k_strides, v, v_strides, dout, dout_strides,
+                                   softmax_scale, mask, nullptr, dq, dq_strides, dk, dk_strides, dv, dv_strides);
+}
+
+extern "C" int flashattn_ref_backward_ex(const flashattn_ref_shape* shape, const double* q,
+                                         const int64_t* q_strides, const double* k,
+                                         const int64_t* k_strides, const double* v,
+                                         const int64_t* v_strides, const double* dout,
+                                         const int64_t* dout_strides, double softmax_scale,
+                                         int32_t mask, const flashattn_ref_mods* mods, double* dq,
+                                         const int64_t* dq_strides, double* dk,
+                                         const int64_t* dk_strides, double* dv,
+                                         const int64_t* dv_strides) {
   return guarded([&] {
     const RefShape s = check_shape(shape, mask);
     const int64_t qd[4] = {s.batch, s.heads_q, s.seq_q, s.head_dim};
@@ -158,7 +195,7 @@ extern "C" int flashattn_ref_backward(const flashattn_ref_shape* shape, const do
     const auto dvv = make_view("dv", dv, kd, dv_strides);
     const RefBackward r =
         reference_backward(s, gather(q, qv), gather(k, kv), gather(v, vv), gather(dout, dov),
-                           softmax_scale, static_cast<flashattn::Mask>(mask));
+                           softmax_scale, static_cast<flashattn::Mask>(mask), mods_of(mods, s));
     scatter(r.dq, dq, dqv);
     scatter(r.dk, dk, dkv);
     scatter(r.dv, dv, dvv);

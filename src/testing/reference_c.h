@@ -73,6 +73,35 @@ FLASHATTN_REF_API int flashattn_ref_backward(const flashattn_ref_shape* shape,
                                              double* dk, const int64_t* dk_strides,
                                              double* dv, const int64_t* dv_strides);
 
+/* The sliding window, softcap and ALiBi of flashattn.h's options (the _ex functions; NULL = none):
+ * window_left / window_right as FlashAttention's window_size (-1 = unbounded side, no window with
+ * both -1); softcap 0 = none; alibi NULL = none, else one slope per (batch, query head) at
+ * alibi[b * Hq + h] (a [Hq] slope vector is repeated over the batch by the caller). */
+typedef struct flashattn_ref_mods {
+  int64_t window_left, window_right;
+  double softcap;
+  const double* alibi;
+} flashattn_ref_mods;
+
+FLASHATTN_REF_API int flashattn_ref_forward_ex(const flashattn_ref_shape* shape,
+                                               const double* q, const int64_t* q_strides,
+                                               const double* k, const int64_t* k_strides,
+                                               const double* v, const int64_t* v_strides,
+                                               double softmax_scale, int32_t mask,
+                                               const flashattn_ref_mods* mods,
+                                               double* out, const int64_t* out_strides,
+                                               double* lse, const int64_t* lse_strides);
+FLASHATTN_REF_API int flashattn_ref_backward_ex(const flashattn_ref_shape* shape,
+                                                const double* q, const int64_t* q_strides,
+                                                const double* k, const int64_t* k_strides,
+                                                const double* v, const int64_t* v_strides,
+                                                const double* dout, const int64_t* dout_strides,
+                                                double softmax_scale, int32_t mask,
+                                                const flashattn_ref_mods* mods,
+                                                double* dq, const int64_t* dq_strides,
+                                                double* dk, const int64_t* dk_strides,
+                                                double* dv, const int64_t* dv_strides);
+
 /* What the last failed call on this thread objected to ("" before any failure). Owned by the
  * library, valid until the next call on this thread. */
 FLASHATTN_REF_API const char* flashattn_ref_last_error(void);

@@ -438,12 +438,12 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // ---- CTA work ranges (work.hpp) -----------------------------------------------------------------
 // The CTA's blocks (grid: row blocks x heads x batch).
 template <int BM, int BN>
-__device__ __forceinline__ QueryBlock query_block(const Shape& s, Mask mask) {
-  return query_block<BM, BN>(s, mask, blockIdx.z, blockIdx.y, blockIdx.x);
+__device__ __forceinline__ QueryBlock query_block(const Shape& s, const Numerics& n) {
+  return query_block<BM, BN>(s, n, blockIdx.z, blockIdx.y, blockIdx.x);
 }
 template <int BM, int BN>
-__device__ __forceinline__ KeyBlock key_block(const Shape& s, Mask mask) {
-  return key_block<BM, BN>(s, mask, blockIdx.z, blockIdx.y, blockIdx.x);
+__device__ __forceinline__ KeyBlock key_block(const Shape& s, const Numerics& n) {
+  return key_block<BM, BN>(s, n, blockIdx.z, blockIdx.y, blockIdx.x);
 }
 
 // Reductions over the 4 lanes of a quad (they hold one row between them).

@@ -107,8 +107,8 @@ FLASHATTN_HD QueryBlock query_block_at(const Shape& s, const MaskRule& rule, int
   return q;
 }
 template <int BM, int BN>
-FLASHATTN_HD QueryBlock query_block(const Shape& s, Mask mask, int64_t b, int64_t h, int64_t x) {
-  return query_block_at(s, make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv), b, h, x, BM, BN);
+FLASHATTN_HD QueryBlock query_block(const Shape& s, const Numerics& n, int64_t b, int64_t h, int64_t x) {
+  return query_block_at(s, mask_rule(s, n), b, h, x, BM, BN);
 }
 
 // A CTA of the dK/dV pass: BM key rows of one (batch, kv head) and, for each query head of its
@@ -145,8 +145,8 @@ FLASHATTN_HD KeyBlock key_block_at(const Shape& s, const MaskRule& rule, int64_t
   return k;
 }
 template <int BM, int BN>
-FLASHATTN_HD KeyBlock key_block(const Shape& s, Mask mask, int64_t b, int64_t hk, int64_t x) {
-  return key_block_at(s, make_mask_rule(static_cast<int32_t>(mask), s.seq_q, s.seq_kv), b, hk, x, BM, BN);
+FLASHATTN_HD KeyBlock key_block(const Shape& s, const Numerics& n, int64_t b, int64_t hk, int64_t x) {
+  return key_block_at(s, mask_rule(s, n), b, hk, x, BM, BN);
 }
 
 // The persistent kernels' work list (the pair kernels): item i of nx row blocks x heads x batch

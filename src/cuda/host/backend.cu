@@ -233,7 +233,7 @@ void forward(const ForwardParams& p) {
   Workspace ws(plan.workspace, stream);
   FwdArgs a{};
   a.p = p;
-  a.score = ScoreTransform::make(p.num.scale);
+  a.score = ScoreTransform::make(p.shape, p.num);
   a.vec16 = plan.vec16;
   a.big = plan.big;
   a.pingpong = plan.pingpong;
@@ -272,7 +272,7 @@ void backward(const BackwardParams& p) {
   const size_t after_delta = delta_floats(s);
   BwdArgs a{};
   a.p = p;
-  a.score = ScoreTransform::make(p.num.scale);
+  a.score = ScoreTransform::make(p.shape, p.num);
   a.vec16 = plan.vec16;
   a.big = plan.big;
   a.delta = ws.get();

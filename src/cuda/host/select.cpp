@@ -96,6 +96,10 @@ bool sm90_allowed(const DeviceCaps& dev, const Overrides& ov) { return dev.sm90a
 template <class Plan>
 bool start(const Shape& s, const Numerics& n, const DeviceCaps& dev, Selected<Plan>& r) {
   if (!(r.why = dtype_limits(n.dtype, dev)).empty()) return false;
+  if (n.elementwise_scores()) {
+    r.why = "softcap / alibi_slopes are not implemented on CUDA yet";
+    return false;
+  }
   const bool half = n.dtype != DType::Float32;
   r.plan.dp = half ? padded_head_dim16(s.head_dim) : padded_head_dim(s.head_dim);
   if (!(r.why = common_limits(s, r.plan.dp)).empty()) return false;

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num);
   const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
   // The key tiles [t_begin, t_end) (QueryBlock), the loop counting tiles: the cp.async buffer of
   // tile t is t & 1 (no barrier phases that must start at 0), so one counter stays live instead
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num);
   const int64_t b = qb.b, h = qb.h, hk = qb.hk, m0 = qb.m0;
   // The key tiles [t_begin, t_end) (QueryBlock), the loop counting tiles: the cp.async buffer of
   // tile t is t & 1 (no barrier phases that must start at 0), so one counter stays live instead
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
-  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num);
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int rows = kb.rows, ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;

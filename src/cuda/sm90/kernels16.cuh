@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   const FwdArgs& a = A.f;
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num);
   const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const BwdArgs& a = A.f;
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask);
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num);
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;

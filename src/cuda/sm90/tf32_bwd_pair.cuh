@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
         }
         const int next = queue.next();  // early: the atomic's latency under this block's copies
         const WorkItem w = work_item(i, nx, p.shape.heads_q);
-        const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
+        const QueryBlock qb = query_block<BM, BN>(p.shape, p.num, w.b, w.h, w.x);
         copy_dq_tiles<DP, BM, BN, X3>(A, qb, sQ, sdO, sX, sG, full_q, ring, ph);
         ph.g0 += qb.ntiles;
         i = next;
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     const int i = queue.read(k);
     if (i >= nitems) break;
     const WorkItem w = work_item(i, nx, p.shape.heads_q);
-    const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask, w.b, w.h, w.x);
+    const QueryBlock qb = query_block<BM, BN>(p.shape, p.num, w.b, w.h, w.x);
     const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
     const int ntiles = qb.ntiles;
     const MaskRule& rule = qb.rule;
@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
       }
       const int next = leader ? queue.next() : 0;
       const WorkItem w = work_item(item, nx, p.shape.heads_kv);
-      const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
+      const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, w.b, w.h, w.x);
       copy_dkv_tiles<DP, BK, BQ, X3>(A, kb, pw, sK, sV, sX, sG, sL, sD, full_kv, ring, ph);
       ph.g0 += kb.ntiles;
       i = next;
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     const int i = queue.read(k);
     if (i >= nitems) break;
     const WorkItem w = work_item(i, nx, p.shape.heads_kv);
-    const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num.mask, w.b, w.h, w.x);
+    const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, w.b, w.h, w.x);
     const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
     const int ntiles = kb.ntiles;
     const MaskRule& rule = kb.rule;

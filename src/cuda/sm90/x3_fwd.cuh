@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
   const FwdArgs& a = A.f;
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num.mask);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num);
   const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
