@@ -419,6 +419,31 @@ __device__ __forceinline__ void for_each_entry(F&& f) {
     for (int e = 0; e < 4; ++e) f(j, e, g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
 }
 
+// The score transform's per-entry step (softcap, ALiBi: core/score.hpp) on the warp's 16 x 8*NS
+// accumulator slice of raw products, in place: s becomes log2-unit logits (afterwards the code
+// uses score.after_elementwise()). The slice's entry (g + 8r, 8j + 2t + c) is query row
+// row0 + g + 8r and key col0 + 8j + 2t + c, or with TRANSPOSED (S^T = K Q^T: the dK/dV kernels)
+// key row0 + ... and query col0 + .... It must run before masking: a masked -inf would become
+// finite under the softcap's tanh. The layout is mma.sync's m16n8 accumulator, which is also each
+// warp's 16-row part of a wgmma accumulator.
+template <bool TRANSPOSED = false, int NS>
+__device__ __forceinline__ void transform_scores(float (&s)[NS][4], const ScoreTransform::Head& hd, int64_t row0,
+                                                 int64_t col0) {
+  for_each_entry<NS>([&](int j, int e, int r, int c) {
+    const int64_t a = row0 + r, b = col0 + c;
+    s[j][e] = TRANSPOSED ? hd.logit2_at(s[j][e], b, a) : hd.logit2_at(s[j][e], a, b);
+  });
+}
+// The same, also giving the backward's per-entry factor on dS (1 - tanh^2 under a softcap).
+template <bool TRANSPOSED = false, int NS>
+__device__ __forceinline__ void transform_scores(float (&s)[NS][4], float (&f)[NS][4], const ScoreTransform::Head& hd,
+                                                 int64_t row0, int64_t col0) {
+  for_each_entry<NS>([&](int j, int e, int r, int c) {
+    const int64_t a = row0 + r, b = col0 + c;
+    s[j][e] = TRANSPOSED ? hd.logit2_at(s[j][e], b, a, f[j][e]) : hd.logit2_at(s[j][e], a, b, f[j][e]);
+  });
+}
+
 // Mask test of one score: in range and inside the mask's band (both edges).
 __device__ __forceinline__ bool keep(const MaskRule& rule, int64_t i, int64_t j, int64_t sq, int64_t skv) {
   return i < sq && j < skv && rule.visible(i, j);
