@@ -2,7 +2,9 @@
 profiling scripts that call the library on torch tensors' memory without the Python package
 (bench/gpu.py: --via ctypes and --suite fp32; ab_cuda_fp32.py, kernel_times.py, profile_case.py): flashattn_tensor,
 flashattn_options (struct_size versioning) and the forward/backward calls. Options travel as the
-tuple (mask, precision, deterministic); the stream is torch's current one on the tensors' device."""
+tuple (mask, precision, deterministic[, mods]) where mods is a dict with any of window=(left,
+right), softcap=float, alibi=a float32 CUDA tensor of slopes; the stream is torch's current one
+on the tensors' device."""
 import ctypes
 import os
 
@@ -20,7 +22,10 @@ class Options(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("softmax_scale", ctypes.c_float),
                 ("mask", ctypes.c_int32), ("stream", ctypes.c_void_p),
                 ("num_threads", ctypes.c_int32), ("precision", ctypes.c_int32),
-                ("deterministic", ctypes.c_int32)]
+                ("deterministic", ctypes.c_int32), ("reserved0", ctypes.c_int32),
+                ("window_left", ctypes.c_int64), ("window_right", ctypes.c_int64),
+                ("softcap", ctypes.c_float), ("sliding_window", ctypes.c_int32),
+                ("alibi_slopes", ctypes.POINTER(Tensor))]
 
 
 class CtypesLib:
@@ -63,8 +68,16 @@ class CtypesLib:
             v.stride[i] = x.stride(i)
         return v
 
-    def _options(self, q, mask, precision, deterministic):
+    def _options(self, q, mask, precision, deterministic, mods=None):
         o = Options()
+        mods = mods or {}
+        if mods.get("window") is not None:
+            o.sliding_window = 1
+            o.window_left, o.window_right = mods["window"]
+        o.softcap = float(mods.get("softcap", 0.0))
+        if mods.get("alibi") is not None:
+            o.keep_alibi = self._view(mods["alibi"])  # alive as long as the options
+            o.alibi_slopes = ctypes.pointer(o.keep_alibi)
         o.struct_size = ctypes.sizeof(Options)
         o.mask = mask
         o.stream = self.torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
