@@ -52,6 +52,7 @@ extern "C" {
 #define FLASHATTN_FLOAT16 1
 #define FLASHATTN_BFLOAT16 2
 #define FLASHATTN_FLOAT64 3 /* CPU only: for gradient checking in double precision */
+#define FLASHATTN_INT32 4   /* index tensors only (the varlen cu_seqlens / seqused_k) */
 
 /* device codes: -1 is the CPU; n >= 0 is CUDA device n */
 #define FLASHATTN_CPU (-1)
@@ -153,6 +154,39 @@ FLASHATTN_API int flashattn_backward(const flashattn_tensor* q, const flashattn_
                                      const flashattn_tensor* dout, const flashattn_tensor* lse,
                                      const flashattn_tensor* dq, const flashattn_tensor* dk,
                                      const flashattn_tensor* dv, const flashattn_options* opts);
+
+/* Packed variable-length batches (FlashAttention's *_varlen_* functions): B sequences of
+ * different lengths packed without padding. Sequence b's queries are rows
+ * [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q, out, dout, dq (logical [total_q, Hq, D], ndim 3) and
+ * its keys rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k, v, dk, dv ([total_k, Hkv, D]); lse is
+ * float32 [Hq, total_q] (ndim 2: FlashAttention 2's varlen layout). Each sequence attends only
+ * within itself, with every option of the dense call applied per sequence (causal bottom-right,
+ * windows and ALiBi relative to that sequence's own Sq and Skv). cu_seqlens_q / _k: int32
+ * [B + 1] prefix sums on q's device, starting at 0, non-decreasing, ending at total_q / total_k;
+ * seqused_k (optional, int32 [B]): only the first seqused_k[b] keys of sequence b are attended
+ * (<= its length). Zero-length sequences are allowed. max_seqlen_q / _k bound every sequence's
+ * length (FlashAttention's max_seqlen arguments; they size the launch). The lengths are read on
+ * the host to check them before anything is written (on CUDA: a small copy and a wait on the
+ * stream). */
+typedef struct {
+  uint32_t struct_size; /* sizeof(flashattn_varlen) as the caller knows it */
+  const flashattn_tensor* cu_seqlens_q;
+  const flashattn_tensor* cu_seqlens_k;
+  const flashattn_tensor* seqused_k; /* NULL: every key of each sequence */
+  int64_t max_seqlen_q;
+  int64_t max_seqlen_k;
+} flashattn_varlen;
+
+FLASHATTN_API int flashattn_forward_varlen(const flashattn_tensor* q, const flashattn_tensor* k,
+                                           const flashattn_tensor* v, const flashattn_tensor* out,
+                                           const flashattn_tensor* lse, const flashattn_varlen* varlen,
+                                           const flashattn_options* opts);
+FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const flashattn_tensor* k,
+                                            const flashattn_tensor* v, const flashattn_tensor* out,
+                                            const flashattn_tensor* dout, const flashattn_tensor* lse,
+                                            const flashattn_tensor* dq, const flashattn_tensor* dk,
+                                            const flashattn_tensor* dv, const flashattn_varlen* varlen,
+                                            const flashattn_options* opts);
 
 /* The message of the last failed call on this thread; "" after a successful call. Never NULL. */
 FLASHATTN_API const char* flashattn_last_error(void);

@@ -19,6 +19,7 @@ enum class DType : int32_t {
   Float16 = FLASHATTN_FLOAT16,
   BFloat16 = FLASHATTN_BFLOAT16,
   Float64 = FLASHATTN_FLOAT64,  // CPU only
+  Int32 = FLASHATTN_INT32,      // index tensors only (Varlen)
 };
 
 enum class Mask : int32_t {
@@ -99,6 +100,22 @@ FLASHATTN_API void forward(const Tensor& q, const Tensor& k, const Tensor& v, co
 FLASHATTN_API void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                             const Tensor& dout, const Tensor& lse, const Tensor& dq,
                             const Tensor& dk, const Tensor& dv, const Options& options = {});
+
+// Packed variable-length batches (flashattn_varlen in flashattn.h): q/out/dout/dq [total_q, Hq, D],
+// k/v/dk/dv [total_k, Hkv, D] (ndim 3), lse float32 [Hq, total_q] (ndim 2).
+struct Varlen {
+  const Tensor* cu_seqlens_q = nullptr;  // int32 [B + 1]
+  const Tensor* cu_seqlens_k = nullptr;  // int32 [B + 1]
+  const Tensor* seqused_k = nullptr;     // int32 [B], optional
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+};
+
+FLASHATTN_API void forward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse, const Varlen& varlen, const Options& options = {});
+FLASHATTN_API void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                   const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                   const Tensor& dv, const Varlen& varlen, const Options& options = {});
 
 // Bytes per element of a dtype.
 FLASHATTN_API int64_t dtype_size(DType dtype);

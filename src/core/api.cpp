@@ -16,6 +16,7 @@ int64_t dtype_size(DType dtype) {
     case DType::Float16: return 2;
     case DType::BFloat16: return 2;
     case DType::Float64: return 8;
+    case DType::Int32: return 4;
   }
   return 1;  // unknown codes are rejected by validation before sizes matter
 }
@@ -26,6 +27,7 @@ const char* dtype_name(DType dtype) {
     case DType::Float16: return "float16";
     case DType::BFloat16: return "bfloat16";
     case DType::Float64: return "float64";
+    case DType::Int32: return "int32";
   }
   return "unknown";
 }
@@ -94,6 +96,35 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
               const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
               const Tensor& dv, const Options& options) {
   BackwardParams p = make_backward_params(q, k, v, out, dout, lse, dq, dk, dv, options);
+  if (p.exec.device < 0)
+    cpu::backward(p);
+  else
+    cuda::backward(p);
+}
+
+namespace {
+// Packed batches are validated on every backend, and served where implemented.
+void require_packing_support(int32_t device) {
+  if (device >= 0) throw Error(Status::Unsupported, "packed variable-length batches are not implemented on CUDA yet");
+  throw Error(Status::Unsupported, "packed variable-length batches are not implemented on the CPU yet");
+}
+}  // namespace
+
+void forward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                    const Varlen& varlen, const Options& options) {
+  ForwardParams p = make_forward_params_varlen(q, k, v, out, lse, varlen, options);
+  require_packing_support(p.exec.device);
+  if (p.exec.device < 0)
+    cpu::forward(p);
+  else
+    cuda::forward(p);
+}
+
+void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                     const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Varlen& varlen,
+                     const Options& options) {
+  BackwardParams p = make_backward_params_varlen(q, k, v, out, dout, lse, dq, dk, dv, varlen, options);
+  require_packing_support(p.exec.device);
   if (p.exec.device < 0)
     cpu::backward(p);
   else

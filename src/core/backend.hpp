@@ -2,6 +2,7 @@
 // one backend; a backend reports problems it cannot serve by throwing Error(Status::Unsupported).
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "core/params.hpp"
@@ -22,6 +23,9 @@ std::string describe();
 // Checks that ptr is memory of CUDA device `device` (cudaPointerGetAttributes); throws
 // Error(InvalidArgument) naming `what` otherwise.
 void check_device_pointer(const void* ptr, int32_t device, const char* what);
+// Copies `bytes` from memory of CUDA device `device` to the host, ordered after the work queued on
+// `stream` (cudaStream_t; nullptr = the default stream), and waits for it.
+void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void* stream);
 // Sets a kernel-selection override (cuda/host/overrides.hpp) in builds with FLASHATTN_DEV_OVERRIDES.
 void set_override(const char* name, const char* value);
 }  // namespace cuda

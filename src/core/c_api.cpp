@@ -59,6 +59,24 @@ flashattn::Tensor to_tensor(const flashattn_tensor* t, const char* name) {
   return r;
 }
 
+// The packed-batch description; the index tensors' views go to *store (cu_q, cu_k, used_k).
+flashattn::Varlen varlen_from_c(const flashattn_varlen* vl, flashattn::Tensor (&store)[3]) {
+  using flashattn::Error;
+  using flashattn::Status;
+  if (vl == nullptr) throw Error(Status::InvalidArgument, "varlen is NULL (a flashattn_varlen is required)");
+  if (vl->struct_size < sizeof(flashattn_varlen))
+    throw Error(Status::InvalidArgument, "varlen->struct_size = " + std::to_string(vl->struct_size) +
+                                             " is too small (set it to sizeof(flashattn_varlen) = " +
+                                             std::to_string(sizeof(flashattn_varlen)) + ")");
+  flashattn::Varlen r;
+  if (vl->cu_seqlens_q != nullptr) store[0] = to_tensor(vl->cu_seqlens_q, "cu_seqlens_q"), r.cu_seqlens_q = &store[0];
+  if (vl->cu_seqlens_k != nullptr) store[1] = to_tensor(vl->cu_seqlens_k, "cu_seqlens_k"), r.cu_seqlens_k = &store[1];
+  if (vl->seqused_k != nullptr) store[2] = to_tensor(vl->seqused_k, "seqused_k"), r.seqused_k = &store[2];
+  r.max_seqlen_q = vl->max_seqlen_q;
+  r.max_seqlen_k = vl->max_seqlen_k;
+  return r;
+}
+
 }  // namespace
 
 extern "C" {
@@ -91,6 +109,32 @@ int flashattn_backward(const flashattn_tensor* q, const flashattn_tensor* k,
     flashattn::backward(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"),
                         to_tensor(out, "out"), to_tensor(dout, "dout"), to_tensor(lse, "lse"),
                         to_tensor(dq, "dq"), to_tensor(dk, "dk"), to_tensor(dv, "dv"), o);
+  });
+}
+
+int flashattn_forward_varlen(const flashattn_tensor* q, const flashattn_tensor* k, const flashattn_tensor* v,
+                             const flashattn_tensor* out, const flashattn_tensor* lse, const flashattn_varlen* varlen,
+                             const flashattn_options* opts) {
+  return guarded([&] {
+    flashattn::Tensor alibi, idx[3];
+    const flashattn::Options o = flashattn::detail::options_from_c(opts, &alibi);
+    const flashattn::Varlen vl = varlen_from_c(varlen, idx);
+    flashattn::forward_varlen(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"), to_tensor(out, "out"),
+                              to_tensor(lse, "lse"), vl, o);
+  });
+}
+
+int flashattn_backward_varlen(const flashattn_tensor* q, const flashattn_tensor* k, const flashattn_tensor* v,
+                              const flashattn_tensor* out, const flashattn_tensor* dout, const flashattn_tensor* lse,
+                              const flashattn_tensor* dq, const flashattn_tensor* dk, const flashattn_tensor* dv,
+                              const flashattn_varlen* varlen, const flashattn_options* opts) {
+  return guarded([&] {
+    flashattn::Tensor alibi, idx[3];
+    const flashattn::Options o = flashattn::detail::options_from_c(opts, &alibi);
+    const flashattn::Varlen vl = varlen_from_c(varlen, idx);
+    flashattn::backward_varlen(to_tensor(q, "q"), to_tensor(k, "k"), to_tensor(v, "v"), to_tensor(out, "out"),
+                               to_tensor(dout, "dout"), to_tensor(lse, "lse"), to_tensor(dq, "dq"), to_tensor(dk, "dk"),
+                               to_tensor(dv, "dv"), vl, o);
   });
 }
 

@@ -72,6 +72,32 @@ struct Operand3 {
 using InLse = Operand3<const float*>;
 using OutLse = Operand3<float*>;
 
+// Packed variable-length batches (flashattn_forward_varlen): sequence b's queries are rows
+// [cu_q[b], cu_q[b+1]) of the packed operands and its keys rows [cu_k[b], cu_k[b+1]), the first
+// used_k[b] of them attended when used_k is given. The arrays live on the call's device and were
+// checked (0-based, non-decreasing, ending at the totals, lengths <= Shape::seq_q / seq_kv, which
+// hold max_seqlen_q / _k). The operands' views then have batch stride 0 and the row offset of a
+// sequence is added through its sequence stride. cu_q == nullptr: a dense call.
+struct Packing {
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  const int32_t* used_k;
+  FLASHATTN_HD bool on() const { return cu_q != nullptr; }
+};
+
+// One sequence of a call: its first query row and key row in the operands (0 when dense) and its
+// lengths (the shape's when dense).
+struct SeqSpan {
+  int64_t q0, k0;
+  int64_t seq_q, seq_kv;
+};
+FLASHATTN_HD SeqSpan seq_span(const Shape& s, const Packing& pk, int64_t b) {
+  if (!pk.on()) return SeqSpan{0, 0, s.seq_q, s.seq_kv};
+  const int64_t q0 = pk.cu_q[b], k0 = pk.cu_k[b];
+  const int64_t skv = pk.used_k != nullptr ? pk.used_k[b] : pk.cu_k[b + 1] - k0;
+  return SeqSpan{q0, k0, pk.cu_q[b + 1] - q0, skv};
+}
+
 struct ForwardParams {
   Shape shape;
   Numerics num;
@@ -79,6 +105,7 @@ struct ForwardParams {
   In4 q, k, v;
   Out4 out;
   OutLse lse;
+  Packing packing;  // last: dense callers may leave it out of an aggregate initializer
 };
 
 struct BackwardParams {
@@ -88,6 +115,7 @@ struct BackwardParams {
   In4 q, k, v, out, dout;
   InLse lse;
   Out4 dq, dk, dv;
+  Packing packing;  // last, as in ForwardParams
 };
 
 // The call's mask band: its mask and sliding window over its sequence lengths.

@@ -300,8 +300,11 @@ struct Common {
   Exec exec;
 };
 
+// extra: further inputs on the call's device (the varlen sequence arrays); alibi_batch: the batch
+// the ALiBi slopes' [B, Hq] form must have (-1: q's; a packed call's views have batch 1).
 Common check_common(const Named& q, const Named& k, const Named& v, const Named& lse,
-                    const std::vector<Named>& same_as_q, const Options& o) {
+                    const std::vector<Named>& same_as_q, const Options& o,
+                    const std::vector<Named>& extra = {}, int64_t alibi_batch = -1) {
   for (const Named& n : {q, k, v}) check_tensor(n, 4);
   check_tensor(lse, 3);
   for (const Named& n : same_as_q) check_tensor(n, 4);
@@ -384,9 +387,10 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
   all.insert(all.end(), same_as_q.begin(), same_as_q.end());
   Named alibi{o.alibi_slopes, "alibi_slopes"};
   if (o.alibi_slopes != nullptr) {
-    check_alibi(alibi, B, Hq);
+    check_alibi(alibi, alibi_batch >= 0 ? alibi_batch : B, Hq);
     all.push_back(alibi);
   }
+  all.insert(all.end(), extra.begin(), extra.end());
   check_devices(all);
   if (q.t->dtype == DType::Float64 && q.t->device >= 0)
     throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
@@ -467,6 +471,221 @@ BackwardParams make_backward_params(const Tensor& q, const Tensor& k, const Tens
   p.dq = in4<Out4>(dq);
   p.dk = in4<Out4>(dk);
   p.dv = in4<Out4>(dv);
+  return p;
+}
+
+
+// ---- packed variable-length calls -----------------------------------------------------------------
+namespace {
+
+// A packed [total, H, D] operand as the dense checks' logical [1, H, total, D] view; lse
+// [H, total] as [1, H, total]. (Batch 1: the dense checks then see one long sequence, and the
+// sequences' own bounds are checked by check_sequences.)
+Tensor packed_as_dense(const Tensor& t) {
+  Tensor r = t;
+  if (t.ndim == 3) {
+    r.ndim = 4;
+    const int64_t sh[4] = {1, t.shape[1], t.shape[0], t.shape[2]}, st[4] = {0, t.stride[1], t.stride[0], t.stride[2]};
+    for (int i = 0; i < 4; ++i) r.shape[i] = sh[i], r.stride[i] = st[i];
+  } else if (t.ndim == 2) {
+    r.ndim = 3;
+    const int64_t sh[3] = {1, t.shape[0], t.shape[1]}, st[3] = {0, t.stride[0], t.stride[1]};
+    for (int i = 0; i < 3; ++i) r.shape[i] = sh[i], r.stride[i] = st[i];
+    r.shape[3] = r.stride[3] = 0;
+  }
+  return r;
+}
+
+// The packed layouts' own shape rules, with messages in the caller's terms.
+void check_packed_shapes(const Named& q, const Named& k, const Named& v, const Named& lse,
+                         const std::vector<Named>& like_q, const std::vector<Named>& like_k) {
+  for (const Named& n : {q, k, v})
+    if (n.t->ndim != 3)
+      fail(std::string(n.name) + ".ndim = " + std::to_string(n.t->ndim) + ", expected 3 for a varlen call (" +
+           (n.t == q.t ? "[total_q, Hq, D]" : "[total_k, Hkv, D]") + ")");
+  for (const Named& n : like_q)
+    if (n.t->ndim != 3) fail(std::string(n.name) + ".ndim = " + std::to_string(n.t->ndim) + ", expected 3 ([total_q, Hq, D])");
+  for (const Named& n : like_k)
+    if (n.t->ndim != 3) fail(std::string(n.name) + ".ndim = " + std::to_string(n.t->ndim) + ", expected 3 ([total_k, Hkv, D])");
+  if (lse.t->ndim != 2)
+    fail(std::string(lse.name) + ".ndim = " + std::to_string(lse.t->ndim) + ", expected 2 for a varlen call ([Hq, total_q])");
+  auto same = [](const Named& n, const Named& ref) {
+    for (int i = 0; i < 3; ++i)
+      if (n.t->shape[i] != ref.t->shape[i])
+        fail(std::string(n.name) + ".shape = " + format_dims(n.t->shape, 3) + " does not match " + ref.name +
+             ".shape = " + format_dims(ref.t->shape, 3));
+  };
+  if (k.t->shape[2] != q.t->shape[2])
+    fail("k.shape[2] (head_dim) = " + std::to_string(k.t->shape[2]) + " does not match q.shape[2] = " +
+         std::to_string(q.t->shape[2]));
+  same(v, k);
+  for (const Named& n : like_q) same(n, q);
+  for (const Named& n : like_k) same(n, k);
+  if (lse.t->shape[0] != q.t->shape[1] || lse.t->shape[1] != q.t->shape[0])
+    fail(std::string(lse.name) + ".shape = " + format_dims(lse.t->shape, 2) + ", expected [Hq, total_q] = [" +
+         std::to_string(q.t->shape[1]) + ", " + std::to_string(q.t->shape[0]) + "]");
+}
+
+// An int32 index vector of n entries, unit stride (read as a plain array by the kernels).
+void check_index_tensor(const Named& n, int64_t entries, const char* what) {
+  const Tensor& t = *n.t;
+  if (t.dtype != DType::Int32)
+    fail(std::string(n.name) + ".dtype = " + dtype_str(t.dtype) + ", expected int32 (" + what + ")");
+  if (t.ndim != 1)
+    fail(std::string(n.name) + ".ndim = " + std::to_string(t.ndim) + ", expected 1 (" + what + ")");
+  if (entries >= 0 && t.shape[0] != entries)
+    fail(std::string(n.name) + ".shape = " + format_dims(t.shape, 1) + ", expected [" + std::to_string(entries) +
+         "] (" + what + ")");
+  if (t.shape[0] < 1) fail(std::string(n.name) + ".shape = " + format_dims(t.shape, 1) + " is empty");
+  if (t.shape[0] > 1 && t.stride[0] != 1)
+    fail(std::string(n.name) + ".stride = " + format_dims(t.stride, 1) + ", must be [1] (contiguous)");
+  if (t.data == nullptr) fail(std::string(n.name) + ".data is NULL");
+  if (t.device < -1)
+    fail(std::string(n.name) + ".device = " + std::to_string(t.device) + " is invalid");
+  if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) {
+    std::ostringstream os;
+    os << n.name << ".data = " << t.data << " is not aligned to 4 bytes (int32)";
+    fail(os.str());
+  }
+}
+
+std::vector<int32_t> read_index(const Tensor& t, void* stream) {
+  std::vector<int32_t> h(static_cast<size_t>(t.shape[0]));
+  if (t.device < 0)
+    std::memcpy(h.data(), t.data, h.size() * sizeof(int32_t));
+  else
+    cuda::copy_to_host(h.data(), t.data, h.size() * sizeof(int32_t), t.device, stream);
+  return h;
+}
+
+// The sequences' contents: prefix sums from 0, non-decreasing, ending at the totals; lengths within
+// the max_seqlen bounds; seqused_k within each sequence.
+void check_sequences(const Varlen& vl, int64_t total_q, int64_t total_k, void* stream) {
+  const std::vector<int32_t> cq = read_index(*vl.cu_seqlens_q, stream), ck = read_index(*vl.cu_seqlens_k, stream);
+  const int64_t B = static_cast<int64_t>(cq.size()) - 1;
+  std::vector<int32_t> used;
+  if (vl.seqused_k != nullptr) used = read_index(*vl.seqused_k, stream);
+  auto prefix = [&](const std::vector<int32_t>& c, const char* name, int64_t total, const char* rows,
+                    int64_t max_len, const char* max_name) {
+    if (c[0] != 0) fail(std::string(name) + "[0] = " + std::to_string(c[0]) + ", expected 0");
+    for (int64_t b = 0; b < B; ++b) {
+      if (c[b + 1] < c[b])
+        fail(std::string(name) + " is not non-decreasing: " + name + "[" + std::to_string(b + 1) + "] = " +
+             std::to_string(c[b + 1]) + " < " + name + "[" + std::to_string(b) + "] = " + std::to_string(c[b]));
+      const int64_t len = int64_t{c[b + 1]} - c[b];
+      if (len > max_len)
+        fail("sequence " + std::to_string(b) + " has " + std::to_string(len) + " " + rows + " (" + name + "[" +
+             std::to_string(b + 1) + "] - " + name + "[" + std::to_string(b) + "]) > " + max_name + " = " +
+             std::to_string(max_len));
+    }
+    if (c[B] != total)
+      fail(std::string(name) + "[" + std::to_string(B) + "] = " + std::to_string(c[B]) + " does not match the " +
+           rows + " of the packed tensors (" + std::to_string(total) + ")");
+  };
+  prefix(cq, "cu_seqlens_q", total_q, "queries", vl.max_seqlen_q, "max_seqlen_q");
+  prefix(ck, "cu_seqlens_k", total_k, "keys", vl.max_seqlen_k, "max_seqlen_k");
+  for (size_t b = 0; b < used.size(); ++b)
+    if (used[b] < 0 || int64_t{used[b]} > int64_t{ck[b + 1]} - ck[b])
+      fail("seqused_k[" + std::to_string(b) + "] = " + std::to_string(used[b]) + " is outside [0, " +
+           std::to_string(int64_t{ck[b + 1]} - ck[b]) + "] (the keys of sequence " + std::to_string(b) + ")");
+}
+
+struct PackedCall {
+  Common c;
+  Packing packing;
+};
+
+// Everything a packed call checks; dense views in `views` (q first, as in the names) for the
+// outputs' overlap checks and the params.
+PackedCall check_packed(const std::vector<Named>& named, const std::vector<Named>& like_q, const std::vector<Named>& like_k,
+                        const Varlen& vl, const Options& o, std::vector<Tensor>& views) {
+  const Named &q = named[0], &k = named[1], &v = named[2], &lse = named[3];
+  if (vl.cu_seqlens_q == nullptr) fail("varlen.cu_seqlens_q is NULL");
+  if (vl.cu_seqlens_k == nullptr) fail("varlen.cu_seqlens_k is NULL");
+  for (const Named& n : named)
+    if (n.t->ndim < 0 || n.t->ndim > 4) fail(std::string(n.name) + ".ndim = " + std::to_string(n.t->ndim) + " is invalid");
+  check_packed_shapes(q, k, v, lse, like_q, like_k);
+  Named cq{vl.cu_seqlens_q, "cu_seqlens_q"}, ck{vl.cu_seqlens_k, "cu_seqlens_k"}, su{vl.seqused_k, "seqused_k"};
+  check_index_tensor(cq, -1, "[batch + 1] prefix sums");
+  const int64_t B = cq.t->shape[0] - 1;
+  if (B < 1) fail("cu_seqlens_q.shape = " + format_dims(cq.t->shape, 1) + ": at least one sequence (2 entries) is needed");
+  check_index_tensor(ck, B + 1, "[batch + 1] prefix sums, as cu_seqlens_q");
+  if (vl.seqused_k != nullptr) check_index_tensor(su, B, "[batch]");
+  if (vl.max_seqlen_q < 1 || vl.max_seqlen_k < 1)
+    fail("varlen.max_seqlen_q = " + std::to_string(vl.max_seqlen_q) + ", max_seqlen_k = " +
+         std::to_string(vl.max_seqlen_k) + ": both must be >= 1");
+  views.clear();
+  for (const Named& n : named) views.push_back(packed_as_dense(*n.t));
+  std::vector<Named> dn;
+  for (size_t i = 0; i < named.size(); ++i) dn.push_back(Named{&views[i], named[i].name});
+  std::vector<Named> idx = {cq, ck};
+  if (vl.seqused_k != nullptr) idx.push_back(su);
+  std::vector<Named> rest(dn.begin() + 4, dn.end());
+  PackedCall r;
+  r.c = check_common(dn[0], dn[1], dn[2], dn[3], rest, o, idx, B);
+  check_sequences(vl, q.t->shape[0], k.t->shape[0], o.stream);
+  r.c.shape = Shape{B, q.t->shape[1], k.t->shape[1], vl.max_seqlen_q, vl.max_seqlen_k, q.t->shape[2]};
+  r.packing = Packing{static_cast<const int32_t*>(cq.t->data), static_cast<const int32_t*>(ck.t->data),
+                      vl.seqused_k != nullptr ? static_cast<const int32_t*>(su.t->data) : nullptr};
+  return r;
+}
+
+std::vector<Named> index_inputs(const Varlen& vl) {
+  std::vector<Named> r = {Named{vl.cu_seqlens_q, "cu_seqlens_q"}, Named{vl.cu_seqlens_k, "cu_seqlens_k"}};
+  if (vl.seqused_k != nullptr) r.push_back(Named{vl.seqused_k, "seqused_k"});
+  return r;
+}
+
+}  // namespace
+
+ForwardParams make_forward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                         const Tensor& lse, const Varlen& varlen, const Options& options) {
+  std::vector<Named> named = {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&lse, "lse"}, {&out, "out"}};
+  std::vector<Tensor> views;
+  PackedCall pc = check_packed(named, {named[4]}, {}, varlen, options, views);
+  Named nq{&views[0], "q"}, nk{&views[1], "k"}, nv{&views[2], "v"}, nl{&views[3], "lse"}, no{&views[4], "out"};
+  std::vector<Named> inputs = with_alibi({nq, nk, nv}, options);
+  for (const Named& n : index_inputs(varlen)) inputs.push_back(n);
+  check_outputs(inputs, {no, nl});
+  ForwardParams p{};
+  p.shape = pc.c.shape;
+  p.num = pc.c.num;
+  p.exec = pc.c.exec;
+  p.packing = pc.packing;
+  p.q = in4<In4>(views[0]);
+  p.k = in4<In4>(views[1]);
+  p.v = in4<In4>(views[2]);
+  p.out = in4<Out4>(views[4]);
+  p.lse = OutLse{static_cast<float*>(lse.data), 0, views[3].stride[1], views[3].stride[2]};
+  return p;
+}
+
+BackwardParams make_backward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                           const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                           const Tensor& dv, const Varlen& varlen, const Options& options) {
+  std::vector<Named> named = {{&q, "q"},     {&k, "k"},     {&v, "v"},   {&lse, "lse"}, {&out, "out"},
+                              {&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}};
+  std::vector<Tensor> views;
+  PackedCall pc = check_packed(named, {named[4], named[5], named[6]}, {named[7], named[8]}, varlen, options, views);
+  Named nq{&views[0], "q"}, nk{&views[1], "k"}, nv{&views[2], "v"}, nl{&views[3], "lse"}, no{&views[4], "out"},
+      ndo{&views[5], "dout"}, ndq{&views[6], "dq"}, ndk{&views[7], "dk"}, ndv{&views[8], "dv"};
+  std::vector<Named> inputs = with_alibi({nq, nk, nv, no, ndo, nl}, options);
+  for (const Named& n : index_inputs(varlen)) inputs.push_back(n);
+  check_outputs(inputs, {ndq, ndk, ndv});
+  BackwardParams p{};
+  p.shape = pc.c.shape;
+  p.num = pc.c.num;
+  p.exec = pc.c.exec;
+  p.packing = pc.packing;
+  p.q = in4<In4>(views[0]);
+  p.k = in4<In4>(views[1]);
+  p.v = in4<In4>(views[2]);
+  p.out = in4<In4>(views[4]);
+  p.dout = in4<In4>(views[5]);
+  p.lse = InLse{static_cast<const float*>(lse.data), 0, views[3].stride[1], views[3].stride[2]};
+  p.dq = in4<Out4>(views[6]);
+  p.dk = in4<Out4>(views[7]);
+  p.dv = in4<Out4>(views[8]);
   return p;
 }
 

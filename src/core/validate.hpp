@@ -17,6 +17,14 @@ BackwardParams make_backward_params(const Tensor& q, const Tensor& k, const Tens
                                     const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                     const Options& options);
 
+// Packed variable-length calls: the same checks on the packed layouts, and the sequence
+// arrays' contents (read on the host; on CUDA by a copy) before anything is written.
+ForwardParams make_forward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                         const Tensor& lse, const Varlen& varlen, const Options& options);
+BackwardParams make_backward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                           const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+                                           const Tensor& dv, const Varlen& varlen, const Options& options);
+
 // "[2, 8, 128, 64]"
 std::string format_dims(const int64_t* dims, int32_t ndim);
 

@@ -199,6 +199,13 @@ bool available() {
   return ok;
 }
 
+void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void* stream) {
+  DeviceGuard guard(device);
+  const auto st = static_cast<cudaStream_t>(stream);
+  FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st));
+  FLASHATTN_CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
 void check_device_pointer(const void* ptr, int32_t device, const char* what) {
   cudaPointerAttributes attr{};
   const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
