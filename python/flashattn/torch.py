@@ -78,9 +78,9 @@ def _lse_like(q: Tensor, bhs) -> Tensor:
 # then, with defaults so that callers written before them still work, deterministic,
 # window_left, window_right, softcap and alibi_slopes. The forward ops take deterministic too,
 # although the forward is deterministic anyway: autograd hands the backward only what the
-# forward received. In the [B, H, S, D] ops' autograd the options sit after q, k, v: OPTION_COUNT
-# gradients of None follow dq, dk, dv.
-OPTION_COUNT = 9
+# forward received. Each forward op's autograd formula returns, after the gradients of its
+# tensors, one None per option (the slopes included: they get no gradient, as in FlashAttention).
+_OPTION_COUNT = 9
 
 
 @torch.library.custom_op("flashattn::fwd", mutates_args=())
@@ -139,7 +139,7 @@ def _fwd_setup(ctx, inputs, output):
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, slopes = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, *ctx.args, slopes)
-    return (dq, dk, dv) + (None,) * OPTION_COUNT
+    return (dq, dk, dv) + (None,) * _OPTION_COUNT
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -206,7 +206,7 @@ def _qkvpacked_setup(ctx, inputs, output):
 def _qkvpacked_backward(ctx, dout, dlse):
     qkv, out, lse, slopes = ctx.saved_tensors
     dqkv = torch.ops.flashattn.qkvpacked_bwd(dout, qkv, out, lse, *ctx.args, slopes)
-    return (dqkv,) + (None,) * OPTION_COUNT
+    return (dqkv,) + (None,) * _OPTION_COUNT
 
 
 _qkvpacked_fwd.register_autograd(_qkvpacked_backward, setup_context=_qkvpacked_setup)
@@ -262,7 +262,7 @@ def _kvpacked_setup(ctx, inputs, output):
 def _kvpacked_backward(ctx, dout, dlse):
     q, kv, out, lse, slopes = ctx.saved_tensors
     dq, dkv = torch.ops.flashattn.kvpacked_bwd(dout, q, kv, out, lse, *ctx.args, slopes)
-    return (dq, dkv) + (None,) * OPTION_COUNT
+    return (dq, dkv) + (None,) * _OPTION_COUNT
 
 
 _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setup)
