@@ -6,6 +6,8 @@ input's own framework, so the caller gets its kind of tensor back), which CUDA s
 are queued on, and how arguments given as Python values map to the ABI's codes.
 """
 
+import math
+import numbers
 import sys
 
 import numpy as np
@@ -79,6 +81,50 @@ def flag_value(deterministic):
     if isinstance(deterministic, (bool, int, np.bool_, np.integer)):
         return bool(deterministic)
     raise TypeError(f"deterministic = {deterministic!r} is not a bool")
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def window_value(window_size):
+    """window_size = (left, right) as two Python ints. Key j is visible to query i when
+    i + Skv - Sq - left <= j <= i + Skv - Sq + right; -1 leaves a side unbounded, so (-1, -1)
+    (the default) is no window."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size = {window_size!r} is not a pair (left, right) of ints "
+                        "(-1 for an unbounded side)") from None
+    if not (_is_int(left) and _is_int(right)):
+        raise TypeError(f"window_size = {window_size!r}: left and right must be ints, got "
+                        f"{type(left).__name__} and {type(right).__name__}")
+    left, right = int(left), int(right)
+    for side, w in (("left", left), ("right", right)):
+        if w < -1:
+            raise ValueError(f"window_size = {(left, right)}: {side} = {w} is invalid (a window "
+                             "side is >= 0, or -1 for unbounded)")
+        if w >= 2**63:
+            raise ValueError(f"window_size = {(left, right)}: {side} = {w} does not fit in int64")
+    return left, right
+
+
+_FLOAT32_OVERFLOW = (2.0 - 2.0**-24) * 2.0**127
+
+
+def softcap_value(softcap):
+    """softcap as a float: 0 means none; else finite and > 0, representable in float32 (the C
+    ABI's type) without rounding to 0 or overflowing."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap = {softcap!r} is not a real number (0.0 means no softcap)")
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0.0:
+        raise ValueError(f"softcap = {cap!r} is invalid (0.0 for none, or a finite value > 0)")
+    # Plain float comparisons (no NumPy): torch.compile traces this. Below 2^-150 a value rounds
+    # to 0 in float32; from the midpoint between FLT_MAX and 2^128 on, to inf.
+    if cap != 0.0 and not (2.0**-150 < cap < _FLOAT32_OVERFLOW):
+        raise ValueError(f"softcap = {cap!r} is not representable in float32 (the library's type)")
+    return cap
 
 
 def threads_value(num_threads):
@@ -268,11 +314,25 @@ def _check_ndim(x, name, want):
         raise ValueError(f"{name}.ndim = {nd}, expected {want} ({layout})")
 
 
+def slopes_arg(alibi_slopes):
+    """The ALiBi slopes as handed to the extension: None, or a DLPack tensor (float32 [Hq] or
+    [B, Hq] on q's device: checked by the library). They get no gradient."""
+    if alibi_slopes is None:
+        return None
+    fw = framework(alibi_slopes, "alibi_slopes")
+    if fw == "torch" and alibi_slopes.requires_grad:
+        return alibi_slopes.detach()
+    if fw == "jax" and hasattr(alibi_slopes, "block_until_ready"):
+        alibi_slopes.block_until_ready()
+    return alibi_slopes
+
+
 # ---- public functions ---------------------------------------------------------------------------
 
 
-def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
-            precision="fp32", num_threads=None, deterministic=False):
+def forward(q, k, v, *, softmax_scale=None, mask="none", window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None, out=None, lse=None, precision="fp32", num_threads=None,
+            deterministic=False):
     """Attention forward in the logical [B, H, S, D] order: returns (out, lse).
 
     q: [B, Hq, Sq, D]; k, v: [B, Hkv, Skv, D] with Hkv dividing Hq (GQA: query head h reads kv
@@ -283,6 +343,12 @@ def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
 
     softmax_scale: None means 1/sqrt(D). mask: "none", "causal_top_left" (key j visible to
     query i when j <= i) or "causal_bottom_right" (j <= i + Skv - Sq, FlashAttention's causal).
+    window_size: (left, right), FlashAttention's sliding window: key j is visible to query i
+    when i + Skv - Sq - left <= j <= i + Skv - Sq + right; -1 leaves a side unbounded, (-1, -1)
+    is no window; intersected with the mask. softcap: 0.0 for none, else c > 0 turns each score
+    s = softmax_scale * q.k into c * tanh(s / c) before the softmax. alibi_slopes: None, or a
+    float32 tensor [Hq] or [B, Hq] on q's device (any DLPack tensor) adding
+    -slope[b, h] * |i + Skv - Sq - j| to each (softcapped) score; the slopes get no gradient.
     out: [B, Hq, Sq, D] like q (allocated, laid out like q, when None); lse: [B, Hq, Sq] float32,
     the natural log of each row's softmax denominator (-inf for a row that sees no key).
     precision: "fp32" (default) or "tf32" (CUDA float32 only). num_threads: CPU threads
@@ -301,26 +367,30 @@ def forward(q, k, v, *, softmax_scale=None, mask="none", out=None, lse=None,
     launch.check_output(out, "out")
     launch.check_output(lse, "lse")
     scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
     prec, nthreads = precision_code(precision), threads_value(num_threads)
     det = flag_value(deterministic)
+    slopes = slopes_arg(alibi_slopes)
     out_alloc, lse_alloc = out is None, lse is None
     if out_alloc:
         out = launch.empty_like(q)
     if lse_alloc:
         lse = launch.empty_lse(q)
     _ext.forward(launch.arg(q), launch.arg(k), launch.arg(v), launch.arg(out), launch.arg(lse),
-                 scale, mask_c, prec, nthreads, launch.stream, det)
+                 scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
     return launch.result(out, out_alloc), launch.result(lse, lse_alloc)
 
 
-def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=None, dk=None,
-             dv=None, precision="fp32", num_threads=None, deterministic=False):
+def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", window_size=(-1, -1),
+             softcap=0.0, alibi_slopes=None, dq=None, dk=None, dv=None, precision="fp32",
+             num_threads=None, deterministic=False):
     """Attention backward: returns (dq, dk, dv) from dout, the forward's inputs and its (out, lse).
 
     Shapes as in forward(); dq is laid out like q, dk like k, dv like v when allocated. dk and dv
-    are summed over the query heads that share a kv head (GQA). softmax_scale, mask and precision
-    must be the forward's. Outputs may be non-overlapping interleaved views of one buffer (e.g. the
-    q, k and v slices of a packed gradient); they must not overlap the inputs.
+    are summed over the query heads that share a kv head (GQA). softmax_scale, mask, window_size,
+    softcap, alibi_slopes and precision must be the forward's (the slopes get no gradient).
+    Outputs may be non-overlapping interleaved views of one buffer (e.g. the q, k and v slices of
+    a packed gradient); they must not overlap the inputs (the slopes included).
 
     deterministic=True asks for bitwise-reproducible gradients. The CPU and CUDA float32 always
     give them; CUDA float16/bfloat16 by default accumulate dq with float atomics (faster, with a
@@ -331,8 +401,10 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=Non
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         launch.check_output(x, name)
     scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
     prec, nthreads = precision_code(precision), threads_value(num_threads)
     det = flag_value(deterministic)
+    slopes = slopes_arg(alibi_slopes)
     allocated = (dq is None, dk is None, dv is None)
     if dq is None:
         dq = launch.empty_like(q)
@@ -342,5 +414,5 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", dq=Non
         dv = launch.empty_like(v)
     a = launch.arg
     _ext.backward(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv),
-                  scale, mask_c, prec, nthreads, launch.stream, det)
+                  scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
     return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))

@@ -22,41 +22,66 @@ Same signatures, layouts and return values as flash_attn 2.x:
   CUDA float32 backward are deterministic either way; CUDA float16/bfloat16 by default
   accumulate dq with float atomics (the fast path) and with deterministic=True use separate dq
   and dk/dv passes instead.
+- window_size=(left, right): sliding window (local) attention, key j visible to query i when
+  i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, with flash_attn's
+  conventions: a negative side is unbounded, a side >= seqlen_k is unbounded too, and
+  causal=True sets right to 0 (whatever was given).
+- softcap: anything > 0 caps the scores with softcap * tanh(scores / softcap) before the
+  softmax; 0 or below means none (as in flash_attn). Unlike flash_attn, a NaN or infinite
+  softcap is a ValueError rather than silently none or NaN outputs.
+- alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on the inputs' device: adds
+  -slope * |i + seqlen_k - seqlen_q - j| to score (i, j). No gradient flows to the slopes.
 
-Not implemented yet, each raising NotImplementedError that names the argument rather than being
-ignored: dropout_p != 0, window_size != (-1, -1), softcap != 0, alibi_slopes.
+Not implemented: dropout_p != 0 raises NotImplementedError rather than being ignored.
 """
+
+import numbers
 
 import torch
 
 from . import _api
-from . import torch as _ops  # noqa: F401  (registers torch.ops.flashattn.*)
+from . import torch as _ops  # also registers torch.ops.flashattn.*
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
 
 
-def _check_unsupported(dropout_p, window_size, softcap, alibi_slopes):
+def _check_unsupported(dropout_p):
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"flashattn: dropout_p={dropout_p} is not implemented (only dropout_p=0.0)"
         )
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(
-            f"flashattn: window_size={tuple(window_size)} (local attention) is not implemented "
-            "(only window_size=(-1, -1))"
-        )
-    if softcap != 0.0:
-        raise NotImplementedError(
-            f"flashattn: softcap={softcap} is not implemented (only softcap=0.0)"
-        )
-    if alibi_slopes is not None:
-        raise NotImplementedError("flashattn: alibi_slopes is not implemented (only None)")
 
 
-def _codes(softmax_scale, causal, deterministic):
-    mask = _api.MASKS["causal_bottom_right" if causal else "none"]
-    return (_api.scale_value(softmax_scale), mask, _api.PRECISIONS["fp32"], 0,
-            _api.flag_value(deterministic))
+def _window(window_size, causal, seqlen_k):
+    """flash_attn's window normalisation: (left, right) with -1 for an unbounded side, as the
+    library takes it."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size = {window_size!r} is not a pair (left, right) of ints "
+                        "(-1 for an unbounded side)") from None
+    for w in (left, right):
+        if not _api._is_int(w):
+            raise TypeError(f"window_size = {window_size!r}: left and right must be ints, got "
+                            f"{type(left).__name__} and {type(right).__name__}")
+    # A negative side, or one that reaches past every key, is unbounded.
+    left, right = (-1 if w < 0 or w >= seqlen_k else int(w) for w in (left, right))
+    if causal:
+        # The causal mask (bottom-right) bounds the right side at 0 already.
+        right = -1
+    return left, right
+
+
+def _softcap(softcap):
+    if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap < 0:
+        return 0.0  # flash_attn: only softcap > 0 activates the softcap
+    return softcap
+
+
+def _codes(softmax_scale, causal, deterministic, window_size, softcap, seqlen_k):
+    mask = "causal_bottom_right" if causal else "none"
+    return _ops._codes(softmax_scale, mask, "fp32", None, deterministic,
+                       _window(window_size, causal, seqlen_k), _softcap(softcap))
 
 
 def _check_ndim(x, name, want, layout):
@@ -76,12 +101,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     softmax_scale defaults to 1/sqrt(headdim). Returns out (batch, seqlen_q, nheads, headdim),
     or (out, softmax_lse, None) when return_attn_probs."""
-    _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    _check_unsupported(dropout_p)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_ndim(x, name, 4, "(batch, seqlen, nheads, headdim)")
 
+    codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, k.shape[1])
     out, lse = torch.ops.flashattn.fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       *_codes(softmax_scale, causal, deterministic))
+                                       *codes, _ops.slopes_value(alibi_slopes))
     return _result(out.transpose(1, 2), lse, return_attn_probs)
 
 
@@ -91,13 +117,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """qkv: (batch, seqlen, 3, nheads, headdim). Returns out (batch, seqlen, nheads, headdim),
     or (out, softmax_lse, None) when return_attn_probs. The gradient of qkv is computed into one
     packed buffer (no per-slice accumulation)."""
-    _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    _check_unsupported(dropout_p)
     _check_ndim(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape = {tuple(qkv.shape)}: dimension 2 must be 3 (q, k, v)")
 
-    out, lse = torch.ops.flashattn.qkvpacked_fwd(qkv,
-                                                 *_codes(softmax_scale, causal, deterministic))
+    codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, qkv.shape[1])
+    out, lse = torch.ops.flashattn.qkvpacked_fwd(qkv, *codes, _ops.slopes_value(alibi_slopes))
     return _result(out, lse, return_attn_probs)
 
 
@@ -107,12 +133,12 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim).
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) when
     return_attn_probs."""
-    _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    _check_unsupported(dropout_p)
     _check_ndim(q, "q", 4, "(batch, seqlen, nheads, headdim)")
     _check_ndim(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
         raise ValueError(f"kv.shape = {tuple(kv.shape)}: dimension 2 must be 2 (k, v)")
 
-    out, lse = torch.ops.flashattn.kvpacked_fwd(q, kv,
-                                                *_codes(softmax_scale, causal, deterministic))
+    codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, kv.shape[1])
+    out, lse = torch.ops.flashattn.kvpacked_fwd(q, kv, *codes, _ops.slopes_value(alibi_slopes))
     return _result(out, lse, return_attn_probs)

@@ -17,10 +17,11 @@ FlashAttention-compatible functions (flashattn.flash_attn_interface): their back
 gradients of q, k and v straight into one packed buffer laid out like the packed input.
 
 The log-sum-exp output is marked non-differentiable (requires_grad=False, as in FlashAttention):
-gradients flow to q, k and v through out only.
+gradients flow to q, k and v through out only. The ALiBi slopes are an input of every op but get
+no gradient (None), as in FlashAttention.
 """
 
-from typing import List, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,16 +49,22 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
 
 
-def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads, deterministic):
+def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads, deterministic,
+              window_left, window_right, softcap, alibi_slopes):
     _ext.forward(q.detach(), k.detach(), v.detach(), out, lse, scale, mask, precision,
-                 _threads(q, num_threads), _stream(q), deterministic)
+                 _threads(q, num_threads), _stream(q), deterministic, window_left, window_right,
+                 softcap, _slopes(alibi_slopes))
 
 
 def _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, mask, precision, num_threads,
-              deterministic):
+              deterministic, window_left, window_right, softcap, alibi_slopes):
     _ext.backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
                   dq, dk, dv, scale, mask, precision, _threads(q, num_threads), _stream(q),
-                  deterministic)
+                  deterministic, window_left, window_right, softcap, _slopes(alibi_slopes))
+
+
+def _slopes(alibi_slopes: Optional[Tensor]):
+    return None if alibi_slopes is None else alibi_slopes.detach()
 
 
 def _lse_like(q: Tensor, bhs) -> Tensor:
@@ -67,56 +74,72 @@ def _lse_like(q: Tensor, bhs) -> Tensor:
 # ---- [B, H, S, D] ops ---------------------------------------------------------------------------
 
 
-# Every op takes the options as trailing scalars: softmax_scale, mask, precision, num_threads and
-# deterministic (last, with a default, so that callers written before it still work). The
-# forward ops take deterministic too, although the forward is deterministic anyway: autograd
-# hands the backward only what the forward received.
+# Every op takes the options as trailing arguments: softmax_scale, mask, precision, num_threads,
+# then, with defaults so that callers written before them still work, deterministic,
+# window_left, window_right, softcap and alibi_slopes. The forward ops take deterministic too,
+# although the forward is deterministic anyway: autograd hands the backward only what the
+# forward received. Each forward op's autograd formula returns, after the gradients of its
+# tensors, one None per option (the slopes included: they get no gradient, as in FlashAttention).
+_OPTION_COUNT = 9
 
 
 @torch.library.custom_op("flashattn::fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, mask: int, precision: int,
-         num_threads: int, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+         num_threads: int, deterministic: bool = False, window_left: int = -1,
+         window_right: int = -1, softcap: float = 0.0,
+         alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = torch.empty_like(q)
     lse = _lse_like(q, q.shape[:3])
-    _call_fwd(q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic)
+    _call_fwd(q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic,
+              window_left, window_right, softcap, alibi_slopes)
     return out, lse
 
 
 @_fwd.register_fake
-def _(q, k, v, softmax_scale, mask, precision, num_threads, deterministic=False):
+def _(q, k, v, softmax_scale, mask, precision, num_threads, deterministic=False, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), _lse_like(q, q.shape[:3])
 
 
 @torch.library.custom_op("flashattn::bwd", mutates_args=())
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
          softmax_scale: float, mask: int, precision: int, num_threads: int,
-         deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+         deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+         softcap: float = 0.0,
+         alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads,
-              deterministic)
+              deterministic, window_left, window_right, softcap, alibi_slopes)
     return dq, dk, dv
 
 
 @_bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False):
+def _(dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False,
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fwd_setup(ctx, inputs, output):
-    # The dispatcher fills in defaults: deterministic is always there.
-    q, k, v, scale, mask, precision, num_threads, deterministic = inputs
+def _save(ctx, tensors, options, output):
+    """Saves the op's tensors, its (out, lse) and the ALiBi slopes (the last option) for the
+    backward; the other options ride along as plain values. The dispatcher fills in defaults, so
+    every option is there."""
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (scale, mask, precision, num_threads, deterministic)
+    *scalars, slopes = options
+    ctx.save_for_backward(*tensors, out, lse, slopes)
+    ctx.args = tuple(scalars)
     ctx.mark_non_differentiable(lse)
 
 
+def _fwd_setup(ctx, inputs, output):
+    _save(ctx, inputs[:3], inputs[3:], output)
+
+
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, *ctx.args, slopes)
+    return (dq, dk, dv) + (None,) * _OPTION_COUNT
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -135,52 +158,55 @@ def _empty_bshd_like(t: Tensor, b, s, h, d) -> Tensor:
 
 @torch.library.custom_op("flashattn::qkvpacked_fwd", mutates_args=())
 def _qkvpacked_fwd(qkv: Tensor, softmax_scale: float, mask: int, precision: int,
-                   num_threads: int, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+                   num_threads: int, deterministic: bool = False, window_left: int = -1,
+                   window_right: int = -1, softcap: float = 0.0,
+                   alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     qkv = _unit_last(qkv)
     b, s, _, h, d = qkv.shape
     out = _empty_bshd_like(qkv, b, s, h, d)
     lse = _lse_like(qkv, (b, h, s))
     _call_fwd(_bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]), _bshd(out), lse,
-              softmax_scale, mask, precision, num_threads, deterministic)
+              softmax_scale, mask, precision, num_threads, deterministic, window_left,
+              window_right, softcap, alibi_slopes)
     return out, lse
 
 
 @_qkvpacked_fwd.register_fake
-def _(qkv, softmax_scale, mask, precision, num_threads, deterministic=False):
+def _(qkv, softmax_scale, mask, precision, num_threads, deterministic=False, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None):
     b, s, _, h, d = qkv.shape
     return _empty_bshd_like(qkv, b, s, h, d), _lse_like(qkv, (b, h, s))
 
 
 @torch.library.custom_op("flashattn::qkvpacked_bwd", mutates_args=())
 def _qkvpacked_bwd(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-                   mask: int, precision: int, num_threads: int,
-                   deterministic: bool = False) -> Tensor:
+                   mask: int, precision: int, num_threads: int, deterministic: bool = False,
+                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                   alibi_slopes: Optional[Tensor] = None) -> Tensor:
     dout, qkv = _unit_last(dout), _unit_last(qkv)
     dqkv = torch.empty_like(qkv)
     # dq, dk and dv are interleaved, non-overlapping views of the one packed buffer.
     _call_bwd(_bshd(dout), _bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]),
               _bshd(out), lse, _bshd(dqkv[:, :, 0]), _bshd(dqkv[:, :, 1]), _bshd(dqkv[:, :, 2]),
-              softmax_scale, mask, precision, num_threads, deterministic)
+              softmax_scale, mask, precision, num_threads, deterministic, window_left,
+              window_right, softcap, alibi_slopes)
     return dqkv
 
 
 @_qkvpacked_bwd.register_fake
-def _(dout, qkv, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False):
+def _(dout, qkv, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False,
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(qkv)
 
 
 def _qkvpacked_setup(ctx, inputs, output):
-    qkv, scale, mask, precision, num_threads, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(qkv, out, lse)
-    ctx.args = (scale, mask, precision, num_threads, deterministic)
-    ctx.mark_non_differentiable(lse)
+    _save(ctx, inputs[:1], inputs[1:], output)
 
 
 def _qkvpacked_backward(ctx, dout, dlse):
-    qkv, out, lse = ctx.saved_tensors
-    dqkv = torch.ops.flashattn.qkvpacked_bwd(dout, qkv, out, lse, *ctx.args)
-    return dqkv, None, None, None, None, None
+    qkv, out, lse, slopes = ctx.saved_tensors
+    dqkv = torch.ops.flashattn.qkvpacked_bwd(dout, qkv, out, lse, *ctx.args, slopes)
+    return (dqkv,) + (None,) * _OPTION_COUNT
 
 
 _qkvpacked_fwd.register_autograd(_qkvpacked_backward, setup_context=_qkvpacked_setup)
@@ -188,18 +214,22 @@ _qkvpacked_fwd.register_autograd(_qkvpacked_backward, setup_context=_qkvpacked_s
 
 @torch.library.custom_op("flashattn::kvpacked_fwd", mutates_args=())
 def _kvpacked_fwd(q: Tensor, kv: Tensor, softmax_scale: float, mask: int, precision: int,
-                  num_threads: int, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+                  num_threads: int, deterministic: bool = False, window_left: int = -1,
+                  window_right: int = -1, softcap: float = 0.0,
+                  alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     q, kv = _unit_last(q), _unit_last(kv)
     b, s, h, d = q.shape
     out = _empty_bshd_like(q, b, s, h, d)
     lse = _lse_like(q, (b, h, s))
     _call_fwd(_bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
-              softmax_scale, mask, precision, num_threads, deterministic)
+              softmax_scale, mask, precision, num_threads, deterministic, window_left,
+              window_right, softcap, alibi_slopes)
     return out, lse
 
 
 @_kvpacked_fwd.register_fake
-def _(q, kv, softmax_scale, mask, precision, num_threads, deterministic=False):
+def _(q, kv, softmax_scale, mask, precision, num_threads, deterministic=False, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None):
     b, s, h, d = q.shape
     return _empty_bshd_like(q, b, s, h, d), _lse_like(q, (b, h, s))
 
@@ -207,32 +237,32 @@ def _(q, kv, softmax_scale, mask, precision, num_threads, deterministic=False):
 @torch.library.custom_op("flashattn::kvpacked_bwd", mutates_args=())
 def _kvpacked_bwd(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor,
                   softmax_scale: float, mask: int, precision: int, num_threads: int,
-                  deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+                  deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0,
+                  alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     dout, q, kv = _unit_last(dout), _unit_last(q), _unit_last(kv)
     dq, dkv = torch.empty_like(q), torch.empty_like(kv)
     _call_bwd(_bshd(dout), _bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
               _bshd(dq), _bshd(dkv[:, :, 0]), _bshd(dkv[:, :, 1]),
-              softmax_scale, mask, precision, num_threads, deterministic)
+              softmax_scale, mask, precision, num_threads, deterministic, window_left,
+              window_right, softcap, alibi_slopes)
     return dq, dkv
 
 
 @_kvpacked_bwd.register_fake
-def _(dout, q, kv, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False):
+def _(dout, q, kv, out, lse, softmax_scale, mask, precision, num_threads, deterministic=False,
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(kv)
 
 
 def _kvpacked_setup(ctx, inputs, output):
-    q, kv, scale, mask, precision, num_threads, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, kv, out, lse)
-    ctx.args = (scale, mask, precision, num_threads, deterministic)
-    ctx.mark_non_differentiable(lse)
+    _save(ctx, inputs[:2], inputs[2:], output)
 
 
 def _kvpacked_backward(ctx, dout, dlse):
-    q, kv, out, lse = ctx.saved_tensors
-    dq, dkv = torch.ops.flashattn.kvpacked_bwd(dout, q, kv, out, lse, *ctx.args)
-    return dq, dkv, None, None, None, None, None
+    q, kv, out, lse, slopes = ctx.saved_tensors
+    dq, dkv = torch.ops.flashattn.kvpacked_bwd(dout, q, kv, out, lse, *ctx.args, slopes)
+    return (dq, dkv) + (None,) * _OPTION_COUNT
 
 
 _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setup)
@@ -241,50 +271,72 @@ _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setu
 # ---- public API ---------------------------------------------------------------------------------
 
 
-def _codes(softmax_scale, mask, precision, num_threads, deterministic):
+def _codes(softmax_scale, mask, precision, num_threads, deterministic, window_size=(-1, -1),
+           softcap=0.0):
+    """The ops' scalar options, validated, in their order (the slopes follow them)."""
     return (_api.scale_value(softmax_scale), _api.mask_code(mask),
             _api.precision_code(precision), _api.threads_value(num_threads),
-            _api.flag_value(deterministic))
+            _api.flag_value(deterministic), *_api.window_value(window_size),
+            _api.softcap_value(softcap))
+
+
+def slopes_value(alibi_slopes):
+    """None or a torch.Tensor (the ops take a Tensor; float32 [Hq] or [B, Hq] on q's device,
+    which the library checks)."""
+    if alibi_slopes is None or isinstance(alibi_slopes, torch.Tensor):
+        return alibi_slopes
+    raise TypeError(f"alibi_slopes: expected a torch.Tensor or None, got "
+                    f"{type(alibi_slopes).__module__}.{type(alibi_slopes).__qualname__}")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none",
-              precision="fp32", num_threads=None, deterministic=False, return_lse=False):
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="fp32",
+              num_threads=None, deterministic=False, return_lse=False):
     """Differentiable attention on [B, H, S, D] tensors (any strides, e.g. ``x.transpose(1, 2)``
     of a [B, S, H, D] tensor): returns out, or (out, lse) when return_lse.
 
-    Arguments as flashattn.forward; deterministic=True makes the backward bitwise reproducible
+    Arguments as flashattn.forward: window_size=(left, right) is FlashAttention's sliding window
+    (-1 = unbounded side), intersected with the mask; softcap > 0 caps the scores with
+    softcap * tanh(s / softcap); alibi_slopes is None or a float32 tensor [Hq] or [B, Hq] on q's
+    device (no gradient flows to it). deterministic=True makes the backward bitwise reproducible
     (see flashattn.backward). Gradients flow to q, k and v (not through lse). Works under
     torch.compile (custom ops with fake implementations) and on CPU and CUDA tensors; on the CPU
     it uses torch.get_num_threads() threads unless num_threads is given.
     """
     out, lse = torch.ops.flashattn.fwd(q, k, v, *_codes(softmax_scale, mask, precision,
-                                                        num_threads, deterministic))
+                                                        num_threads, deterministic, window_size,
+                                                        softcap),
+                                       slopes_value(alibi_slopes))
     return (out, lse) if return_lse else out
 
 
 class FlashAttnFunction(torch.autograd.Function):
     """torch.autograd.Function over the extension (eager mode; use attention() under
     torch.compile). apply(q, k, v, softmax_scale=None, mask="none", precision="fp32",
-    num_threads=None, deterministic=False) -> (out, lse), [B, H, S, D] tensors; lse is not
-    differentiable."""
+    num_threads=None, deterministic=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None) -> (out, lse), [B, H, S, D] tensors; lse is not differentiable, nor are
+    the slopes."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale=None, mask="none", precision="fp32",
-                num_threads=None, deterministic=False):
-        args = _codes(softmax_scale, mask, precision, num_threads, deterministic)
+                num_threads=None, deterministic=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None):
+        args = _codes(softmax_scale, mask, precision, num_threads, deterministic, window_size,
+                      softcap)
+        slopes = slopes_value(alibi_slopes)
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         out = torch.empty_like(q)
         lse = _lse_like(q, q.shape[:3])
-        _call_fwd(q, k, v, out, lse, *args)
-        ctx.save_for_backward(q, k, v, out, lse)
+        _call_fwd(q, k, v, out, lse, *args, slopes)
+        ctx.save_for_backward(q, k, v, out, lse, slopes)
         ctx.args = args
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, slopes = ctx.saved_tensors
         dout = _unit_last(dout)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, *ctx.args, slopes)
+        return (dq, dk, dv) + (None,) * 8

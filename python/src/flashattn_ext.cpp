@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <sstream>
 #include <string>
 
 #include "flashattn/flashattn.h"
@@ -68,8 +70,18 @@ struct Arg {
   flashattn_tensor view{};
 };
 
+// What a tensor argument may be, for the messages of the checks made here (before the library
+// sees it): q-like tensors take any of flashattn's dtypes and 4 dimensions (lse 3); the ALiBi
+// slopes only float32 with 1 or 2.
+struct Kind {
+  const char* dtypes = " is not supported (flashattn takes float32, float16, bfloat16, and "
+                       "float64 on the CPU)";
+  const char* ndims = nullptr;  // nullptr: "4", or "3" for lse (the library checks the exact ndim)
+  size_t min_ndim = 0, max_ndim = 4;
+};
+
 template <class Array>
-Arg<Array> convert(nb::handle obj, const char* name, bool is_output) {
+Arg<Array> convert(nb::handle obj, const char* name, bool is_output, const Kind& kind = {}) {
   Arg<Array> a;
   if (!nb::try_cast<Array>(obj, a.array, /*convert=*/false)) {
     InArray probe;
@@ -84,13 +96,13 @@ Arg<Array> convert(nb::handle obj, const char* name, bool is_output) {
   const Array& t = a.array;
   const int32_t code = dtype_code(t.dtype());
   if (code < 0)
-    throw nb::type_error((std::string(name) + ".dtype = " + dtype_str(t.dtype()) +
-                          " is not supported (flashattn takes float32, float16, bfloat16, and "
-                          "float64 on the CPU)").c_str());
-  if (t.ndim() > 4)
-    throw nb::value_error((std::string(name) + ".ndim = " + std::to_string(t.ndim()) +
-                           ", expected " + (std::strcmp(name, "lse") == 0 ? "3" : "4"))
-                              .c_str());
+    throw nb::type_error(
+        (std::string(name) + ".dtype = " + dtype_str(t.dtype()) + kind.dtypes).c_str());
+  if (t.ndim() < kind.min_ndim || t.ndim() > kind.max_ndim) {
+    const char* want = kind.ndims ? kind.ndims : std::strcmp(name, "lse") == 0 ? "3" : "4";
+    throw nb::value_error(
+        (std::string(name) + ".ndim = " + std::to_string(t.ndim()) + ", expected " + want).c_str());
+  }
   int32_t device;
   switch (t.device_type()) {
     case kDLCPU:
@@ -114,19 +126,47 @@ Arg<Array> convert(nb::handle obj, const char* name, bool is_output) {
   return a;
 }
 
+// The ALiBi slopes, when given: float32 [Hq] or [B, Hq] (the library checks the sizes, device
+// and alignment against q).
+struct Slopes {
+  std::optional<Arg<InArray>> arg;
+  explicit Slopes(nb::handle obj) {
+    if (obj.is_none()) return;
+    arg = convert<InArray>(obj, "alibi_slopes", false,
+                           Kind{", expected float32", "1 ([Hq]) or 2 ([B, Hq])", 1, 2});
+  }
+  const flashattn_tensor* view() const { return arg ? &arg->view : nullptr; }
+};
+
+// The ABI takes the softmax scale and the softcap as float32: a nonzero value that rounds to 0
+// there would silently read as "default" / "none".
+float to_float32(double value, const char* name, const char* zero_means) {
+  const float f = static_cast<float>(value);
+  if (value != 0.0 && f == 0.0f) {
+    std::ostringstream os;
+    os << name << " = " << value << " underflows to 0 in float32 (0 means " << zero_means << ")";
+    throw nb::value_error(os.str().c_str());
+  }
+  return f;
+}
+
 flashattn_options make_options(double softmax_scale, int mask, int precision, int num_threads,
-                               uintptr_t stream, bool deterministic) {
+                               uintptr_t stream, bool deterministic, int64_t window_left,
+                               int64_t window_right, double softcap, const Slopes& slopes) {
   flashattn_options o;
   flashattn_options_init(&o);
-  o.softmax_scale = static_cast<float>(softmax_scale);
-  if (softmax_scale != 0.0 && o.softmax_scale == 0.0f)
-    throw nb::value_error(("softmax_scale = " + std::to_string(softmax_scale) +
-                           " underflows to 0 in float32").c_str());
+  o.softmax_scale = to_float32(softmax_scale, "softmax_scale", "1/sqrt(head_dim)");
   o.mask = mask;
   o.precision = precision;
   o.num_threads = num_threads;
   o.stream = reinterpret_cast<void*>(stream);
   o.deterministic = deterministic ? 1 : 0;
+  // (-1, -1) is no window at all; the library validates the values (>= -1).
+  o.sliding_window = window_left != -1 || window_right != -1 ? 1 : 0;
+  o.window_left = window_left;
+  o.window_right = window_right;
+  o.softcap = to_float32(softcap, "softcap", "no softcap");
+  o.alibi_slopes = slopes.view();
   return o;
 }
 
@@ -157,12 +197,15 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
 
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              double softmax_scale, int mask, int precision, int num_threads, uintptr_t stream,
-             bool deterministic) {
+             bool deterministic, int64_t window_left, int64_t window_right, double softcap,
+             nb::handle alibi_slopes) {
   auto tq = convert<InArray>(q, "q", false), tk = convert<InArray>(k, "k", false),
        tv = convert<InArray>(v, "v", false);
   auto to = convert<OutArray>(out, "out", true), tl = convert<OutArray>(lse, "lse", true);
-  const flashattn_options o =
-      make_options(softmax_scale, mask, precision, num_threads, stream, deterministic);
+  const Slopes slopes(alibi_slopes);
+  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
+                                           deterministic, window_left, window_right, softcap,
+                                           slopes);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -173,14 +216,18 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 
 void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
               nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv, double softmax_scale,
-              int mask, int precision, int num_threads, uintptr_t stream, bool deterministic) {
+              int mask, int precision, int num_threads, uintptr_t stream, bool deterministic,
+              int64_t window_left, int64_t window_right, double softcap,
+              nb::handle alibi_slopes) {
   auto tdo = convert<InArray>(dout, "dout", false), tq = convert<InArray>(q, "q", false),
        tk = convert<InArray>(k, "k", false), tv = convert<InArray>(v, "v", false),
        to = convert<InArray>(out, "out", false), tl = convert<InArray>(lse, "lse", false);
   auto tdq = convert<OutArray>(dq, "dq", true), tdk = convert<OutArray>(dk, "dk", true),
        tdv = convert<OutArray>(dv, "dv", true);
-  const flashattn_options o =
-      make_options(softmax_scale, mask, precision, num_threads, stream, deterministic);
+  const Slopes slopes(alibi_slopes);
+  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
+                                           deterministic, window_left, window_right, softcap,
+                                           slopes);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -197,14 +244,20 @@ NB_MODULE(_ext, m) {
   m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse"), nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"),
         nb::arg("num_threads"), nb::arg("stream"), nb::arg("deterministic") = false,
+        nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
+        nb::arg("alibi_slopes").none() = nb::none(),
         "Runs flashattn_forward on DLPack tensors in the library's logical [B, H, S, D] order; "
-        "out and lse are written in place. softmax_scale 0 means 1/sqrt(D).");
+        "out and lse are written in place. softmax_scale 0 means 1/sqrt(D); window (-1, -1) "
+        "means none, softcap 0 none, alibi_slopes None none.");
   m.def("backward", &backward, nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("out"), nb::arg("lse"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
         nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"),
-        nb::arg("stream"), nb::arg("deterministic") = false,
+        nb::arg("stream"), nb::arg("deterministic") = false, nb::arg("window_left") = -1,
+        nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
+        nb::arg("alibi_slopes").none() = nb::none(),
         "Runs flashattn_backward on DLPack tensors; dq, dk and dv are written in place. "
-        "deterministic: a bitwise-reproducible backward (CUDA float16/bfloat16: no dQ atomics).");
+        "deterministic: a bitwise-reproducible backward (CUDA float16/bfloat16: no dQ atomics). "
+        "The window, softcap and alibi_slopes must be the forward's.");
   m.def("version", [] { return std::string(flashattn_version()); },
         "Version of the libflashattn that is loaded.");
   m.def("cuda_available", [] { return flashattn_cuda_available() != 0; },

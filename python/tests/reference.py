@@ -14,6 +14,11 @@ A test that needs the reference fails, saying what to do, when it is in none of 
 Arrays are logical [B, H, S, D] (any strides, any float dtype: converted to float64 first, so
 16-bit inputs are used exactly as stored); GQA when Hkv divides Hq; the library's three masks;
 a row that sees no key gives out = 0, lse = -inf and no gradient.
+
+The sliding window, softcap and ALiBi slopes (flashattn_ref_forward_ex / _backward_ex) are
+keyword arguments with the library's meanings: window=(left, right) with -1 for an unbounded
+side, softcap 0 for none, alibi None or slopes [Hq] / [B, Hq]. The softcap and slopes are used
+as the float32 values the C ABI carries.
 """
 
 import ctypes
@@ -32,6 +37,11 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 class _Shape(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64)
                 for n in ("batch", "heads_q", "heads_kv", "seq_q", "seq_kv", "head_dim")]
+
+
+class _Mods(ctypes.Structure):
+    _fields_ = [("window_left", ctypes.c_int64), ("window_right", ctypes.c_int64),
+                ("softcap", ctypes.c_double), ("alibi", ctypes.c_void_p)]
 
 
 def _sanitizer_build(build_dir):
@@ -78,16 +88,17 @@ def library():
     path = paths[0]
     try:
         lib = ctypes.CDLL(path)
-        fwd, bwd, err = (lib.flashattn_ref_forward, lib.flashattn_ref_backward,
+        fwd, bwd, err = (lib.flashattn_ref_forward_ex, lib.flashattn_ref_backward_ex,
                          lib.flashattn_ref_last_error)
     except (OSError, AttributeError) as e:
         _error = (f"cannot use the float64 reference library {path} ({e}); rebuild it (target "
                   f"flashattn_reference) or set {_ENV}")
         raise RuntimeError(_error) from e
     arr = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]  # data, strides
-    shape, scale_mask = [ctypes.POINTER(_Shape)], [ctypes.c_double, ctypes.c_int32]
-    fwd.argtypes = shape + arr * 3 + scale_mask + arr * 2
-    bwd.argtypes = shape + arr * 4 + scale_mask + arr * 3
+    shape = [ctypes.POINTER(_Shape)]
+    scale_mask_mods = [ctypes.c_double, ctypes.c_int32, ctypes.POINTER(_Mods)]
+    fwd.argtypes = shape + arr * 3 + scale_mask_mods + arr * 2
+    bwd.argtypes = shape + arr * 4 + scale_mask_mods + arr * 3
     fwd.restype = bwd.restype = ctypes.c_int
     err.argtypes, err.restype = [], ctypes.c_char_p
     _lib = lib
@@ -127,27 +138,67 @@ def _check(lib, rc):
         raise ValueError("float64 reference: " + lib.flashattn_ref_last_error().decode())
 
 
-def forward(q, k, v, scale=None, mask="none"):
+def _mods(q, window, softcap, alibi):
+    """(flashattn_ref_mods, the slopes array it points to): slopes rounded to float32 as the
+    library stores them, [Hq] repeated over the batch, laid out as [B * Hq]."""
+    left, right = (int(w) for w in window)
+    slopes = None
+    if alibi is not None:
+        a = np.asarray(alibi).astype(np.float32).astype(np.float64)
+        b, hq = q.shape[:2]
+        if a.shape not in ((hq,), (b, hq)):
+            raise ValueError(f"alibi slopes of shape {a.shape} do not match q {q.shape}: "
+                             f"expected ({hq},) or ({b}, {hq})")
+        slopes = np.ascontiguousarray(np.broadcast_to(a, (b, hq)))
+    mods = _Mods(left, right, float(np.float32(softcap)),
+                 None if slopes is None else slopes.ctypes.data)
+    return mods, slopes
+
+
+def forward(q, k, v, scale=None, mask="none", *, window=(-1, -1), softcap=0.0, alibi=None):
     """float64 (out, lse)."""
     lib = library()
     (qa, q), (ka, k), (va, v) = _arg(q), _arg(k), _arg(v)
     shape = _shape(q, k, v)
+    mods, _slopes = _mods(q, window, softcap, alibi)
     out, lse = np.empty(q.shape), np.empty(q.shape[:3])
     (oa, _), (la, _) = _arg(out), _arg(lse)
-    _check(lib, lib.flashattn_ref_forward(ctypes.byref(shape), *qa, *ka, *va,
-                                          abi_scale(scale, q.shape[-1]), MASK_NAMES.index(mask),
-                                          *oa, *la))
+    _check(lib, lib.flashattn_ref_forward_ex(ctypes.byref(shape), *qa, *ka, *va,
+                                             abi_scale(scale, q.shape[-1]),
+                                             MASK_NAMES.index(mask), ctypes.byref(mods),
+                                             *oa, *la))
     return out, lse
 
 
-def backward(dout, q, k, v, scale=None, mask="none"):
+def backward(dout, q, k, v, scale=None, mask="none", *, window=(-1, -1), softcap=0.0,
+             alibi=None):
     """float64 (dq, dk, dv); dk and dv summed over the query heads of each kv group."""
     lib = library()
     (da, dout), (qa, q), (ka, k), (va, v) = _arg(dout), _arg(q), _arg(k), _arg(v)
     shape = _shape(q, k, v, dout)
+    mods, _slopes = _mods(q, window, softcap, alibi)
     dq, dk, dv = np.empty(q.shape), np.empty(k.shape), np.empty(v.shape)
     (dqa, _), (dka, _), (dva, _) = _arg(dq), _arg(dk), _arg(dv)
-    _check(lib, lib.flashattn_ref_backward(ctypes.byref(shape), *qa, *ka, *va, *da,
-                                           abi_scale(scale, q.shape[-1]),
-                                           MASK_NAMES.index(mask), *dqa, *dka, *dva))
+    _check(lib, lib.flashattn_ref_backward_ex(ctypes.byref(shape), *qa, *ka, *va, *da,
+                                              abi_scale(scale, q.shape[-1]),
+                                              MASK_NAMES.index(mask), ctypes.byref(mods),
+                                              *dqa, *dka, *dva))
     return dq, dk, dv
+
+
+def visible(sq, skv, mask="none", window=(-1, -1)):
+    """[Sq, Skv] bool: which keys each query sees, written out from the definitions (mask, then
+    the window band, intersected)."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    vis = np.ones((sq, skv), dtype=bool)
+    if mask == "causal_top_left":
+        vis &= j <= i
+    elif mask == "causal_bottom_right":
+        vis &= j <= i + skv - sq
+    left, right = window
+    if left >= 0:
+        vis &= j >= i + skv - sq - left
+    if right >= 0:
+        vis &= j <= i + skv - sq + right
+    return vis

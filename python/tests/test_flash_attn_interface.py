@@ -1,9 +1,11 @@
 """FlashAttention-2-compatible functions (flash_attn_func, flash_attn_qkvpacked_func,
 flash_attn_kvpacked_func): layouts, causal alignment, GQA, return values, autograd, packed
-gradients, unsupported arguments, torch.compile — against the float64 reference."""
+gradients, sliding window / softcap / ALiBi with flash_attn's conventions, unsupported arguments,
+torch.compile — against the float64 reference."""
 
 import inspect
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,10 +25,11 @@ def bhsd(x):
     return x.transpose(1, 2)
 
 
-def ref_bshd(q, k, v, dout, scale, causal):
-    """float64 reference on (batch, seqlen, nheads, headdim) tensors: out, lse, dq, dk, dv."""
+def ref_bshd(q, k, v, dout, scale, causal, **mods):
+    """float64 reference on (batch, seqlen, nheads, headdim) tensors: out, lse, dq, dk, dv. mods:
+    window / softcap / alibi in the library's meaning (not flash_attn's conventions)."""
     out, lse, dq, dk, dv = reference64(bhsd(q), bhsd(k), bhsd(v), bhsd(dout), scale,
-                                       "causal_bottom_right" if causal else "none")
+                                       "causal_bottom_right" if causal else "none", **mods)
     return bhsd(out), lse, bhsd(dq), bhsd(dk), bhsd(dv)
 
 
@@ -160,23 +163,17 @@ def test_non_contiguous_inputs_are_read_in_place():
 
 
 @pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
-@pytest.mark.parametrize("arg,value,needle", [
-    ("dropout_p", 0.1, "dropout_p=0.1"),
-    ("window_size", (4, 0), r"window_size=\(4, 0\)"),
-    ("softcap", 30.0, "softcap=30.0"),
-    ("alibi_slopes", "slopes", "alibi_slopes"),
-])
-def test_unsupported_arguments_raise(fn, arg, value, needle):
+def test_dropout_raises(fn):
     q = torch.randn(1, 8, 2, 16)
-    if value == "slopes":
-        value = torch.ones(2)
     call = {
         "func": lambda **kw: flash_attn_func(q, q, q, **kw),
         "qkvpacked": lambda **kw: flash_attn_qkvpacked_func(torch.stack([q] * 3, 2), **kw),
         "kvpacked": lambda **kw: flash_attn_kvpacked_func(q, torch.stack([q] * 2, 2), **kw),
     }[fn]
-    with pytest.raises(NotImplementedError, match=needle):
-        call(**{arg: value})
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        call(dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="dropout_p=0.5"):
+        call(dropout_p=0.5, window_size=(2, 2), softcap=1.0)
 
 
 def test_accepted_arguments():
@@ -196,8 +193,8 @@ def test_deterministic_reaches_the_backward(monkeypatch, fn):
     seen, real = [], _ext.backward
 
     def spy(*args):
-        assert len(args) == 15 and type(args[-1]) is bool, args[9:]
-        seen.append(args[-1])
+        assert len(args) == 19 and type(args[14]) is bool, args[9:]
+        seen.append(args[14])
         return real(*args)
 
     monkeypatch.setattr(_ext, "backward", spy)
@@ -251,3 +248,225 @@ def test_flash_attn_under_torch_compile(device):
         grads.append([x.grad for x in xs])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+# ---- sliding window, softcap and ALiBi -----------------------------------------------------------
+
+
+def packed_call(fn, q, k, v, **kw):
+    """flash_attn_func / _kvpacked / _qkvpacked on the same (unpacked) inputs; differentiable
+    with respect to q, k and v in every case."""
+    if fn == "func":
+        return flash_attn_func(q, k, v, **kw)
+    if fn == "kvpacked":
+        return flash_attn_kvpacked_func(q, torch.stack([k, v], 2), **kw)
+    return flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), **kw)
+
+
+def fa2_slopes(kind, b, h, device):
+    if kind is None:
+        return None
+    if kind == "heads":
+        return (2.0 ** (-8.0 * torch.arange(1, h + 1) / h)).to(device, torch.float32)
+    g = torch.Generator().manual_seed(21)
+    return (torch.rand(b, h, generator=g) * 1.5).to(device, torch.float32)
+
+
+def check_mods(fn, device, dtype, b, sq, skv, hq, hkv, d, causal, fa2, lib, seed=31):
+    """One flash_attn call with the FlashAttention arguments `fa2` against the reference with the
+    library's equivalent `lib`: out, lse and the gradients of q, k and v."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa
+    q, k, v = mk(b, sq, hq, d), mk(b, skv, hkv, d), mk(b, skv, hkv, d)
+    dout = mk(b, sq, hq, d)
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse, _ = packed_call(fn, qq, kk, vv, causal=causal, return_attn_probs=True, **fa2)
+    out.backward(dout)
+    r = ref_bshd(q, k, v, dout, fa2.get("softmax_scale"), causal, **lib)
+    for name, kind, got, rr in zip(("out", "lse", "dq", "dk", "dv"),
+                                   ("out", "lse", "grad", "grad", "grad"),
+                                   (out.detach(), lse, qq.grad, kk.grad, vv.grad), r):
+        assert_ok(name, got, rr, dtype, device, kind)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(4, 0), (3, 5), (-1, 2), (6, -1), (0, 0)],
+                         ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 64), (1, 70, 30, 6, 1, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_window(shape, device, window, causal):
+    """flash_attn's window: causal=True sets the right side to 0, so causal + (left, right) is
+    the library's bottom-right causal mask with (left, -1)."""
+    b, sq, skv, hq, hkv, d = shape
+    lib_window = (window[0], -1) if causal else window
+    for fn in ("func", "kvpacked"):
+        check_mods(fn, device, torch.float32, b, sq, skv, hq, hkv, d, causal,
+                   dict(window_size=window), dict(window=lib_window))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_qkvpacked(device, causal):
+    check_mods("qkvpacked", device, torch.float32, 2, 45, 45, 4, 4, 32, causal,
+               dict(window_size=(5, 3)), dict(window=(5, -1 if causal else 3)))
+
+
+@pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
+def test_window_conventions_of_flash_attn(fn):
+    """flash_attn reads any negative side as unbounded, a side >= seqlen_k as unbounded, and
+    with causal=True ignores the right side (sets it to 0): each spelling gives the same bits as
+    its plain equivalent; windows are taken as a tuple or list, with NumPy or Python ints."""
+    g = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(2, 12, 4, 16, generator=g) for _ in range(3))
+
+    def run(**kw):
+        return packed_call(fn, q, k, v, return_attn_probs=True, **kw)[:2]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    assert same(run(window_size=(-5, -1)), run())
+    assert same(run(window_size=(-1, -100)), run())
+    assert same(run(window_size=[-3, 2]), run(window_size=(-1, 2)))
+    assert same(run(window_size=(12, 3)), run(window_size=(-1, 3)))
+    assert same(run(window_size=(2, 12)), run(window_size=(2, -1)))
+    assert same(run(window_size=(2, 100)), run(window_size=(2, -1)))
+    assert same(run(window_size=(3, 7), causal=True), run(window_size=(3, 0), causal=True))
+    assert same(run(window_size=(3, 0), causal=True), run(window_size=(3, 0)))
+    assert same(run(window_size=(-1, 5), causal=True), run(causal=True))
+    assert same(run(window_size=(np.int64(3), 1)), run(window_size=(3, 1)))
+    assert not same(run(window_size=(3, 1)), run())
+
+
+def test_window_past_every_key_with_more_queries_than_keys():
+    """With seqlen_q > seqlen_k a right side >= seqlen_k still hides keys by the library's
+    formula; flash_attn treats it as unbounded, and so does this interface (both against the
+    reference)."""
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(1, 20, 2, 16, generator=g)
+    k, v = torch.randn(1, 5, 2, 16, generator=g), torch.randn(1, 5, 2, 16, generator=g)
+    out = flash_attn_func(q, k, v, window_size=(1, 6))
+    r = ref_bshd(q, k, v, torch.zeros_like(q), None, False, window=(1, -1))
+    assert rel_err(out, r[0]) <= 2e-5
+    low = flashattn.forward(bhsd(q), bhsd(k), bhsd(v), window_size=(1, 6))[0]
+    assert torch.equal(bhsd(low)[:, :8], torch.zeros_like(q[:, :8]))  # rows 0..7 see no key
+    assert not torch.equal(out[:, :8], torch.zeros_like(q[:, :8]))
+
+
+@pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
+def test_softcap_at_or_below_zero_is_none(fn):
+    g = torch.Generator().manual_seed(18)
+    q, k, v = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(3))
+    plain = packed_call(fn, q, k, v)
+    for cap in (0.0, 0, -1.0, -30):
+        assert torch.equal(packed_call(fn, q, k, v, softcap=cap), plain)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("slopes", [None, "heads", "batch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_and_alibi(device, dtype, slopes, causal):
+    skip_unsupported(device, dtype)
+    b, sq, skv, hq, hkv, d = 2, 37, 53, 4, 2, 64
+    a = fa2_slopes(slopes, b, hq, device)
+    for fn, cap in (("func", 5.0), ("kvpacked", 0.0), ("func", 0.0)):
+        if cap == 0.0 and a is None:
+            continue
+        check_mods(fn, device, dtype, b, sq, skv, hq, hkv, d, causal,
+                   dict(softcap=cap, alibi_slopes=a, softmax_scale=0.3),
+                   dict(softcap=cap, alibi=a))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qkvpacked_softcap_alibi_window(device):
+    a = fa2_slopes("batch", 2, 4, device)
+    check_mods("qkvpacked", device, torch.float32, 2, 45, 45, 4, 4, 32, True,
+               dict(window_size=(9, 9), softcap=2.0, alibi_slopes=a),
+               dict(window=(9, -1), softcap=2.0, alibi=a))
+
+
+def test_arguments_by_position():
+    """flash_attn 2.x's positions: (q, k, v, dropout_p, softmax_scale, causal, window_size,
+    softcap, alibi_slopes, deterministic, return_attn_probs)."""
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(1, 10, 2, 16, generator=g) for _ in range(3))
+    a = torch.tensor([0.5, 0.1])
+    kw = dict(dropout_p=0.0, softmax_scale=0.4, causal=True, window_size=(3, 0), softcap=0.0,
+              alibi_slopes=None, deterministic=True, return_attn_probs=True)
+    by_pos = flash_attn_func(q, k, v, *kw.values())
+    by_kw = flash_attn_func(q, k, v, **kw)
+    assert len(by_pos) == 3 and by_pos[2] is None
+    assert torch.equal(by_pos[0], by_kw[0]) and torch.equal(by_pos[1], by_kw[1])
+    r = ref_bshd(q, k, v, torch.zeros_like(q), 0.4, True, window=(3, -1))
+    assert rel_err(by_pos[0], r[0]) <= 2e-5
+    # kv- and qkv-packed: the same positions after their packed inputs.
+    pos = flash_attn_kvpacked_func(q, torch.stack([k, v], 2), *kw.values())
+    assert torch.equal(pos[0], by_kw[0])
+    qkv = torch.stack([q, k, v], 2)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, *kw.values())[0], by_kw[0])
+
+
+def test_softcap_and_alibi_by_position():
+    g = torch.Generator().manual_seed(20)
+    q, k, v = (torch.randn(2, 10, 2, 16, generator=g) for _ in range(3))
+    a = torch.tensor([0.5, 0.1])
+    out, lse, _ = flash_attn_func(q, k, v, 0.0, 0.4, False, (2, 3), 1.5, a, False, True)
+    r = ref_bshd(q, k, v, torch.zeros_like(q), 0.4, False, window=(2, 3), softcap=1.5, alibi=a)
+    assert rel_err(out, r[0]) <= 2e-5 and rel_err(lse, r[1]) <= 2e-5
+
+
+@pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
+def test_mods_reach_the_library(monkeypatch, fn):
+    """The window (after flash_attn's conventions), softcap and slopes arrive at the extension's
+    forward and backward, given by keyword or by position. The spies stand in for the library's
+    softcap and ALiBi (the values are checked here, the results by the tests above)."""
+    from flashattn import _ext
+    seen = []
+    real_fwd, real_bwd = _ext.forward, _ext.backward
+
+    def fwd(*args):
+        seen.append(("fwd", *args[11:]))
+        return real_fwd(*args[:13], 0.0, None)
+
+    def bwd(*args):
+        seen.append(("bwd", *args[15:]))
+        return real_bwd(*args[:17], 0.0, None)
+
+    monkeypatch.setattr(_ext, "forward", fwd)
+    monkeypatch.setattr(_ext, "backward", bwd)
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 10, 2, 16, generator=g).requires_grad_() for _ in range(3))
+    a = torch.tensor([0.5, 0.1])
+    packed_call(fn, q, k, v, window_size=(2, 30), softcap=3.5, alibi_slopes=a).sum().backward()
+    packed_call(fn, q, k, v, causal=True, window_size=[4, 1], softcap=-2.0).sum().backward()
+    assert [x[:4] for x in seen] == [("fwd", 2, -1, 3.5), ("bwd", 2, -1, 3.5),
+                                     ("fwd", 4, -1, 0.0), ("bwd", 4, -1, 0.0)]
+    assert torch.equal(seen[0][4], a) and torch.equal(seen[1][4], a)
+    assert seen[2][4] is None and seen[3][4] is None
+    seen.clear()
+    if fn == "func":
+        flash_attn_func(q, k, v, 0.0, None, False, (1, 2), 2.5, a)
+        assert seen[0][1:4] == (1, 2, 2.5) and torch.equal(seen[0][4], a)
+
+
+@pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
+@pytest.mark.parametrize("kw,exc,pattern", [
+    (dict(window_size=(1,)), TypeError, r"window_size = \(1,\) is not a pair"),
+    (dict(window_size=None), TypeError, r"window_size = None is not a pair"),
+    (dict(window_size=(1.5, 0)), TypeError, r"left and right must be ints, got float"),
+    (dict(softcap=float("nan")), ValueError, r"softcap = nan is invalid"),
+    (dict(softcap=float("inf")), ValueError, r"softcap = inf is invalid"),
+    (dict(softcap="1"), TypeError, r"softcap = '1' is not a real number"),
+    (dict(alibi_slopes=[0.5, 0.5]), TypeError, r"alibi_slopes: expected a torch\.Tensor"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), TypeError,
+     r"alibi_slopes\.dtype = float64, expected float32"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes\.shape = \[3\] does not match"),
+    (dict(alibi_slopes=torch.ones(1, 1, 2)), ValueError, r"alibi_slopes\.ndim = 3"),
+], ids=["window1", "windowNone", "windowFloat", "softcapNan", "softcapInf", "softcapStr",
+        "alibiList", "alibiF64", "alibiShape", "alibi3d"])
+def test_bad_mod_values(fn, kw, exc, pattern):
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(exc, match=pattern):
+        packed_call(fn, q, q, q, **kw)

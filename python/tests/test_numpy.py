@@ -211,15 +211,16 @@ def test_deterministic_reaches_the_extension(rng, monkeypatch):
 
     def spy(real, nargs):
         def call(*args, **kw):
-            # Positional, last, a real bool (not the stream's int 0, which == False).
+            # Positional, right after the stream, a real bool (not the stream's int 0, which
+            # == False); the window, softcap and slopes follow it.
             assert len(args) == nargs and not kw, (len(args), kw)
-            seen.append(args[-1])
+            seen.append(args[nargs - 5])
             return real(*args, **kw)
         return call
 
     from flashattn import _ext
-    monkeypatch.setattr(_ext, "forward", spy(_ext.forward, 11))
-    monkeypatch.setattr(_ext, "backward", spy(_ext.backward, 15))
+    monkeypatch.setattr(_ext, "forward", spy(_ext.forward, 15))
+    monkeypatch.setattr(_ext, "backward", spy(_ext.backward, 19))
     q, k, v, dout = problem(rng, (1, 2, 2, 5, 5, 8), "float32", "bhsd")
     for det in (True, False):
         out, lse = flashattn.forward(q, k, v, deterministic=det)

@@ -227,14 +227,15 @@ def test_opcheck_custom_ops(det):
 
 
 def spy_backward(monkeypatch):
-    """Records the deterministic flag of every _ext.backward call (its last positional argument;
-    checked to be a real bool, since the stream before it is an int and 0 == False)."""
+    """Records the deterministic flag of every _ext.backward call (the positional argument after
+    the stream, before the window, softcap and slopes; checked to be a real bool, since the
+    stream before it is an int and 0 == False)."""
     from flashattn import _ext
     seen, real = [], _ext.backward
 
     def call(*args):
-        assert len(args) == 15 and type(args[-1]) is bool, args[9:]
-        seen.append(args[-1])
+        assert len(args) == 19 and type(args[14]) is bool, args[9:]
+        seen.append(args[14])
         return real(*args)
 
     monkeypatch.setattr(_ext, "backward", call)

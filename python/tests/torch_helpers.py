@@ -27,14 +27,9 @@ def skip_unsupported(device, dtype):
         pytest.skip("float64 is CPU-only")
 
 
-def visible(sq, skv, mask, device):
-    i = torch.arange(sq, device=device)[:, None]
-    j = torch.arange(skv, device=device)[None, :]
-    if mask == "none":
-        return torch.ones(sq, skv, dtype=torch.bool, device=device)
-    if mask == "causal_top_left":
-        return j <= i
-    return j <= i + skv - sq
+def visible(sq, skv, mask, device, window=(-1, -1)):
+    """[Sq, Skv] bool: the mask intersected with the window band (reference.visible's rule)."""
+    return torch.from_numpy(reference.visible(sq, skv, mask, tuple(window))).to(device)
 
 
 def abi_scale(scale, d):
@@ -42,18 +37,25 @@ def abi_scale(scale, d):
     return float(torch.tensor(d ** -0.5 if scale is None else scale, dtype=torch.float32))
 
 
-def reference64(q, k, v, dout, scale=None, mask="none"):
+def _host_slopes(alibi):
+    return None if alibi is None else alibi.detach().to("cpu", torch.float32).numpy()
+
+
+def reference64(q, k, v, dout, scale=None, mask="none", window=(-1, -1), softcap=0.0,
+                alibi=None):
     """The float64 reference (reference.py: the C++ suite's, through libflashattn_reference) on
     [B, H, S, D] tensors of any dtype, device and strides: (out, lse, dq, dk, dv) as float64
     tensors on q's device. Inputs are converted to float64 exactly, so 16-bit values are used as
-    stored."""
+    stored; window / softcap / alibi (slopes tensor) as flashattn's."""
     host = [x.detach().to("cpu", torch.float64).numpy() for x in (q, k, v, dout)]
-    out, lse = reference.forward(*host[:3], scale, mask)
-    grads = reference.backward(host[3], *host[:3], scale, mask)
+    mods = dict(window=tuple(window), softcap=softcap, alibi=_host_slopes(alibi))
+    out, lse = reference.forward(*host[:3], scale, mask, **mods)
+    grads = reference.backward(host[3], *host[:3], scale, mask, **mods)
     return tuple(torch.from_numpy(x).to(q.device) for x in (out, lse, *grads))
 
 
-def attention_ref(q, k, v, scale=None, mask="none", dtype=torch.float64):
+def attention_ref(q, k, v, scale=None, mask="none", dtype=torch.float64, window=(-1, -1),
+                  softcap=0.0, alibi=None):
     """Plain attention in `dtype` on [B, H, S, D] tensors, differentiable by autograd; GQA by
     repeating kv heads; rows that see no key give 0 (not NaN). In a low precision it is the
     'naive' baseline of FlashAttention's test criterion (the yardstick is reference64)."""
@@ -62,7 +64,17 @@ def attention_ref(q, k, v, scale=None, mask="none", dtype=torch.float64):
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     s = abi_scale(scale, q.shape[-1]) * (q @ k.transpose(-1, -2))
-    vis = visible(q.shape[2], k.shape[2], mask, q.device)
+    sq, skv = q.shape[2], k.shape[2]
+    if softcap:
+        c = float(torch.tensor(softcap, dtype=torch.float32))
+        s = c * torch.tanh(s / c)
+    if alibi is not None:
+        slopes = alibi.detach().to(q.device, torch.float32).to(dtype)
+        slopes = slopes.expand(q.shape[0], q.shape[1])[:, :, None, None]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(skv, device=q.device)[None, :]
+        s = s - slopes * (i + skv - sq - j).abs().to(dtype)
+    vis = visible(sq, skv, mask, q.device, window)
     s = s.masked_fill(~vis, float("-inf"))
     dead = ~vis.any(dim=-1)[:, None]
     p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead | ~vis, 0.0)

@@ -80,10 +80,31 @@ pub struct flashattn_options {
     /// the split dQ + dK/dV passes instead of float atomics for dQ). CPU and CUDA float32 are
     /// always deterministic.
     pub deterministic: i32,
+    /// Unused, never read: version-2 callers' struct_size (40) covers it as padding, so it can
+    /// carry nothing.
+    pub reserved0: i32,
+    // ---- end of version 2 (FLASHATTN_OPTIONS_V2_SIZE) ----
+    /// Sliding window (FlashAttention's `window_size = (window_left, window_right)`), read only
+    /// when `sliding_window` is nonzero: key j is visible to query i when
+    /// i + Skv - Sq - window_left <= j <= i + Skv - Sq + window_right; -1 leaves that side
+    /// unbounded, other negative values are invalid. Intersected with `mask`.
+    pub window_left: i64,
+    pub window_right: i64,
+    /// Logit softcap: 0 = none; > 0: each score s becomes softcap * tanh(s / softcap) before the
+    /// softmax (and before the ALiBi bias); must be finite.
+    pub softcap: f32,
+    /// Nonzero: `window_left` / `window_right` apply.
+    pub sliding_window: i32,
+    /// ALiBi slopes: null = none; else a float32 tensor, ndim 1 `[Hq]` or 2 `[B, Hq]`, on q's
+    /// device, adding -slope[b, h] * |i + Skv - Sq - j| to score (i, j) of query head h (after
+    /// the softcap). Read-only; outputs must not overlap it.
+    pub alibi_slopes: *const flashattn_tensor,
 }
 
 /// Size of the version 1 `flashattn_options` (up to and including `stream`).
 pub const FLASHATTN_OPTIONS_V1_SIZE: u32 = 24;
+/// Size of the version 2 `flashattn_options` (up to and including `reserved0`).
+pub const FLASHATTN_OPTIONS_V2_SIZE: u32 = 40;
 
 extern "C" {
     /// Fills `*opts` with defaults (struct_size = sizeof, everything else 0 / NULL).

@@ -88,6 +88,7 @@ fn rust_side() -> BTreeMap<String, i64> {
         ("FLASHATTN_ERROR_OUT_OF_MEMORY", FLASHATTN_ERROR_OUT_OF_MEMORY as i64),
         ("FLASHATTN_ERROR_INTERNAL", FLASHATTN_ERROR_INTERNAL as i64),
         ("FLASHATTN_OPTIONS_V1_SIZE", FLASHATTN_OPTIONS_V1_SIZE as i64),
+        ("FLASHATTN_OPTIONS_V2_SIZE", FLASHATTN_OPTIONS_V2_SIZE as i64),
         ("FLASHATTN_MAX_THREADS", FLASHATTN_MAX_THREADS as i64),
         ("FLASHATTN_MAX_SOFTMAX_SCALE", FLASHATTN_MAX_SOFTMAX_SCALE as i64),
     ];
@@ -104,6 +105,12 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_options, num_threads));
     m.extend(field!(flashattn_options, precision));
     m.extend(field!(flashattn_options, deterministic));
+    m.extend(field!(flashattn_options, reserved0));
+    m.extend(field!(flashattn_options, window_left));
+    m.extend(field!(flashattn_options, window_right));
+    m.extend(field!(flashattn_options, softcap));
+    m.extend(field!(flashattn_options, sliding_window));
+    m.extend(field!(flashattn_options, alibi_slopes));
     m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
@@ -160,6 +167,12 @@ fn options_init_fills_struct_size_and_defaults() {
     o.deterministic = 1;
     o.softmax_scale = 2.5;
     o.stream = 16 as *mut _;
+    o.reserved0 = 4;
+    o.window_left = 3;
+    o.window_right = -1;
+    o.softcap = 30.0;
+    o.sliding_window = 1;
+    o.alibi_slopes = 32 as *const _;
     unsafe { flashattn_options_init(&mut o) };
     assert_eq!(o.struct_size as usize, size_of::<flashattn_options>());
     assert_eq!(o.softmax_scale, 0.0);
@@ -168,6 +181,19 @@ fn options_init_fills_struct_size_and_defaults() {
     assert_eq!(o.num_threads, 0);
     assert_eq!(o.precision, FLASHATTN_PRECISION_FP32);
     assert_eq!(o.deterministic, 0);
+    assert_eq!(o.reserved0, 0);
+    assert_eq!((o.window_left, o.window_right, o.sliding_window), (0, 0, 0));
+    assert_eq!(o.softcap, 0.0);
+    assert!(o.alibi_slopes.is_null());
+}
+
+/// The version sizes are the offsets at which the next version's fields start: an older
+/// caller's struct_size must cover exactly the fields it knows.
+#[test]
+fn version_sizes_end_where_the_next_fields_begin() {
+    assert_eq!(offset_of!(flashattn_options, num_threads), FLASHATTN_OPTIONS_V1_SIZE as usize);
+    assert_eq!(offset_of!(flashattn_options, window_left), FLASHATTN_OPTIONS_V2_SIZE as usize);
+    assert!(size_of::<flashattn_options>() > FLASHATTN_OPTIONS_V2_SIZE as usize);
 }
 
 #[test]

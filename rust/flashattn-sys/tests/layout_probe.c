@@ -32,6 +32,12 @@ int main(void) {
   FIELD(flashattn_options, num_threads);
   FIELD(flashattn_options, precision);
   FIELD(flashattn_options, deterministic);
+  FIELD(flashattn_options, reserved0);
+  FIELD(flashattn_options, window_left);
+  FIELD(flashattn_options, window_right);
+  FIELD(flashattn_options, softcap);
+  FIELD(flashattn_options, sliding_window);
+  FIELD(flashattn_options, alibi_slopes);
 
   SIZE(int);
 
@@ -55,6 +61,7 @@ int main(void) {
   DEF(FLASHATTN_ERROR_OUT_OF_MEMORY);
   DEF(FLASHATTN_ERROR_INTERNAL);
   DEF(FLASHATTN_OPTIONS_V1_SIZE);
+  DEF(FLASHATTN_OPTIONS_V2_SIZE);
   DEF(FLASHATTN_MAX_THREADS);
   DEF(FLASHATTN_MAX_SOFTMAX_SCALE);
   return 0;

@@ -54,23 +54,26 @@ use core::ffi::CStr;
 pub use error::{status_string, Error, ErrorKind};
 pub use flashattn_sys as sys;
 pub use half::{Bf16, F16};
-pub use options::{CudaStream, Mask, Options, Precision};
+pub use options::{CudaStream, Mask, Options, Precision, Window};
 pub use tensor::{DType, Device, Element, Tensor, TensorMut};
 
-/// Attention forward: `out = softmax(scale * q k^T, masked) v` and the natural-log `lse` of each
-/// row. Outputs are overwritten; on error nothing is written.
+/// Attention forward: `out = softmax(scores, masked) v` with `scores = scale * q k^T` (softcapped
+/// and with the ALiBi bias when the options say so; masked by the mask and the window), and the
+/// natural-log `lse` of each row. Outputs are overwritten; on error nothing is written.
 pub fn forward<T: Element>(
     q: &Tensor<'_, T>,
     k: &Tensor<'_, T>,
     v: &Tensor<'_, T>,
     out: &mut TensorMut<'_, T>,
     lse: &mut TensorMut<'_, f32>,
-    options: &Options,
+    options: &Options<'_>,
 ) -> Result<(), Error> {
-    let opts = options.raw()?;
+    let slopes = options.alibi_slopes.map(|t| t.raw());
+    let opts = options.raw(slopes.as_ref())?;
     let (q, k, v, out, lse) = (q.raw(), k.raw(), v.raw(), out.raw(), lse.raw());
     // SAFETY: every view covers memory valid for its lifetime (checked slices or an unsafe
-    // constructor's promise); outputs are exclusively borrowed; the structs outlive the call.
+    // constructor's promise); outputs are exclusively borrowed; the structs (the slopes' view
+    // that opts points to included) outlive the call.
     let status = unsafe { sys::flashattn_forward(&q, &k, &v, &out, &lse, &opts) };
     Error::check(status)
 }
@@ -89,9 +92,10 @@ pub fn backward<T: Element>(
     dq: &mut TensorMut<'_, T>,
     dk: &mut TensorMut<'_, T>,
     dv: &mut TensorMut<'_, T>,
-    options: &Options,
+    options: &Options<'_>,
 ) -> Result<(), Error> {
-    let opts = options.raw()?;
+    let slopes = options.alibi_slopes.map(|t| t.raw());
+    let opts = options.raw(slopes.as_ref())?;
     let (q, k, v, out, dout, lse) = (q.raw(), k.raw(), v.raw(), out.raw(), dout.raw(), lse.raw());
     let (dq, dk, dv) = (dq.raw(), dk.raw(), dv.raw());
     // SAFETY: as in forward.

@@ -11,7 +11,7 @@ use std::ptr::NonNull;
 use common::*;
 use flashattn::{
     backward, forward, CudaStream, Device, Element, ErrorKind, Mask, Options, Precision, Tensor,
-    TensorMut,
+    TensorMut, Window,
 };
 
 extern "C" {
@@ -126,8 +126,10 @@ fn run_cuda(rt: &Cudart, case: &Case, precision: Precision, tol: Tol) {
     let s = &case.shape;
     let x = Inputs::random::<f32>(case, 77);
     let scale = case.scale_f64();
-    let (r_out, r_lse) = reference::forward(s, &x.q, &x.k, &x.v, scale, case.mask);
-    let (r_dq, r_dk, r_dv) = reference::backward(s, &x.q, &x.k, &x.v, &x.dout, scale, case.mask);
+    let mods = case.ref_mods();
+    let (r_out, r_lse) = reference::forward_ex(s, &x.q, &x.k, &x.v, scale, case.mask, &mods);
+    let (r_dq, r_dk, r_dv) =
+        reference::backward_ex(s, &x.q, &x.k, &x.v, &x.dout, scale, case.mask, &mods);
 
     let q = rt.upload(&scatter::<f32>(&x.q, qd, layout));
     let k = rt.upload(&scatter::<f32>(&x.k, kd, layout));
@@ -138,6 +140,15 @@ fn run_cuda(rt: &Cudart, case: &Case, precision: Precision, tol: Tol) {
     let lse = rt.upload(&vec![f32::NAN; s.lse_len()]);
     let lse_dims = [s.batch, s.heads_q, s.seq_q];
     let lse_st = [s.heads_q * s.seq_q, s.seq_q, 1];
+    let (slopes, slope_dims) = case.slopes();
+    let dev_slopes = rt.upload(&slopes);
+    let slope_strides: Vec<usize> =
+        if slope_dims.len() == 2 { vec![s.heads_q, 1] } else { vec![1] };
+    // SAFETY: the device buffer holds every slope and outlives the calls below.
+    let slopes_view = (!slopes.is_empty()).then(|| unsafe {
+        Tensor::from_raw_parts(dev_slopes.ptr, Device::Cuda(0), &slope_dims, &slope_strides)
+            .unwrap()
+    });
 
     let mut stream: *mut c_void = std::ptr::null_mut();
     assert_eq!(unsafe { (rt.stream_create)(&mut stream) }, 0);
@@ -145,7 +156,7 @@ fn run_cuda(rt: &Cudart, case: &Case, precision: Precision, tol: Tol) {
         // SAFETY: a stream created above, destroyed after its last use below.
         stream: Some(unsafe { CudaStream::from_raw(NonNull::new(stream).unwrap()) }),
         precision,
-        ..case.options()
+        ..case.options_with(slopes_view)
     };
     // SAFETY: every buffer outlives the calls, and the stream is synchronised before reading.
     unsafe {
@@ -226,4 +237,32 @@ fn cuda_device_pointers_on_a_stream() {
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     assert!(e.message().contains("host memory"), "{e}");
+}
+
+#[test]
+fn cuda_window_softcap_alibi() {
+    if !flashattn::cuda_available() {
+        println!("skipped: this flashattn build has no usable CUDA device");
+        return;
+    }
+    let rt = Cudart::load().expect("flashattn sees a CUDA device but libcudart cannot be loaded");
+    // The fp32-accurate bound of cuda_device_pointers_on_a_stream: the per-entry softcap / bias
+    // step adds float32 rounding of the same order.
+    let fp32 = Tol { out: 1e-4, lse: 1e-4, grad: 1e-4 };
+    let shapes = [[2, 4, 2, 65, 47, 64], [1, 3, 1, 33, 129, 128], [1, 2, 2, 17, 17, 40]];
+    for (n, mask) in MASKS.into_iter().enumerate() {
+        for (window, softcap, alibi) in [
+            (Some(Window::new(9, 3)), None, Alibi::None),
+            (None, Some(2.5), Alibi::None),
+            (None, None, Alibi::Heads),
+            (Some(Window::left(20)), Some(4.0), Alibi::Batch),
+        ] {
+            let mut case = Case::new(shapes[n], mask, Layout::Bshd);
+            case.scale = Some(0.5);
+            case.window = window;
+            case.softcap = softcap;
+            case.alibi = alibi;
+            run_cuda(&rt, &case, Precision::Fp32, fp32);
+        }
+    }
 }

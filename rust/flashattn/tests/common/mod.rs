@@ -5,8 +5,8 @@
 
 pub mod reference;
 
-use flashattn::{backward, forward, Element, Error, Mask, Options, Tensor, TensorMut};
-pub use reference::{visible, Rng, Shape};
+use flashattn::{backward, forward, Element, Error, Mask, Options, Tensor, TensorMut, Window};
+pub use reference::{visible_in, Mods, Rng, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
@@ -109,6 +109,16 @@ pub fn lse_strides(layout: Layout, [b, h, s]: [usize; 3]) -> ([usize; 3], usize)
     }
 }
 
+/// Which ALiBi slopes a case uses (made by [`Case::slopes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Alibi {
+    None,
+    /// `[Hq]`: the ALiBi paper's geometric series 2^(-8 (h + 1) / Hq).
+    Heads,
+    /// `[B, Hq]`: random slopes in [0, 1.5), the first one negative (-0.25).
+    Batch,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct Case {
     pub shape: Shape,
@@ -117,6 +127,9 @@ pub struct Case {
     pub scale: Option<f32>,
     pub threads: u32,
     pub deterministic: bool,
+    pub window: Option<Window>,
+    pub softcap: Option<f32>,
+    pub alibi: Alibi,
 }
 
 impl Case {
@@ -129,16 +142,60 @@ impl Case {
             scale: None,
             threads: 0,
             deterministic: false,
+            window: None,
+            softcap: None,
+            alibi: Alibi::None,
         }
     }
-    pub fn options(&self) -> Options {
+    /// The options without ALiBi slopes (see [`Case::options_with`]).
+    pub fn options(&self) -> Options<'static> {
         Options {
             softmax_scale: self.scale,
             mask: self.mask,
             num_threads: self.threads,
             deterministic: self.deterministic,
+            window: self.window,
+            softcap: self.softcap,
             ..Options::default()
         }
+    }
+    /// The options with `slopes` as the ALiBi slopes.
+    pub fn options_with<'a>(&self, slopes: Option<Tensor<'a, f32>>) -> Options<'a> {
+        Options { alibi_slopes: slopes, ..self.options() }
+    }
+    /// The case's ALiBi slopes (empty for none) and their shape.
+    pub fn slopes(&self) -> (Vec<f32>, Vec<usize>) {
+        let (b, h) = (self.shape.batch, self.shape.heads_q);
+        match self.alibi {
+            Alibi::None => (vec![], vec![]),
+            Alibi::Heads => {
+                let s = (0..h).map(|i| (-8.0 * (i + 1) as f64 / h as f64).exp2() as f32).collect();
+                (s, vec![h])
+            }
+            Alibi::Batch => {
+                let mut rng = Rng::new(4242);
+                let mut s: Vec<f32> = (0..b * h).map(|_| (1.5 * rng.uniform()) as f32).collect();
+                s[0] = -0.25;
+                (s, vec![b, h])
+            }
+        }
+    }
+    /// The reference's view of the window, softcap and slopes: the float32 values the library
+    /// gets, slopes repeated over the batch when given per head.
+    pub fn ref_mods(&self) -> Mods {
+        let (slopes, dims) = self.slopes();
+        let (b, h) = (self.shape.batch, self.shape.heads_q);
+        let alibi = if slopes.is_empty() {
+            vec![]
+        } else if dims.len() == 1 {
+            (0..b * h).map(|i| slopes[i % h] as f64).collect()
+        } else {
+            slopes.iter().map(|&x| x as f64).collect()
+        };
+        Mods { window: self.window, softcap: self.softcap.unwrap_or(0.0) as f64, alibi }
+    }
+    pub fn visible(&self, i: usize, j: usize) -> bool {
+        visible_in(self.mask, self.window, i, j, self.shape.seq_q, self.shape.seq_kv)
     }
     pub fn q_dims(&self) -> [usize; 4] {
         let s = &self.shape;
@@ -199,7 +256,9 @@ pub fn run_library<T: Element>(case: &Case, x: &Inputs) -> Result<Results, Error
     let lse_dims = [s.batch, s.heads_q, s.seq_q];
     let (lse_st, lse_len) = lse_strides(layout, lse_dims);
     let mut lse = vec![f32::NAN; lse_len];
-    let opts = case.options();
+    let (slopes, slope_dims) = case.slopes();
+    let slopes_t = (!slopes.is_empty()).then(|| Tensor::contiguous(&slopes, &slope_dims).unwrap());
+    let opts = case.options_with(slopes_t);
 
     let (qt, kt, vt) = (input(&q, qd, layout), input(&k, kd, layout), input(&v, kd, layout));
     {
@@ -272,8 +331,9 @@ pub fn max_error(got: &[f64], want: &[f64]) -> (f64, usize) {
     worst
 }
 
-/// Exact conditions that hold whatever the precision: a query row that sees no key has out = 0,
-/// lse = -inf and dq = 0; a key that no query sees has dk = dv = 0.
+/// Exact conditions that hold whatever the precision: a query row that sees no key (under the
+/// mask and the window) has out = 0, lse = -inf and dq = 0; a key that no query sees has
+/// dk = dv = 0. Returns the number of such rows.
 pub fn check_masked_exactly(case: &Case, r: &Results) -> usize {
     let s = &case.shape;
     let d = s.head_dim;
@@ -281,7 +341,7 @@ pub fn check_masked_exactly(case: &Case, r: &Results) -> usize {
     for b in 0..s.batch {
         for h in 0..s.heads_q {
             for i in 0..s.seq_q {
-                if (0..s.seq_kv).any(|j| visible(case.mask, i, j, s.seq_q, s.seq_kv)) {
+                if (0..s.seq_kv).any(|j| case.visible(i, j)) {
                     continue;
                 }
                 rows += 1;
@@ -306,7 +366,7 @@ pub fn check_masked_exactly(case: &Case, r: &Results) -> usize {
         }
         for h in 0..s.heads_kv {
             for j in 0..s.seq_kv {
-                if (0..s.seq_q).any(|i| visible(case.mask, i, j, s.seq_q, s.seq_kv)) {
+                if (0..s.seq_q).any(|i| case.visible(i, j)) {
                     continue;
                 }
                 let row = ((b * s.heads_kv + h) * s.seq_kv + j) * d;
@@ -334,8 +394,10 @@ pub fn check_case<T: Element>(case: &Case, seed: u64, tol: Tol) -> f64 {
     let x = Inputs::random::<T>(case, seed);
     let s = &case.shape;
     let scale = case.scale_f64();
-    let (out, lse) = reference::forward(s, &x.q, &x.k, &x.v, scale, case.mask);
-    let (dq, dk, dv) = reference::backward(s, &x.q, &x.k, &x.v, &x.dout, scale, case.mask);
+    let mods = case.ref_mods();
+    let (out, lse) = reference::forward_ex(s, &x.q, &x.k, &x.v, scale, case.mask, &mods);
+    let (dq, dk, dv) =
+        reference::backward_ex(s, &x.q, &x.k, &x.v, &x.dout, scale, case.mask, &mods);
     let r = run_library::<T>(case, &x).unwrap_or_else(|e| panic!("{case:?}: {e}"));
     let mut worst: f64 = 0.0;
     for (name, got, want) in [

@@ -7,9 +7,11 @@
 //!
 //! Arrays here are logical and contiguous: q, out, dout, dq [B, Hq, Sq, D]; k, v, dk, dv
 //! [B, Hkv, Skv, D]; lse [B, Hq, Sq]. Also the tests' shape, mask predicate and random numbers.
+//!
+//! The sliding window, softcap and ALiBi slopes go through the `_ex` functions as [`Mods`].
 use std::ffi::{c_char, c_int, CStr};
 
-use flashattn::Mask;
+use flashattn::{Mask, Window};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
@@ -44,6 +46,58 @@ pub fn visible(mask: Mask, i: usize, j: usize, seq_q: usize, seq_kv: usize) -> b
         Mask::CausalTopLeft => j <= i,
         // j <= i + Skv - Sq, kept in unsigned arithmetic.
         Mask::CausalBottomRight => j + seq_q <= i + seq_kv,
+    }
+}
+
+/// Whether query i sees key j under the mask and the window band
+/// i + Skv - Sq - left <= j <= i + Skv - Sq + right, written out from the definitions.
+pub fn visible_in(
+    mask: Mask,
+    window: Option<Window>,
+    i: usize,
+    j: usize,
+    seq_q: usize,
+    seq_kv: usize,
+) -> bool {
+    let w = window.unwrap_or_default();
+    // The diagonal i + Skv - Sq may be negative: signed arithmetic.
+    let (diag, j) = (i as i64 + seq_kv as i64 - seq_q as i64, j as i64);
+    visible(mask, i, j as usize, seq_q, seq_kv)
+        && w.left.map_or(true, |l| j >= diag - l as i64)
+        && w.right.map_or(true, |r| j <= diag + r as i64)
+}
+
+/// The reference's window, softcap and ALiBi (flashattn_ref_mods): `alibi` holds one slope per
+/// (batch, query head), at b * Hq + h, or is empty for none.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Mods {
+    pub window: Option<Window>,
+    pub softcap: f64,
+    pub alibi: Vec<f64>,
+}
+
+/// `flashattn_ref_mods` of reference_c.h.
+#[repr(C)]
+struct RawMods {
+    window_left: i64,
+    window_right: i64,
+    softcap: f64,
+    alibi: *const f64,
+}
+
+fn raw_mods(m: &Mods, s: &Shape) -> RawMods {
+    let side = |w: Option<usize>| w.map_or(-1, |n| n as i64);
+    let w = m.window.unwrap_or_default();
+    assert!(
+        m.alibi.is_empty() || m.alibi.len() == s.batch * s.heads_q,
+        "{} slopes for {s:?}: one per (batch, query head) expected",
+        m.alibi.len()
+    );
+    RawMods {
+        window_left: side(w.left),
+        window_right: side(w.right),
+        softcap: m.softcap,
+        alibi: if m.alibi.is_empty() { std::ptr::null() } else { m.alibi.as_ptr() },
     }
 }
 
@@ -95,7 +149,7 @@ mod ffi {
     // mean contiguous arrays.
     extern "C" {
         #[allow(clippy::too_many_arguments)]
-        pub fn flashattn_ref_forward(
+        pub fn flashattn_ref_forward_ex(
             shape: *const RawShape,
             q: *const f64,
             q_strides: *const i64,
@@ -105,13 +159,14 @@ mod ffi {
             v_strides: *const i64,
             softmax_scale: f64,
             mask: i32,
+            mods: *const RawMods,
             out: *mut f64,
             out_strides: *const i64,
             lse: *mut f64,
             lse_strides: *const i64,
         ) -> c_int;
         #[allow(clippy::too_many_arguments)]
-        pub fn flashattn_ref_backward(
+        pub fn flashattn_ref_backward_ex(
             shape: *const RawShape,
             q: *const f64,
             q_strides: *const i64,
@@ -123,6 +178,7 @@ mod ffi {
             dout_strides: *const i64,
             softmax_scale: f64,
             mask: i32,
+            mods: *const RawMods,
             dq: *mut f64,
             dq_strides: *const i64,
             dk: *mut f64,
@@ -148,7 +204,7 @@ mod ffi {
              library's path; then run cargo test again"
         )
     }
-    pub unsafe fn flashattn_ref_forward(
+    pub unsafe fn flashattn_ref_forward_ex(
         _: *const RawShape,
         _: *const f64,
         _: *const i64,
@@ -158,6 +214,7 @@ mod ffi {
         _: *const i64,
         _: f64,
         _: i32,
+        _: *const RawMods,
         _: *mut f64,
         _: *const i64,
         _: *mut f64,
@@ -165,7 +222,7 @@ mod ffi {
     ) -> c_int {
         missing()
     }
-    pub unsafe fn flashattn_ref_backward(
+    pub unsafe fn flashattn_ref_backward_ex(
         _: *const RawShape,
         _: *const f64,
         _: *const i64,
@@ -177,6 +234,7 @@ mod ffi {
         _: *const i64,
         _: f64,
         _: i32,
+        _: *const RawMods,
         _: *mut f64,
         _: *const i64,
         _: *mut f64,
@@ -227,32 +285,7 @@ pub fn forward(
     scale: f64,
     mask: Mask,
 ) -> (Vec<f64>, Vec<f64>) {
-    assert_eq!(q.len(), s.q_len());
-    assert_eq!(k.len(), s.kv_len());
-    assert_eq!(v.len(), s.kv_len());
-    let mut out = vec![0.0; s.q_len()];
-    let mut lse = vec![0.0; s.lse_len()];
-    let null = std::ptr::null::<i64>();
-    // SAFETY: every array is contiguous with the length the shape implies (asserted above).
-    let rc = unsafe {
-        ffi::flashattn_ref_forward(
-            &raw(s),
-            q.as_ptr(),
-            null,
-            k.as_ptr(),
-            null,
-            v.as_ptr(),
-            null,
-            scale,
-            mask_code(mask),
-            out.as_mut_ptr(),
-            null,
-            lse.as_mut_ptr(),
-            null,
-        )
-    };
-    check(rc, "forward", s);
-    (out, lse)
+    forward_ex(s, q, k, v, scale, mask, &Mods::default())
 }
 
 /// Gradients of sum(out * dout) with respect to q, k and v: returns (dq, dk, dv). dk and dv sum
@@ -266,6 +299,62 @@ pub fn backward(
     scale: f64,
     mask: Mask,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    backward_ex(s, q, k, v, dout, scale, mask, &Mods::default())
+}
+
+/// [`forward`] with a window, softcap and ALiBi slopes.
+pub fn forward_ex(
+    s: &Shape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    scale: f64,
+    mask: Mask,
+    mods: &Mods,
+) -> (Vec<f64>, Vec<f64>) {
+    assert_eq!(q.len(), s.q_len());
+    assert_eq!(k.len(), s.kv_len());
+    assert_eq!(v.len(), s.kv_len());
+    let mut out = vec![0.0; s.q_len()];
+    let mut lse = vec![0.0; s.lse_len()];
+    let null = std::ptr::null::<i64>();
+    let m = raw_mods(mods, s);
+    // SAFETY: every array is contiguous with the length the shape implies (asserted above), and
+    // the slopes (if any) hold one value per (batch, query head) (asserted in raw_mods).
+    let rc = unsafe {
+        ffi::flashattn_ref_forward_ex(
+            &raw(s),
+            q.as_ptr(),
+            null,
+            k.as_ptr(),
+            null,
+            v.as_ptr(),
+            null,
+            scale,
+            mask_code(mask),
+            &m,
+            out.as_mut_ptr(),
+            null,
+            lse.as_mut_ptr(),
+            null,
+        )
+    };
+    check(rc, "forward", s);
+    (out, lse)
+}
+
+/// [`backward`] with a window, softcap and ALiBi slopes (which get no gradient).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_ex(
+    s: &Shape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+    scale: f64,
+    mask: Mask,
+    mods: &Mods,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     assert_eq!(q.len(), s.q_len());
     assert_eq!(dout.len(), s.q_len());
     assert_eq!(k.len(), s.kv_len());
@@ -274,9 +363,10 @@ pub fn backward(
     let mut dk = vec![0.0; s.kv_len()];
     let mut dv = vec![0.0; s.kv_len()];
     let null = std::ptr::null::<i64>();
-    // SAFETY: as in forward.
+    let m = raw_mods(mods, s);
+    // SAFETY: as in forward_ex.
     let rc = unsafe {
-        ffi::flashattn_ref_backward(
+        ffi::flashattn_ref_backward_ex(
             &raw(s),
             q.as_ptr(),
             null,
@@ -288,6 +378,7 @@ pub fn backward(
             null,
             scale,
             mask_code(mask),
+            &m,
             dq.as_mut_ptr(),
             null,
             dk.as_mut_ptr(),
