@@ -20,6 +20,8 @@ pub const FLASHATTN_FLOAT16: i32 = 1;
 pub const FLASHATTN_BFLOAT16: i32 = 2;
 /// CPU only: for gradient checking in double precision.
 pub const FLASHATTN_FLOAT64: i32 = 3;
+/// Index tensors only (the varlen `cu_seqlens` / `seqused_k`).
+pub const FLASHATTN_INT32: i32 = 4;
 
 /// Device code of the CPU; n >= 0 is CUDA device n.
 pub const FLASHATTN_CPU: i32 = -1;
@@ -106,7 +108,49 @@ pub const FLASHATTN_OPTIONS_V1_SIZE: u32 = 24;
 /// Size of the version 2 `flashattn_options` (up to and including `reserved0`).
 pub const FLASHATTN_OPTIONS_V2_SIZE: u32 = 40;
 
+/// Packed variable-length batches (`flashattn_forward_varlen`): see flashattn.h.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct flashattn_varlen {
+    /// `sizeof(flashattn_varlen)` as the caller knows it.
+    pub struct_size: u32,
+    /// int32 [B + 1] prefix sums of the query lengths, on q's device.
+    pub cu_seqlens_q: *const flashattn_tensor,
+    /// int32 [B + 1] prefix sums of the key lengths.
+    pub cu_seqlens_k: *const flashattn_tensor,
+    /// Optional int32 [B]: keys attended per sequence (null: all).
+    pub seqused_k: *const flashattn_tensor,
+    pub max_seqlen_q: i64,
+    pub max_seqlen_k: i64,
+}
+
 extern "C" {
+    /// Packed forward: q/out [total_q, Hq, D], k/v [total_k, Hkv, D], lse [Hq, total_q].
+    pub fn flashattn_forward_varlen(
+        q: *const flashattn_tensor,
+        k: *const flashattn_tensor,
+        v: *const flashattn_tensor,
+        out: *const flashattn_tensor,
+        lse: *const flashattn_tensor,
+        varlen: *const flashattn_varlen,
+        opts: *const flashattn_options,
+    ) -> c_int;
+
+    /// Packed backward (the packed layouts of `flashattn_forward_varlen`).
+    pub fn flashattn_backward_varlen(
+        q: *const flashattn_tensor,
+        k: *const flashattn_tensor,
+        v: *const flashattn_tensor,
+        out: *const flashattn_tensor,
+        dout: *const flashattn_tensor,
+        lse: *const flashattn_tensor,
+        dq: *const flashattn_tensor,
+        dk: *const flashattn_tensor,
+        dv: *const flashattn_tensor,
+        varlen: *const flashattn_varlen,
+        opts: *const flashattn_options,
+    ) -> c_int;
+
     /// Fills `*opts` with defaults (struct_size = sizeof, everything else 0 / NULL).
     pub fn flashattn_options_init(opts: *mut flashattn_options);
 

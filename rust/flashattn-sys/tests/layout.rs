@@ -75,6 +75,8 @@ fn rust_side() -> BTreeMap<String, i64> {
         ("FLASHATTN_FLOAT16", FLASHATTN_FLOAT16 as i64),
         ("FLASHATTN_BFLOAT16", FLASHATTN_BFLOAT16 as i64),
         ("FLASHATTN_FLOAT64", FLASHATTN_FLOAT64 as i64),
+        ("FLASHATTN_INT32", FLASHATTN_INT32 as i64),
+        ("sizeof(flashattn_varlen)", size_of::<flashattn_varlen>() as i64),
         ("FLASHATTN_CPU", FLASHATTN_CPU as i64),
         ("FLASHATTN_MASK_NONE", FLASHATTN_MASK_NONE as i64),
         ("FLASHATTN_MASK_CAUSAL_TOP_LEFT", FLASHATTN_MASK_CAUSAL_TOP_LEFT as i64),
@@ -111,6 +113,12 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_options, softcap));
     m.extend(field!(flashattn_options, sliding_window));
     m.extend(field!(flashattn_options, alibi_slopes));
+    m.extend(field!(flashattn_varlen, struct_size));
+    m.extend(field!(flashattn_varlen, cu_seqlens_q));
+    m.extend(field!(flashattn_varlen, cu_seqlens_k));
+    m.extend(field!(flashattn_varlen, seqused_k));
+    m.extend(field!(flashattn_varlen, max_seqlen_q));
+    m.extend(field!(flashattn_varlen, max_seqlen_k));
     m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 

@@ -39,6 +39,14 @@ int main(void) {
   FIELD(flashattn_options, sliding_window);
   FIELD(flashattn_options, alibi_slopes);
 
+  SIZE(flashattn_varlen);
+  FIELD(flashattn_varlen, struct_size);
+  FIELD(flashattn_varlen, cu_seqlens_q);
+  FIELD(flashattn_varlen, cu_seqlens_k);
+  FIELD(flashattn_varlen, seqused_k);
+  FIELD(flashattn_varlen, max_seqlen_q);
+  FIELD(flashattn_varlen, max_seqlen_k);
+
   SIZE(int);
 
   DEF(FLASHATTN_VERSION_MAJOR);
@@ -48,6 +56,7 @@ int main(void) {
   DEF(FLASHATTN_FLOAT16);
   DEF(FLASHATTN_BFLOAT16);
   DEF(FLASHATTN_FLOAT64);
+  DEF(FLASHATTN_INT32);
   DEF(FLASHATTN_CPU);
   DEF(FLASHATTN_MASK_NONE);
   DEF(FLASHATTN_MASK_CAUSAL_TOP_LEFT);
