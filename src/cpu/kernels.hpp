@@ -29,8 +29,9 @@ class Parallel {
 };
 
 // The kernels take the mask as a MaskRule (core/mask.hpp) that the driver builds once from
-// p.num.mask and the sequence lengths; they never read p.num.mask. Any band works, e.g. a sliding
-// window, which the public API does not offer yet (tests/test_cpu_mask_band.cpp passes one).
+// p.num.mask, the sliding window and the sequence lengths; they never read p.num.mask. Any band
+// works (tests/test_cpu_mask_band.cpp passes bands directly). The score transform (scale,
+// softcap, ALiBi slopes) they read from p.num.
 struct KernelSet {
   const char* name;       // "avx512", "avx2", "generic"
   int vector_bytes;       // SIMD register width the kernels were built for
