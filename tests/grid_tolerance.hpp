@@ -70,8 +70,6 @@ inline bool visible(const ProblemConfig& c, int64_t i, int64_t j) {
 // vanish by cancellation: with a single visible key P = 1 and dP = D, so dq = dk = 0 exactly
 // although dP is O(sqrt(D)). The part of dq and dk that comes from D alone is kept apart: for
 // float16/bfloat16 the backward reads O rounded to the storage type, so D carries that rounding.
-// Also the largest |logit - LSE| of an entry with P > 2^-30: float32 logits of that size carry
-// their own rounding (the out term of test_cpu_score_mods.cpp).
 struct Magnitudes {
   double dq = 0, dk = 0, dv = 0;
   double dq_from_d = 0, dk_from_d = 0;

@@ -38,6 +38,8 @@ struct KernelSet {
   int block_q, block_kv;  // float32 tile sizes (rows of Q, rows of K/V)
   void (*forward)(const ForwardParams& p, const MaskRule& rule, Parallel& par);
   void (*backward)(const BackwardParams& p, const MaskRule& rule, Parallel& par);
+  // y[i] = tanh(x[i]) as the float32 softcap computes it (its accuracy test reaches it here).
+  void (*tanh)(const float* x, float* y, int64_t n);
 };
 
 // Whether this CPU can run the set (defined by the driver).
