@@ -100,7 +100,13 @@ std::string name_of(const ProblemConfig& c, int32_t threads, size_t idx, bool cu
   std::ostringstream os;
   os << idx << "_" << short_dtype(c.dtype) << "_" << short_mask(c.mask);
   if (c.has_window()) os << "_w" << side(c.window_left) << "x" << side(c.window_right);
-  if (c.softcap > 0) os << "_cap" << c.softcap;
+  if (c.softcap > 0) {
+    std::ostringstream cap;
+    cap << c.softcap;
+    std::string t;
+    for (char ch : cap.str()) t += ch == '.' ? 'p' : ch == '-' ? 'm' : ch == '+' ? 'x' : ch;
+    os << "_cap" << t;
+  }
   if (c.alibi == AlibiKind::Heads) os << "_alibiH";
   if (c.alibi == AlibiKind::BatchHeads) os << "_alibiBH";
   if (custom_slopes) os << "custom";
@@ -189,6 +195,14 @@ std::vector<ModsCase> make_cases() {
   hand(1, 4, 4, 97, 255, 64, Mask::None, DType::Float32, -1, -1, 5.0f, AlibiKind::None, {}, 2.0f);
   hand(1, 4, 4, 255, 97, 64, Mask::CausalTopLeft, DType::BFloat16, -1, -1, 5.0f, AlibiKind::Heads, {}, 2.0f);
   hand(1, 2, 2, 97, 97, 32, Mask::None, DType::Float64, 7, 7, 5.0f, AlibiKind::BatchHeads, {}, 2.0f);
+  // A negative scale: the folded multiplier scale / softcap is negative.
+  hand(1, 2, 2, 97, 64, 32, Mask::None, DType::Float32, -1, -1, 5.0f, AlibiKind::Heads, {}, -0.3f);
+  // Softcaps at the ends of the float range: a denormal or tiny one (every score +-softcap, the
+  // fold clamped), and ones so large that tanh is the identity.
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    for (float cap : {std::numeric_limits<float>::denorm_min(), 1e-30f, 1e-6f, 1e30f, 3e38f})
+      hand(1, 2, 1, 33, 40, 16, Mask::CausalBottomRight, dt, 20, -1, cap, AlibiKind::Heads);
+  }
   // A window that leaves rows without keys (rows 0..79: j = i - 80 < 0), and one whose band is
   // empty altogether (causal top-left caps j <= i, the window asks j >= i + 73).
   hand(2, 4, 2, 97, 17, 32, Mask::None, DType::Float32, 0, 0, 30.0f, AlibiKind::Heads);

@@ -596,12 +596,25 @@ struct ScoreMods {
 
   static ScoreMods make(const Shape& s, const Numerics& n) {
     const ScoreTransform st = ScoreTransform::make(s, n);
-    ScoreMods m{st.elementwise(), st.has_softcap(), st.template prescale_as<C>(), C(0),
-                s.seq_kv - s.seq_q, n.alibi};
+    ScoreMods m{false, st.has_softcap(), st.template prescale_as<C>(), C(0), s.seq_kv - s.seq_q, n.alibi};
     if (m.cap) {
-      m.fold = static_cast<C>(n.scale) / static_cast<C>(n.softcap);
-      m.cap2 = static_cast<C>(n.softcap) * static_cast<C>(kLog2e);
+      const C fold = static_cast<C>(n.scale) / static_cast<C>(n.softcap);
+      const C afold = fold < C(0) ? -fold : fold;
+      if (afold < static_cast<C>(0x1p-80)) {
+        // A softcap this far above the scores is the identity: tanh(u) = u to double precision
+        // for every product below 2^40 (u < 2^-40). Folding it would take a denormal multiplier
+        // (a float32 softcap near its maximum), and softcap * log2(e) could overflow.
+        m.cap = false;
+      } else {
+        // Beyond 2^64 tanh is +-1 for every product that is not ~0 (and the logit, at most the
+        // softcap < scale * 2^-64, is nothing either way); a larger fold could overflow the
+        // products or make 0 * inf = NaN (a denormal softcap).
+        const C lim = static_cast<C>(0x1p64);
+        m.fold = afold > lim ? (fold < C(0) ? -lim : lim) : fold;
+        m.cap2 = static_cast<C>(n.softcap) * static_cast<C>(kLog2e);
+      }
     }
+    m.on = m.cap || st.has_alibi();
     return m;
   }
   // The ALiBi slope of (batch b, query head h) in log2 units; 0 without ALiBi.
