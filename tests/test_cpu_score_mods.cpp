@@ -418,7 +418,7 @@ TEST_P(CpuScoreModsDeterminism, BitwiseAcrossThreadCounts) {
 INSTANTIATE_TEST_SUITE_P(Cpu, CpuScoreModsDeterminism, ::testing::ValuesIn(kDtypes),
                          [](const ::testing::TestParamInfo<DType>& i) { return short_dtype(i.param); });
 
-// A sliding window of (-1, -1) is no window, and a softcap so large that tanh is linear to float
+// A sliding window of (-1, -1) or (INT64_MAX, INT64_MAX) is no window, and a softcap so large that tanh is linear to float
 // precision changes nothing beyond rounding: both through the public API against the plain call.
 TEST(CpuScoreModsApi, NeutralSettingsMatchThePlainCall) {
   ProblemConfig c = make_config(1, 4, 2, 97, 130, 64, Mask::CausalBottomRight, DType::Float32,
@@ -435,6 +435,14 @@ TEST(CpuScoreModsApi, NeutralSettingsMatchThePlainCall) {
   run_forward(p, unbounded);
   run_backward(p, unbounded);
   EXPECT_TRUE(snapshot(p) == want) << "window (-1, -1) is not bitwise the plain call";
+  // Sides beyond every index are unbounded too (and must not overflow the band's arithmetic).
+  Options huge = plain;
+  huge.window_left = std::numeric_limits<int64_t>::max();
+  huge.window_right = std::numeric_limits<int64_t>::max();
+  p.poison_outputs();
+  run_forward(p, huge);
+  run_backward(p, huge);
+  EXPECT_TRUE(snapshot(p) == want) << "window (INT64_MAX, INT64_MAX) is not bitwise the plain call";
 
   // x - c tanh(x / c) = x^3 / (3 c^2) + ...: below 1e-12 of |x| <= 6 at c = 1e7.
   Options cap = plain;
