@@ -99,10 +99,15 @@ constexpr double kLn2 = 0.69314718055994530942;
 
 // exp2 for float32 vectors: 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5], and 2^f from its
 // degree-7 Taylor polynomial (truncation error 5e-9 relative, below half an ulp; Horner adds about
-// one ulp). Inputs below -126 (including -inf, the masked scores) give exactly 0, so a masked
-// element never contributes; NaN propagates.
+// one ulp). Inputs below -64 (including -inf, the masked scores) give exactly 0, so a masked
+// element never contributes; NaN propagates. The cut is at 2^-64 rather than at the smallest
+// normal float: every use is a softmax weight or a rescale factor relative to a row's largest
+// (P = 1 at the running max; >= 1/Skv in the backward), so a term below 2^-64 of it is invisible
+// in a float32 sum, while weights near 2^-126 made P V, dS = P (dP - D) and the GEMMs that take
+// them denormal, and each denormal operand costs a microcode assist (scores spread over 100+
+// nats, as ALiBi's distant keys are: measured +16% on the backward).
 inline vf exp2v(vf x) {
-  const vf lo = vbroadcast<vf>(-126.0f), hi = vbroadcast<vf>(127.0f);
+  const vf lo = vbroadcast<vf>(-64.0f), hi = vbroadcast<vf>(127.0f);
   vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
   // Adding 1.5 * 2^23 rounds to the nearest integer, which then sits in the low mantissa bits.
@@ -112,7 +117,7 @@ inline vf exp2v(vf x) {
   vf f = xc - n;
   vu32 tb;
   __builtin_memcpy(&tb, &t, sizeof tb);
-  vu32 sb = (tb << 23) + vbroadcast<vu32>(127u << 23);  // (n + 127) << 23, n in [-126, 127]
+  vu32 sb = (tb << 23) + vbroadcast<vu32>(127u << 23);  // (n + 127) << 23, n in [-64, 127]
   vf s;
   __builtin_memcpy(&s, &sb, sizeof s);
   // (ln 2)^k / k!
@@ -136,24 +141,20 @@ inline vd exp2v(vd x) {
 }
 
 // tanh for float32 vectors (the softcap), within 1.8e-7 relative of the exact value (tested against
-// double tanh by tests/test_cpu_tanh.cpp, every instruction set). Two forms, both evaluated
-// and one selected per lane:
-//   |x| >= 0.625: (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 0.29] from exp2v: no cancellation
-//     there (1 - e >= 0.71), and e = 0 far out gives exactly 1;
+// double tanh by tests/test_cpu_tanh.cpp, every instruction set). Two forms, both evaluated and
+// one selected per lane, neither with a division (a vector divide costs as much as the rest of
+// the step together: measured +20 ms on a 58 ms forward):
+//   |x| >= 0.625: (1 - y) / (1 + y) = 1 - 2y / (1 + y) with y = exp(-2|x|) in (0, 0.2865] from
+//     exp2v, and 1 / (1 + y) a degree-7 Chebyshev fit on that interval (5e-10 relative error);
+//     no cancellation there (the result is >= 0.55), and y = 0 far out gives exactly 1;
 //   |x| < 0.625: x + x^3 P(x^2), P a degree-5 Chebyshev fit of (tanh(a) - a) / a^3 on
 //     [0, 0.625^2] (6e-10 relative error), which keeps small arguments accurate relative to
-//     themselves where 1 - e would cancel.
+//     themselves where 1 - y would cancel.
 // The sign is copied back, so tanh(-x) = -tanh(x) exactly; NaN propagates.
-inline vf tanhv(vf x) {
-  vu32 bits;
-  __builtin_memcpy(&bits, &x, sizeof bits);
-  const vu32 sign = bits & vbroadcast<vu32>(0x80000000u);
-  const vu32 abits = bits & vbroadcast<vu32>(0x7fffffffu);
-  vf a;
-  __builtin_memcpy(&a, &abits, sizeof a);
-  const vf one = vbroadcast<vf>(1.0f);
-  const vf e = exp2v(a * vbroadcast<vf>(static_cast<float>(-2.0 * kLog2e)));
-  const vf big = (one - e) / (one + e);
+// tanhv_small is the second form alone, for tiles whose every |x| is below 0.625 (a softcap well
+// above the scores, the common case), where tanhv would pick that form for every lane anyway: a
+// third of the work.
+inline vf tanh_small_abs(vf a) {
   const vf a2 = a * a;
   vf p = vbroadcast<vf>(2.2927448161781423e-3f);
   p = p * a2 - 8.3439455158391520e-3f;
@@ -161,15 +162,42 @@ inline vf tanhv(vf x) {
   p = p * a2 - 5.3959259577204543e-2f;
   p = p * a2 + 1.3333303556915742e-1f;
   p = p * a2 - 3.3333333172140362e-1f;
-  const vf small = a + a * a2 * p;
-  const vf r = a < vbroadcast<vf>(0.625f) ? small : big;
-  vu32 rb;
+  return a + a * a2 * p;
+}
+inline vf with_sign_of(vf r, vf x) {
+  vu32 rb, xb;
   __builtin_memcpy(&rb, &r, sizeof rb);
-  rb |= sign;
+  __builtin_memcpy(&xb, &x, sizeof xb);
+  rb |= xb & vbroadcast<vu32>(0x80000000u);
   vf out;
   __builtin_memcpy(&out, &rb, sizeof out);
   return out;
 }
+inline vf abs_bits(vf x) {
+  vu32 b;
+  __builtin_memcpy(&b, &x, sizeof b);
+  b &= vbroadcast<vu32>(0x7fffffffu);
+  vf a;
+  __builtin_memcpy(&a, &b, sizeof a);
+  return a;
+}
+inline vf tanhv_small(vf x) { return with_sign_of(tanh_small_abs(abs_bits(x)), x); }
+inline vf tanhv(vf x) {
+  const vf a = abs_bits(x);
+  const vf one = vbroadcast<vf>(1.0f);
+  const vf y = exp2v(a * vbroadcast<vf>(static_cast<float>(-2.0 * kLog2e)));
+  vf q = vbroadcast<vf>(-3.5365638600500007e-1f);
+  q = q * y + 7.5895339012768616e-1f;
+  q = q * y - 9.4764763585828360e-1f;
+  q = q * y + 9.9339224139359496e-1f;
+  q = q * y - 9.9953570182313117e-1f;
+  q = q * y + 9.9998373513864681e-1f;
+  q = q * y - 9.9999978060040286e-1f;
+  q = q * y + 9.9999999951001053e-1f;
+  const vf big = one - (y + y) * q;
+  return with_sign_of(a < vbroadcast<vf>(0.625f) ? tanh_small_abs(a) : big, x);
+}
+constexpr float kTanhSmall = 0.625f;  // where tanhv switches forms
 
 // float64: libm tanh per lane, so that the float64 path stays exact to ~1e-15.
 inline vd tanhv(vd x) {
@@ -177,6 +205,7 @@ inline vd tanhv(vd x) {
   for (int i = 0; i < Simd<double>::W; ++i) r[i] = __builtin_tanh(x[i]);
   return r;
 }
+inline vd tanhv_small(vd x) { return tanhv(x); }
 
 template <class V>
 inline V vabs(V x) {
@@ -637,7 +666,8 @@ inline V lane_index() {
 // and the dQ pass); else rows are queries i0 + r and columns keys j0 + c (S of the dK/dV pass).
 // GRAD (softcap only): dP of the same layout becomes (dP - D) * F, D per query (dl: per column
 // when KEY_ROWS, per row otherwise).
-template <class C, bool CAP, bool ALIBI, bool KEY_ROWS, bool GRAD>
+// SMALL: every |product| of the tile is below kTanhSmall (tanhv_small gives tanhv's bits).
+template <class C, bool CAP, bool ALIBI, bool KEY_ROWS, bool GRAD, bool SMALL = false>
 void score_step_tile(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
                      int64_t i0, int64_t j0, C* dP, const C* dl) {
   using V = typename Simd<C>::V;
@@ -653,7 +683,7 @@ void score_step_tile(C* T, int64_t ld, int64_t nrows, int64_t ncols, const Score
       const V s = vload<V>(row + c0);
       V x = s, f = one;
       if constexpr (CAP) {
-        const V t = tanhv(s);
+        const V t = SMALL ? tanhv_small(s) : tanhv(s);
         x = cap2 * t;
         f = one - t * t;
       }
@@ -673,21 +703,49 @@ void score_step_tile(C* T, int64_t ld, int64_t nrows, int64_t ncols, const Score
 
 // Dispatches the tile step on the call's transform (once per tile). dP == nullptr: no gradient
 // factor (the forward, the float64 LSE pass, and the backward without a softcap, where F = 1).
+template <class C, bool KEY_ROWS, bool SMALL>
+void score_step_cap(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
+                    int64_t i0, int64_t j0, C* dP, const C* dl) {
+  const bool alibi = slope2 != C(0);
+  if (dP != nullptr) {
+    if (alibi)
+      score_step_tile<C, true, true, KEY_ROWS, true, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+    else
+      score_step_tile<C, true, false, KEY_ROWS, true, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  } else {
+    if (alibi)
+      score_step_tile<C, true, true, KEY_ROWS, false, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+    else
+      score_step_tile<C, true, false, KEY_ROWS, false, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  }
+}
+
+// Whether every |entry| of rows [0, nrows) x columns [0, ncols) is below kTanhSmall (a NaN may
+// pass unseen: both forms give NaN for it).
+template <class C>
+bool tile_below_tanh_switch(const C* T, int64_t ld, int64_t nrows, int64_t ncols) {
+  using V = typename Simd<C>::V;
+  constexpr int W = Simd<C>::W;
+  V amax = V{};
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int64_t c0 = 0; c0 < ncols; c0 += W) amax = vmax(amax, vabs(vload<V>(T + r * ld + c0)));
+  bool small = true;
+  for (int l = 0; l < W; ++l) small &= amax[l] < static_cast<C>(kTanhSmall);
+  return small;
+}
+
 template <class C, bool KEY_ROWS>
 void score_step(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
                 int64_t i0, int64_t j0, C* dP = nullptr, const C* dl = nullptr) {
-  const bool alibi = slope2 != C(0);
-  if (m.cap && dP != nullptr) {
-    if (alibi)
-      score_step_tile<C, true, true, KEY_ROWS, true>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  if (m.cap) {
+    // float32: one pass for the tile's largest |product| picks the cheap form of tanh when it is
+    // the form every entry would take anyway (measured: softcap 30's forward overhead 23% -> 9%
+    // at D = 64). It depends on the data only, never on threads. (float64 has one form.)
+    if (Same<C, float>::value && tile_below_tanh_switch(T, ld, nrows, ncols))
+      score_step_cap<C, KEY_ROWS, true>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
     else
-      score_step_tile<C, true, false, KEY_ROWS, true>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
-  } else if (m.cap) {
-    if (alibi)
-      score_step_tile<C, true, true, KEY_ROWS, false>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
-    else
-      score_step_tile<C, true, false, KEY_ROWS, false>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
-  } else if (alibi) {
+      score_step_cap<C, KEY_ROWS, false>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  } else if (slope2 != C(0)) {
     score_step_tile<C, false, true, KEY_ROWS, false>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
   }
 }
