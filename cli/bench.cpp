@@ -141,7 +141,7 @@ int run_bench(int argc, char** argv, int first) {
   const std::unique_ptr<testing::Problem> problem = make_problem(c);
   testing::Problem& p = *problem;
   DeviceProblem dp(p, opt.run.device);
-  const Options lib = opt.run.library_options(dp.stream());
+  const Options lib = opt.run.library_options(dp.stream(), &dp.alibi);
   Timer timer(dp.device(), dp.stream());
 
   auto row = [&](const std::string& name, const Result& r) {
@@ -184,6 +184,8 @@ int run_bench(int argc, char** argv, int first) {
     naive_note = "naive baseline: CPU only, not run on CUDA\n";
   } else if (!opt.naive) {
     naive_note = "naive baseline: skipped (--no-naive)\n";
+  } else if (opt.run.has_score_mods()) {
+    naive_note = "naive baseline: skipped, it has no sliding window, softcap or ALiBi\n";
   } else if (naive_bytes > opt.naive_cap_gib * 1073741824.0) {
     naive_note = "naive baseline: skipped, its P and dS matrices would take " +
                  fmt_bytes(naive_bytes) + " > --naive-max-gib " + fmt(opt.naive_cap_gib, 1) +

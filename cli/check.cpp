@@ -54,6 +54,7 @@ Outputs reference(const testing::Problem& p, int threads) {
   const int64_t Sq = c.seq_q, Skv = c.seq_kv, D = c.head_dim, group = c.heads_q / c.heads_kv;
   const int64_t heads = c.batch * c.heads_q;
   const double scale = static_cast<double>(c.scale());
+  const testing::RefMods all_mods = p.ref_mods();  // slopes per b * Hq + h, the task index
   Outputs r;
   r.out.resize(q.size());
   r.lse.resize(static_cast<size_t>(heads * Sq));
@@ -71,9 +72,12 @@ Outputs reference(const testing::Problem& p, int threads) {
       };
       const auto qh = slice(q, h, Sq * D), kh = slice(k, kvh, Skv * D), vh = slice(v, kvh, Skv * D),
                  doh = slice(dout, h, Sq * D);
-      const testing::RefForward f = testing::reference_forward(one, qh, kh, vh, scale, c.mask);
+      // The problem's modifications, with the slope of this (batch, head) as the only one.
+      testing::RefMods mods = all_mods;
+      if (!all_mods.alibi.empty()) mods.alibi.assign(1, all_mods.alibi[static_cast<size_t>(h)]);
+      const testing::RefForward f = testing::reference_forward(one, qh, kh, vh, scale, c.mask, mods);
       const testing::RefBackward b =
-          testing::reference_backward(one, qh, kh, vh, doh, scale, c.mask);
+          testing::reference_backward(one, qh, kh, vh, doh, scale, c.mask, mods);
       std::copy(f.out.begin(), f.out.end(), r.out.begin() + h * Sq * D);
       std::copy(f.lse.begin(), f.lse.end(), r.lse.begin() + h * Sq);
       std::copy(b.dq.begin(), b.dq.end(), r.dq.begin() + h * Sq * D);
@@ -108,7 +112,7 @@ Outputs reference(const testing::Problem& p, int threads) {
 // The library on the chosen device. Returns {forward ms, backward ms} of the single calls.
 std::pair<double, double> run_library(testing::Problem& p, const RunOptions& run) {
   DeviceProblem dp(p, run.device);
-  const Options o = run.library_options(dp.stream());
+  const Options o = run.library_options(dp.stream(), &dp.alibi);
   Timer timer(dp.device(), dp.stream());
   Progress::global().stage("forward");
   timer.start();
@@ -222,6 +226,9 @@ int run_check(int argc, char** argv, int first) {
   opt.run.finish();
   if (opt.naive && opt.run.device >= 0)
     throw UsageError("--impl naive runs on the CPU only (use --device cpu)");
+  if (opt.naive && opt.run.has_score_mods())
+    throw UsageError("--impl naive has no sliding window, softcap or ALiBi (drop --window, --softcap "
+                     "and --alibi, or check the library)");
 
   const bool on_cuda = opt.run.device >= 0;
   auto tolerance = [&](const std::string& output) {

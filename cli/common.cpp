@@ -87,6 +87,46 @@ void RunOptions::add_flags(ArgParser& p) {
                               " rounds to 0 in float32, which means the default 1/sqrt(head_dim)");
            problem.softmax_scale = f;
          });
+  p.flag("--window", "L,R",
+         "sliding window, FlashAttention's window_size: key j visible to query i\n"
+         "when i + Skv - Sq - L <= j <= i + Skv - Sq + R; -1 leaves a side\n"
+         "unbounded (default -1,-1: none); combined with --mask",
+         [this](const std::string& t) {
+           const size_t comma = t.find(',');
+           if (comma == std::string::npos || t.find(',', comma + 1) != std::string::npos)
+             throw UsageError("--window: expected L,R (two integers, -1 = unbounded), got '" + t + "'");
+           auto side = [&](const std::string& x) {
+             try {
+               return parse_int("--window", x, -1, std::numeric_limits<int64_t>::max());
+             } catch (const UsageError&) {
+               throw UsageError("--window: expected L,R with each side -1 (unbounded) or >= 0, got '" +
+                                t + "'");
+             }
+           };
+           problem.window_left = side(t.substr(0, comma));
+           problem.window_right = side(t.substr(comma + 1));
+         });
+  p.flag("--softcap", "X",
+         "logit softcap: scores s become X * tanh(s / X) (Gemma 2); X > 0 and\n"
+         "finite, 0 = none (default 0)",
+         [this](const std::string& t) {
+           const double v = parse_double("--softcap", t);
+           const float f = static_cast<float>(v);
+           if (!(v >= 0) || !std::isfinite(f))
+             throw UsageError("--softcap: " + t + " is out of range (0 for none, or a finite value > 0)");
+           if (f == 0.0f && v != 0.0)
+             throw UsageError("--softcap: " + t + " rounds to 0 in float32, which means no softcap");
+           problem.softcap = f;
+         });
+  p.flag("--alibi", "S",
+         "none | heads | batch: ALiBi slopes (default none). heads: the ALiBi\n"
+         "paper's 2^(-8 (h+1) / Hq) for query head h, one [Hq] tensor; batch: a\n"
+         "[B, Hq] tensor, batch b's slopes those times 1 + b/2",
+         [this](const std::string& t) {
+           static const testing::AlibiKind kinds[] = {testing::AlibiKind::None, testing::AlibiKind::Heads,
+                                                      testing::AlibiKind::BatchHeads};
+           problem.alibi = kinds[parse_choice("--alibi", t, {"none", "heads", "batch"})];
+         });
   p.flag("--seed", "N", "seed of the random inputs, drawn from N(0,1) (default 0)",
          [this](const std::string& t) {
            problem.seed = static_cast<uint64_t>(
@@ -148,14 +188,22 @@ void RunOptions::finish() {
   Progress::global().enable(progress == 1 || (progress == -1 && isatty(STDERR_FILENO)));
 }
 
-Options RunOptions::library_options(void* stream) const {
+Options RunOptions::library_options(void* stream, const Tensor* alibi) const {
   Options o;
   o.softmax_scale = problem.softmax_scale;
   o.mask = problem.mask;
   o.stream = stream;
   o.num_threads = threads;
   o.precision = precision;
+  o.window_left = problem.window_left;
+  o.window_right = problem.window_right;
+  o.softcap = problem.softcap;
+  o.alibi_slopes = problem.alibi != testing::AlibiKind::None ? alibi : nullptr;
   return o;
+}
+
+bool RunOptions::has_score_mods() const {
+  return problem.has_window() || problem.softcap != 0.0f || problem.alibi != testing::AlibiKind::None;
 }
 
 int RunOptions::resolved_threads() const {
@@ -168,7 +216,9 @@ double problem_bytes(const testing::ProblemConfig& c) {
   const double es = static_cast<double>(dtype_size(c.dtype));
   const double q = static_cast<double>(c.batch) * c.heads_q * c.seq_q;
   const double kv = static_cast<double>(c.batch) * c.heads_kv * c.seq_kv;
-  return es * c.head_dim * (4 * q + 4 * kv) + 4 * q;
+  const double slopes = c.alibi == testing::AlibiKind::None ? 0
+                        : 4.0 * c.heads_q * (c.alibi == testing::AlibiKind::BatchHeads ? c.batch : 1);
+  return es * c.head_dim * (4 * q + 4 * kv) + 4 * q + slopes;
 }
 
 std::unique_ptr<testing::Problem> make_problem(const testing::ProblemConfig& c) {
@@ -197,6 +247,10 @@ std::string RunOptions::describe_exec() const {
   else
     os << ", precision " << precision_name(precision);
   os << ", softmax scale " << problem.scale();
+  if (problem.has_window())
+    os << ", window (" << problem.window_left << ", " << problem.window_right << ")";
+  if (problem.softcap != 0.0f) os << ", softcap " << problem.softcap;
+  if (problem.alibi != testing::AlibiKind::None) os << ", ALiBi slopes " << testing::alibi_name(problem.alibi);
   return os.str();
 }
 

@@ -42,7 +42,11 @@ struct RunOptions {
   // Applies dependent defaults (kv heads = heads, seq_kv = seq_q), resolves the device and checks
   // what the library would only catch later (Hkv dividing Hq). Throws UsageError.
   void finish();
-  Options library_options(void* stream) const;
+  // The library's options; `alibi` is the slopes' view on the run's device (DeviceProblem::alibi)
+  // when the problem has ALiBi.
+  Options library_options(void* stream, const Tensor* alibi) const;
+  // Whether a sliding window, softcap or ALiBi is set (the naive baseline has none of them).
+  bool has_score_mods() const;
   int resolved_threads() const;
   std::string device_name() const;
   std::string describe_exec() const;  // "device cpu, 2 threads, precision fp32, scale 0.125"

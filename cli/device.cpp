@@ -29,6 +29,7 @@ DeviceProblem::DeviceProblem(testing::Problem& problem, int32_t device)
   testing::HostTensor* host[] = {&p_.q, &p_.k, &p_.v, &p_.dout, &p_.out,
                                  &p_.lse, &p_.dq, &p_.dk, &p_.dv};
   Tensor* views[] = {&q, &k, &v, &dout, &out, &lse, &dq, &dk, &dv};
+  alibi = p_.alibi.view;
   if (device < 0) {
     for (int i = 0; i < 9; ++i) *views[i] = host[i]->view;
     return;
@@ -48,6 +49,15 @@ DeviceProblem::DeviceProblem(testing::Problem& problem, int32_t device)
       check_cuda(cudaMemcpy(d, host[i]->bytes.data(), bytes, cudaMemcpyHostToDevice),
                  "cudaMemcpy host to device");
       *views[i] = testing::rebind(host[i]->view, d, device);
+    }
+    if (p_.alibi.view.ndim > 0) {
+      void* d = nullptr;
+      const size_t bytes = p_.alibi.bytes.size();
+      check_cuda(cudaMalloc(&d, bytes), "cudaMalloc (ALiBi slopes)");
+      allocations_.push_back(d);
+      check_cuda(cudaMemcpy(d, p_.alibi.bytes.data(), bytes, cudaMemcpyHostToDevice),
+                 "cudaMemcpy host to device");
+      alibi = testing::rebind(p_.alibi.view, d, device);
     }
   } catch (...) {
     for (void* d : allocations_) cudaFree(d);

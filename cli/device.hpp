@@ -19,6 +19,7 @@ class DeviceProblem {
   DeviceProblem& operator=(const DeviceProblem&) = delete;
 
   Tensor q, k, v, dout, out, lse, dq, dk, dv;
+  Tensor alibi;  // the problem's ALiBi slopes on the device (ndim 0 when it has none)
   int32_t device() const { return device_; }
   void* stream() const { return stream_; }
   void synchronize();

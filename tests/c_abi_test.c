@@ -81,7 +81,15 @@ static void poison(void) {
   for (i = 0; i < NL; ++i) lse[i] = NAN;
 }
 
+/* The score modifications of the naive attention: a sliding window (-1 = unbounded side), a
+   softcap (0 = none) and ALiBi slopes per (b, h) at slopes[b * HQ + h] (NULL = none). */
+static long g_left = -1, g_right = -1;
+static double g_softcap = 0;
+static const float* g_slopes = NULL;
+
 static int visible(int mask, int i, int j) {
+  if (g_left >= 0 && j < i + SKV - SQ - g_left) return 0;
+  if (g_right >= 0 && j > i + SKV - SQ + g_right) return 0;
   if (mask == FLASHATTN_MASK_CAUSAL_TOP_LEFT) return j <= i;
   if (mask == FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT) return j <= i + SKV - SQ;
   return 1;
@@ -101,15 +109,24 @@ static void naive(int mask, double scale) {
       const float* K = k + (b * HKV + hk) * SKV * D;
       const float* V = v + (b * HKV + hk) * SKV * D;
       const float* dO = dout + (b * HQ + h) * SQ * D;
-      double P[SQ][SKV], dP[SQ][SKV];
+      double P[SQ][SKV], dP[SQ][SKV], F[SQ][SKV];
+      const double slope = g_slopes ? (double)g_slopes[b * HQ + h] : 0.0;
       for (i = 0; i < SQ; ++i) {
         double m = -INFINITY, sum = 0, rowdot = 0;
         double s[SKV];
         const int row = (b * HQ + h) * SQ + i;
         for (j = 0; j < SKV; ++j) {
-          double acc = 0;
+          double acc = 0, t;
           for (x = 0; x < D; ++x) acc += (double)Q[i * D + x] * K[j * D + x];
-          s[j] = visible(mask, i, j) ? scale * acc : -INFINITY;
+          s[j] = scale * acc;
+          F[i][j] = 1.0;
+          if (g_softcap > 0) {
+            t = tanh(s[j] / g_softcap);
+            s[j] = g_softcap * t;
+            F[i][j] = 1.0 - t * t;
+          }
+          s[j] -= slope * fabs((double)(i + SKV - SQ - j));
+          if (!visible(mask, i, j)) s[j] = -INFINITY;
           if (s[j] > m) m = s[j];
         }
         for (j = 0; j < SKV; ++j) sum += visible(mask, i, j) ? exp(s[j] - m) : 0.0;
@@ -126,7 +143,7 @@ static void naive(int mask, double scale) {
           dP[i][j] = acc;
           rowdot += P[i][j] * acc;
         }
-        for (j = 0; j < SKV; ++j) dP[i][j] = P[i][j] * (dP[i][j] - rowdot); /* now dS */
+        for (j = 0; j < SKV; ++j) dP[i][j] = P[i][j] * (dP[i][j] - rowdot) * F[i][j]; /* dS o F */
         for (x = 0; x < D; ++x) {
           double acc = 0;
           for (j = 0; j < SKV; ++j) acc += dP[i][j] * K[j * D + x];
@@ -256,6 +273,104 @@ int main(void) {
             "struct_size %u: results differ from the default options'", (unsigned)sizes[s]);
       free(o);
     }
+  }
+
+  /* sliding window, softcap and ALiBi ([B, Hq] slopes, zero and negative ones included) */
+  {
+    static float slopes[B * HQ] = {0.5f, 0.0f, -0.125f, 0.25f, 1.0f, 0.0625f, 0.0f, -0.5f};
+    flashattn_tensor ts;
+    double e;
+    static float w_out[NQ], w_dq[NQ];
+    memset(&ts, 0, sizeof ts);
+    ts.data = slopes;
+    ts.dtype = FLASHATTN_FLOAT32;
+    ts.device = FLASHATTN_CPU;
+    ts.ndim = 2;
+    ts.shape[0] = B;
+    ts.shape[1] = HQ;
+    ts.stride[0] = HQ;
+    ts.stride[1] = 1;
+    for (m = 0; m < 3; ++m) {
+      poison();
+      flashattn_options_init(&opts);
+      opts.mask = masks[m];
+      opts.sliding_window = 1;
+      opts.window_left = 1;
+      opts.window_right = m == 0 ? 2 : -1;
+      opts.softcap = 3.0f;
+      opts.alibi_slopes = &ts;
+      st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+      st |= flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, &opts);
+      CHECK(st == FLASHATTN_OK, "mods, mask %d: %s", masks[m], flashattn_last_error());
+      g_left = 1;
+      g_right = m == 0 ? 2 : -1;
+      g_softcap = (double)3.0f;
+      g_slopes = slopes;
+      naive(masks[m], (double)(float)(1.0 / sqrt((double)D)));
+      e = rel_err(out, r_out, NQ, "out");
+      CHECK(e < 1e-5, "mods, mask %d: out relative error %g", masks[m], e);
+      e = rel_err(lse, r_lse, NL, "lse");
+      CHECK(e < 1e-5, "mods, mask %d: lse relative error %g", masks[m], e);
+      e = rel_err(dq, r_dq, NQ, "dq");
+      CHECK(e < 1e-5, "mods, mask %d: dq relative error %g", masks[m], e);
+      e = rel_err(dk, r_dk, NK, "dk");
+      CHECK(e < 1e-5, "mods, mask %d: dk relative error %g", masks[m], e);
+      e = rel_err(dv, r_dv, NK, "dv");
+      CHECK(e < 1e-5, "mods, mask %d: dv relative error %g", masks[m], e);
+      g_left = g_right = -1;
+      g_softcap = 0;
+      g_slopes = NULL;
+    }
+
+    /* a version-2 caller's struct (40 bytes, in a heap block of exactly that size) has none of
+       them: the results are the plain call's, bitwise */
+    {
+      flashattn_options* o2 = (flashattn_options*)malloc(FLASHATTN_OPTIONS_V2_SIZE);
+      CHECK(o2 != NULL, "malloc(%u)", FLASHATTN_OPTIONS_V2_SIZE);
+      poison();
+      flashattn_options_init(&opts);
+      opts.mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+      st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+      st |= flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, &opts);
+      CHECK(st == FLASHATTN_OK, "plain: %s", flashattn_last_error());
+      memcpy(w_out, out, sizeof out);
+      memcpy(w_dq, dq, sizeof dq);
+      if (o2 != NULL) {
+        opts.sliding_window = 1;
+        opts.window_left = -5; /* invalid if read */
+        opts.softcap = -1.0f;  /* invalid if read */
+        opts.alibi_slopes = &ts;
+        opts.struct_size = FLASHATTN_OPTIONS_V2_SIZE;
+        memcpy(o2, &opts, FLASHATTN_OPTIONS_V2_SIZE);
+        poison();
+        st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, o2);
+        st |= flashattn_backward(&tq, &tk, &tv, &tout, &tdout, &tlse, &tdq, &tdk, &tdv, o2);
+        CHECK(st == FLASHATTN_OK, "struct_size 40: %s", flashattn_last_error());
+        CHECK(memcmp(w_out, out, sizeof out) == 0 && memcmp(w_dq, dq, sizeof dq) == 0,
+              "struct_size 40: results differ from the plain call's");
+        free(o2);
+      }
+    }
+
+    /* sliding_window = 0: window_left / window_right are not read */
+    poison();
+    flashattn_options_init(&opts);
+    opts.mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+    opts.window_left = -3;
+    opts.window_right = -3;
+    st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+    CHECK(st == FLASHATTN_OK, "sliding_window = 0 with bad sizes: %s", flashattn_last_error());
+    CHECK(memcmp(w_out, out, sizeof out) == 0, "sliding_window = 0: out differs from the plain call's");
+
+    /* a bad softcap: refused, named, nothing written */
+    poison();
+    flashattn_options_init(&opts);
+    opts.softcap = -2.0f;
+    st = flashattn_forward(&tq, &tk, &tv, &tout, &tlse, &opts);
+    CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "softcap -2: status %d", st);
+    CHECK(strstr(flashattn_last_error(), "options.softcap = -2") != NULL, "message: '%s'",
+          flashattn_last_error());
+    for (i = 0; i < NQ; ++i) CHECK(isnan(out[i]), "out[%d] written by a failed call", i);
   }
 
   /* NULL options: the defaults (no mask, 1/sqrt(D)) */

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -260,6 +261,181 @@ TEST_F(CApi, PreDeterministicOptionsWork) {
       << flashattn_last_error();
 }
 
+// ---- sliding window, softcap, ALiBi (the fields after version 2) ------------------------------
+
+// The ALiBi slopes of small_config() (B = 2, Hq = 4) as [B, Hq], zero and negative ones included.
+struct CSlopes {
+  float values[8] = {0.5f, 0.0f, -0.125f, 0.25f, 1.0f, 0.0625f, 0.0f, -0.5f};
+  flashattn_tensor t{};
+  CSlopes() {
+    t.data = values;
+    t.dtype = FLASHATTN_FLOAT32;
+    t.device = FLASHATTN_CPU;
+    t.ndim = 2;
+    t.shape[0] = 2;
+    t.shape[1] = 4;
+    t.stride[0] = 4;
+    t.stride[1] = 1;
+  }
+};
+
+// Every new field through the C ABI gives bitwise the C++ API's results with the same options.
+TEST_F(CApi, WindowSoftcapAlibiMatchTheCppApi) {
+  CSlopes slopes;
+  flashattn_options c;
+  flashattn_options_init(&c);
+  c.mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+  c.sliding_window = 1;
+  c.window_left = 2;
+  c.window_right = -1;
+  c.softcap = 7.5f;
+  c.alibi_slopes = &slopes.t;
+  const Snapshot got = run(&c);
+
+  Tensor a;
+  a.data = slopes.values;
+  a.dtype = DType::Float32;
+  a.ndim = 2;
+  a.shape[0] = 2;
+  a.shape[1] = 4;
+  a.stride[0] = 4;
+  a.stride[1] = 1;
+  Options o;
+  o.mask = Mask::CausalBottomRight;
+  o.window_left = 2;
+  o.window_right = -1;
+  o.softcap = 7.5f;
+  o.alibi_slopes = &a;
+  p.poison_outputs();
+  run_forward(p, o);
+  run_backward(p, o);
+  EXPECT_TRUE(snapshot(p) == got);
+
+  // And each of them changes the result (the comparison above is not between two plain calls).
+  flashattn_options plain;
+  flashattn_options_init(&plain);
+  plain.mask = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+  const Snapshot none = run(&plain);
+  for (int field = 0; field < 3; ++field) {
+    flashattn_options one = plain;
+    if (field == 0) {
+      one.sliding_window = 1;
+      one.window_left = 2;
+      one.window_right = -1;
+    }
+    if (field == 1) one.softcap = 7.5f;
+    if (field == 2) one.alibi_slopes = &slopes.t;
+    EXPECT_FALSE(run(&one) == none) << "field " << field << " made no difference";
+  }
+}
+
+// A version-2 caller (struct_size 40) has none of the new fields: garbage where they would be is
+// never read, and the results are those of the defaults.
+TEST_F(CApi, Version2OptionsIgnoreWindowSoftcapAlibi) {
+  static_assert(offsetof(flashattn_options, window_left) >= FLASHATTN_OPTIONS_V2_SIZE,
+                "the window starts after version 2");
+  flashattn_options full;
+  flashattn_options_init(&full);
+  full.mask = FLASHATTN_MASK_CAUSAL_TOP_LEFT;
+  full.num_threads = 2;
+  const Snapshot want = run(&full);
+
+  full.sliding_window = 1;
+  full.window_left = -77;  // invalid if it were read
+  full.window_right = 0;
+  full.softcap = -3.0f;  // invalid if it were read
+  full.alibi_slopes = reinterpret_cast<const flashattn_tensor*>(uintptr_t{0x10});
+  TruncatedOptions v2(full, FLASHATTN_OPTIONS_V2_SIZE);
+  EXPECT_TRUE(run(v2.p) == want);
+
+  // The conversion, field by field.
+  const Options r = detail::options_from_c(v2.p);
+  EXPECT_EQ(r.window_left, -1);
+  EXPECT_EQ(r.window_right, -1);
+  EXPECT_EQ(r.softcap, 0.0f);
+  EXPECT_EQ(r.alibi_slopes, nullptr);
+  EXPECT_EQ(r.mask, Mask::CausalTopLeft);
+  EXPECT_EQ(r.num_threads, 2);
+
+  // Sizes that end inside the new fields have only the fields they cover.
+  full.window_left = 3;
+  full.window_right = 4;
+  full.softcap = 2.5f;
+  {
+    TruncatedOptions cut(full, static_cast<uint32_t>(offsetof(flashattn_options, softcap)));
+    const Options x = detail::options_from_c(cut.p);
+    EXPECT_EQ(x.window_left, -1) << "sliding_window is past struct_size: no window";
+    EXPECT_EQ(x.softcap, 0.0f);
+  }
+  {
+    TruncatedOptions cut(full, static_cast<uint32_t>(offsetof(flashattn_options, sliding_window) + 4));
+    const Options x = detail::options_from_c(cut.p);
+    EXPECT_EQ(x.window_left, 3);
+    EXPECT_EQ(x.window_right, 4);
+    EXPECT_EQ(x.softcap, 2.5f);
+    EXPECT_EQ(x.alibi_slopes, nullptr) << "alibi_slopes is past struct_size";
+  }
+}
+
+// sliding_window = 0 means no window whatever window_left / window_right hold.
+TEST_F(CApi, SlidingWindowFlagGatesTheSizes) {
+  flashattn_options o;
+  flashattn_options_init(&o);
+  const Snapshot want = run(&o);
+  o.window_left = -9;  // invalid, but not read
+  o.window_right = 0;
+  EXPECT_TRUE(run(&o) == want);
+  const Options r = detail::options_from_c(&o);
+  EXPECT_EQ(r.window_left, -1);
+  EXPECT_EQ(r.window_right, -1);
+  // Read once the flag is set (any nonzero value).
+  o.sliding_window = -1;
+  EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "options.window_left = -9")) << flashattn_last_error();
+  o.window_left = 0;
+  EXPECT_FALSE(run(&o) == want) << "window (0, 0) made no difference";
+}
+
+TEST_F(CApi, BadNewFieldsAreRefusedAndWriteNothing) {
+  CSlopes slopes;
+  const Snapshot before = snapshot(p);
+  flashattn_options o;
+  flashattn_options_init(&o);
+  o.softcap = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "options.softcap = nan")) << flashattn_last_error();
+  EXPECT_EQ(bwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+
+  flashattn_options_init(&o);
+  o.sliding_window = 1;
+  o.window_left = -1;
+  o.window_right = -2;
+  EXPECT_EQ(bwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "options.window_right = -2")) << flashattn_last_error();
+
+  flashattn_options_init(&o);
+  o.alibi_slopes = &slopes.t;
+  slopes.t.ndim = 3;  // the C conversion refuses it before the view is built
+  EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "opts->alibi_slopes->ndim = 3")) << flashattn_last_error();
+  slopes.t.ndim = 2;
+  slopes.t.dtype = FLASHATTN_FLOAT16;
+  EXPECT_EQ(bwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "alibi_slopes.dtype = float16")) << flashattn_last_error();
+  slopes.t.dtype = FLASHATTN_FLOAT32;
+  slopes.t.shape[1] = 5;
+  EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "alibi_slopes.shape = [2, 5]")) << flashattn_last_error();
+  slopes.t.shape[1] = 4;
+  slopes.t.data = p.out.view.data;  // the slopes inside the forward's output
+  EXPECT_EQ(fwd(&o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flashattn_last_error(), "output out aliases input alibi_slopes"))
+      << flashattn_last_error();
+  EXPECT_TRUE(snapshot(p) == before);
+  const float want[8] = {0.5f, 0.0f, -0.125f, 0.25f, 1.0f, 0.0625f, 0.0f, -0.5f};
+  EXPECT_EQ(std::memcmp(slopes.values, want, sizeof want), 0) << "the slopes were written";
+}
+
 TEST_F(CApi, NullOptionsMeanDefaults) {
   flashattn_options o;
   flashattn_options_init(&o);
@@ -281,6 +457,12 @@ TEST_F(CApi, OptionsInit) {
   EXPECT_EQ(o.num_threads, 0);
   EXPECT_EQ(o.precision, FLASHATTN_PRECISION_FP32);
   EXPECT_EQ(o.deterministic, 0);
+  EXPECT_EQ(o.reserved0, 0);
+  EXPECT_EQ(o.sliding_window, 0);
+  EXPECT_EQ(o.window_left, 0);
+  EXPECT_EQ(o.window_right, 0);
+  EXPECT_EQ(o.softcap, 0.0f);
+  EXPECT_EQ(o.alibi_slopes, nullptr);
   flashattn_options_init(nullptr);  // must not crash
 }
 

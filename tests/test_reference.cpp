@@ -1,14 +1,17 @@
 // The float64 reference is the yardstick of every backend, so it is not trusted on faith:
 //  * its forward is compared with an independent, textbook computation written here (own mask
-//    predicate, own log-sum-exp), and
+//    and window predicate, own softcap and ALiBi bias, own log-sum-exp), and
 //  * its gradients dQ, dK, dV of L = sum(out * dout) are compared with central finite differences
-//    of its own forward.
+//    of its own forward, with and without sliding windows, softcaps and ALiBi slopes (zero and
+//    negative ones included).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "test_util.hpp"
@@ -21,7 +24,17 @@ struct RefCase {
   Mask mask;
   double scale;  // 0 = 1/sqrt(d)
   const char* name;
+  testing::RefMods mods = {};  // window, softcap, one ALiBi slope per (b, h)
 };
+
+testing::RefMods mods(int64_t left, int64_t right, double softcap, std::vector<double> alibi = {}) {
+  testing::RefMods m;
+  m.window_left = left;
+  m.window_right = right;
+  m.softcap = softcap;
+  m.alibi = std::move(alibi);
+  return m;
+}
 
 // Small on purpose: finite differences cost two forwards per input element.
 const RefCase kCases[] = {
@@ -32,11 +45,27 @@ const RefCase kCases[] = {
     {1, 3, 1, 5, 3, 4, Mask::CausalBottomRight, 0, "mqa_bottom_right_masked_rows"},
     {2, 2, 2, 4, 4, 3, Mask::CausalBottomRight, 1.3, "bottom_right_square"},
     {1, 4, 2, 3, 7, 2, Mask::CausalBottomRight, 0, "gqa_bottom_right_sq_lt_skv"},
+    // Sliding windows, softcaps (small ones, where tanh bends the scores most) and ALiBi.
+    {1, 1, 1, 6, 6, 3, Mask::None, 0, "window_two_sided", mods(1, 2, 0)},
+    {1, 2, 1, 7, 4, 2, Mask::None, 1.1, "window_rows_without_keys", mods(1, 0, 0)},
+    {1, 2, 2, 4, 6, 3, Mask::None, 2.0, "softcap_saturating", mods(-1, -1, 0.5)},
+    {2, 2, 1, 5, 4, 2, Mask::CausalTopLeft, 0, "softcap_top_left", mods(-1, -1, 1.5)},
+    {1, 3, 1, 4, 6, 2, Mask::None, 0.8, "alibi_heads_zero_negative", mods(-1, -1, 0, {0.5, 0.0, -0.3})},
+    {2, 2, 2, 5, 3, 3, Mask::CausalBottomRight, 0, "alibi_batch_heads_masked_rows",
+     mods(-1, -1, 0, {0.25, 1.0, -0.125, 0.0})},
+    {2, 4, 2, 5, 6, 2, Mask::CausalBottomRight, 1.3, "all_three_gqa",
+     mods(2, -1, 1.2, {0.1, 0.7, 0.0, -0.2, 0.4, 0.3, -0.05, 1.5})},
+    {1, 2, 1, 6, 4, 3, Mask::None, 0.9, "all_three_two_sided", mods(1, 1, 0.8, {0.6, -0.4})},
 };
 
 std::string case_name(const ::testing::TestParamInfo<RefCase>& info) { return info.param.name; }
+void PrintTo(const RefCase& c, std::ostream* os) { *os << c.name; }
 
-bool visible(Mask m, int64_t i, int64_t j, int64_t sq, int64_t skv) {
+// FlashAttention's window: j - (i + skv - sq) in [-left, right], either side unbounded at -1.
+bool visible(Mask m, const testing::RefMods& w, int64_t i, int64_t j, int64_t sq, int64_t skv) {
+  const int64_t off = j - (i + skv - sq);
+  if (w.window_left >= 0 && off < -w.window_left) return false;
+  if (w.window_right >= 0 && off > w.window_right) return false;
   switch (m) {
     case Mask::None: return true;
     case Mask::CausalTopLeft: return j <= i;
@@ -50,6 +79,7 @@ struct Inputs {
   std::vector<double> q, k, v, dout;
   double scale;
   Mask mask;
+  testing::RefMods mods;
 };
 
 Inputs make_inputs(const RefCase& c, uint64_t seed) {
@@ -64,11 +94,14 @@ Inputs make_inputs(const RefCase& c, uint64_t seed) {
   cfg.seed = seed;
   Problem p(cfg);
   Inputs in{ref_shape(cfg), p.to_double(p.q), p.to_double(p.k), p.to_double(p.v),
-            p.to_double(p.dout), c.scale != 0 ? c.scale : 1.0 / std::sqrt(double(c.d)), c.mask};
+            p.to_double(p.dout), c.scale != 0 ? c.scale : 1.0 / std::sqrt(double(c.d)), c.mask,
+            c.mods};
+  if (!in.mods.alibi.empty()) EXPECT_EQ(in.mods.alibi.size(), static_cast<size_t>(c.b * c.hq)) << c.name;
   return in;
 }
 
-// Textbook attention, independent of reference.cpp and core/mask.hpp.
+// Textbook attention, independent of reference.cpp and core/mask.hpp: score = scale * q.k, then
+// softcap * tanh(score / softcap), then minus slope * |i + skv - sq - j|.
 testing::RefForward textbook_forward(const Inputs& in) {
   const auto& s = in.s;
   testing::RefForward r;
@@ -80,13 +113,17 @@ testing::RefForward textbook_forward(const Inputs& in) {
       for (int64_t i = 0; i < s.seq_q; ++i) {
         std::vector<double> sc;
         std::vector<int64_t> idx;
+        const double slope = in.mods.alibi.empty() ? 0.0 : in.mods.alibi[b * s.heads_q + h];
         for (int64_t j = 0; j < s.seq_kv; ++j) {
-          if (!visible(in.mask, i, j, s.seq_q, s.seq_kv)) continue;
+          if (!visible(in.mask, in.mods, i, j, s.seq_q, s.seq_kv)) continue;
           double dot = 0;
           for (int64_t x = 0; x < s.head_dim; ++x)
             dot += in.q[((b * s.heads_q + h) * s.seq_q + i) * s.head_dim + x] *
                    in.k[((b * s.heads_kv + hk) * s.seq_kv + j) * s.head_dim + x];
-          sc.push_back(in.scale * dot);
+          double score = in.scale * dot;
+          if (in.mods.softcap > 0) score = in.mods.softcap * std::tanh(score / in.mods.softcap);
+          score -= slope * std::abs(static_cast<double>(i + s.seq_kv - s.seq_q - j));
+          sc.push_back(score);
           idx.push_back(j);
         }
         const int64_t row = (b * s.heads_q + h) * s.seq_q + i;
@@ -110,7 +147,7 @@ testing::RefForward textbook_forward(const Inputs& in) {
 }
 
 double loss(const Inputs& in) {
-  auto f = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask);
+  auto f = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask, in.mods);
   double l = 0;
   for (size_t i = 0; i < f.out.size(); ++i) l += f.out[i] * in.dout[i];
   return l;
@@ -120,7 +157,7 @@ class ReferenceCheck : public ::testing::TestWithParam<RefCase> {};
 
 TEST_P(ReferenceCheck, ForwardMatchesTextbook) {
   const Inputs in = make_inputs(GetParam(), 11);
-  const auto got = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask);
+  const auto got = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask, in.mods);
   const auto want = textbook_forward(in);
   ASSERT_EQ(got.out.size(), want.out.size());
   ASSERT_EQ(got.lse.size(), want.lse.size());
@@ -141,7 +178,8 @@ TEST_P(ReferenceCheck, ForwardMatchesTextbook) {
 // scale, a wrong GQA sum, a masked entry leaking) is O(1).
 TEST_P(ReferenceCheck, GradientsMatchFiniteDifferences) {
   Inputs in = make_inputs(GetParam(), 23);
-  const auto g = testing::reference_backward(in.s, in.q, in.k, in.v, in.dout, in.scale, in.mask);
+  const auto g =
+      testing::reference_backward(in.s, in.q, in.k, in.v, in.dout, in.scale, in.mask, in.mods);
   const double h = 1e-5;
   struct Item {
     std::vector<double>* x;
@@ -171,12 +209,13 @@ TEST_P(ReferenceCheck, GradientsMatchFiniteDifferences) {
 TEST_P(ReferenceCheck, MaskedRowsAndKeysAreExactZeros) {
   const RefCase& c = GetParam();
   const Inputs in = make_inputs(c, 5);
-  const auto f = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask);
-  const auto g = testing::reference_backward(in.s, in.q, in.k, in.v, in.dout, in.scale, in.mask);
+  const auto f = testing::reference_forward(in.s, in.q, in.k, in.v, in.scale, in.mask, in.mods);
+  const auto g =
+      testing::reference_backward(in.s, in.q, in.k, in.v, in.dout, in.scale, in.mask, in.mods);
   for (int64_t bh = 0; bh < c.b * c.hq; ++bh)
     for (int64_t i = 0; i < c.sq; ++i) {
       bool any = false;
-      for (int64_t j = 0; j < c.skv; ++j) any |= visible(c.mask, i, j, c.sq, c.skv);
+      for (int64_t j = 0; j < c.skv; ++j) any |= visible(c.mask, c.mods, i, j, c.sq, c.skv);
       const int64_t row = bh * c.sq + i;
       if (any) {
         EXPECT_TRUE(std::isfinite(f.lse[row])) << "row " << row;
@@ -191,7 +230,7 @@ TEST_P(ReferenceCheck, MaskedRowsAndKeysAreExactZeros) {
   for (int64_t bh = 0; bh < c.b * c.hkv; ++bh)
     for (int64_t j = 0; j < c.skv; ++j) {
       bool any = false;
-      for (int64_t i = 0; i < c.sq; ++i) any |= visible(c.mask, i, j, c.sq, c.skv);
+      for (int64_t i = 0; i < c.sq; ++i) any |= visible(c.mask, c.mods, i, j, c.sq, c.skv);
       if (any) continue;
       for (int64_t x = 0; x < c.d; ++x) {
         EXPECT_EQ(g.dk[(bh * c.skv + j) * c.d + x], 0.0) << "key " << j;

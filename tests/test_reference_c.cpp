@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "testing/reference.hpp"
@@ -101,7 +102,12 @@ struct CAbiCase {
   flashattn_ref_shape s;
   Mask mask;
   double scale;
+  testing::RefMods mods = {};  // through the _ex functions when any is set
 };
+
+bool has_mods(const testing::RefMods& m) {
+  return m.window_left >= 0 || m.window_right >= 0 || m.softcap > 0 || !m.alibi.empty();
+}
 
 void check_case(const CAbiCase& c, Layout layout) {
   const auto& s = c.s;
@@ -118,8 +124,11 @@ void check_case(const CAbiCase& c, Layout layout) {
   const auto v = normals(rng, kn[0] * kn[1] * kn[2] * kn[3]);
   const auto dout = normals(rng, qn[0] * qn[1] * qn[2] * qn[3]);
   const testing::RefShape rs{s.batch, s.heads_q, s.heads_kv, s.seq_q, s.seq_kv, s.head_dim};
-  const auto want_f = testing::reference_forward(rs, q, k, v, c.scale, c.mask);
-  const auto want_b = testing::reference_backward(rs, q, k, v, dout, c.scale, c.mask);
+  const auto want_f = testing::reference_forward(rs, q, k, v, c.scale, c.mask, c.mods);
+  const auto want_b = testing::reference_backward(rs, q, k, v, dout, c.scale, c.mask, c.mods);
+  const bool ex = has_mods(c.mods);
+  const flashattn_ref_mods cm{c.mods.window_left, c.mods.window_right, c.mods.softcap,
+                              c.mods.alibi.empty() ? nullptr : c.mods.alibi.data()};
 
   auto qb = lay_out(q, layout, qn), kb = lay_out(k, layout, kn), vb = lay_out(v, layout, kn),
        db = lay_out(dout, layout, qn);
@@ -128,18 +137,24 @@ void check_case(const CAbiCase& c, Layout layout) {
        dkb = lay_out(zk, layout, kn), dvb = lay_out(zk, layout, kn);
   const int64_t lse_strides[3] = {lb.p.strides[0], lb.p.strides[1], lb.p.strides[2]};
   const int mask = static_cast<int>(c.mask);
-  ASSERT_EQ(flashattn_ref_forward(&s, qb.ptr(), qb.strides(layout), kb.ptr(), kb.strides(layout),
-                                  vb.ptr(), vb.strides(layout), c.scale, mask, ob.ptr(),
-                                  ob.strides(layout), lb.ptr(),
-                                  layout == Layout::Contiguous ? nullptr : lse_strides),
-            FLASHATTN_REF_OK)
-      << flashattn_ref_last_error();
-  ASSERT_EQ(flashattn_ref_backward(&s, qb.ptr(), qb.strides(layout), kb.ptr(), kb.strides(layout),
-                                   vb.ptr(), vb.strides(layout), db.ptr(), db.strides(layout),
-                                   c.scale, mask, dqb.ptr(), dqb.strides(layout), dkb.ptr(),
-                                   dkb.strides(layout), dvb.ptr(), dvb.strides(layout)),
-            FLASHATTN_REF_OK)
-      << flashattn_ref_last_error();
+  const int64_t* ls = layout == Layout::Contiguous ? nullptr : lse_strides;
+  const int fwd_rc =
+      ex ? flashattn_ref_forward_ex(&s, qb.ptr(), qb.strides(layout), kb.ptr(), kb.strides(layout), vb.ptr(),
+                                    vb.strides(layout), c.scale, mask, &cm, ob.ptr(), ob.strides(layout),
+                                    lb.ptr(), ls)
+         : flashattn_ref_forward(&s, qb.ptr(), qb.strides(layout), kb.ptr(), kb.strides(layout), vb.ptr(),
+                                 vb.strides(layout), c.scale, mask, ob.ptr(), ob.strides(layout), lb.ptr(), ls);
+  ASSERT_EQ(fwd_rc, FLASHATTN_REF_OK) << flashattn_ref_last_error();
+  const int bwd_rc =
+      ex ? flashattn_ref_backward_ex(&s, qb.ptr(), qb.strides(layout), kb.ptr(), kb.strides(layout),
+                                     vb.ptr(), vb.strides(layout), db.ptr(), db.strides(layout), c.scale,
+                                     mask, &cm, dqb.ptr(), dqb.strides(layout), dkb.ptr(),
+                                     dkb.strides(layout), dvb.ptr(), dvb.strides(layout))
+         : flashattn_ref_backward(&s, qb.ptr(), qb.strides(layout), kb.ptr(), kb.strides(layout), vb.ptr(),
+                                  vb.strides(layout), db.ptr(), db.strides(layout), c.scale, mask,
+                                  dqb.ptr(), dqb.strides(layout), dkb.ptr(), dkb.strides(layout),
+                                  dvb.ptr(), dvb.strides(layout));
+  ASSERT_EQ(bwd_rc, FLASHATTN_REF_OK) << flashattn_ref_last_error();
   expect_bitwise(read_back(ob, qn), want_f.out, "out");
   expect_bitwise(read_back(lb, ln), want_f.lse, "lse");
   expect_bitwise(read_back(dqb, qn), want_b.dq, "dq");
@@ -163,6 +178,47 @@ TEST(ReferenceCheckCAbi, BitwiseTheCppReferenceInEveryLayout) {
     for (Layout l :
          {Layout::Contiguous, Layout::Bhsd, Layout::Bshd, Layout::Padded, Layout::Reversed})
       check_case(c, l);
+}
+
+testing::RefMods ref_mods(int64_t left, int64_t right, double softcap, std::vector<double> alibi) {
+  testing::RefMods m;
+  m.window_left = left;
+  m.window_right = right;
+  m.softcap = softcap;
+  m.alibi = std::move(alibi);
+  return m;
+}
+
+// The _ex functions (window, softcap, ALiBi) are bitwise the C++ reference with the same RefMods.
+TEST(ReferenceCheckCAbi, ModsBitwiseTheCppReferenceInEveryLayout) {
+  const CAbiCase cases[] = {
+      {{2, 4, 2, 5, 7, 3}, Mask::None, 0.37, ref_mods(1, 2, 0, {})},
+      {{1, 3, 1, 6, 4, 5}, Mask::CausalTopLeft, 0.5, ref_mods(-1, -1, 1.5, {})},
+      {{2, 2, 2, 7, 3, 4}, Mask::CausalBottomRight, 0.8, ref_mods(-1, -1, 0, {0.5, 0.0, -0.25, 1.0})},
+      {{1, 6, 3, 4, 9, 8}, Mask::CausalBottomRight, 0.35,
+       ref_mods(3, -1, 2.0, {0.5, 0.25, 0.125, 0.0625, -0.1, 0.0})},
+  };
+  for (const auto& c : cases)
+    for (Layout l : {Layout::Contiguous, Layout::Bshd, Layout::Padded, Layout::Reversed}) check_case(c, l);
+}
+
+TEST(ReferenceCheckCAbi, BadModsAreRefused) {
+  std::vector<double> a(64, 1.0), out(64, 7.0), lse(16, 7.0);
+  const double* x = a.data();
+  const flashattn_ref_shape good{1, 1, 1, 2, 2, 2};
+  for (const flashattn_ref_mods& m : {flashattn_ref_mods{-2, -1, 0, nullptr}, flashattn_ref_mods{-1, -7, 0, nullptr},
+                                      flashattn_ref_mods{-1, -1, -1.0, nullptr},
+                                      flashattn_ref_mods{-1, -1, std::nan(""), nullptr}}) {
+    EXPECT_EQ(flashattn_ref_forward_ex(&good, x, nullptr, x, nullptr, x, nullptr, 1.0, 0, &m, out.data(),
+                                       nullptr, lse.data(), nullptr),
+              FLASHATTN_REF_INVALID_ARGUMENT);
+    EXPECT_STRNE(flashattn_ref_last_error(), "");
+  }
+  for (double o : out) EXPECT_EQ(o, 7.0) << "an output was written by a refused call";
+  // NULL mods: none.
+  EXPECT_EQ(flashattn_ref_forward_ex(&good, x, nullptr, x, nullptr, x, nullptr, 1.0, 0, nullptr, out.data(),
+                                     nullptr, lse.data(), nullptr),
+            FLASHATTN_REF_OK);
 }
 
 TEST(ReferenceCheckCAbi, OutputsMayAliasInputs) {

@@ -25,13 +25,21 @@ inline testing::RefShape ref_shape(const ProblemConfig& c) {
   return testing::RefShape{c.batch, c.heads_q, c.heads_kv, c.seq_q, c.seq_kv, c.head_dim};
 }
 
+// The options of a configuration without its ALiBi slopes (which live in a Problem: use the
+// overload below).
 inline Options options_for(const ProblemConfig& c, int32_t num_threads = 0) {
   Options o;
   o.mask = c.mask;
   o.softmax_scale = c.softmax_scale;
   o.num_threads = num_threads;
+  o.window_left = c.window_left;
+  o.window_right = c.window_right;
+  o.softcap = c.softcap;
   return o;
 }
+
+// The options of a problem including its score modifications (window, softcap, ALiBi slopes).
+inline Options options_for(const Problem& p, int32_t num_threads = 0) { return p.options(num_threads); }
 
 inline void run_forward(Problem& p, const Options& o) {
   forward(p.q.view, p.k.view, p.v.view, p.out.view, p.lse.view, o);
@@ -43,7 +51,8 @@ inline void run_backward(Problem& p, const Options& o) {
 }
 
 // The float64 reference on exactly the values stored in the problem's inputs (so for
-// float16/bfloat16 it sees the rounded inputs the kernel sees), with the same float32 scale.
+// float16/bfloat16 it sees the rounded inputs the kernel sees), with the same float32 scale and
+// the problem's window, softcap and (float32) ALiBi slopes.
 struct Reference {
   testing::RefForward fwd;
   testing::RefBackward bwd;
@@ -53,8 +62,9 @@ inline Reference reference_for(const Problem& p) {
              dout = p.to_double(p.dout);
   const double scale = static_cast<double>(p.cfg.scale());
   Reference r;
-  r.fwd = testing::reference_forward(ref_shape(p.cfg), q, k, v, scale, p.cfg.mask);
-  r.bwd = testing::reference_backward(ref_shape(p.cfg), q, k, v, dout, scale, p.cfg.mask);
+  const testing::RefMods mods = p.ref_mods();
+  r.fwd = testing::reference_forward(ref_shape(p.cfg), q, k, v, scale, p.cfg.mask, mods);
+  r.bwd = testing::reference_backward(ref_shape(p.cfg), q, k, v, dout, scale, p.cfg.mask, mods);
   return r;
 }
 

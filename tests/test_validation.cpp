@@ -478,7 +478,219 @@ TEST_F(BadInputHalf, MisalignedPointers) {
   expect(kBoth, Status::InvalidArgument, {"lse.data = ", "(4 bytes for float32)"});
 }
 
+// ---- sliding window, softcap, ALiBi slopes ----------------------------------------------------
+
+TEST_F(BadInput, WindowBelowMinusOne) {
+  for (const char* side : {"window_left", "window_right"})
+    for (int64_t w : {int64_t{-2}, int64_t{-100}, std::numeric_limits<int64_t>::min()}) {
+      SCOPED_TRACE(std::string(side) + " " + std::to_string(w));
+      reset();
+      (std::string(side) == "window_left" ? o.window_left : o.window_right) = w;
+      expect(kBoth, Status::InvalidArgument,
+             {std::string("options.") + side + " = " + std::to_string(w), "invalid", ">= 0, or -1"});
+    }
+}
+
+TEST_F(BadInput, SoftcapNotFiniteOrNegative) {
+  const std::pair<float, const char*> cases[] = {{std::numeric_limits<float>::quiet_NaN(), "nan"},
+                                                 {std::numeric_limits<float>::infinity(), "inf"},
+                                                 {-std::numeric_limits<float>::infinity(), "-inf"},
+                                                 {-0.5f, "-0.5"},
+                                                 {-1e-30f, "-1e-30"}};
+  for (const auto& [cap, text] : cases) {
+    SCOPED_TRACE(text);
+    reset();
+    o.softcap = cap;
+    expect(kBoth, Status::InvalidArgument, {std::string("options.softcap = ") + text, "invalid"});
+  }
+}
+
+// ALiBi slopes for the base problem (B = 2, Hq = 4): a [B, Hq] float32 buffer with room around it.
+class BadAlibi : public BadInput {
+ protected:
+  BadAlibi() : slopes(64, 0.25f) { set(1); }
+  void set(int32_t ndim) {
+    alibi = Tensor{};
+    alibi.data = slopes.data() + 8;
+    alibi.dtype = DType::Float32;
+    alibi.ndim = ndim;
+    if (ndim == 1) {
+      alibi.shape[0] = 4;
+      alibi.stride[0] = 1;
+    } else {
+      alibi.shape[0] = 2;
+      alibi.shape[1] = 4;
+      alibi.stride[0] = 4;
+      alibi.stride[1] = 1;
+    }
+    o.alibi_slopes = &alibi;
+  }
+  void reset_all(int32_t ndim = 1) {
+    reset();
+    set(ndim);
+  }
+  // As BadInput::expect, and the slopes are never written either.
+  void expect_alibi(int dirs, Status status, const std::vector<std::string>& needles) {
+    const std::vector<float> before = slopes;
+    expect(dirs, status, needles);
+    EXPECT_TRUE(slopes == before) << "the slopes were written";
+  }
+  std::vector<float> slopes;
+  Tensor alibi;
+};
+
+TEST_F(BadAlibi, ValidSlopesAreAccepted) {
+  for (int32_t nd : {1, 2}) {
+    reset_all(nd);
+    EXPECT_NO_THROW(forward(q, k, v, out, lse, o)) << "ndim " << nd;
+    EXPECT_NO_THROW(backward(q, k, v, out, dout, lse, dq, dk, dv, o)) << "ndim " << nd;
+  }
+}
+
+TEST_F(BadAlibi, WrongDtype) {
+  for (DType dt : {DType::Float64, DType::Float16, DType::BFloat16}) {
+    reset_all();
+    alibi.dtype = dt;
+    expect_alibi(kBoth, Status::InvalidArgument,
+                 {std::string("alibi_slopes.dtype = ") + dtype_name(dt), "expected float32"});
+  }
+}
+
+TEST_F(BadAlibi, WrongNdim) {
+  for (int32_t nd : {0, 3, 4, -1}) {
+    reset_all();
+    alibi.ndim = nd;
+    expect_alibi(kBoth, Status::InvalidArgument,
+                 {"alibi_slopes.ndim = " + std::to_string(nd), "expected 1 or 2", "[4] or [2, 4]"});
+  }
+}
+
+TEST_F(BadAlibi, WrongShape) {
+  struct Row {
+    int32_t ndim;
+    int64_t s0, s1;
+    const char* text;
+  };
+  const Row rows[] = {{1, 5, 0, "[5]"}, {1, 3, 0, "[3]"}, {1, 2, 0, "[2]"},
+                      {2, 3, 4, "[3, 4]"}, {2, 2, 5, "[2, 5]"}, {2, 1, 4, "[1, 4]"}, {2, 4, 2, "[4, 2]"}};
+  for (const Row& r : rows) {
+    SCOPED_TRACE(r.text);
+    reset_all(r.ndim);
+    alibi.shape[0] = r.s0;
+    if (r.ndim == 2) alibi.shape[1] = r.s1;
+    expect_alibi(kBoth, Status::InvalidArgument,
+                 {std::string("alibi_slopes.shape = ") + r.text, "does not match q", "[4] or [2, 4]"});
+  }
+}
+
+TEST_F(BadAlibi, NullDataMisalignedNegativeStride) {
+  reset_all();
+  alibi.data = nullptr;
+  expect_alibi(kBoth, Status::InvalidArgument, {"alibi_slopes.data is NULL"});
+  reset_all(2);
+  alibi.data = reinterpret_cast<char*>(slopes.data()) + 2;
+  expect_alibi(kBoth, Status::InvalidArgument, {"alibi_slopes.data = ", "not aligned to 4 bytes"});
+  reset_all();
+  alibi.stride[0] = -1;
+  expect_alibi(kBoth, Status::InvalidArgument, {"alibi_slopes.stride = [-1]", "negative or huge stride"});
+  reset_all(2);
+  alibi.stride[0] = int64_t{1} << 50;
+  expect_alibi(kBoth, Status::InvalidArgument, {"alibi_slopes.stride = [" + std::to_string(int64_t{1} << 50),
+                                                "negative or huge stride"});
+}
+
+TEST_F(BadAlibi, WrongDevice) {
+  reset_all();
+  alibi.device = 0;
+  expect_alibi(kBoth, Status::InvalidArgument, {"different devices", "q is on cpu", "alibi_slopes is on cuda:0"});
+  reset_all();
+  alibi.device = -2;
+  expect_alibi(kBoth, Status::InvalidArgument, {"alibi_slopes.device = -2", "invalid"});
+}
+
+TEST_F(BadAlibi, OverlappingAnOutput) {
+  // The slopes are read while the outputs are written: an output over them is refused.
+  const std::pair<const char*, int> rows[] = {{"out", kFwd}, {"lse", kFwd}, {"dq", kBwd}, {"dk", kBwd}, {"dv", kBwd}};
+  for (const auto& [n, dirs] : rows) {
+    SCOPED_TRACE(n);
+    reset_all(2);
+    alibi.data = static_cast<char*>(t(n).data) + 4 * 3;  // a few elements into the output
+    const Snapshot before = snapshot(p);
+    expect(dirs, Status::InvalidArgument, {std::string("output ") + n + " aliases input alibi_slopes"});
+    EXPECT_TRUE(snapshot(p) == before);
+  }
+}
+
 // ---- legitimate layouts that must be accepted ------------------------------------------------
+
+// ALiBi slopes in any legal layout give the bits of contiguous ones: [Hq] with a stride, and
+// [B, Hq] with stride 0 over the batch (one row broadcast) or padded rows.
+TEST(LegitimateLayouts, AlibiSlopeViews) {
+  ProblemConfig c = make_config(2, 4, 2, 37, 45, 16, Mask::CausalBottomRight, DType::Float32,
+                                testing::Layout::BHSD, 0.0f, /*seed=*/8);
+  c.softcap = 20.0f;
+  c.window_left = 9;
+  Problem p(c);
+  const std::vector<float> heads = {0.5f, 0.0f, -0.125f, 0.25f};
+  const std::vector<float> rows = {0.5f, 0.0f, -0.125f, 0.25f, 0.75f, 1.0f, 0.0f, -0.5f};
+  auto run = [&](const Tensor& a) {
+    Options o = options_for(c, 2);
+    o.alibi_slopes = &a;
+    p.poison_outputs();
+    run_forward(p, o);
+    run_backward(p, o);
+    return snapshot(p);
+  };
+  auto view1 = [](float* d, int64_t stride) {
+    Tensor t;
+    t.data = d;
+    t.dtype = DType::Float32;
+    t.ndim = 1;
+    t.shape[0] = 4;
+    t.stride[0] = stride;
+    return t;
+  };
+  auto view2 = [](float* d, int64_t s0, int64_t s1) {
+    Tensor t;
+    t.data = d;
+    t.dtype = DType::Float32;
+    t.ndim = 2;
+    t.shape[0] = 2;
+    t.shape[1] = 4;
+    t.stride[0] = s0;
+    t.stride[1] = s1;
+    return t;
+  };
+  std::vector<float> contiguous = heads;
+  const Snapshot want = run(view1(contiguous.data(), 1));
+  std::vector<float> strided(13, std::numeric_limits<float>::quiet_NaN());
+  for (int h = 0; h < 4; ++h) strided[h * 3] = heads[h];
+  EXPECT_TRUE(run(view1(strided.data(), 3)) == want) << "[Hq] with stride 3";
+  EXPECT_TRUE(run(view2(contiguous.data(), 0, 1)) == want) << "[B, Hq] broadcast over the batch";
+  // Rows of their own: the problem's reference with these slopes judges them.
+  std::vector<float> padded(2 * 6, std::numeric_limits<float>::quiet_NaN());
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 4; ++h) padded[b * 6 + h] = rows[b * 4 + h];
+  run(view2(padded.data(), 6, 1));
+  testing::RefMods mods = p.ref_mods();
+  mods.alibi.assign(rows.begin(), rows.end());
+  const testing::RefShape rs = ref_shape(c);
+  const double scale = c.scale();
+  const auto f = testing::reference_forward(rs, p.to_double(p.q), p.to_double(p.k), p.to_double(p.v), scale,
+                                            c.mask, mods);
+  const auto g = testing::reference_backward(rs, p.to_double(p.q), p.to_double(p.k), p.to_double(p.v),
+                                             p.to_double(p.dout), scale, c.mask, mods);
+  const std::pair<const testing::HostTensor*, const std::vector<double>*> checks[] = {
+      {&p.out, &f.out}, {&p.lse, &f.lse}, {&p.dq, &g.dq}, {&p.dk, &g.dk}, {&p.dv, &g.dv}};
+  for (const auto& [t, r] : checks) {
+    const auto e = testing::compare(p.to_double(*t), *r);
+    EXPECT_EQ(e.nan, 0) << e.str();
+    EXPECT_LE(e.rel, 2e-5) << e.str();
+  }
+  // The slopes themselves are never written.
+  for (int b = 0; b < 2; ++b) EXPECT_TRUE(std::isnan(padded[b * 6 + 4]) && std::isnan(padded[b * 6 + 5]));
+}
+
 
 // Runs forward + backward on the given views and checks them against the reference computed on
 // their logical contents (float32 tolerance, see test_cpu_grid.cpp).

@@ -63,8 +63,9 @@ FLASHATTN_HD MaskRule make_mask_rule(int32_t mask, int64_t seq_q, int64_t seq_kv
                                      int64_t window_right = -1) {
   const int64_t U = MaskRule::kUnbounded, d = seq_kv - seq_q;
   MaskRule r{-U, U};
-  if (window_left >= 0) r.lo = d - window_left;
-  if (window_right >= 0) r.hi = d + window_right;
+  // A side beyond any index is unbounded: capped at U, d - left and i + hi cannot overflow.
+  if (window_left >= 0) r.lo = d - (window_left < U ? window_left : U);
+  if (window_right >= 0) r.hi = d + (window_right < U ? window_right : U);
   if (mask != 0) {
     const int64_t diag = mask == 2 ? d : 0;
     if (diag < r.hi) r.hi = diag;

@@ -127,12 +127,8 @@ class PoolParallel final : public Parallel {
 };
 
 // The mask the API asked for (mask and sliding window), as the band every kernel iterates and
-// masks by.
-MaskRule rule_of(const Shape& s, const Numerics& n) {
-  if (n.elementwise_scores())
-    throw Error(Status::Unsupported, "softcap / alibi_slopes are not implemented on the CPU yet");
-  return mask_rule(s, n);
-}
+// masks by. (Softcap and ALiBi reach the kernels through p.num.)
+MaskRule rule_of(const Shape& s, const Numerics& n) { return mask_rule(s, n); }
 
 }  // namespace
 

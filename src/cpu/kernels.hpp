@@ -29,14 +29,17 @@ class Parallel {
 };
 
 // The kernels take the mask as a MaskRule (core/mask.hpp) that the driver builds once from
-// p.num.mask and the sequence lengths; they never read p.num.mask. Any band works, e.g. a sliding
-// window, which the public API does not offer yet (tests/test_cpu_mask_band.cpp passes one).
+// p.num.mask, the sliding window and the sequence lengths; they never read p.num.mask. Any band
+// works (tests/test_cpu_mask_band.cpp passes bands directly). The score transform (scale,
+// softcap, ALiBi slopes) they read from p.num.
 struct KernelSet {
   const char* name;       // "avx512", "avx2", "generic"
   int vector_bytes;       // SIMD register width the kernels were built for
   int block_q, block_kv;  // float32 tile sizes (rows of Q, rows of K/V)
   void (*forward)(const ForwardParams& p, const MaskRule& rule, Parallel& par);
   void (*backward)(const BackwardParams& p, const MaskRule& rule, Parallel& par);
+  // y[i] = tanh(x[i]) as the float32 softcap computes it (its accuracy test reaches it here).
+  void (*tanh)(const float* x, float* y, int64_t n);
 };
 
 // Whether this CPU can run the set (defined by the driver).

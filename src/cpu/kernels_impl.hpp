@@ -15,9 +15,10 @@
 //
 // Numerics. Scores are kept in log2 units: ScoreTransform::prescale() (the softmax scale times
 // log2(e)) is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass), so every
-// exponential is an exp2 and LSE is converted to natural log once per row. float16/bfloat16/
-// float32 tiles are converted to float32 when packed and accumulate in float32; float64 computes
-// in double throughout.
+// exponential is an exp2 and LSE is converted to natural log once per row. A softcap or ALiBi
+// adds a per-entry step on each product tile (ScoreMods below). float16/bfloat16/float32 tiles
+// are converted to float32 when packed and accumulate in float32; float64 computes in double
+// throughout.
 //
 // Determinism. Every output element is produced by exactly one task, and the sequence of
 // floating-point operations a task performs depends only on the problem shape (tile sizes are
@@ -98,10 +99,15 @@ constexpr double kLn2 = 0.69314718055994530942;
 
 // exp2 for float32 vectors: 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5], and 2^f from its
 // degree-7 Taylor polynomial (truncation error 5e-9 relative, below half an ulp; Horner adds about
-// one ulp). Inputs below -126 (including -inf, the masked scores) give exactly 0, so a masked
-// element never contributes; NaN propagates.
+// one ulp). Inputs below -64 (including -inf, the masked scores) give exactly 0, so a masked
+// element never contributes; NaN propagates. The cut is at 2^-64 rather than at the smallest
+// normal float: every use is a softmax weight or a rescale factor relative to a row's largest
+// (P = 1 at the running max; >= 1/Skv in the backward), so a term below 2^-64 of it is invisible
+// in a float32 sum, while weights near 2^-126 made P V, dS = P (dP - D) and the GEMMs that take
+// them denormal, and each denormal operand costs a microcode assist (scores spread over 100+
+// nats, as ALiBi's distant keys are: measured +16% on the backward).
 inline vf exp2v(vf x) {
-  const vf lo = vbroadcast<vf>(-126.0f), hi = vbroadcast<vf>(127.0f);
+  const vf lo = vbroadcast<vf>(-64.0f), hi = vbroadcast<vf>(127.0f);
   vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
   // Adding 1.5 * 2^23 rounds to the nearest integer, which then sits in the low mantissa bits.
@@ -111,7 +117,7 @@ inline vf exp2v(vf x) {
   vf f = xc - n;
   vu32 tb;
   __builtin_memcpy(&tb, &t, sizeof tb);
-  vu32 sb = (tb << 23) + vbroadcast<vu32>(127u << 23);  // (n + 127) << 23, n in [-126, 127]
+  vu32 sb = (tb << 23) + vbroadcast<vu32>(127u << 23);  // (n + 127) << 23, n in [-64, 127]
   vf s;
   __builtin_memcpy(&s, &sb, sizeof s);
   // (ln 2)^k / k!
@@ -132,6 +138,78 @@ inline vd exp2v(vd x) {
   vd r;
   for (int i = 0; i < Simd<double>::W; ++i) r[i] = __builtin_exp2(x[i]);
   return r;
+}
+
+// tanh for float32 vectors (the softcap), within 1.8e-7 relative of the exact value (tested against
+// double tanh by tests/test_cpu_tanh.cpp, every instruction set). Two forms, both evaluated and
+// one selected per lane, neither with a division (a vector divide costs as much as the rest of
+// the step together: measured +20 ms on a 58 ms forward):
+//   |x| >= 0.625: (1 - y) / (1 + y) = 1 - 2y / (1 + y) with y = exp(-2|x|) in (0, 0.2865] from
+//     exp2v, and 1 / (1 + y) a degree-7 Chebyshev fit on that interval (5e-10 relative error);
+//     no cancellation there (the result is >= 0.55), and y = 0 far out gives exactly 1;
+//   |x| < 0.625: x + x^3 P(x^2), P a degree-5 Chebyshev fit of (tanh(a) - a) / a^3 on
+//     [0, 0.625^2] (6e-10 relative error), which keeps small arguments accurate relative to
+//     themselves where 1 - y would cancel.
+// The sign is copied back, so tanh(-x) = -tanh(x) exactly; NaN propagates.
+// tanhv_small is the second form alone, for tiles whose every |x| is below 0.625 (a softcap well
+// above the scores, the common case), where tanhv would pick that form for every lane anyway: a
+// third of the work.
+inline vf tanh_small_abs(vf a) {
+  const vf a2 = a * a;
+  vf p = vbroadcast<vf>(2.2927448161781423e-3f);
+  p = p * a2 - 8.3439455158391520e-3f;
+  p = p * a2 + 2.1768918651028210e-2f;
+  p = p * a2 - 5.3959259577204543e-2f;
+  p = p * a2 + 1.3333303556915742e-1f;
+  p = p * a2 - 3.3333333172140362e-1f;
+  return a + a * a2 * p;
+}
+inline vf with_sign_of(vf r, vf x) {
+  vu32 rb, xb;
+  __builtin_memcpy(&rb, &r, sizeof rb);
+  __builtin_memcpy(&xb, &x, sizeof xb);
+  rb |= xb & vbroadcast<vu32>(0x80000000u);
+  vf out;
+  __builtin_memcpy(&out, &rb, sizeof out);
+  return out;
+}
+inline vf abs_bits(vf x) {
+  vu32 b;
+  __builtin_memcpy(&b, &x, sizeof b);
+  b &= vbroadcast<vu32>(0x7fffffffu);
+  vf a;
+  __builtin_memcpy(&a, &b, sizeof a);
+  return a;
+}
+inline vf tanhv_small(vf x) { return with_sign_of(tanh_small_abs(abs_bits(x)), x); }
+inline vf tanhv(vf x) {
+  const vf a = abs_bits(x);
+  const vf one = vbroadcast<vf>(1.0f);
+  const vf y = exp2v(a * vbroadcast<vf>(static_cast<float>(-2.0 * kLog2e)));
+  vf q = vbroadcast<vf>(-3.5365638600500007e-1f);
+  q = q * y + 7.5895339012768616e-1f;
+  q = q * y - 9.4764763585828360e-1f;
+  q = q * y + 9.9339224139359496e-1f;
+  q = q * y - 9.9953570182313117e-1f;
+  q = q * y + 9.9998373513864681e-1f;
+  q = q * y - 9.9999978060040286e-1f;
+  q = q * y + 9.9999999951001053e-1f;
+  const vf big = one - (y + y) * q;
+  return with_sign_of(a < vbroadcast<vf>(0.625f) ? tanh_small_abs(a) : big, x);
+}
+constexpr float kTanhSmall = 0.625f;  // where tanhv switches forms
+
+// float64: libm tanh per lane, so that the float64 path stays exact to ~1e-15.
+inline vd tanhv(vd x) {
+  vd r;
+  for (int i = 0; i < Simd<double>::W; ++i) r[i] = __builtin_tanh(x[i]);
+  return r;
+}
+inline vd tanhv_small(vd x) { return tanhv(x); }
+
+template <class V>
+inline V vabs(V x) {
+  return x < V{} ? -x : x;
 }
 
 // ---- storage types ----------------------------------------------------------------------------
@@ -522,6 +600,155 @@ void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t
 // the multiplier in double: a float's rounding, up to 3e-8 of every logit, would dominate the
 // float64 path's error, checked to 1e-10 against the reference).
 // The backward applies grad_scale() once, in the dQ and dK epilogues.
+//
+// Softcap and ALiBi (core/score.hpp) are not one multiply: they need a per-entry step on the
+// product tile, right after its GEMM and before the mask (so masked entries are -inf whatever the
+// transform would make of them). The fold changes with them:
+//   softcap c: the fold is scale / c, so a product is the tanh argument x / c, and the step makes
+//     it the log2-unit logit c * log2(e) * tanh(.); the backward's per-entry factor F = 1 - tanh^2
+//     multiplies dP - D (so dS o F feeds both the dQ and the dK product);
+//   ALiBi only: the fold stays scale * log2(e), and the step subtracts slope * log2(e) * |i + Skv
+//     - Sq - j| (no factor: a constant bias has no gradient).
+// After the step a tile holds log2-unit logits, exactly what the code after the no-mods fold
+// sees, so everything after it is shared. Without softcap and ALiBi no step runs at all (one test
+// per tile), and the fold is the one above. Every parameter is taken in the compute type, as the
+// fold is: float32 rounds them as core/score.hpp's Head does; float64 keeps them in double and
+// uses libm's tanh.
+template <class C>
+struct ScoreMods {
+  bool on;       // a per-entry step runs (softcap or ALiBi)
+  bool cap;      // softcap
+  C fold;        // the multiplier folded into packed Q / K^T
+  C cap2;        // softcap * log2(e)
+  int64_t diag;  // Skv - Sq: the ALiBi distance of (i, j) is |j - i - diag|
+  Alibi alibi;
+
+  static ScoreMods make(const Shape& s, const Numerics& n) {
+    const ScoreTransform st = ScoreTransform::make(s, n);
+    ScoreMods m{false, st.has_softcap(), st.template prescale_as<C>(), C(0), s.seq_kv - s.seq_q, n.alibi};
+    if (m.cap) {
+      const C fold = static_cast<C>(n.scale) / static_cast<C>(n.softcap);
+      const C afold = fold < C(0) ? -fold : fold;
+      if (afold < static_cast<C>(0x1p-80)) {
+        // A softcap this far above the scores is the identity: tanh(u) = u to double precision
+        // for every product below 2^40 (u < 2^-40). Folding it would take a denormal multiplier
+        // (a float32 softcap near its maximum), and softcap * log2(e) could overflow.
+        m.cap = false;
+      } else {
+        // Beyond 2^64 tanh is +-1 for every product that is not ~0 (and the logit, at most the
+        // softcap < scale * 2^-64, is nothing either way); a larger fold could overflow the
+        // products or make 0 * inf = NaN (a denormal softcap).
+        const C lim = static_cast<C>(0x1p64);
+        m.fold = afold > lim ? (fold < C(0) ? -lim : lim) : fold;
+        m.cap2 = static_cast<C>(n.softcap) * static_cast<C>(kLog2e);
+      }
+    }
+    m.on = m.cap || st.has_alibi();
+    return m;
+  }
+  // The ALiBi slope of (batch b, query head h) in log2 units; 0 without ALiBi.
+  C slope2(int64_t b, int64_t h) const {
+    if (alibi.slopes == nullptr) return C(0);
+    return static_cast<C>(alibi.slopes[b * alibi.sb + h * alibi.sh]) * static_cast<C>(kLog2e);
+  }
+};
+
+// Lanes 0, 1, ..., W-1: the column offsets within one vector.
+template <class V, class C>
+inline V lane_index() {
+  V r;
+  for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(C)); ++l) r[l] = static_cast<C>(l);
+  return r;
+}
+
+// The per-entry step on rows [0, nrows) x columns [0, ncols) of tile T (row stride ld; ncols a
+// multiple of W). KEY_ROWS: rows are keys j0 + r and columns queries i0 + c (S^T of the forward
+// and the dQ pass); else rows are queries i0 + r and columns keys j0 + c (S of the dK/dV pass).
+// GRAD (softcap only): dP of the same layout becomes (dP - D) * F, D per query (dl: per column
+// when KEY_ROWS, per row otherwise).
+// SMALL: every |product| of the tile is below kTanhSmall (tanhv_small gives tanhv's bits).
+template <class C, bool CAP, bool ALIBI, bool KEY_ROWS, bool GRAD, bool SMALL = false>
+void score_step_tile(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
+                     int64_t i0, int64_t j0, C* dP, const C* dl) {
+  using V = typename Simd<C>::V;
+  constexpr int W = Simd<C>::W;
+  const V lanes = lane_index<V, C>(), one = vbroadcast<V>(C(1)), cap2 = vbroadcast<V>(m.cap2),
+          s2 = vbroadcast<V>(slope2);
+  for (int64_t r = 0; r < nrows; ++r) {
+    // j - i - diag at column 0; along the row it falls (KEY_ROWS: i grows) or rises (j grows).
+    const C base = static_cast<C>(KEY_ROWS ? j0 + r - i0 - m.diag : j0 - (i0 + r) - m.diag);
+    C* row = T + r * ld;
+    C* drow = GRAD ? dP + r * ld : nullptr;
+    for (int64_t c0 = 0; c0 < ncols; c0 += W) {
+      const V s = vload<V>(row + c0);
+      V x = s, f = one;
+      if constexpr (CAP) {
+        const V t = SMALL ? tanhv_small(s) : tanhv(s);
+        x = cap2 * t;
+        f = one - t * t;
+      }
+      if constexpr (ALIBI) {
+        const V col = lanes + static_cast<C>(c0);
+        const V d = KEY_ROWS ? vbroadcast<V>(base) - col : vbroadcast<V>(base) + col;
+        x = x - s2 * vabs(d);
+      }
+      vstore(row + c0, x);
+      if constexpr (GRAD) {
+        const V dlv = KEY_ROWS ? vload<V>(dl + c0) : vbroadcast<V>(dl[r]);
+        vstore(drow + c0, (vload<V>(drow + c0) - dlv) * f);
+      }
+    }
+  }
+}
+
+// Dispatches the tile step on the call's transform (once per tile). dP == nullptr: no gradient
+// factor (the forward, the float64 LSE pass, and the backward without a softcap, where F = 1).
+template <class C, bool KEY_ROWS, bool SMALL>
+void score_step_cap(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
+                    int64_t i0, int64_t j0, C* dP, const C* dl) {
+  const bool alibi = slope2 != C(0);
+  if (dP != nullptr) {
+    if (alibi)
+      score_step_tile<C, true, true, KEY_ROWS, true, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+    else
+      score_step_tile<C, true, false, KEY_ROWS, true, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  } else {
+    if (alibi)
+      score_step_tile<C, true, true, KEY_ROWS, false, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+    else
+      score_step_tile<C, true, false, KEY_ROWS, false, SMALL>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  }
+}
+
+// Whether every |entry| of rows [0, nrows) x columns [0, ncols) is below kTanhSmall (a NaN may
+// pass unseen: both forms give NaN for it).
+template <class C>
+bool tile_below_tanh_switch(const C* T, int64_t ld, int64_t nrows, int64_t ncols) {
+  using V = typename Simd<C>::V;
+  constexpr int W = Simd<C>::W;
+  V amax = V{};
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int64_t c0 = 0; c0 < ncols; c0 += W) amax = vmax(amax, vabs(vload<V>(T + r * ld + c0)));
+  bool small = true;
+  for (int l = 0; l < W; ++l) small &= amax[l] < static_cast<C>(kTanhSmall);
+  return small;
+}
+
+template <class C, bool KEY_ROWS>
+void score_step(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
+                int64_t i0, int64_t j0, C* dP = nullptr, const C* dl = nullptr) {
+  if (m.cap) {
+    // float32: one pass for the tile's largest |product| picks the cheap form of tanh when it is
+    // the form every entry would take anyway (measured: softcap 30's forward overhead 23% -> 9%
+    // at D = 64). It depends on the data only, never on threads. (float64 has one form.)
+    if (Same<C, float>::value && tile_below_tanh_switch(T, ld, nrows, ncols))
+      score_step_cap<C, KEY_ROWS, true>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+    else
+      score_step_cap<C, KEY_ROWS, false>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  } else if (slope2 != C(0)) {
+    score_step_tile<C, false, true, KEY_ROWS, false>(T, ld, nrows, ncols, m, slope2, i0, j0, dP, dl);
+  }
+}
 
 // Carves 64-byte aligned buffers out of one scratch block; `bytes()` sizes the block.
 template <class C>
@@ -567,7 +794,7 @@ struct Forward {
   struct Ctx {
     const ForwardParams* p;
     MaskRule rule;
-    ScoreTransform st;
+    ScoreMods<C> mods;
   };
 
   static void task(const void* vctx, int64_t task, void* scratch) {
@@ -589,8 +816,8 @@ struct Forward {
     const Tiles t = carve(cv, D);
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
 
-    const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, ctx.st.template prescale_as<C>(), t.qt, BQ);
+    const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D, ctx.mods.fold, t.qt, BQ);
+    const C slope2 = ctx.mods.slope2(b, h);
     for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
@@ -604,6 +831,7 @@ struct Forward {
       const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
       const Panels<C> Vp = pack_panels<S, C>(p.v, b, hk, j0, nk, D, t.vp);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
+      if (ctx.mods.on) score_step<C, true>(ST, BQ, nk, BQ, ctx.mods, slope2, i0, j0);
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
         mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
       online_softmax(ST, nk, mrow, lrow, O, Dp);
@@ -673,7 +901,7 @@ struct Forward {
     const int64_t nqb = (sh.seq_q + BQ - 1) / BQ;
     Carve<C> cv{nullptr};
     carve(cv, sh.head_dim);
-    const Ctx ctx{&p, rule, ScoreTransform::make(p.num.scale)};
+    const Ctx ctx{&p, rule, ScoreMods<C>::make(sh, p.num)};
     par.run(nqb * sh.batch * sh.heads_q, cv.bytes(), &task, &ctx);
   }
 };
@@ -689,6 +917,7 @@ struct Backward {
     const BackwardParams* p;
     MaskRule rule;
     ScoreTransform st;
+    ScoreMods<C> mods;
     C* delta;       // D = rowsum(dO * O), [B, Hq, Sq] contiguous
     const C* lse2;  // float64 only: LSE recomputed in double, log2 units, [B, Hq, Sq]; else null
   };
@@ -715,8 +944,9 @@ struct Backward {
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
     Carve<C> cv{static_cast<C*>(scratch)};
     const typename F::Tiles t = F::carve(cv, D);
-    const Panels<C> QT =
-        pack_transposed<S, C>(p.q, b, h, i0, nq, D, lc.ctx->st.template prescale_as<C>(), t.qt, BQ);
+    const ScoreMods<C>& mods = lc.ctx->mods;
+    const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
+    const C slope2 = mods.slope2(b, h);
     for (int64_t c = 0; c < BQ; ++c) {
       t.m[c] = neg_inf<C>();
       t.l[c] = C(0);
@@ -727,6 +957,7 @@ struct Backward {
       const int64_t nk = smin(BK, kend - j0);
       const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, t.st, BQ);
+      if (mods.on) score_step<C, true>(t.st, BQ, nk, BQ, mods, slope2, i0, j0);
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
         mask_key_rows(t.st, BQ, rule, i0, BQ, j0, nk);
       F::online_softmax(t.st, nk, t.m, t.l, nullptr, 0);
@@ -799,9 +1030,10 @@ struct Backward {
       const DqTiles t = dq_carve(cv, D);
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> QT =
-          pack_transposed<S, C>(p.q, b, h, i0, nq, D, ctx.st.template prescale_as<C>(), t.qt, BQ);
+      const ScoreMods<C>& mods = ctx.mods;
+      const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
       const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
+      const C slope2 = mods.slope2(b, h);
       for (int64_t c = 0; c < BQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
         lse2[c] = c < nq ? lse2_of(ctx, b, h, i0 + c) : static_cast<C>(__builtin_inf());
@@ -818,13 +1050,23 @@ struct Backward {
         const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
         gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
         gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
+        // Under a softcap the step leaves (dP - D) o F in dPT.
+        if (mods.on) score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0, mods.cap ? dPT : nullptr, dlt);
         if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
           mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
-        for (int64_t r = 0; r < nk; ++r) {
-          for (int64_t c0 = 0; c0 < BQ; c0 += W) {
-            V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
-            V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
-            vstore(ST + r * BQ + c0, ds);
+        if (mods.cap) {
+          for (int64_t r = 0; r < nk; ++r)
+            for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+              V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
+              vstore(ST + r * BQ + c0, pv * vload<V>(dPT + r * BQ + c0));
+            }
+        } else {
+          for (int64_t r = 0; r < nk; ++r) {
+            for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+              V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
+              V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
+              vstore(ST + r * BQ + c0, ds);
+            }
           }
         }
         gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
@@ -879,8 +1121,8 @@ struct Backward {
       const DkvTiles t = dkv_carve(cv, D);
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> KT =
-          pack_transposed<S, C>(p.k, b, hk, j0, nk, D, ctx.st.template prescale_as<C>(), t.kt, BK);
+      const ScoreMods<C>& mods = ctx.mods;
+      const Panels<C> KT = pack_transposed<S, C>(p.k, b, hk, j0, nk, D, mods.fold, t.kt, BK);
       const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
       for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
@@ -889,6 +1131,7 @@ struct Backward {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
         const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
+        const C slope2 = mods.slope2(b, h);
         for (int64_t i0 = ibegin; i0 < iend; i0 += BQ) {
           const int64_t nq = smin(BQ, iend - i0);
           const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, t.qrows);
@@ -901,14 +1144,27 @@ struct Backward {
           }
           gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
           gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
+          // Under a softcap the step leaves (dP - D) o F in dP.
+          if (mods.on) score_step<C, false>(Sb, BK, nq, BK, mods, slope2, i0, j0, mods.cap ? dP : nullptr, dlt);
           if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
             mask_query_rows(Sb, BK, rule, j0, BK, i0, nq);
-          for (int64_t r = 0; r < nq; ++r) {
-            const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
-            for (int64_t c0 = 0; c0 < BK; c0 += W) {
-              V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
-              vstore(Sb + r * BK + c0, pv);
-              vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
+          if (mods.cap) {
+            for (int64_t r = 0; r < nq; ++r) {
+              const V l2 = vbroadcast<V>(lse2[r]);
+              for (int64_t c0 = 0; c0 < BK; c0 += W) {
+                V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
+                vstore(Sb + r * BK + c0, pv);
+                vstore(dP + r * BK + c0, pv * vload<V>(dP + r * BK + c0));
+              }
+            }
+          } else {
+            for (int64_t r = 0; r < nq; ++r) {
+              const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
+              for (int64_t c0 = 0; c0 < BK; c0 += W) {
+                V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
+                vstore(Sb + r * BK + c0, pv);
+                vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
+              }
             }
           }
           gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
@@ -943,7 +1199,7 @@ struct Backward {
   static void run(const BackwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
     const size_t rows = static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q);
-    Ctx ctx{&p, rule, ScoreTransform::make(p.num.scale),
+    Ctx ctx{&p, rule, ScoreTransform::make(sh, p.num), ScoreMods<C>::make(sh, p.num),
             static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
     if constexpr (Same<C, double>::value) {
@@ -989,6 +1245,17 @@ void forward_entry(const ForwardParams& p, const MaskRule& rule, Parallel& par) 
 void backward_entry(const BackwardParams& p, const MaskRule& rule, Parallel& par) {
   dispatch_dtype<Backward>(p, rule, par);
 }
+void tanh_entry(const float* x, float* y, int64_t n) {
+  constexpr int W = Simd<float>::W;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(y + i, tanhv(vload<vf>(x + i)));
+  if (i < n) {
+    float buf[W] = {};
+    for (int64_t l = 0; l < n - i; ++l) buf[l] = x[i + l];
+    vstore(buf, tanhv(vload<vf>(buf)));
+    for (int64_t l = 0; l < n - i; ++l) y[i + l] = buf[l];
+  }
+}
 
 #define FLASHATTN_STR2(x) #x
 #define FLASHATTN_STR(x) FLASHATTN_STR2(x)
@@ -996,8 +1263,12 @@ void backward_entry(const BackwardParams& p, const MaskRule& rule, Parallel& par
 }  // namespace
 
 extern const KernelSet kernels;
-const KernelSet kernels = {
-    FLASHATTN_STR(FLASHATTN_CPU_ISA),       kVecBytes,      static_cast<int>(FLASHATTN_CPU_FWD_BQ),
-    static_cast<int>(FLASHATTN_CPU_FWD_BK), &forward_entry, &backward_entry};
+const KernelSet kernels = {FLASHATTN_STR(FLASHATTN_CPU_ISA),
+                           kVecBytes,
+                           static_cast<int>(FLASHATTN_CPU_FWD_BQ),
+                           static_cast<int>(FLASHATTN_CPU_FWD_BK),
+                           &forward_entry,
+                           &backward_entry,
+                           &tanh_entry};
 
 }  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

@@ -1,5 +1,6 @@
 #include "testing/problem.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -7,6 +8,7 @@
 #include <sstream>
 
 #include "core/half.hpp"
+#include "core/mask.hpp"
 
 namespace flashattn::testing {
 
@@ -15,6 +17,9 @@ std::string ProblemConfig::describe() const {
   os << "B=" << batch << " Hq=" << heads_q << " Hkv=" << heads_kv << " Sq=" << seq_q
      << " Skv=" << seq_kv << " D=" << head_dim << " mask=" << mask_name(mask)
      << " dtype=" << dtype_name(dtype) << " layout=" << layout_name(layout) << " seed=" << seed;
+  if (has_window()) os << " window=(" << window_left << "," << window_right << ")";
+  if (softcap != 0.0f) os << " softcap=" << softcap;
+  if (alibi != AlibiKind::None) os << " alibi=" << alibi_name(alibi);
   return os.str();
 }
 
@@ -42,12 +47,38 @@ ProblemConfig make_config(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
 }
 
 double forward_flops(const ProblemConfig& c) {
-  double f = 4.0 * c.batch * c.heads_q * static_cast<double>(c.seq_q) * c.seq_kv * c.head_dim;
+  const double per_pair = 4.0 * c.batch * c.heads_q * static_cast<double>(c.head_dim);
+  if (c.has_window()) {
+    const MaskRule rule = make_mask_rule(static_cast<int32_t>(c.mask), c.seq_q, c.seq_kv,
+                                         c.window_left, c.window_right);
+    double pairs = 0;
+    for (int64_t i = 0; i < c.seq_q; ++i)
+      pairs += static_cast<double>(std::max<int64_t>(0, rule.key_end(i, c.seq_kv) - rule.key_begin(i)));
+    return per_pair * pairs;
+  }
+  double f = per_pair * static_cast<double>(c.seq_q) * c.seq_kv;
   return c.mask == Mask::None ? f : f / 2;
 }
 double backward_flops(const ProblemConfig& c) { return 2.5 * forward_flops(c); }
 
 const char* layout_name(Layout l) { return l == Layout::BHSD ? "bhsd" : "bshd"; }
+
+const char* alibi_name(AlibiKind a) {
+  switch (a) {
+    case AlibiKind::None: return "none";
+    case AlibiKind::Heads: return "[Hq]";
+    case AlibiKind::BatchHeads: return "[B,Hq]";
+  }
+  return "?";
+}
+
+std::vector<float> standard_alibi_slopes(int64_t heads) {
+  std::vector<float> s(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h)
+    s[static_cast<size_t>(h)] =
+        static_cast<float>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(heads)));
+  return s;
+}
 
 int64_t HostTensor::numel() const {
   int64_t n = 1;
@@ -140,6 +171,59 @@ Problem::Problem(const ProblemConfig& c) : cfg(c) {
   fill_normal(v, rng);
   fill_normal(dout, rng);
   poison_outputs();
+  if (c.alibi != AlibiKind::None) {
+    const std::vector<float> base = standard_alibi_slopes(c.heads_q);
+    const int64_t rows = c.alibi == AlibiKind::BatchHeads ? c.batch : 1;
+    alibi.bytes.resize(static_cast<size_t>(rows * c.heads_q * 4));
+    float* s = reinterpret_cast<float*>(alibi.bytes.data());
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t h = 0; h < c.heads_q; ++h)
+        s[b * c.heads_q + h] = base[static_cast<size_t>(h)] * (1.0f + 0.5f * static_cast<float>(b));
+    alibi.view.data = s;
+    alibi.view.dtype = DType::Float32;
+    alibi.view.device = kCpu;
+    if (rows == 1) {
+      alibi.view.ndim = 1;
+      alibi.view.shape[0] = c.heads_q;
+      alibi.view.stride[0] = 1;
+    } else {
+      alibi.view.ndim = 2;
+      alibi.view.shape[0] = c.batch;
+      alibi.view.shape[1] = c.heads_q;
+      alibi.view.stride[0] = c.heads_q;
+      alibi.view.stride[1] = 1;
+    }
+  } else {
+    alibi.view.ndim = 0;
+  }
+}
+
+Options Problem::options(int32_t num_threads) const {
+  Options o;
+  o.mask = cfg.mask;
+  o.softmax_scale = cfg.softmax_scale;
+  o.num_threads = num_threads;
+  o.window_left = cfg.window_left;
+  o.window_right = cfg.window_right;
+  o.softcap = cfg.softcap;
+  o.alibi_slopes = cfg.alibi != AlibiKind::None ? &alibi.view : nullptr;
+  return o;
+}
+
+RefMods Problem::ref_mods() const {
+  RefMods m;
+  m.window_left = cfg.window_left;
+  m.window_right = cfg.window_right;
+  m.softcap = static_cast<double>(cfg.softcap);
+  if (cfg.alibi != AlibiKind::None) {
+    const float* s = static_cast<const float*>(alibi.view.data);
+    m.alibi.resize(static_cast<size_t>(cfg.batch * cfg.heads_q));
+    for (int64_t b = 0; b < cfg.batch; ++b)
+      for (int64_t h = 0; h < cfg.heads_q; ++h)
+        m.alibi[static_cast<size_t>(b * cfg.heads_q + h)] =
+            s[(alibi.view.ndim == 2 ? b * alibi.view.stride[0] : 0) + h * alibi.view.stride[alibi.view.ndim - 1]];
+  }
+  return m;
 }
 
 void Problem::poison_outputs() {

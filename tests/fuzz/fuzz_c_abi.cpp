@@ -5,8 +5,12 @@
 // few real heap buffers (separate, fused qkv / dqkv, packed, or random offsets that alias), then
 // mutations (ndim, shapes, strides incl. negative / zero / huge, dtype and device codes, NULL
 // data, NULL tensor pointers, misaligned pointers) and an options struct (NULL, every
-// struct_size, non-finite and out-of-range scales, masks, thread counts, precisions). Valid calls
-// run the CPU backend on the tiny problem.
+// struct_size, non-finite and out-of-range scales, masks, thread counts, precisions), and last the
+// score modifications: sliding window sizes (with and without the sliding_window flag, invalid
+// ones too), softcaps (non-finite and negative too) and an ALiBi slopes tensor ([Hq] or [B, Hq],
+// strided, in its own buffer or placed in another tensor's, mutated like the others). Valid calls
+// run the CPU backend on the tiny problem. (The modifications are decoded from the bytes after
+// everything else, so inputs written before them decode as they did, with none.)
 //
 // Invariants (any violation aborts, which the fuzzer reports as a crash):
 //   - no crash, no ASan/UBSan report (build with -fsanitize=fuzzer,address,undefined);
@@ -65,7 +69,8 @@ class Reader {
 constexpr int kQ = 0, kK = 1, kV = 2, kOut = 3, kLse = 4, kDout = 5, kDq = 6, kDk = 7, kDv = 8;
 constexpr int kTensors = 9;
 const char* const kName[kTensors] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
-constexpr int kBuffers = 9;
+constexpr int kBuffers = 10;  // one per tensor, and the ALiBi slopes' own
+constexpr int kAlibiBuffer = 9;
 constexpr int64_t kMaxBuffer = int64_t{1} << 22;  // bytes
 
 struct View {
@@ -100,6 +105,7 @@ void set_strides(View& v, const int64_t (&order)[4], const int64_t (&pad)[4]) {
 struct Case {
   bool backward = false;
   View t[kTensors];
+  View alibi;  // used: the options point at it (when their struct_size has the field)
   bool opts_null = true;
   std::vector<unsigned char> opts_bytes;  // exactly what the caller "owns"
   flashattn_options opts{};               // the fields as set (copied into opts_bytes)
@@ -307,6 +313,74 @@ void decode_options(Reader& r, Case& c) {
   if (r.u8() % 8 == 0) c.opts.stream = reinterpret_cast<void*>(uintptr_t{0x1000});  // ignored on the CPU
 }
 
+// Window sizes, softcap and ALiBi slopes (the fields after version 2 of the options).
+void decode_mods(Reader& r, Case& c) {
+  if (c.opts_null) return;
+  // Struct sizes that end inside or after the new fields (0: keep the size drawn before).
+  static const uint32_t sizes[] = {0, 0, 0, 0, 0, 0, 0, 0, FLASHATTN_OPTIONS_V2_SIZE,
+                                   offsetof(flashattn_options, window_right),
+                                   offsetof(flashattn_options, softcap),
+                                   offsetof(flashattn_options, sliding_window),
+                                   offsetof(flashattn_options, sliding_window) + 4,
+                                   offsetof(flashattn_options, alibi_slopes),
+                                   offsetof(flashattn_options, alibi_slopes) + 4,
+                                   sizeof(flashattn_options)};
+  const uint32_t size = r.pick(sizes);
+  if (size != 0) c.opts.struct_size = size;
+  static const int64_t sides[] = {-1, -1, 0, 1, 2, 3, 7, 64, 1000, -2, -7,
+                                  std::numeric_limits<int64_t>::min(),
+                                  std::numeric_limits<int64_t>::max()};
+  const uint8_t w = r.u8();
+  if (w & 3) {
+    c.opts.window_left = r.pick(sides);
+    c.opts.window_right = r.pick(sides);
+    // flag 0 with sizes set: they must not be read
+    c.opts.sliding_window = (w & 3) == 3 ? 0 : static_cast<int32_t>(w >> 2);
+    if ((w & 3) == 1 && c.opts.sliding_window == 0) c.opts.sliding_window = 1;
+  }
+  static const float caps[] = {0.0f, 0.0f, 0.5f, 1.0f, 5.0f, 30.0f, 50.0f, 1e-30f, 1e30f, -0.0f,
+                               -1.0f, std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN(),
+                               std::numeric_limits<float>::denorm_min()};
+  c.opts.softcap = r.pick(caps);
+
+  const uint8_t a = r.u8();
+  if (a % 3 == 0) return;
+  View& v = c.alibi;
+  v.used = true;
+  v.dtype = FLASHATTN_FLOAT32;
+  v.buf = kAlibiBuffer;
+  v.ndim = a % 3 == 1 ? 1 : 2;
+  if (v.ndim == 1) {
+    v.shape[0] = c.Hq;
+    v.stride[0] = 1 + (a >> 6) % 3;  // sometimes strided
+  } else {
+    v.shape[0] = c.B;
+    v.shape[1] = c.Hq;
+    v.stride[1] = 1 + (a >> 6) % 2;
+    v.stride[0] = (a & 0x20) ? 0 : c.Hq * v.stride[1] + ((a >> 3) & 1);  // broadcast or padded
+  }
+  const uint8_t m = r.u8();
+  switch (m % 12) {
+    case 0: v.dtype = static_cast<int8_t>(r.u8()) % 6; break;
+    case 1: v.ndim = static_cast<int8_t>(r.u8()) % 5; break;
+    case 2: { const int d = r.u8() % 2; v.shape[d] = pick_i64(r, v.shape[d]); break; }
+    case 3: { const int d = r.u8() % 2; v.stride[d] = pick_i64(r, v.stride[d]); break; }
+    case 4: v.device = (r.u8() & 1) ? 0 : -2; break;
+    case 5: v.null_data = true; break;
+    case 6: v.null_ptr = true; break;
+    case 7: v.byte_off += 1 + r.u8() % 3; break;  // misaligned
+    case 8:
+    case 9: {  // inside another tensor's buffer: an input (fine) or an output (refused)
+      v.buf = r.u8() % kTensors;
+      v.byte_off = static_cast<int64_t>(r.u8() % 64) * 4;
+      break;
+    }
+    default: break;
+  }
+}
+
 // ---- layout facts ------------------------------------------------------------------------------
 
 // Byte range [lo, hi) that the elements of v reach relative to its buffer start, or false when
@@ -345,6 +419,13 @@ void for_each_element(const View& v, F&& f) {  // f(byte offset in the buffer); 
 
 bool is_output(const Case& c, int i) {
   return c.backward ? (i == kDq || i == kDk || i == kDv) : (i == kOut || i == kLse);
+}
+
+// Whether the call reads the ALiBi slopes' view: options whose struct_size has the pointer, and
+// a non-NULL pointer.
+bool alibi_read(const Case& c) {
+  return !c.opts_null && c.alibi.used && !c.alibi.null_ptr &&
+         c.opts.struct_size >= offsetof(flashattn_options, alibi_slopes) + sizeof(void*);
 }
 
 // The documented rules of flashattn.h (plus this build's: CPU only, head_dim <= 256), except
@@ -420,6 +501,24 @@ bool model_valid(const Case& c, const std::vector<unsigned char*>& base, std::st
       return no("num_threads");
     if (size >= offsetof(flashattn_options, precision) + 4 && o.precision != 0 && o.precision != 1)
       return no("precision");
+    if (size >= offsetof(flashattn_options, sliding_window) + 4 && o.sliding_window != 0 &&
+        (o.window_left < -1 || o.window_right < -1))
+      return no("window size");
+    if (size >= offsetof(flashattn_options, softcap) + 4 && !(std::isfinite(o.softcap) && o.softcap >= 0.0f))
+      return no("softcap");
+    if (alibi_read(c)) {
+      const View& a = c.alibi;
+      if (a.ndim != 1 && a.ndim != 2) return no("alibi ndim");
+      if (a.dtype != FLASHATTN_FLOAT32) return no("alibi dtype");
+      if (a.null_data) return no("alibi data NULL");
+      if (a.device != FLASHATTN_CPU) return no("alibi device");
+      if (a.shape[a.ndim - 1] != Hq || (a.ndim == 2 && a.shape[0] != B)) return no("alibi shape");
+      for (int d = 0; d < a.ndim; ++d)
+        if (a.stride[d] < 0 || a.stride[d] > (int64_t{1} << 40)) return no("alibi stride");
+      if (!a.safe) return no("alibi outside its buffer");
+      const uintptr_t p = reinterpret_cast<uintptr_t>(base[static_cast<size_t>(a.buf)] + a.byte_off);
+      if (p % 4 != 0) return no("alibi misaligned");
+    }
   }
   return true;
 }
@@ -506,11 +605,12 @@ void run_case(const uint8_t* data, size_t size) {
   decode_mutations(r, c);
   decode_options(r, c);
   const int n = c.backward ? kTensors : kLse + 1;
+  const uint8_t slack = r.u8() % 4 == 0 ? r.u8() % 16 : 0;
+  decode_mods(r, c);
 
   // Buffers sized to the views they hold (exactly, plus optional slack), so ASan sees a read one
   // element past a view that ends its buffer.
-  for (int i = 0; i < n; ++i) {
-    View& v = c.t[i];
+  auto size_for = [&](View& v) {
     __int128 lo, hi;
     if (v.byte_off < 0 || v.byte_off > kMaxBuffer) v.byte_off = 0;
     if (extent(v, lo, hi) && lo >= 0 && hi <= kMaxBuffer) {
@@ -518,8 +618,9 @@ void run_case(const uint8_t* data, size_t size) {
       c.buf_size[v.buf] = std::max<int64_t>(c.buf_size[v.buf], static_cast<int64_t>(hi));
     }
     c.buf_size[v.buf] = std::max<int64_t>(c.buf_size[v.buf], v.byte_off);
-  }
-  const uint8_t slack = r.u8() % 4 == 0 ? r.u8() % 16 : 0;
+  };
+  for (int i = 0; i < n; ++i) size_for(c.t[i]);
+  if (c.alibi.used) size_for(c.alibi);
   std::vector<std::vector<unsigned char>> storage(kBuffers);
   std::vector<unsigned char*> base(kBuffers);
   for (int b = 0; b < kBuffers; ++b) {
@@ -539,6 +640,16 @@ void run_case(const uint8_t* data, size_t size) {
       h = h * 1103515245u + 12345u;
       store_value(base[static_cast<size_t>(v.buf)] + off, v.dtype,
                   static_cast<double>(static_cast<int>((h >> 16) % 17) - 8) / 4);
+    });
+  }
+
+  // Slopes in their own buffer: small values of both signs (zero included); elsewhere they read
+  // whatever the buffer holds.
+  if (c.alibi.used && c.alibi.safe && c.alibi.buf == kAlibiBuffer) {
+    static const double slopes[] = {0.0, 0.25, -0.125, 0.5, 1.0, 0.00390625, -0.5};
+    for_each_element(c.alibi, [&](int64_t off) {
+      h = h * 1103515245u + 12345u;
+      store_value(base[kAlibiBuffer] + off, c.alibi.dtype, slopes[(h >> 16) % 7]);
     });
   }
 
@@ -567,6 +678,14 @@ void run_case(const uint8_t* data, size_t size) {
     if (out && twice && alias.empty())
       alias = std::string(kName[i]) + " reaches a byte twice or shares it with another output";
   }
+  // The slopes are an input when the call reads them (dtype-size bytes of each element).
+  if (alibi_read(c) && c.alibi.safe) {
+    uint8_t* const m0 = in_mark[static_cast<size_t>(c.alibi.buf)].data();
+    const int64_t es = dtype_bytes(c.alibi.dtype);
+    for_each_element(c.alibi, [&](int64_t off) {
+      for (int64_t j = 0; j < es; ++j) m0[off + j] = 1;
+    });
+  }
   for (int b = 0; b < kBuffers && alias.empty(); ++b)
     for (size_t j = 0; j < in_mark[static_cast<size_t>(b)].size(); ++j)
       if (in_mark[static_cast<size_t>(b)][j] && out_count[static_cast<size_t>(b)][j]) {
@@ -579,6 +698,7 @@ void run_case(const uint8_t* data, size_t size) {
   // A view outside its buffer must not reach the kernels: make such a call invalid for sure.
   bool any_unsafe = false;
   for (int i = 0; i < n; ++i) any_unsafe |= !c.t[i].safe && !c.t[i].null_ptr;
+  any_unsafe |= alibi_read(c) && !c.alibi.safe;
   if (any_unsafe) {
     if (c.opts_null) {
       c.opts_null = false;
@@ -591,14 +711,27 @@ void run_case(const uint8_t* data, size_t size) {
 
   // Small finite inputs (|x| <= 2) at a moderate scale must give finite outputs. The forward's
   // out is a convex combination of v rows. The backward takes out and lse as given (here not
-  // the forward's), so exp(S - lse) is bounded only by |S| + 2 <= |scale| * 4 D + 2: checked
-  // when that stays below 62 (float32 exp overflows at 88), and not for float16 gradients.
+  // the forward's), so exp(S - lse) is bounded only by |S| + 2, with |S| <= |scale| * 4 D (or
+  // the softcap, when smaller) plus the ALiBi bias, |slope| * (Sq + Skv) at most: checked when
+  // that stays below 62 (float32 exp overflows at 88), and not for float16 gradients.
   const double eff_scale = c.opts_null || c.opts.softmax_scale == 0.0f
                                ? 1.0 / std::sqrt(static_cast<double>(c.D))
                                : std::fabs(static_cast<double>(c.opts.softmax_scale));
+  double max_score = eff_scale * 4 * static_cast<double>(c.D);
+  if (valid && !c.opts_null && c.opts.struct_size >= offsetof(flashattn_options, softcap) + 4 &&
+      c.opts.softcap > 0.0f)
+    max_score = std::min(max_score, static_cast<double>(c.opts.softcap));
+  double max_slope = 0;
+  if (valid && alibi_read(c))
+    for_each_element(c.alibi, [&](int64_t off) {
+      const double x = load_value(base[static_cast<size_t>(c.alibi.buf)] + off, c.alibi.dtype);
+      max_slope = std::isfinite(x) ? std::max(max_slope, std::fabs(x)) : HUGE_VAL;
+    });
+  const double max_bias = max_slope * static_cast<double>(c.Sq + c.Skv);
   bool numeric_check =
-      valid && (c.backward ? c.t[kQ].dtype != FLASHATTN_FLOAT16 && eff_scale * 4 * c.D <= 60
-                           : eff_scale <= 100);
+      valid && max_slope <= 1e3 &&
+      (c.backward ? c.t[kQ].dtype != FLASHATTN_FLOAT16 && max_score + max_bias <= 60
+                  : eff_scale <= 100);
   for (int i = 0; i < n && numeric_check; ++i) {
     const View& v = c.t[i];
     if (is_output(c, i)) continue;
@@ -623,6 +756,20 @@ void run_case(const uint8_t* data, size_t size) {
       ct[i].stride[d] = v.stride[d];
     }
     cp[i] = v.null_ptr ? nullptr : &ct[i];
+  }
+  flashattn_tensor ca;
+  std::memset(&ca, 0, sizeof ca);
+  if (c.alibi.used) {
+    const View& a = c.alibi;
+    ca.data = a.null_data ? nullptr : base[static_cast<size_t>(a.buf)] + a.byte_off;
+    ca.dtype = a.dtype;
+    ca.device = a.device;
+    ca.ndim = a.ndim;
+    for (int d = 0; d < 4; ++d) {
+      ca.shape[d] = a.shape[d];
+      ca.stride[d] = a.stride[d];
+    }
+    c.opts.alibi_slopes = a.null_ptr ? nullptr : &ca;
   }
   const flashattn_options* op = nullptr;
   std::vector<unsigned char> opts_mem;
