@@ -43,7 +43,7 @@ struct Sm90FwdArgs {
 // beside the other's products.
 // ================================================================================================
 
-template <int DP, Half16 H>
+template <int DP, Half16 H, bool XF>
 __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), tile_config90(Pass::Forward, DP).min_ctas)
     forward_sm90_kernel(const __grid_constant__ Sm90FwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -111,10 +111,20 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   // and both band edges; rows past Sq see none and are never stored).
   const RowKeys keys(rule, row_w + lane_id() / 4, Sq, Skv);
   const bool fused = a.score.scale > 0.0f;  // uniform: an increasing transform (softmax_rows)
+  // XF: the per-entry step (softcap, ALiBi) turns the raw products into log2-unit logits first;
+  // the softmax then takes the fused path with multiplier 1 (the max of logits is exact for
+  // either sign of the scale, and the exponent's FFMA becomes an FADD).
+  const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
+  const ScoreTransform after = a.score.after_elementwise();
   // Scores of iteration it's key tile (in s) -> P in s, statistics updated, alpha for O.
   auto softmax_tile = [&](int it, float(&alpha)[2]) {
     const int64_t n0 = qb.key0(it, BN);
-    softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
+    if constexpr (XF) {
+      transform_scores(s[0], hd, row_w, n0);  // before masking: tanh would make -inf finite
+      softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), true, after);
+    } else {
+      softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
+    }
   };
   auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
   auto wait_v = [&](int t) { mbar_wait(full_v + (t & 1), (t >> 1) & 1); };
@@ -226,7 +236,7 @@ struct Sm90BwdArgs {
   CUtensorMap tq, tk, tv, tdo;
 };
 
-template <int DP, Half16 H, int V>
+template <int DP, Half16 H, int V, bool XF>
 __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), tile_config90(Pass::Dkv, DP, V).min_ctas)
     dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -344,6 +354,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     const uint32_t qa = smem_addr(sQ + st * TQ::kBytes), doa = smem_addr(sdO + st * TQ::kBytes);
     const float* sLs = sL + st * BQ;
     const float* sDs = sD + st * BQ;
+    // XF: the tile's query head's per-entry step (its ALiBi slope loaded while the products run).
+    ScoreTransform::Head hd{};
+    if constexpr (XF) hd = a.score.head(b, kb.head(tile_of(it)));
     wgmma_wait<0>();
     fence_regs(s[0]);
     fence_regs(dp[0]);
@@ -352,13 +365,28 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
     int lo[2], hi[2];
     kq.tile_bounds(n0, BQ, masked, lo, hi);
-    for_each_entry<NS>([&](int j, int e, int r, int cw) {
-      const int c = qc0 + cw;  // query column in the tile
-      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], sLs[c]));
-      if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
-      s[0][j][e] = pe;
-      dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
-    });
+    if constexpr (XF) {
+      // S^T's rows are keys, its columns queries: the per-entry step (before masking) gives the
+      // logits and F = d logit / d(scale s) / scale; dS^T = P^T (dP^T - D) F feeds both dK and dQ.
+      float f[NS][4];
+      transform_scores<true>(s[0], f, hd, row_w, n0 + qc0);
+      const ScoreTransform after = a.score.after_elementwise();
+      for_each_entry<NS>([&](int j, int e, int r, int cw) {
+        const int c = qc0 + cw;
+        float pe = exp2_ftz(after.exp2_arg(s[0][j][e], sLs[c]));
+        if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+        s[0][j][e] = pe;
+        dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]) * f[j][e];
+      });
+    } else {
+      for_each_entry<NS>([&](int j, int e, int r, int cw) {
+        const int c = qc0 + cw;  // query column in the tile
+        float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], sLs[c]));
+        if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+        s[0][j][e] = pe;
+        dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
+      });
+    }
     if constexpr (!kQSplit) {
       uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
       to_afrag<H, 1, NS / 2>(pp, s);
