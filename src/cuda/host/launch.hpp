@@ -63,13 +63,13 @@ void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
 // (select.cpp: tma_ok): a tensor map that still fails to encode is an Internal error, never a
 // fallback to another kernel.
 // The float16/bfloat16 forward (sm90/kernels16.cuh).
-template <int DP, Half16 H>
+template <int DP, Half16 H, bool XF>
 void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);
 // The float32 forward in tf32 mode (sm90/tf32_fwd.cuh), padded D = 64 and 128.
 template <int DP>
 void launch_forward_tf32_sm90(const FwdArgs& a, cudaStream_t stream);
 // The single-pass dK/dV kernel with dQ added into a.dq_accum (then launch_dq_convert).
-template <int DP, Half16 H>
+template <int DP, Half16 H, bool XF>
 void launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream);
 // dq = scale * dq_accum, rounded to the params' 16-bit dtype (after the atomic dK/dV pass).
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream);

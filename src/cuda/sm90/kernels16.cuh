@@ -29,6 +29,59 @@ struct Sm90FwdArgs {
   CUtensorMap tq, tk, tv;
 };
 
+// ---- the per-entry score step (XF: softcap, ALiBi) ---------------------------------------------
+// ScoreTransform::Head::logit2_at (core/score.hpp) on a warp's 16-row slice of a wgmma
+// accumulator (mma.sync's m16n8 layout, for_each_entry), in place, part by part with one uniform
+// branch per part and tile: the generic per-entry form (transform_scores) compiles here to two
+// branches and ~10 64-bit integer instructions, an I2F.S64 among them, per entry:
+//   softcap ? cap2 * tanh(cap_in s) : sl2 s;   then with ALiBi  -= slope2 |j - i - diag|.
+// The same arithmetic as logit2_at; only the distance is formed differently: the lane's base for
+// its row (an int64 converted once per tile) plus or minus the entry's compile-time column offset,
+// added in float32. That is exact while |j - i - diag| < 2^24, and within an ulp of logit2_at's
+// conversion beyond. `grad(j, e, c, F)` receives each entry's softcap factor F = 1 - tanh^2.
+template <int NS, class G>
+__device__ __forceinline__ void logits_of_scores(float (&s)[NS][4], const ScoreTransform::Head& hd, G&& grad) {
+  if (hd.cap_in != 0.0f) {
+    for_each_entry<NS>([&](int j, int e, int, int c) {
+      const float th = softcap_tanh(s[j][e] * hd.cap_in);
+      s[j][e] = hd.cap2 * th;
+      grad(j, e, c, fmaf(-th, th, 1.0f));
+    });
+  } else {
+    for_each_entry<NS>([&](int j, int e, int, int c) {
+      s[j][e] = s[j][e] * hd.sl2;
+      grad(j, e, c, 1.0f);
+    });
+  }
+}
+// The ALiBi part: entry (g + 8r, 8jj + 2t + c) of the slice is query row0 + g + 8r and key
+// col0 + 8jj + 2t + c, or with TRANSPOSED (S^T: the dK/dV kernel) key row0 + ... and query
+// col0 + ....
+template <bool TRANSPOSED, int NS>
+__device__ __forceinline__ void alibi_scores(float (&s)[NS][4], const ScoreTransform::Head& hd, int64_t row0,
+                                             int64_t col0) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+  // j - i - diag at the lane's first entry of row r = 0 (c = 0, jj = 0); row r adds -8r (+8r
+  // transposed), column offset k = 8jj + c adds +k (-k transposed).
+  const int64_t base = TRANSPOSED ? row0 + g - col0 - 2 * t - hd.diag : col0 + 2 * t - row0 - g - hd.diag;
+  const float fb[2] = {static_cast<float>(base), static_cast<float>(TRANSPOSED ? base + 8 : base - 8)};
+#pragma unroll
+  for (int jj = 0; jj < NS; ++jj)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float k = static_cast<float>(8 * jj + (e & 1));
+      const float d = TRANSPOSED ? fb[e >> 1] - k : fb[e >> 1] + k;
+      s[jj][e] -= hd.slope2 * fabsf(d);
+    }
+}
+// Both parts: raw products -> log2-unit logits.
+template <bool TRANSPOSED, int NS, class G>
+__device__ __forceinline__ void logits_at(float (&s)[NS][4], const ScoreTransform::Head& hd, int64_t row0,
+                                          int64_t col0, G&& grad) {
+  logits_of_scores(s, hd, grad);
+  if (hd.slope2 != 0.0f) alibi_scores<TRANSPOSED>(s, hd, row0, col0);
+}
+
 // ================================================================================================
 // Forward. CTA = block_m query rows of one (batch, head): warpgroups 0..NWG-1 compute, 64 query
 // rows each; warpgroup NWG produces (one thread issues every tile copy on the copy engine, TMA).
@@ -43,7 +96,7 @@ struct Sm90FwdArgs {
 // beside the other's products.
 // ================================================================================================
 
-template <int DP, Half16 H>
+template <int DP, Half16 H, bool XF>
 __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), tile_config90(Pass::Forward, DP).min_ctas)
     forward_sm90_kernel(const __grid_constant__ Sm90FwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -111,10 +164,21 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   // and both band edges; rows past Sq see none and are never stored).
   const RowKeys keys(rule, row_w + lane_id() / 4, Sq, Skv);
   const bool fused = a.score.scale > 0.0f;  // uniform: an increasing transform (softmax_rows)
+  // XF: the per-entry step (softcap, ALiBi) turns the raw products into log2-unit logits first,
+  // before masking (tanh would make a masked -inf finite); the softmax then goes the unfused way
+  // with multiplier 1 (after_elementwise), which is exact for either sign of the scale and costs
+  // an FADD where the fused path has its FFMA.
+  const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
+  const ScoreTransform after = a.score.after_elementwise();
   // Scores of iteration it's key tile (in s) -> P in s, statistics updated, alpha for O.
   auto softmax_tile = [&](int it, float(&alpha)[2]) {
     const int64_t n0 = qb.key0(it, BN);
-    softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
+    if constexpr (XF) {
+      logits_at<false>(s[0], hd, row_w, n0, [](int, int, int, float) {});
+      softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), false, after);
+    } else {
+      softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
+    }
   };
   auto wait_k = [&](int t) { mbar_wait(full_k + (t & 1), (t >> 1) & 1); };
   auto wait_v = [&](int t) { mbar_wait(full_v + (t & 1), (t >> 1) & 1); };
@@ -226,7 +290,7 @@ struct Sm90BwdArgs {
   CUtensorMap tq, tk, tv, tdo;
 };
 
-template <int DP, Half16 H, int V>
+template <int DP, Half16 H, int V, bool XF>
 __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), tile_config90(Pass::Dkv, DP, V).min_ctas)
     dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -344,6 +408,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     const uint32_t qa = smem_addr(sQ + st * TQ::kBytes), doa = smem_addr(sdO + st * TQ::kBytes);
     const float* sLs = sL + st * BQ;
     const float* sDs = sD + st * BQ;
+    // XF: the tile's query head's per-entry step (its ALiBi slope loaded while the products run).
+    [[maybe_unused]] ScoreTransform::Head hd{};
+    if constexpr (XF) hd = a.score.head(b, kb.head(tile_of(it)));
     wgmma_wait<0>();
     fence_regs(s[0]);
     fence_regs(dp[0]);
@@ -352,13 +419,30 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
     int lo[2], hi[2];
     kq.tile_bounds(n0, BQ, masked, lo, hi);
-    for_each_entry<NS>([&](int j, int e, int r, int cw) {
-      const int c = qc0 + cw;  // query column in the tile
-      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], sLs[c]));
-      if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
-      s[0][j][e] = pe;
-      dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
-    });
+    if constexpr (XF) {
+      // S^T's rows are keys, its columns queries. The per-entry step (before masking) gives the
+      // logits and the softcap's factor F, folded into dP^T - D at once (no array of F held):
+      // dS^T = P^T ((dP^T - D) F), which both dK and dQ read.
+      logits_at<true>(s[0], hd, row_w, n0 + qc0, [&](int j, int e, int cw, float f) {
+        dp[0][j][e] = (dp[0][j][e] - sDs[qc0 + cw]) * f;
+      });
+      const ScoreTransform after = a.score.after_elementwise();
+      for_each_entry<NS>([&](int j, int e, int r, int cw) {
+        const int c = qc0 + cw;
+        float pe = exp2_ftz(after.exp2_arg(s[0][j][e], sLs[c]));
+        if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+        s[0][j][e] = pe;
+        dp[0][j][e] = pe * dp[0][j][e];
+      });
+    } else {
+      for_each_entry<NS>([&](int j, int e, int r, int cw) {
+        const int c = qc0 + cw;  // query column in the tile
+        float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], sLs[c]));
+        if (masked && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
+        s[0][j][e] = pe;
+        dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
+      });
+    }
     if constexpr (!kQSplit) {
       uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
       to_afrag<H, 1, NS / 2>(pp, s);

@@ -36,7 +36,9 @@ inline void require_maps(bool ok, const char* what) {
   if (!ok) throw Error(Status::Internal, std::string(what) + ": a tensor map failed to encode for operands selection accepted");
 }
 
-template <int DP, Half16 H>
+// XF: the kernel with the per-entry score step (softcap, ALiBi); selection picks it when
+// a.score.elementwise().
+template <int DP, Half16 H, bool XF>
 void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
@@ -48,7 +50,7 @@ void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
                "cuda 16-bit sm_90a forward");
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
-  launch_checked(dev::forward_sm90_kernel<DP, H>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
+  launch_checked(dev::forward_sm90_kernel<DP, H, XF>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
 }
 
@@ -279,7 +281,7 @@ void launch_bwd_3xtf32_sm90(const BwdArgs& a, cudaStream_t stream) {
   launch_bwd_f32_sm90<DP, true, true>(a, stream);
 }
 
-template <int DP, Half16 H, int V>
+template <int DP, Half16 H, int V, bool XF>
 void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP, V);
@@ -292,21 +294,26 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
                "cuda 16-bit sm_90a backward");
   const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
                   static_cast<unsigned>(s.batch));
-  launch_checked(dev::dkv_sm90_kernel<DP, H, V>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
+  launch_checked(dev::dkv_sm90_kernel<DP, H, V, XF>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
 }
 
-template <int DP, Half16 H>
+// XF as launch_forward_sm90's.
+template <int DP, Half16 H, bool XF>
 void launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
   if constexpr (has_sm90_variant(Pass::Dkv, DP, 1)) {
-    if (a.sm90_variant == 1) return launch_dkv_sm90_variant<DP, H, 1>(a, stream);
+    if (a.sm90_variant == 1) return launch_dkv_sm90_variant<DP, H, 1, XF>(a, stream);
   }
-  launch_dkv_sm90_variant<DP, H, 0>(a, stream);
+  launch_dkv_sm90_variant<DP, H, 0, XF>(a, stream);
 }
 
 #define FLASHATTN_INSTANTIATE_SM90_dkv(DP)                                                   \
-  template void launch_dkv_sm90<DP, Half16::F16>(const BwdArgs&, cudaStream_t);             \
-  template void launch_dkv_sm90<DP, Half16::BF16>(const BwdArgs&, cudaStream_t);
+  template void launch_dkv_sm90<DP, Half16::F16, false>(const BwdArgs&, cudaStream_t);      \
+  template void launch_dkv_sm90<DP, Half16::BF16, false>(const BwdArgs&, cudaStream_t);
+
+#define FLASHATTN_INSTANTIATE_SM90_dkv_xf(DP)                                                \
+  template void launch_dkv_sm90<DP, Half16::F16, true>(const BwdArgs&, cudaStream_t);       \
+  template void launch_dkv_sm90<DP, Half16::BF16, true>(const BwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_bwd_tf32(DP) template void launch_bwd_tf32_sm90<DP>(const BwdArgs&, cudaStream_t);
 
@@ -319,7 +326,11 @@ void launch_dkv_sm90(const BwdArgs& a, cudaStream_t stream) {
 #define FLASHATTN_INSTANTIATE_SM90_forward_tf32(DP) template void launch_forward_tf32_sm90<DP>(const FwdArgs&, cudaStream_t);
 
 #define FLASHATTN_INSTANTIATE_SM90_forward(DP)                                               \
-  template void launch_forward_sm90<DP, Half16::F16>(const FwdArgs&, cudaStream_t);         \
-  template void launch_forward_sm90<DP, Half16::BF16>(const FwdArgs&, cudaStream_t);
+  template void launch_forward_sm90<DP, Half16::F16, false>(const FwdArgs&, cudaStream_t);  \
+  template void launch_forward_sm90<DP, Half16::BF16, false>(const FwdArgs&, cudaStream_t);
+
+#define FLASHATTN_INSTANTIATE_SM90_forward_xf(DP)                                            \
+  template void launch_forward_sm90<DP, Half16::F16, true>(const FwdArgs&, cudaStream_t);   \
+  template void launch_forward_sm90<DP, Half16::BF16, true>(const FwdArgs&, cudaStream_t);
 
 }  // namespace flashattn::cuda
