@@ -593,7 +593,8 @@ void check16_problem(const ProblemConfig& cfg, const Mods& m) {
   // both CTA shapes) and atomic on mma.sync.
   std::vector<Run16> bwd_runs = {{"split", true, {{"FLASHATTN_CUDA_BWD", "atomic"}}},
                                  {"atomic", false, {{"FLASHATTN_CUDA_BWD", "atomic"}}},
-                                 {"atomic80", false, {{"FLASHATTN_CUDA_BWD", "atomic"}, {"FLASHATTN_CUDA_ARCH", "sm80"}}},
+                                 {"atomic80", false,
+                                  {{"FLASHATTN_CUDA_BWD", "atomic"}, {"FLASHATTN_CUDA_ARCH", "sm80"}}},
                                  {"split-nondet", false, {{"FLASHATTN_CUDA_BWD", "split"}}}};
   if (cfg.head_dim <= 64) {
     bwd_runs.push_back({"atomic-v0", false, {{"FLASHATTN_CUDA_BWD", "atomic"}, {"FLASHATTN_CUDA_SM90_VARIANT", "0"}}});
@@ -804,8 +805,8 @@ TEST(ScoreModsEffect, SoftcapAndAlibiReachEveryKernel) {
   for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16})
     for (int64_t d : {64, 128})
       for (const Mods& m : {cap, alibi}) {
-        const ProblemConfig c =
-            make_config(2, 4, 2, 130, 97, d, Mask::None, dt, testing::Layout::BSHD, 1.0f, 33 + static_cast<uint64_t>(d));
+        const ProblemConfig c = make_config(2, 4, 2, 130, 97, d, Mask::None, dt, testing::Layout::BSHD, 1.0f,
+                                            33 + static_cast<uint64_t>(d));
         Problem p(c);
         DeviceSlopes sl(c, m);
         ASSERT_TRUE(sl.ok());
@@ -845,7 +846,8 @@ TEST(ScoreModsDeterminism, BitwiseAcrossRuns) {
   Mods m;
   m.left = 200, m.right = 0, m.softcap = 5.0f, m.alibi = 2;
   for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16}) {
-    const ProblemConfig c = make_config(1, 4, 2, 1031, 777, 128, Mask::CausalBottomRight, dt, testing::Layout::BSHD, 0, 61);
+    const ProblemConfig c =
+        make_config(1, 4, 2, 1031, 777, 128, Mask::CausalBottomRight, dt, testing::Layout::BSHD, 0, 61);
     Problem p(c);
     DeviceSlopes sl(c, m);
     ASSERT_TRUE(sl.ok());

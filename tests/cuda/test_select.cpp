@@ -526,7 +526,8 @@ TEST(CudaSelect, SoftcapAndAlibiTakeTheXfKernels) {
           const Numerics n = mod(num(DType::Float32, Mask::CausalTopLeft, prec));
           const Sel c = sel(shape(2048, d), n, cc, 0);
           ASSERT_TRUE(c.ok) << c.why;
-          const std::string at = "D = " + std::to_string(d) + " sm_" + std::to_string(cc) + "0" + (prec == Precision::Tf32 ? " tf32" : " fp32");
+          const std::string at = "D = " + std::to_string(d) + " sm_" + std::to_string(cc) + "0" +
+                                 (prec == Precision::Tf32 ? " tf32" : " fp32");
           EXPECT_EQ(c.fwd().kernel, FwdKernel::Sm80Mma32) << at;
           EXPECT_EQ(c.bwd().kernel, BwdKernel::Sm80Mma32Split) << at;
           EXPECT_TRUE(c.fwd().xf && c.bwd().xf) << at;

@@ -3,9 +3,9 @@
 // single-pass backward). docs/ALGORITHM.md ("CUDA float16/bfloat16") has the pseudocode and the
 // work model. Templates over the padded head dim DP, the element type and XF, whether the kernel
 // runs the score transform's per-entry step (softcap, ALiBi: core/score.hpp; as in the float32
-// kernels, kernels_fp32.cuh); tiles come from tile_config16() (config.hpp) only. Products: mma.sync m16n8k16 with float32 accumulation
-// (mma16.cuh); softmax, masks and statistics in float32 (device.cuh, shared with the float32
-// kernels).
+// kernels, kernels_fp32.cuh); tiles come from tile_config16() (config.hpp) only. Products:
+// mma.sync m16n8k16 with float32 accumulation (mma16.cuh); softmax, masks and statistics in
+// float32 (device.cuh, shared with the float32 kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
     const int64_t n0 = static_cast<int64_t>(t) * BN;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      if constexpr (XF) transform_scores(s[m], hd, row_w + 16 * m, n0);  // (before the mask: tanh(-inf) is finite)
+      // (The per-entry step before the mask: a masked -inf would turn finite under the tanh.)
+      if constexpr (XF) transform_scores(s[m], hd, row_w + 16 * m, n0);
       else scale_scores(s[m], a.score);
     }
     if (qb.tile_masked(n0, BN, Skv)) {
@@ -206,13 +207,15 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
 
     const int64_t n0 = static_cast<int64_t>(t) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
-    float f[NS][4];  // XF: the per-entry factor F (unused otherwise)
-    if constexpr (XF) transform_scores(s[0], f, hd, row_w, n0);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
+      // XF: the per-entry step (before the mask), its factor F used at once: an F array for the
+      // whole slice (transform_scores) spilled up to 140 bytes here and 508 in dK/dV at D = 64.
+      float f = 1.0f;
+      if constexpr (XF) s[0][j][e] = transform_score(s[0][j][e], f, hd, row_w + r, n0 + c);
       float pe = exp2_ftz(lin.exp2_arg(s[0][j][e], l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[0][j][e] = pe * (dp[0][j][e] - dl[e >> 1]);  // dS
-      if constexpr (XF) dp[0][j][e] *= f[j][e];
+      if constexpr (XF) dp[0][j][e] *= f;
     });
     uint32_t pds[1][NS / 2][4];
     to_afrag<H, 1, NS / 2>(pds, dp);
@@ -306,14 +309,15 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
 
     const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
-    float f[NS][4];  // XF: the per-entry factor F^T (unused otherwise)
-    if constexpr (XF) transform_scores<true>(s[0], f, a.score.head(b, h), row_w, n0);
+    const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
     for_each_entry<NS>([&](int j, int e, int r, int c) {
+      float f = 1.0f;  // XF: as in dq16_kernel, on S^T
+      if constexpr (XF) s[0][j][e] = transform_score<true>(s[0][j][e], f, hd, row_w + r, n0 + c);
       float pe = exp2_ftz(lin.exp2_arg(s[0][j][e], lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
-      if constexpr (XF) dp[0][j][e] *= f[j][e];
+      if constexpr (XF) dp[0][j][e] *= f;
     });
     uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
     to_afrag<H, 1, NS / 2>(pp, s);

@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
     gemm_nt<M, NS, DP, LD, SOFF>(s, sQw, sK + stage * BN * LD);
 
     const int64_t n0 = static_cast<int64_t>(t) * BN;
-    if constexpr (XF) transform_scores(s, hd, row_w, n0);  // (before the mask: tanh(-inf) is finite)
+    // (The per-entry step before the mask: a masked -inf would turn finite under the tanh.)
+    if constexpr (XF) transform_scores(s, hd, row_w, n0);
     else scale_scores(s, a.score);
     if (qb.tile_masked(n0, BN, Skv)) {
       for_each_entry<NS>([&](int j, int e, int r, int c) {
