@@ -16,18 +16,29 @@ import sys
 
 # family: (padded head dims, launcher header, instantiation macro, compiled for sm_90a only)
 # The macro is called with the head dim (and, for the float32 sm_80 families, the pass name).
+# A family <f>_xf holds f's kernels with the score transform's per-entry step (softcap, ALiBi:
+# the launchers' XF = true), over the same head dims, in files of their own so that a file still
+# holds at most four kernels.
 TABLE = {
     # float32 mma.sync / FMA kernels (sm80/kernels_fp32.cuh), every Math per file
     "forward": ([64, 128, 256], "sm80/launch_fp32.cuh", "FLASHATTN_INSTANTIATE(forward, {d})", False),
     "dq": ([64, 128, 256], "sm80/launch_fp32.cuh", "FLASHATTN_INSTANTIATE(dq, {d})", False),
     "dkv": ([64, 128, 256], "sm80/launch_fp32.cuh", "FLASHATTN_INSTANTIATE(dkv, {d})", False),
+    "forward_xf": ([64, 128, 256], "sm80/launch_fp32.cuh", "FLASHATTN_INSTANTIATE_XF(forward, {d})", False),
+    "dq_xf": ([64, 128, 256], "sm80/launch_fp32.cuh", "FLASHATTN_INSTANTIATE_XF(dq, {d})", False),
+    "dkv_xf": ([64, 128, 256], "sm80/launch_fp32.cuh", "FLASHATTN_INSTANTIATE_XF(dkv, {d})", False),
     # float16/bfloat16 mma.sync kernels (sm80/kernels16.cuh)
     "forward16": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_forward({d})", False),
     "dq16": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_dq({d})", False),
     "dkv16": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_dkv({d})", False),
-    # sm_90a wgmma + TMA kernels (sm90/)
+    "forward16_xf": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_forward_xf({d})", False),
+    "dq16_xf": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_dq_xf({d})", False),
+    "dkv16_xf": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_dkv_xf({d})", False),
+    # sm_90a wgmma + TMA kernels (sm90/); the float32 ones (tf32, 3xTF32) have no per-entry step
     "forward_sm90": ([64, 128, 256], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_forward({d})", True),
     "dkv_sm90": ([64, 128, 256], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_dkv({d})", True),
+    "forward_sm90_xf": ([64, 128, 256], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_forward_xf({d})", True),
+    "dkv_sm90_xf": ([64, 128, 256], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_dkv_xf({d})", True),
     "forward_tf32_sm90": ([64, 128], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_forward_tf32({d})", True),
     "forward_3xtf32_sm90": ([64, 128], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_forward_3xtf32({d})", True),
     "bwd_tf32_sm90": ([64, 128], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_bwd_tf32({d})", True),
@@ -62,6 +73,10 @@ def outputs():
         assert TABLE[fam][0] == TABLE["forward"][0], "the float32 passes share one head-dim list"
     for fam in ("dq16", "dkv16"):
         assert TABLE[fam][0] == TABLE["forward16"][0], "the 16-bit passes share one head-dim list"
+    # The backend dispatches an XF kernel through its plain family's list (common/head_dims.hpp).
+    for fam in TABLE:
+        if fam.endswith("_xf"):
+            assert TABLE[fam][0] == TABLE[fam[:-3]][0], f"{fam} has the head dims of {fam[:-3]}"
     files["inst/sources.cmake"] = (
         f"# {GEN}\n"
         "set(flashattn_cuda_inst\n" + "".join(f"  {n}\n" for n in generic) + ")\n"

@@ -17,7 +17,24 @@ namespace {
 
 Shape shape(int64_t s, int64_t d, int64_t skv = -1) { return Shape{2, 8, 8, s, skv < 0 ? s : skv, d}; }
 Numerics num(DType t, Mask m = Mask::None, Precision p = Precision::Fp32, bool det = false) {
-  return Numerics{t, 0.125f, m, p, det};
+  Numerics n{t, 0.125f, m, p, det};
+  n.window_left = n.window_right = -1;  // no sliding window (0 would be a window of one diagonal)
+  return n;
+}
+// The same numerics with a softcap, ALiBi slopes (never dereferenced here) and a sliding window.
+const float kSlopes[1] = {0.5f};
+Numerics with_softcap(Numerics n, float c = 30.0f) {
+  n.softcap = c;
+  return n;
+}
+Numerics with_alibi(Numerics n) {
+  n.alibi = Alibi{kSlopes, 0, 1};
+  return n;
+}
+Numerics with_window(Numerics n, int64_t left, int64_t right) {
+  n.window_left = left;
+  n.window_right = right;
+  return n;
 }
 
 // Overrides as the environment would give them: {"FLASHATTN_CUDA_ARCH", "sm80"}, ...
@@ -480,6 +497,132 @@ TEST(CudaSelect, OperandsTheCopyEngineCannotAddressGetTheSm80Kernels) {
   const ForwardPlan f = select_forward(p, dev(9, 0), Overrides{}).plan;
   EXPECT_FALSE(f.vec16);
   EXPECT_EQ(f.kernel, FwdKernel::Sm80Mma16);
+}
+
+// A softcap or ALiBi takes the XF kernels (the per-entry score step) on the route the plain call
+// would take, except the float32 sm_90a kernels, which have no such step: float32 then runs the
+// mma.sync kernels in either precision. Nothing else of the plan changes.
+TEST(CudaSelect, SoftcapAndAlibiTakeTheXfKernels) {
+  // Without them: no XF anywhere, also with a sliding window (windows need no kernel of their own).
+  for (DType t : {DType::Float32, DType::BFloat16, DType::Float16})
+    for (int cc : {8, 9}) {
+      const Sel plain = sel(shape(1024, 128), num(t), cc, 0);
+      const Sel win = sel(shape(1024, 128), with_window(num(t, Mask::CausalBottomRight), 64, 0), cc, 0);
+      ASSERT_TRUE(plain.ok && win.ok) << plain.why << win.why;
+      EXPECT_FALSE(plain.fwd().xf || plain.bwd().xf || win.fwd().xf || win.bwd().xf);
+      EXPECT_EQ(plain.fwd().kernel, win.fwd().kernel) << dtype_name(t) << " sm_" << cc << "0";
+      EXPECT_EQ(plain.bwd().kernel, win.bwd().kernel) << dtype_name(t) << " sm_" << cc << "0";
+      EXPECT_EQ(kernel_name(plain.fwd()), kernel_name(plain.fwd().kernel));
+    }
+  const auto mods = {+[](Numerics n) { return with_softcap(n); }, +[](Numerics n) { return with_alibi(n); },
+                     +[](Numerics n) { return with_window(with_alibi(with_softcap(n, 5.0f)), 100, -1); }};
+  for (auto mod : mods) {
+    // float32, both precisions, at the head dims where the plain call takes the sm_90a kernels
+    // (64, 128) and where it does not (256), on 9.0 and 8.0: the mma.sync kernels with XF, the
+    // precision's arithmetic, the plain mma.sync plan's shared memory and workspace.
+    for (Precision prec : {Precision::Fp32, Precision::Tf32})
+      for (int64_t d : {40, 64, 128, 256})
+        for (int cc : {8, 9}) {
+          const Numerics n = mod(num(DType::Float32, Mask::CausalTopLeft, prec));
+          const Sel c = sel(shape(2048, d), n, cc, 0);
+          ASSERT_TRUE(c.ok) << c.why;
+          const std::string at = "D = " + std::to_string(d) + " sm_" + std::to_string(cc) + "0" +
+                                 (prec == Precision::Tf32 ? " tf32" : " fp32");
+          EXPECT_EQ(c.fwd().kernel, FwdKernel::Sm80Mma32) << at;
+          EXPECT_EQ(c.bwd().kernel, BwdKernel::Sm80Mma32Split) << at;
+          EXPECT_TRUE(c.fwd().xf && c.bwd().xf) << at;
+          EXPECT_EQ(c.math, prec == Precision::Tf32 ? Math::Tf32 : Math::Tf32x3) << at;
+          EXPECT_EQ(kernel_name(c.fwd()), "sm80-mma32+xf") << at;
+          EXPECT_EQ(kernel_name(c.bwd()), "sm80-mma32-split+xf") << at;
+          OverrideScope arch("FLASHATTN_CUDA_ARCH", "sm80");
+          const Sel p80 = sel(shape(2048, d), num(DType::Float32, Mask::CausalTopLeft, prec), cc, 0);
+          EXPECT_EQ(c.fwd().smem, p80.fwd().smem) << at;
+          EXPECT_EQ(c.fwd().workspace, p80.fwd().workspace) << at;
+          EXPECT_EQ(c.bwd().smem_dq, p80.bwd().smem_dq) << at;
+          EXPECT_EQ(c.bwd().smem_dkv, p80.bwd().smem_dkv) << at;
+          EXPECT_EQ(c.bwd().workspace, p80.bwd().workspace) << at;
+        }
+    {
+      // ... whatever the float32 sm_90a overrides ask for; and FMA before sm_80.
+      OverrideScope f("FLASHATTN_CUDA_FP32_FWD", "wgmma");
+      OverrideScope b("FLASHATTN_CUDA_FP32_BWD", "wgmma");
+      OverrideScope t("FLASHATTN_CUDA_TF32_BWD", "pair");
+      for (Precision prec : {Precision::Fp32, Precision::Tf32}) {
+        const Sel c = sel(shape(2048, 64), mod(num(DType::Float32, Mask::None, prec)), 9, 0);
+        EXPECT_EQ(c.fwd().kernel, FwdKernel::Sm80Mma32);
+        EXPECT_EQ(c.bwd().kernel, BwdKernel::Sm80Mma32Split);
+        EXPECT_EQ(c.bwd().workspace, delta_floats(shape(2048, 64)) * sizeof(float));
+      }
+      const Sel old = sel(shape(2048, 64), mod(num(DType::Float32)), 7, 5);
+      EXPECT_EQ(old.math, Math::Fma);
+      EXPECT_TRUE(old.fwd().xf && old.bwd().xf);
+    }
+    // 16-bit: the plain route, with XF: on 9.0 the wgmma forward and the atomic wgmma backward at
+    // D = 64, 128, 256; the split backward when deterministic; at D = 96 (no sm_90a kernels) and
+    // before 9.0 the mma.sync kernels in the plain call's design.
+    for (DType t : {DType::BFloat16, DType::Float16}) {
+      for (int64_t d : {64, 128, 256}) {
+        const std::string at = std::string(dtype_name(t)) + " D = " + std::to_string(d);
+        const Sel plain = sel(shape(2048, d), num(t, Mask::CausalTopLeft), 9, 0);
+        const Sel c = sel(shape(2048, d), mod(num(t, Mask::CausalTopLeft)), 9, 0);
+        ASSERT_TRUE(c.ok) << c.why;
+        EXPECT_EQ(c.fwd().kernel, FwdKernel::Sm90Wgmma16) << at;
+        EXPECT_EQ(c.bwd().kernel, BwdKernel::Sm90Wgmma16Atomic) << at;
+        EXPECT_TRUE(c.fwd().xf && c.bwd().xf) << at;
+        EXPECT_EQ(kernel_name(c.fwd()), "sm90-wgmma16+xf") << at;
+        EXPECT_EQ(kernel_name(c.bwd()), "sm90-wgmma16-atomic+xf") << at;
+        EXPECT_EQ(c.fwd().pingpong, plain.fwd().pingpong) << at;
+        EXPECT_EQ(c.fwd().smem, plain.fwd().smem) << at;
+        EXPECT_EQ(c.bwd().sm90_variant, plain.bwd().sm90_variant) << at;
+        EXPECT_EQ(c.bwd().smem_dkv, plain.bwd().smem_dkv) << at;
+        EXPECT_EQ(c.bwd().workspace, plain.bwd().workspace) << at;
+        const Sel det = sel(shape(2048, d), mod(num(t, Mask::None, Precision::Fp32, true)), 9, 0);
+        EXPECT_EQ(det.fwd().kernel, FwdKernel::Sm90Wgmma16) << at;
+        EXPECT_EQ(det.bwd().kernel, BwdKernel::Sm80Mma16Split) << at;
+        EXPECT_TRUE(det.fwd().xf && det.bwd().xf) << at;
+        EXPECT_EQ(kernel_name(det.bwd()), "sm80-mma16-split+xf") << at;
+        {
+          OverrideScope arch("FLASHATTN_CUDA_ARCH", "sm80");
+          const Sel c80 = sel(shape(2048, d), mod(num(t)), 9, 0);
+          EXPECT_EQ(c80.fwd().kernel, FwdKernel::Sm80Mma16) << at;
+          EXPECT_TRUE(c80.bwd().kernel == BwdKernel::Sm80Mma16Split || c80.bwd().kernel == BwdKernel::Sm80Mma16Atomic)
+              << at << ": " << kernel_name(c80.bwd());
+          EXPECT_TRUE(c80.fwd().xf && c80.bwd().xf) << at;
+        }
+        // Before 9.0: the atomic mma.sync backward at D = 64, split from 96 up (the plain rule).
+        const Sel a100 = sel(shape(2048, d), mod(num(t)), 8, 0);
+        EXPECT_EQ(a100.fwd().kernel, FwdKernel::Sm80Mma16) << at;
+        EXPECT_EQ(a100.bwd().kernel, d == 64 ? BwdKernel::Sm80Mma16Atomic : BwdKernel::Sm80Mma16Split) << at;
+        EXPECT_TRUE(a100.fwd().xf && a100.bwd().xf) << at;
+        EXPECT_EQ(kernel_name(a100.fwd()), "sm80-mma16+xf") << at;
+        {
+          OverrideScope bwd("FLASHATTN_CUDA_BWD", "atomic");
+          const Sel at100 = sel(shape(2048, d), mod(num(t)), 8, 0);
+          EXPECT_EQ(at100.bwd().kernel, BwdKernel::Sm80Mma16Atomic) << at;
+          EXPECT_TRUE(at100.bwd().xf) << at;
+        }
+      }
+      const Sel c96 = sel(shape(2048, 80), mod(num(t)), 9, 0);
+      ASSERT_TRUE(c96.ok) << c96.why;
+      EXPECT_EQ(c96.dp, 96);
+      EXPECT_EQ(c96.fwd().kernel, FwdKernel::Sm80Mma16);
+      EXPECT_EQ(c96.bwd().kernel, BwdKernel::Sm80Mma16Split);
+      EXPECT_TRUE(c96.fwd().xf && c96.bwd().xf);
+      // Operands the copy engine cannot address: the mma.sync kernels, with XF.
+      ForwardParams fp = fparams(shape(2048, 128), mod(num(t)));
+      fp.q.ptr = static_cast<const char*>(fp.q.ptr) + 8;
+      const ForwardPlan f = select_forward(fp, dev(9, 0), Overrides{}).plan;
+      EXPECT_EQ(f.kernel, FwdKernel::Sm80Mma16);
+      EXPECT_TRUE(f.xf);
+    }
+  }
+  // Unsupported problems still say why, with or without the per-entry step.
+  const Sel wide = sel(shape(128, 300), with_softcap(num(DType::BFloat16)), 9, 0);
+  EXPECT_FALSE(wide.ok);
+  EXPECT_NE(wide.why.find("300"), std::string::npos) << wide.why;
+  const Sel old16 = sel(shape(128, 64), with_alibi(num(DType::Float16)), 7, 5);
+  EXPECT_FALSE(old16.ok);
+  EXPECT_NE(old16.why.find("sm_80"), std::string::npos) << old16.why;
 }
 
 TEST(CudaSelect, TmaRules) {

@@ -219,11 +219,17 @@ TEST(CudaWork, BlocksThatSeeNothingVisitNoTiles) {
   const MaskRule tl = make_mask_rule(1, 100, 300);
   EXPECT_EQ(key_block_at(t, tl, 0, 0, 1, 64, 64).ntiles, 1);  // keys [64, 128): queries [64, 100)
   for (int64_t x = 2; x < 5; ++x) EXPECT_EQ(key_block_at(t, tl, 0, 0, x, 64, 64).ntiles, 0);
-  // The template forms (the kernels') agree with the run-time ones.
-  const QueryBlock a = query_block<64, 32>(s, Mask::CausalBottomRight, 0, 0, 1);
+  // The template forms (the kernels', from the call's numerics) agree with the run-time ones.
+  auto numerics = [](Mask m) {
+    Numerics n{};
+    n.mask = m;
+    n.window_left = n.window_right = -1;
+    return n;
+  };
+  const QueryBlock a = query_block<64, 32>(s, numerics(Mask::CausalBottomRight), 0, 0, 1);
   const QueryBlock b = query_block_at(s, br, 0, 0, 1, 64, 32);
   EXPECT_TRUE(a.m0 == b.m0 && a.t_begin == b.t_begin && a.ntiles == b.ntiles);
-  const KeyBlock c = key_block<64, 32>(t, Mask::CausalTopLeft, 0, 0, 1);
+  const KeyBlock c = key_block<64, 32>(t, numerics(Mask::CausalTopLeft), 0, 0, 1);
   const KeyBlock d = key_block_at(t, tl, 0, 0, 1, 64, 32);
   EXPECT_TRUE(c.m0 == d.m0 && c.t_begin == d.t_begin && c.ntiles == d.ntiles);
 }
@@ -240,6 +246,15 @@ TEST(CudaWork, WindowsSkipTilesOnBothSides) {
   const KeyBlock kb = key_block_at(s, w, 0, 0, 2, 128, 64);  // keys [256, 384): queries [256, 484)
   EXPECT_EQ(kb.t_begin, 256 / 64);
   EXPECT_EQ(kb.t_end, (383 + 100) / 64 + 1);
+  // The kernels' template forms take the window from the call's numerics (mask_rule).
+  Numerics n{};
+  n.mask = Mask::CausalBottomRight;
+  n.window_left = 100;
+  n.window_right = 0;
+  const QueryBlock qt = query_block<128, 64>(s, n, 0, 0, 0);
+  EXPECT_TRUE(qt.t_begin == qb.t_begin && qt.ntiles == qb.ntiles);
+  const KeyBlock kt = key_block<128, 64>(s, n, 0, 0, 2);
+  EXPECT_TRUE(kt.t_begin == kb.t_begin && kt.t_end == kb.t_end && kt.ntiles == kb.ntiles);
 }
 
 }  // namespace

@@ -434,13 +434,20 @@ __device__ __forceinline__ void transform_scores(float (&s)[NS][4], const ScoreT
     s[j][e] = TRANSPOSED ? hd.logit2_at(s[j][e], b, a) : hd.logit2_at(s[j][e], a, b);
   });
 }
-// The same, also giving the backward's per-entry factor on dS (1 - tanh^2 under a softcap).
+// One entry of it, also giving the backward's factor on dS (1 - tanh^2 under a softcap): raw product
+// s at slice row `row`, column `col` (absolute indices, as above). For loops that use each entry's
+// factor at once: no factor array stays live across the tile.
+template <bool TRANSPOSED = false>
+__device__ __forceinline__ float transform_score(float s, float& f, const ScoreTransform::Head& hd, int64_t row,
+                                                 int64_t col) {
+  return TRANSPOSED ? hd.logit2_at(s, col, row, f) : hd.logit2_at(s, row, col, f);
+}
+// The slice with the factors of every entry.
 template <bool TRANSPOSED = false, int NS>
 __device__ __forceinline__ void transform_scores(float (&s)[NS][4], float (&f)[NS][4], const ScoreTransform::Head& hd,
                                                  int64_t row0, int64_t col0) {
   for_each_entry<NS>([&](int j, int e, int r, int c) {
-    const int64_t a = row0 + r, b = col0 + c;
-    s[j][e] = TRANSPOSED ? hd.logit2_at(s[j][e], b, a, f[j][e]) : hd.logit2_at(s[j][e], a, b, f[j][e]);
+    s[j][e] = transform_score<TRANSPOSED>(s[j][e], f[j][e], hd, row0 + r, col0 + c);
   });
 }
 

@@ -1,7 +1,9 @@
 // The CUDA kernels' work arithmetic, host and device: which tiles a CTA visits and which entries of
 // a tile a lane keeps, all from the mask's band (core/mask.hpp). Every kernel iterates the tile
 // range these functions give (tile of iteration it = t_begin + it) and masks with their per-row
-// bounds, so a new band (a sliding window, varlen offsets) changes this file, not the kernels.
+// bounds, so the band (causal, a sliding window; varlen offsets would be another) is this file's
+// concern, not the kernels'. (The score transform's per-entry step, softcap and ALiBi, changes
+// values, never which entries are visible: it is no concern of this file.)
 // Plain integer code (no device intrinsics): tests/cuda/test_work.cpp checks it on the host
 // against a brute-force mask.
 #pragma once

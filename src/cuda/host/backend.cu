@@ -67,6 +67,12 @@ void dispatch_half(Half16 h, F&& f) {
   if (h == Half16::BF16) return f(std::integral_constant<Half16, Half16::BF16>{});
   f(std::integral_constant<Half16, Half16::F16>{});
 }
+// The plan's xf: the kernels with the per-entry score step (softcap, ALiBi) or those without.
+template <class F>
+void dispatch_xf(bool xf, F&& f) {
+  if (xf) return f(std::true_type{});
+  f(std::false_type{});
+}
 
 // The device's capabilities, read once per device (a call asks for them every time).
 DeviceCaps device_caps(int device) {
@@ -249,15 +255,27 @@ void forward(const ForwardParams& p) {
   switch (plan.kernel) {
     case FwdKernel::Sm80Mma32:
       return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
-        dispatch_math(plan.math, [&](auto m) { launch_forward<decltype(dp)::value, decltype(m)::value>(a, stream); });
+        dispatch_math(plan.math, [&](auto m) {
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_forward<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+          });
+        });
       });
     case FwdKernel::Sm80Mma16:
       return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) { launch_forward16<decltype(dp)::value, decltype(h)::value>(a, stream); });
+        dispatch_half(plan.h, [&](auto h) {
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_forward16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+          });
+        });
       });
     case FwdKernel::Sm90Wgmma16:
       return dispatch_dim<kSm90Forward16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) { launch_forward_sm90<decltype(dp)::value, decltype(h)::value>(a, stream); });
+        dispatch_half(plan.h, [&](auto h) {
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_forward_sm90<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+          });
+        });
       });
     case FwdKernel::Sm90Tf32:
       return dispatch_dim<kSm90Tf32Forward>(plan.dp, [&](auto dp) { launch_forward_tf32_sm90<decltype(dp)::value>(a, stream); });
@@ -297,28 +315,40 @@ void backward(const BackwardParams& p) {
       launch_preprocess(a, stream);
       return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
         dispatch_math(plan.math, [&](auto m) {
-          launch_dq<decltype(dp)::value, decltype(m)::value>(a, stream);
-          launch_dkv<decltype(dp)::value, decltype(m)::value>(a, stream);
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_dq<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+            launch_dkv<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+          });
         });
       });
     case BwdKernel::Sm80Mma16Split:
       launch_preprocess(a, stream);
       return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
         dispatch_half(plan.h, [&](auto h) {
-          launch_dq16<decltype(dp)::value, decltype(h)::value>(a, stream);
-          launch_dkv16<decltype(dp)::value, decltype(h)::value, false>(a, stream);
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_dq16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+            launch_dkv16<decltype(dp)::value, decltype(h)::value, false, decltype(xf)::value>(a, stream);
+          });
         });
       });
     case BwdKernel::Sm80Mma16Atomic:
       launch_preprocess(a, stream);
       dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) { launch_dkv16<decltype(dp)::value, decltype(h)::value, true>(a, stream); });
+        dispatch_half(plan.h, [&](auto h) {
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_dkv16<decltype(dp)::value, decltype(h)::value, true, decltype(xf)::value>(a, stream);
+          });
+        });
       });
       return launch_dq_convert(a, plan.dp, stream);
     case BwdKernel::Sm90Wgmma16Atomic:
       launch_preprocess(a, stream);
       dispatch_dim<kSm90Dkv16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) { launch_dkv_sm90<decltype(dp)::value, decltype(h)::value>(a, stream); });
+        dispatch_half(plan.h, [&](auto h) {
+          dispatch_xf(plan.xf, [&](auto xf) {
+            launch_dkv_sm90<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+          });
+        });
       });
       return launch_dq_convert(a, plan.dp, stream);
     case BwdKernel::Sm90Wgmma32:
@@ -347,7 +377,8 @@ std::string describe() {
   os << "; float32 (precision fp32: 3xTF32 tensor cores, tf32, FMA before sm_80) and float16/bfloat16 "
         "(sm_80+) kernels; on sm_90 the wgmma + TMA kernels (16-bit forward and atomic-dQ backward at "
         "D = 64/128/256, float32 forward and backward at D = 64/128); deterministic = 1 takes the split "
-        "backward";
+        "backward; softcap / ALiBi on the mma.sync kernels and the 16-bit sm_90 kernels (float32 on "
+        "mma.sync only)";
   if (overrides_enabled()) os << "; kernel-selection overrides FLASHATTN_CUDA_* enabled (developer build)";
   return os.str();
 }

@@ -93,13 +93,14 @@ bool sm90_allowed(const DeviceCaps& dev, const Overrides& ov) { return dev.sm90a
 
 // What both passes' plans start from: the dtype's and the grid's limits, the padded head dim, the
 // device's tile class and the 16-bit type. False (r.why set) when unsupported.
+// A softcap or ALiBi (Numerics::elementwise_scores) takes the XF kernels: the sm_80 mma.sync kernels
+// of every dtype and the 16-bit sm_90a wgmma kernels have them; the float32 sm_90a kernels (tf32,
+// 3xTF32) do not, so such a float32 call runs the mma.sync kernels in either precision. (A sliding
+// window needs no kernel of its own: every kernel iterates mask_rule()'s band.)
 template <class Plan>
 bool start(const Shape& s, const Numerics& n, const DeviceCaps& dev, Selected<Plan>& r) {
   if (!(r.why = dtype_limits(n.dtype, dev)).empty()) return false;
-  if (n.elementwise_scores()) {
-    r.why = "softcap / alibi_slopes are not implemented on CUDA yet";
-    return false;
-  }
+  r.plan.xf = n.elementwise_scores();
   const bool half = n.dtype != DType::Float32;
   r.plan.dp = half ? padded_head_dim16(s.head_dim) : padded_head_dim(s.head_dim);
   if (!(r.why = common_limits(s, r.plan.dp)).empty()) return false;
@@ -149,6 +150,8 @@ const char* kernel_name(BwdKernel k) {
   }
   return "?";
 }
+std::string kernel_name(const ForwardPlan& p) { return std::string(kernel_name(p.kernel)) + (p.xf ? "+xf" : ""); }
+std::string kernel_name(const BackwardPlan& p) { return std::string(kernel_name(p.kernel)) + (p.xf ? "+xf" : ""); }
 
 Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& dev, const Overrides& ov) {
   Selected<ForwardPlan> r;
@@ -177,7 +180,8 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
     if (!float32_math(n, dev, ov, &f.math, &r.why)) return r;
     f.kernel = FwdKernel::Sm80Mma32;
     f.smem = smem_bytes(Pass::Forward, f.dp, f.big);
-    if (sm90 && f.math == Math::Tf32 && has_sm90_tf32(f.dp) && maps_q()) {
+    const bool sm90_32 = sm90 && !f.xf;  // (no per-entry step in the sm_90a float32 forwards: start())
+    if (sm90_32 && f.math == Math::Tf32 && has_sm90_tf32(f.dp) && maps_q()) {
       // tf32 on Hopper: the wgmma forward; the operands it streams as stored need maps.
       const int copies = ov.tf32_fwd_copies >= 0 ? ov.tf32_fwd_copies : tf32_fwd_copies_default(s, n.mask);
       if ((copies == 2 || maps_k()) && (copies >= 1 || maps_v())) {
@@ -187,7 +191,7 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
         const CopySizes c = copy_sizes(s, f.dp, false);
         f.workspace = ((copies >= 1 ? c.kt : 0) + (copies == 2 ? c.k : 0)) * sizeof(float);
       }
-    } else if (sm90 && f.math == Math::Tf32x3 && has_sm90_3xtf32(f.dp) && maps_q() &&
+    } else if (sm90_32 && f.math == Math::Tf32x3 && has_sm90_3xtf32(f.dp) && maps_q() &&
                (ov.fp32_fwd >= 0 ? ov.fp32_fwd == 1 : fp32_fwd_wgmma_default(f.dp))) {
       // The fp32-accurate forward on wgmma (the default at padded D = 64 and 128: 1.3-1.5x the
       // mma.sync 3xTF32 kernel at 128, 4-17% faster at 64), streaming the pre-pass's split copies
@@ -252,13 +256,15 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     // product in three terms (1.1-1.4x the mma.sync 3xTF32 kernels at D = 64).
     // FLASHATTN_CUDA_TF32_BWD: mma (the mma.sync kernels), wgmma-dq (D = 64: the dK/dV pass on
     // mma.sync), wgmma (default), pair (the pair kernels at D = 64 too).
+    // (None of them has the per-entry step: a softcap or ALiBi keeps the mma.sync passes, start().)
+    const bool maps32 = maps && !b.xf;
     const int tf32_bwd = ov.tf32_bwd >= 0 ? ov.tf32_bwd : 2;
     bool wgmma = false;
-    if (maps && b.math == Math::Tf32 && has_sm90_tf32_bwd(b.dp) && tf32_bwd >= 1) {
+    if (maps32 && b.math == Math::Tf32 && has_sm90_tf32_bwd(b.dp) && tf32_bwd >= 1) {
       wgmma = true;
       b.pair = tf32_bwd_pair(b.dp) || tf32_bwd == 3;
       b.dkv_wgmma = tf32_bwd >= 2 || b.pair;
-    } else if (maps && b.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(b.dp) && ov.fp32_bwd != 0) {
+    } else if (maps32 && b.math == Math::Tf32x3 && has_sm90_3xtf32_bwd(b.dp) && ov.fp32_bwd != 0) {
       wgmma = b.pair = b.dkv_wgmma = true;
     }
     if (wgmma) {

@@ -46,6 +46,7 @@ struct ForwardPlan {
   bool big = false;           // DeviceCaps::big
   bool pingpong = false;      // Sm90Wgmma16: the two consumer warpgroups take turns issuing products
   int tf32_copies = 0;        // Sm90Tf32: operands the pre-pass copies (0 none, 1 V transposed, 2 K and V)
+  bool xf = false;            // the kernel with the per-entry score step (softcap, ALiBi; launchers' XF)
   int smem = 0;               // dynamic shared memory of the kernel, bytes
   size_t workspace = 0;       // device scratch, bytes (the pre-pass copies)
 };
@@ -70,6 +71,7 @@ struct BackwardPlan {
   bool dkv_wgmma = false;   // Sm90Wgmma32 split kernels: the dK/dV pass on wgmma (else mma.sync)
   long persistent_cap = 0;  // Sm90Wgmma32 pair kernels: at most this many CTAs walk the blocks (0: one per block)
   int convert_ctas = 0;     // Sm90Wgmma32: CTAs writing the Q/dO copies on a side stream (0: in order)
+  bool xf = false;          // the kernels with the per-entry score step (softcap, ALiBi; launchers' XF)
   int smem_dq = 0;          // dynamic shared memory of the dQ pass (0: none)
   int smem_dkv = 0;         // of the dK/dV pass
   size_t workspace = 0;     // device scratch, bytes (D, the dQ accumulator; Sm90Wgmma32 adds its copies)
@@ -91,6 +93,9 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
 // Short names for messages and tests ("sm90-tf32", ...).
 const char* kernel_name(FwdKernel k);
 const char* kernel_name(BwdKernel k);
+// A plan's kernel, "+xf" when it runs the per-entry score step ("sm80-mma16+xf").
+std::string kernel_name(const ForwardPlan& p);
+std::string kernel_name(const BackwardPlan& p);
 
 // 16-byte vector accesses of an operand: an aligned base and strides that are whole multiples of
 // 16 bytes (`per16` elements), so that every row starts 16-byte aligned.

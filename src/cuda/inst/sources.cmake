@@ -9,6 +9,15 @@ set(flashattn_cuda_inst
   inst/dkv_d64.cu
   inst/dkv_d128.cu
   inst/dkv_d256.cu
+  inst/forward_xf_d64.cu
+  inst/forward_xf_d128.cu
+  inst/forward_xf_d256.cu
+  inst/dq_xf_d64.cu
+  inst/dq_xf_d128.cu
+  inst/dq_xf_d256.cu
+  inst/dkv_xf_d64.cu
+  inst/dkv_xf_d128.cu
+  inst/dkv_xf_d256.cu
   inst/forward16_d64.cu
   inst/forward16_d96.cu
   inst/forward16_d128.cu
@@ -21,6 +30,18 @@ set(flashattn_cuda_inst
   inst/dkv16_d96.cu
   inst/dkv16_d128.cu
   inst/dkv16_d256.cu
+  inst/forward16_xf_d64.cu
+  inst/forward16_xf_d96.cu
+  inst/forward16_xf_d128.cu
+  inst/forward16_xf_d256.cu
+  inst/dq16_xf_d64.cu
+  inst/dq16_xf_d96.cu
+  inst/dq16_xf_d128.cu
+  inst/dq16_xf_d256.cu
+  inst/dkv16_xf_d64.cu
+  inst/dkv16_xf_d96.cu
+  inst/dkv16_xf_d128.cu
+  inst/dkv16_xf_d256.cu
 )
 set(flashattn_cuda_sm90_inst
   inst/forward_sm90_d64.cu
@@ -29,6 +50,12 @@ set(flashattn_cuda_sm90_inst
   inst/dkv_sm90_d64.cu
   inst/dkv_sm90_d128.cu
   inst/dkv_sm90_d256.cu
+  inst/forward_sm90_xf_d64.cu
+  inst/forward_sm90_xf_d128.cu
+  inst/forward_sm90_xf_d256.cu
+  inst/dkv_sm90_xf_d64.cu
+  inst/dkv_sm90_xf_d128.cu
+  inst/dkv_sm90_xf_d256.cu
   inst/forward_tf32_sm90_d64.cu
   inst/forward_tf32_sm90_d128.cu
   inst/forward_3xtf32_sm90_d64.cu

@@ -1,10 +1,11 @@
 // The float16/bfloat16 kernels: forward, dQ over query blocks (split backward) and dK/dV over key
 // blocks, the latter optionally also accumulating dQ with float32 atomics (FlashAttention 2's
 // single-pass backward). docs/ALGORITHM.md ("CUDA float16/bfloat16") has the pseudocode and the
-// work model. Templates over the padded head dim DP and the element type; tiles come from
-// tile_config16() (config.hpp) only. Products: mma.sync m16n8k16 with float32 accumulation
-// (mma16.cuh); softmax, masks and statistics in float32 (device.cuh, shared with the float32
-// kernels).
+// work model. Templates over the padded head dim DP, the element type and XF, whether the kernel
+// runs the score transform's per-entry step (softcap, ALiBi: core/score.hpp; as in the float32
+// kernels, kernels_fp32.cuh); tiles come from tile_config16() (config.hpp) only. Products:
+// mma.sync m16n8k16 with float32 accumulation (mma16.cuh); softmax, masks and statistics in
+// float32 (device.cuh, shared with the float32 kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,9 +32,9 @@ __device__ __forceinline__ uint16_t* out16(const T& op, int64_t b, int64_t h, in
 // Forward. CTA = block_m query rows of one (batch, head); warp = 16*mt of them. Loops over the key
 // tiles the mask leaves visible (QueryBlock: tiles [t_begin, t_begin + ntiles)): S = Q K^T (Q and
 // K fragments by ldmatrix), online softmax in float32 registers, P rounded to 16 bits and used
-// directly as the A fragments of O += P V.
+// directly as the A fragments of O += P V. XF: the logits are head.logit2_at(S, i, j).
 // ================================================================================================
-template <int DP, Half16 H>
+template <int DP, Half16 H, bool XF>
 __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).threads(), 1)
     forward16_kernel(const __grid_constant__ FwdArgs a) {
   constexpr TileConfig16 C = tile_config16(Pass::Forward, DP, kDeviceBig);
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   // of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
+  const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
 
   auto load_kv = [&](int tile, int stage) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
@@ -84,9 +86,13 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
     zero(s);
     gemm_ss<H, MT, NS, DP, TQ, TK>(s, smem_addr(sQ), wrow, kst, 0);
 
-#pragma unroll
-    for (int m = 0; m < MT; ++m) scale_scores(s[m], a.score);
     const int64_t n0 = static_cast<int64_t>(t) * BN;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      // (The per-entry step before the mask: a masked -inf would turn finite under the tanh.)
+      if constexpr (XF) transform_scores(s[m], hd, row_w + 16 * m, n0);
+      else scale_scores(s[m], a.score);
+    }
     if (qb.tile_masked(n0, BN, Skv)) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -132,9 +138,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
 // ================================================================================================
 // dQ (split backward). CTA = block_m query rows of one (batch, head), Q and dO stationary; loops
 // over key tiles: S = Q K^T, P = exp2(logit2(S) - lse2), dP = dO V^T, dS = P (dP - D),
-// dQ += dS K; dQ *= grad_scale.
+// dQ += dS K; dQ *= grad_scale. XF: logit2(S) = head.logit2_at(S, i, j) and dS = P (dP - D) F,
+// F that step's factor (1 - tanh^2 under a softcap).
 // ================================================================================================
-template <int DP, Half16 H>
+template <int DP, Half16 H, bool XF>
 __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).threads(), 1)
     dq16_kernel(const __grid_constant__ BwdArgs a) {
   constexpr TileConfig16 C = tile_config16(Pass::Dq, DP, kDeviceBig);
@@ -159,6 +166,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   // of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
+  // XF: the per-entry step for this (b, h), and the linear part after it (multiplier 1).
+  const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
+  const ScoreTransform lin = XF ? a.score.after_elementwise() : a.score;
 
   auto load_kv = [&](int tile, int stage) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
@@ -198,9 +208,14 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     const int64_t n0 = static_cast<int64_t>(t) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], l2[e >> 1]));
+      // XF: the per-entry step (before the mask), its factor F used at once: an F array for the
+      // whole slice (transform_scores) spilled up to 140 bytes here and 508 in dK/dV at D = 64.
+      float f = 1.0f;
+      if constexpr (XF) s[0][j][e] = transform_score(s[0][j][e], f, hd, row_w + r, n0 + c);
+      float pe = exp2_ftz(lin.exp2_arg(s[0][j][e], l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[0][j][e] = pe * (dp[0][j][e] - dl[e >> 1]);  // dS
+      if constexpr (XF) dp[0][j][e] *= f;
     });
     uint32_t pds[1][NS / 2][4];
     to_afrag<H, 1, NS / 2>(pds, dp);
@@ -222,8 +237,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
 // dQ_tile += dS K to a float32 accumulator with atomics (a convert pass applies grad_scale and
 // rounds it);
 // the dQ pass is then not needed. Float atomics make dQ's summation order vary run to run.
+// XF: as in dQ, on S^T (rows are keys: the transposed per-entry step), dS^T = P^T (dP^T - D) F^T
+// (the dQ atomics get F too); the query head, and with it the ALiBi slope, changes along the loop.
 // ================================================================================================
-template <int DP, Half16 H, bool ATOMIC>
+template <int DP, Half16 H, bool ATOMIC, bool XF>
 __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threads(), 1)
     dkv16_kernel(const __grid_constant__ BwdArgs a) {
   constexpr TileConfig16 C = tile_config16(Pass::Dkv, DP, kDeviceBig);
@@ -250,6 +267,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int rows = kb.rows, ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
+  const ScoreTransform lin = XF ? a.score.after_elementwise() : a.score;  // see dq16_kernel
   // ATOMIC: every key block of a head adds into the same dQ rows; starting each CTA at a
   // different query tile spreads those atomics over different addresses at any moment instead
   // of serialising them on one tile's rows in L2.
@@ -291,11 +309,15 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
 
     const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
+    const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], lse_to_log2(sLs[c])));
+      float f = 1.0f;  // XF: as in dq16_kernel, on S^T
+      if constexpr (XF) s[0][j][e] = transform_score<true>(s[0][j][e], f, hd, row_w + r, n0 + c);
+      float pe = exp2_ftz(lin.exp2_arg(s[0][j][e], lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[0][j][e] = pe;
       dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
+      if constexpr (XF) dp[0][j][e] *= f;
     });
     uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
     to_afrag<H, 1, NS / 2>(pp, s);

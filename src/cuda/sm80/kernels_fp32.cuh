@@ -1,7 +1,8 @@
 // The CUDA kernels: forward, backward preprocess (D = rowsum(dO * O)), dQ over query blocks and
 // dK/dV over key blocks. docs/ALGORITHM.md ("CUDA backend") has the pseudocode and work model.
-// Each kernel is a template over the padded head dim DP and the Math of its products; tile sizes
-// come from tile_config() (config.hpp) only.
+// Each kernel is a template over the padded head dim DP, the Math of its products and XF, whether
+// it runs the score transform's per-entry step (softcap, ALiBi: core/score.hpp); tile sizes come
+// from tile_config() (config.hpp) only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,8 +20,9 @@ namespace dev {
 // ================================================================================================
 // Forward. CTA = block_m query rows of one (batch, head); loops over the key tiles that the mask
 // leaves visible (QueryBlock: tiles [t_begin, t_begin + ntiles)): S = Q K^T, online softmax, O += P V.
+// XF: the logits are head.logit2_at(S, i, j) instead of S * scale (in log2 units either way).
 // ================================================================================================
-template <int DP, Math M>
+template <int DP, Math M, bool XF>
 __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).threads(), 1)
     forward_kernel(const __grid_constant__ FwdArgs a) {
   constexpr TileConfig C = tile_config(Pass::Forward, DP, kDeviceBig);
@@ -42,6 +44,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   // stays live instead of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
+  const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
 
   const float* q = static_cast<const float*>(p.q.ptr) + b * p.q.sb + h * p.q.sh + m0 * p.q.ss;
   const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
@@ -77,8 +80,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
     zero(s);
     gemm_nt<M, NS, DP, LD, SOFF>(s, sQw, sK + stage * BN * LD);
 
-    scale_scores(s, a.score);
     const int64_t n0 = static_cast<int64_t>(t) * BN;
+    // (The per-entry step before the mask: a masked -inf would turn finite under the tanh.)
+    if constexpr (XF) transform_scores(s, hd, row_w, n0);
+    else scale_scores(s, a.score);
     if (qb.tile_masked(n0, BN, Skv)) {
       for_each_entry<NS>([&](int j, int e, int r, int c) {
         if (!keep(rule, row_w + r, n0 + c, Sq, Skv)) s[j][e] = -INFINITY;
@@ -107,8 +112,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
 // dQ. CTA = block_m query rows of one (batch, head), stationary Q and dO; loops over key tiles:
 //   S = Q K^T, P = exp2(logit2(S) - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K;
 //   dQ *= grad_scale.
+// XF: logit2(S) = head.logit2_at(S, i, j), and dS = P (dP - D) F with F that step's factor
+// (1 - tanh^2 under a softcap).
 // ================================================================================================
-template <int DP, Math M>
+template <int DP, Math M, bool XF>
 __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(), 1)
     dq_kernel(const __grid_constant__ BwdArgs a) {
   constexpr TileConfig C = tile_config(Pass::Dq, DP, kDeviceBig);
@@ -131,6 +138,9 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   // stays live instead of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
   const MaskRule& rule = qb.rule;
+  // XF: the per-entry step for this (b, h), and the linear part after it (multiplier 1).
+  const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
+  const ScoreTransform lin = XF ? a.score.after_elementwise() : a.score;
 
   const float* k = static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh;
   const float* v = static_cast<const float*>(p.v.ptr) + b * p.v.sb + hk * p.v.sh;
@@ -177,10 +187,13 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
 
     const int64_t n0 = static_cast<int64_t>(t) * BN;
     const bool masked = qb.tile_masked(n0, BN, Skv);
+    float f[NS][4];  // XF: the per-entry factor F (unused otherwise)
+    if constexpr (XF) transform_scores(s, f, hd, row_w, n0);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(a.score.exp2_arg(s[j][e], l2[e >> 1]));
+      float pe = exp2f(lin.exp2_arg(s[j][e], l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[j][e] = pe * (dp[j][e] - dl[e >> 1]);  // dS
+      if constexpr (XF) dp[j][e] *= f[j][e];
     });
     gemm_rn<M, NO, NS, LD, SOFF>(dq, dp, sKs);
     pipeline_release<C.stages>(t, t_end, load_kv);
@@ -197,8 +210,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
 //   dS^T = P^T (dP^T - D), dK += dS^T Q; dK *= grad_scale. col_split warps share 16 key rows,
 // each owning D/col_split columns of dK and dV (recomputing S^T and dP^T) so that the
 // accumulators fit in registers at D = 256.
+// XF: as in dQ, on S^T (rows are keys: the transposed per-entry step), dS^T = P^T (dP^T - D) F^T;
+// the query head, and with it the ALiBi slope, changes along the loop.
 // ================================================================================================
-template <int DP, Math M>
+template <int DP, Math M, bool XF>
 __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads(), 1)
     dkv_kernel(const __grid_constant__ BwdArgs a) {
   constexpr TileConfig C = tile_config(Pass::Dkv, DP, kDeviceBig);
@@ -221,6 +236,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int rows = kb.rows, ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
+  const ScoreTransform lin = XF ? a.score.after_elementwise() : a.score;  // see dq_kernel
 
   load_tile<BM, DP, T>(sK, static_cast<const float*>(p.k.ptr) + b * p.k.sb + hk * p.k.sh + m0 * p.k.ss,
                        p.k.ss, rows, D, a.vec16);
@@ -268,11 +284,14 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
 
     const int64_t n0 = kb.q0(it, BN);  // first query row
     const bool masked = kb.tile_masked(n0, BN, BM, Sq, Skv);
+    float f[NS][4];  // XF: the per-entry factor F^T (unused otherwise)
+    if constexpr (XF) transform_scores<true>(s, f, a.score.head(b, kb.head(it)), row_w, n0);
     for_each_entry<NS>([&](int j, int e, int r, int c) {
-      float pe = exp2f(a.score.exp2_arg(s[j][e], lse_to_log2(sLs[c])));
+      float pe = exp2f(lin.exp2_arg(s[j][e], lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[j][e] = pe;
       dp[j][e] = pe * (dp[j][e] - sDs[c]);  // dS^T
+      if constexpr (XF) dp[j][e] *= f[j][e];
     });
     gemm_rn<M, NO, NS, LD, SOFF>(dv, s, sdOs + cw * DW);
     gemm_rn<M, NO, NS, LD, SOFF>(dk, dp, sQs + cw * DW);
