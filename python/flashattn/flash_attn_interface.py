@@ -31,6 +31,9 @@ Same signatures, layouts and return values as flash_attn 2.x:
   softcap is a ValueError rather than silently none or NaN outputs.
 - alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on the inputs' device: adds
   -slope * |i + seqlen_k - seqlen_q - j| to score (i, j). No gradient flows to the slopes.
+  flash_attn's kernels for causal attention without a left window add slope * j instead (the
+  same softmax, a per-row constant apart), so the softmax_lse they return is larger by
+  slope * (i + seqlen_k - seqlen_q); return_attn_probs=True returns that value here too.
 
 Not implemented: dropout_p != 0 raises NotImplementedError rather than being ignored.
 """
@@ -91,8 +94,27 @@ def _check_ndim(x, name, want, layout):
         raise ValueError(f"{name}.shape = {tuple(x.shape)}, expected {want} dimensions {layout}")
 
 
-def _result(out, lse, return_attn_probs):
-    return (out, lse, None) if return_attn_probs else out
+def _result(out, lse, return_attn_probs, fa2_shift=None):
+    if not return_attn_probs:
+        return out
+    if fa2_shift is not None:
+        lse = lse + fa2_shift
+    return (out, lse, None)
+
+
+def _alibi_lse_shift(alibi_slopes, causal, window_size, seqlen_q, seqlen_k, lse):
+    """flash_attn's causal kernels (left side unbounded, right side 0 after its normalisation)
+    add slope * j to the scores instead of -slope * |i + seqlen_k - seqlen_q - j|: the returned
+    softmax_lse is larger by slope * (i + seqlen_k - seqlen_q). None where the two agree."""
+    if alibi_slopes is None or not isinstance(alibi_slopes, torch.Tensor):
+        return None
+    left, right = _window(window_size, causal, seqlen_k)
+    if left != -1 or not (causal or right == 0):
+        return None
+    rows = torch.arange(seqlen_q, device=lse.device, dtype=torch.float32) + (seqlen_k - seqlen_q)
+    slopes = alibi_slopes.to(device=lse.device, dtype=torch.float32)
+    slopes = slopes[None, :, None] if slopes.dim() == 1 else slopes[:, :, None]
+    return slopes * rows
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -108,7 +130,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, k.shape[1])
     out, lse = torch.ops.flashattn.fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        *codes, _ops.slopes_value(alibi_slopes))
-    return _result(out.transpose(1, 2), lse, return_attn_probs)
+    shift = _alibi_lse_shift(alibi_slopes, causal, window_size, q.shape[1], k.shape[1], lse) if return_attn_probs else None
+    return _result(out.transpose(1, 2), lse, return_attn_probs, shift)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -124,7 +147,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
     codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, qkv.shape[1])
     out, lse = torch.ops.flashattn.qkvpacked_fwd(qkv, *codes, _ops.slopes_value(alibi_slopes))
-    return _result(out, lse, return_attn_probs)
+    shift = _alibi_lse_shift(alibi_slopes, causal, window_size, qkv.shape[1], qkv.shape[1], lse) if return_attn_probs else None
+    return _result(out, lse, return_attn_probs, shift)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -141,4 +165,5 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
     codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, kv.shape[1])
     out, lse = torch.ops.flashattn.kvpacked_fwd(q, kv, *codes, _ops.slopes_value(alibi_slopes))
-    return _result(out, lse, return_attn_probs)
+    shift = _alibi_lse_shift(alibi_slopes, causal, window_size, q.shape[1], kv.shape[1], lse) if return_attn_probs else None
+    return _result(out, lse, return_attn_probs, shift)

@@ -282,7 +282,18 @@ def check_mods(fn, device, dtype, b, sq, skv, hq, hkv, d, causal, fa2, lib, seed
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     out, lse, _ = packed_call(fn, qq, kk, vv, causal=causal, return_attn_probs=True, **fa2)
     out.backward(dout)
-    r = ref_bshd(q, k, v, dout, fa2.get("softmax_scale"), causal, **lib)
+    r = list(ref_bshd(q, k, v, dout, fa2.get("softmax_scale"), causal, **lib))
+    # flash_attn's causal kernels (no left window; right side 0) add slope * j where the library
+    # adds -slope * |i + skv - sq - j|: the softmax_lse flash_attn returns is larger by
+    # slope * (i + skv - sq), and so is the one returned here.
+    left, right = fa2.get("window_size", (-1, -1))
+    left = left if 0 <= left < skv else -1
+    right = 0 if causal else (right if 0 <= right < skv else -1)
+    slopes = fa2.get("alibi_slopes")
+    if slopes is not None and left == -1 and right == 0:
+        sl = slopes.double().cpu()
+        sl = sl[None, :, None] if sl.dim() == 1 else sl[:, :, None]
+        r[1] = r[1] + (sl * (torch.arange(sq, dtype=torch.float64) + (skv - sq))).to(r[1].device)
     for name, kind, got, rr in zip(("out", "lse", "dq", "dk", "dv"),
                                    ("out", "lse", "grad", "grad", "grad"),
                                    (out.detach(), lse, qq.grad, kk.grad, vv.grad), r):
@@ -377,6 +388,14 @@ def test_softcap_and_alibi(device, dtype, slopes, causal):
         check_mods(fn, device, dtype, b, sq, skv, hq, hkv, d, causal,
                    dict(softcap=cap, alibi_slopes=a, softmax_scale=0.3),
                    dict(softcap=cap, alibi=a))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_alibi_lse_of_a_causal_window(device):
+    """window_size=(-1, 0) without causal is causal to flash_attn, LSE convention included."""
+    a = fa2_slopes("heads", 2, 4, device)
+    check_mods("func", device, torch.float32, 2, 23, 41, 4, 2, 32, False,
+               dict(window_size=(-1, 0), alibi_slopes=a), dict(window=(-1, 0), alibi=a))
 
 
 @pytest.mark.parametrize("device", DEVICES)
