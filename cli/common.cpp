@@ -250,7 +250,8 @@ std::string RunOptions::describe_exec() const {
   if (problem.has_window())
     os << ", window (" << problem.window_left << ", " << problem.window_right << ")";
   if (problem.softcap != 0.0f) os << ", softcap " << problem.softcap;
-  if (problem.alibi != testing::AlibiKind::None) os << ", ALiBi slopes " << testing::alibi_name(problem.alibi);
+  if (problem.alibi != testing::AlibiKind::None)
+    os << ", ALiBi slopes " << testing::alibi_name(problem.alibi);
   return os.str();
 }
 

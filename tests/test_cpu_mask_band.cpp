@@ -1,9 +1,10 @@
-// The CPU kernels under mask bands that the public API does not offer yet: sliding windows
-// (FlashAttention's window_size (left, right), core/mask.hpp), alone and combined with both causal
-// masks. The kernels are called directly through the kernel-set seam (cpu/kernels.hpp: the driver
-// builds a MaskRule from the options, the kernels take it as an argument), every instruction set
-// this CPU runs, against a float64 computation that applies the same band through
-// MaskRule::visible: forward (out, lse) and backward (dq, dk, dv).
+// The CPU kernels under mask bands: sliding windows (FlashAttention's window_size (left, right),
+// core/mask.hpp), alone and combined with both causal masks. The kernels are called directly
+// through the kernel-set seam (cpu/kernels.hpp: the driver builds a MaskRule from the options, the
+// kernels take it as an argument), every instruction set this CPU runs, against a float64
+// computation that applies the same band through MaskRule::visible: forward (out, lse) and
+// backward (dq, dk, dv). (Through the public API, windows are checked against the float64
+// reference by test_cpu_score_mods.cpp.)
 //
 // The grid: sequence lengths 1, 17, 97 and beyond one tile (300, 700: several query and key
 // tiles), Sq != Skv both ways, GQA and MQA, windows narrower and wider than a tile, one-sided and

@@ -321,9 +321,15 @@ TEST(CpuScoreModsCoverage, GridHoldsEveryCombination) {
   }
   for (int64_t d : {1, 17, 111, 256})
     EXPECT_TRUE(has([&](const ProblemConfig& c, const ModsCase&) { return c.head_dim == d; })) << "D " << d;
-  EXPECT_TRUE(has([](const ProblemConfig& c, const ModsCase&) { return c.seq_q > c.seq_kv && c.has_window(); }));
-  EXPECT_TRUE(has([](const ProblemConfig& c, const ModsCase&) { return c.seq_q < c.seq_kv && c.has_window(); }));
-  EXPECT_TRUE(has([](const ProblemConfig& c, const ModsCase&) { return c.heads_q > c.heads_kv && c.softcap > 0; }));
+  EXPECT_TRUE(has([](const ProblemConfig& c, const ModsCase&) {
+    return c.seq_q > c.seq_kv && c.has_window();
+  }));
+  EXPECT_TRUE(has([](const ProblemConfig& c, const ModsCase&) {
+    return c.seq_q < c.seq_kv && c.has_window();
+  }));
+  EXPECT_TRUE(has([](const ProblemConfig& c, const ModsCase&) {
+    return c.heads_q > c.heads_kv && c.softcap > 0;
+  }));
   // zero and negative slopes, in both slope shapes
   for (AlibiKind k : {AlibiKind::Heads, AlibiKind::BatchHeads})
     EXPECT_TRUE(has([&](const ProblemConfig& c, const ModsCase& m) {
@@ -418,8 +424,9 @@ TEST_P(CpuScoreModsDeterminism, BitwiseAcrossThreadCounts) {
 INSTANTIATE_TEST_SUITE_P(Cpu, CpuScoreModsDeterminism, ::testing::ValuesIn(kDtypes),
                          [](const ::testing::TestParamInfo<DType>& i) { return short_dtype(i.param); });
 
-// A sliding window of (-1, -1) or (INT64_MAX, INT64_MAX) is no window, and a softcap so large that tanh is linear to float
-// precision changes nothing beyond rounding: both through the public API against the plain call.
+// A sliding window of (-1, -1) or (INT64_MAX, INT64_MAX) is no window, and a softcap so large that
+// tanh is linear to float precision changes nothing beyond rounding: through the public API
+// against the plain call.
 TEST(CpuScoreModsApi, NeutralSettingsMatchThePlainCall) {
   ProblemConfig c = make_config(1, 4, 2, 97, 130, 64, Mask::CausalBottomRight, DType::Float32,
                                 testing::Layout::BSHD, 0.0f, /*seed=*/12);

@@ -206,9 +206,11 @@ TEST(ReferenceCheckCAbi, BadModsAreRefused) {
   std::vector<double> a(64, 1.0), out(64, 7.0), lse(16, 7.0);
   const double* x = a.data();
   const flashattn_ref_shape good{1, 1, 1, 2, 2, 2};
-  for (const flashattn_ref_mods& m : {flashattn_ref_mods{-2, -1, 0, nullptr}, flashattn_ref_mods{-1, -7, 0, nullptr},
-                                      flashattn_ref_mods{-1, -1, -1.0, nullptr},
-                                      flashattn_ref_mods{-1, -1, std::nan(""), nullptr}}) {
+  const flashattn_ref_mods bad[] = {{-2, -1, 0, nullptr},
+                                    {-1, -7, 0, nullptr},
+                                    {-1, -1, -1.0, nullptr},
+                                    {-1, -1, std::nan(""), nullptr}};
+  for (const flashattn_ref_mods& m : bad) {
     EXPECT_EQ(flashattn_ref_forward_ex(&good, x, nullptr, x, nullptr, x, nullptr, 1.0, 0, &m, out.data(),
                                        nullptr, lse.data(), nullptr),
               FLASHATTN_REF_INVALID_ARGUMENT);

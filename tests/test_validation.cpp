@@ -610,7 +610,8 @@ TEST_F(BadAlibi, WrongDevice) {
 
 TEST_F(BadAlibi, OverlappingAnOutput) {
   // The slopes are read while the outputs are written: an output over them is refused.
-  const std::pair<const char*, int> rows[] = {{"out", kFwd}, {"lse", kFwd}, {"dq", kBwd}, {"dk", kBwd}, {"dv", kBwd}};
+  const std::pair<const char*, int> rows[] = {
+      {"out", kFwd}, {"lse", kFwd}, {"dq", kBwd}, {"dk", kBwd}, {"dv", kBwd}};
   for (const auto& [n, dirs] : rows) {
     SCOPED_TRACE(n);
     reset_all(2);

@@ -142,8 +142,8 @@ inline vd exp2v(vd x) {
 
 // tanh for float32 vectors (the softcap), within 1.8e-7 relative of the exact value (tested against
 // double tanh by tests/test_cpu_tanh.cpp, every instruction set). Two forms, both evaluated and
-// one selected per lane, neither with a division (a vector divide costs as much as the rest of
-// the step together: measured +20 ms on a 58 ms forward):
+// one selected per lane, neither with a division (a vector divide, issued on one port, more than
+// doubled the cost of the step in a measurement):
 //   |x| >= 0.625: (1 - y) / (1 + y) = 1 - 2y / (1 + y) with y = exp(-2|x|) in (0, 0.2865] from
 //     exp2v, and 1 / (1 + y) a degree-7 Chebyshev fit on that interval (5e-10 relative error);
 //     no cancellation there (the result is >= 0.55), and y = 0 far out gives exactly 1;
@@ -666,7 +666,8 @@ inline V lane_index() {
 // and the dQ pass); else rows are queries i0 + r and columns keys j0 + c (S of the dK/dV pass).
 // GRAD (softcap only): dP of the same layout becomes (dP - D) * F, D per query (dl: per column
 // when KEY_ROWS, per row otherwise).
-// SMALL: every |product| of the tile is below kTanhSmall (tanhv_small gives tanhv's bits).
+// SMALL: every |product| of the tile is below kTanhSmall (tanhv would take its small-argument
+// form for each).
 template <class C, bool CAP, bool ALIBI, bool KEY_ROWS, bool GRAD, bool SMALL = false>
 void score_step_tile(C* T, int64_t ld, int64_t nrows, int64_t ncols, const ScoreMods<C>& m, C slope2,
                      int64_t i0, int64_t j0, C* dP, const C* dl) {
@@ -1051,7 +1052,8 @@ struct Backward {
         gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
         gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
         // Under a softcap the step leaves (dP - D) o F in dPT.
-        if (mods.on) score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0, mods.cap ? dPT : nullptr, dlt);
+        if (mods.on)
+          score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0, mods.cap ? dPT : nullptr, dlt);
         if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
           mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
         if (mods.cap) {
@@ -1145,7 +1147,8 @@ struct Backward {
           gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
           gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
           // Under a softcap the step leaves (dP - D) o F in dP.
-          if (mods.on) score_step<C, false>(Sb, BK, nq, BK, mods, slope2, i0, j0, mods.cap ? dP : nullptr, dlt);
+          if (mods.on)
+            score_step<C, false>(Sb, BK, nq, BK, mods, slope2, i0, j0, mods.cap ? dP : nullptr, dlt);
           if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
             mask_query_rows(Sb, BK, rule, j0, BK, i0, nq);
           if (mods.cap) {

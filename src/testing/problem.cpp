@@ -216,12 +216,13 @@ RefMods Problem::ref_mods() const {
   m.window_right = cfg.window_right;
   m.softcap = static_cast<double>(cfg.softcap);
   if (cfg.alibi != AlibiKind::None) {
-    const float* s = static_cast<const float*>(alibi.view.data);
+    const Tensor& a = alibi.view;
+    const float* s = static_cast<const float*>(a.data);
+    const int64_t sb = a.ndim == 2 ? a.stride[0] : 0, sh = a.stride[a.ndim - 1];
     m.alibi.resize(static_cast<size_t>(cfg.batch * cfg.heads_q));
     for (int64_t b = 0; b < cfg.batch; ++b)
       for (int64_t h = 0; h < cfg.heads_q; ++h)
-        m.alibi[static_cast<size_t>(b * cfg.heads_q + h)] =
-            s[(alibi.view.ndim == 2 ? b * alibi.view.stride[0] : 0) + h * alibi.view.stride[alibi.view.ndim - 1]];
+        m.alibi[static_cast<size_t>(b * cfg.heads_q + h)] = s[b * sb + h * sh];
   }
   return m;
 }
