@@ -146,6 +146,7 @@ def main():
     ap.add_argument("--softcap", type=float, default=30.0)
     ap.add_argument("--quick", action="store_true", help="head dim 128, S 1k/4k for the overhead")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles per case)")
+    ap.add_argument("--flex-dims", default="128", help="head dims FlexAttention runs at (each case compiles)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sets", type=int, default=2)
@@ -177,7 +178,7 @@ def main():
         w = (args.window, 0)
         pc = visible_pairs(s, s, True, None)
         pw = visible_pairs(s, s, True, w)
-        use = impls + ([("flex", flex)] if flex else [])
+        use = impls + ([("flex", flex)] if flex and str(d) in args.flex_dims.split(",") else [])
         rc = run_case(torch, args, use, dtype, 1, h, s, d, True, {}, pc, timers, "window", "causal", rows)
         rw = run_case(torch, args, use, dtype, 1, h, s, d, True, {"window": w}, pw, timers, "window",
                       f"causal+window{w}", rows)
@@ -202,7 +203,9 @@ def main():
                 pairs = visible_pairs(s, s, causal, None)
                 base = None
                 for label, mods in variants:
-                    use = impls + ([("flex", flex)] if flex and s == 4096 else [])
+                    # FlexAttention compiles per case: one shape (S = 4k, causal) per head dim.
+                    use = impls + ([("flex", flex)] if flex and s == 4096 and causal and
+                                   str(d) in args.flex_dims.split(",") else [])
                     r = run_case(torch, args, use, dtype, b, h, s, d, causal, mods, pairs, timers, "overhead",
                                  label, rows)
                     if base is None:
