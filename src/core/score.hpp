@@ -29,8 +29,22 @@
 namespace flashattn {
 
 // tanh for the softcap, host and device: float32 tanhf (within 2 ulp on CUDA, the C library's on
-// the host). Its error is far below the scores' own float32 rounding.
-FLASHATTN_HD float softcap_tanh(float x) { return tanhf(x); }
+// the host), far below the scores' own float32 rounding. FAST (the CUDA 16-bit kernels): one
+// MUFU.TANH (tanh.approx.f32, relative error about 2^-11) instead of tanhf's ~18 instructions with
+// two special-function operations: the 16-bit forward's softmax is issue- and MUFU-bound, and
+// tanhf made softcap cost 1.6-1.9x there (bench/mods.py, H200); the error stays below the 16-bit
+// rounding of P's inputs that the tests' tolerance already covers (checked against float64).
+template <bool FAST = false>
+FLASHATTN_HD float softcap_tanh(float x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (FAST) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+#endif
+  return tanhf(x);
+}
 
 struct ScoreTransform {
   static constexpr float kLog2e = 1.4426950408889634f;
@@ -47,9 +61,16 @@ struct ScoreTransform {
   // The call's transform (validated numerics: softcap >= 0 finite, slopes float32 or nullptr).
   FLASHATTN_HD static ScoreTransform make(const Shape& s, const Numerics& n) {
     ScoreTransform t = make(n.scale);
+    // The softcap's ends of the float range (as the CPU kernels' fold): a multiplier scale/softcap
+    // below 2^-80 (a softcap beyond any score) makes tanh the identity, i.e. no softcap (softcap *
+    // log2 e could overflow there); one above 2^64 (a denormal softcap) is clamped, so that tanh
+    // saturates without 0 * inf = NaN.
     if (n.softcap > 0.0f) {
-      t.cap_in = n.scale / n.softcap;
-      t.cap2 = n.softcap * kLog2e;
+      const float ci = n.scale / n.softcap, lim = 18446744073709551616.0f;  // 2^64
+      if (fabsf(ci) >= 8.271806125530277e-25f) {                            // 2^-80
+        t.cap_in = ci > lim ? lim : (ci < -lim ? -lim : ci);
+        t.cap2 = n.softcap * kLog2e;
+      }
     }
     t.alibi = n.alibi;
     t.diag = s.seq_kv - s.seq_q;
@@ -90,18 +111,20 @@ struct ScoreTransform {
     float sl2, cap_in, cap2;
     float slope2;  // ALiBi slope * log2(e) (0: none)
     int64_t diag;
-    // The log2-unit logit of raw product s at query row i, key j.
+    // The log2-unit logit of raw product s at query row i, key j (FAST: softcap_tanh<true>).
+    template <bool FAST = false>
     FLASHATTN_HD float logit2_at(float s, int64_t i, int64_t j) const {
-      float x = cap_in != 0.0f ? cap2 * softcap_tanh(s * cap_in) : s * sl2;
+      float x = cap_in != 0.0f ? cap2 * softcap_tanh<FAST>(s * cap_in) : s * sl2;
       if (slope2 != 0.0f) x -= slope2 * static_cast<float>(distance(i, j));
       return x;
     }
     // The same, and F = d logit / d (scale * s) / ... : the per-entry factor on dS (1 - tanh^2
     // under a softcap, else 1).
+    template <bool FAST = false>
     FLASHATTN_HD float logit2_at(float s, int64_t i, int64_t j, float& grad_factor) const {
       float x;
       if (cap_in != 0.0f) {
-        const float t = softcap_tanh(s * cap_in);
+        const float t = softcap_tanh<FAST>(s * cap_in);
         x = cap2 * t;
         grad_factor = fmaf(-t, t, 1.0f);
       } else {

@@ -426,21 +426,22 @@ __device__ __forceinline__ void for_each_entry(F&& f) {
 // key row0 + ... and query col0 + .... It must run before masking: a masked -inf would become
 // finite under the softcap's tanh. The layout is mma.sync's m16n8 accumulator, which is also each
 // warp's 16-row part of a wgmma accumulator.
-template <bool TRANSPOSED = false, int NS>
+// FAST: the 16-bit kernels' tanh (softcap_tanh<true>).
+template <bool TRANSPOSED = false, bool FAST = false, int NS>
 __device__ __forceinline__ void transform_scores(float (&s)[NS][4], const ScoreTransform::Head& hd, int64_t row0,
                                                  int64_t col0) {
   for_each_entry<NS>([&](int j, int e, int r, int c) {
     const int64_t a = row0 + r, b = col0 + c;
-    s[j][e] = TRANSPOSED ? hd.logit2_at(s[j][e], b, a) : hd.logit2_at(s[j][e], a, b);
+    s[j][e] = TRANSPOSED ? hd.logit2_at<FAST>(s[j][e], b, a) : hd.logit2_at<FAST>(s[j][e], a, b);
   });
 }
 // One entry of it, also giving the backward's factor on dS (1 - tanh^2 under a softcap): raw product
 // s at slice row `row`, column `col` (absolute indices, as above). For loops that use each entry's
 // factor at once: no factor array stays live across the tile.
-template <bool TRANSPOSED = false>
+template <bool TRANSPOSED = false, bool FAST = false>
 __device__ __forceinline__ float transform_score(float s, float& f, const ScoreTransform::Head& hd, int64_t row,
                                                  int64_t col) {
-  return TRANSPOSED ? hd.logit2_at(s, col, row, f) : hd.logit2_at(s, row, col, f);
+  return TRANSPOSED ? hd.logit2_at<FAST>(s, col, row, f) : hd.logit2_at<FAST>(s, row, col, f);
 }
 // The slice with the factors of every entry.
 template <bool TRANSPOSED = false, int NS>

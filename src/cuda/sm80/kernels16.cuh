@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       // (The per-entry step before the mask: a masked -inf would turn finite under the tanh.)
-      if constexpr (XF) transform_scores(s[m], hd, row_w + 16 * m, n0);
+      if constexpr (XF) transform_scores<false, true>(s[m], hd, row_w + 16 * m, n0);
       else scale_scores(s[m], a.score);
     }
     if (qb.tile_masked(n0, BN, Skv)) {
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
       // XF: the per-entry step (before the mask), its factor F used at once: an F array for the
       // whole slice (transform_scores) spilled up to 140 bytes here and 508 in dK/dV at D = 64.
       float f = 1.0f;
-      if constexpr (XF) s[0][j][e] = transform_score(s[0][j][e], f, hd, row_w + r, n0 + c);
+      if constexpr (XF) s[0][j][e] = transform_score<false, true>(s[0][j][e], f, hd, row_w + r, n0 + c);
       float pe = exp2_ftz(lin.exp2_arg(s[0][j][e], l2[e >> 1]));
       if (masked && !keep(rule, row_w + r, n0 + c, Sq, Skv)) pe = 0.0f;
       dp[0][j][e] = pe * (dp[0][j][e] - dl[e >> 1]);  // dS
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
     for_each_entry<NS>([&](int j, int e, int r, int c) {
       float f = 1.0f;  // XF: as in dq16_kernel, on S^T
-      if constexpr (XF) s[0][j][e] = transform_score<true>(s[0][j][e], f, hd, row_w + r, n0 + c);
+      if constexpr (XF) s[0][j][e] = transform_score<true, true>(s[0][j][e], f, hd, row_w + r, n0 + c);
       float pe = exp2_ftz(lin.exp2_arg(s[0][j][e], lse_to_log2(sLs[c])));
       if (masked && !keep(rule, n0 + c, row_w + r, Sq, Skv)) pe = 0.0f;
       s[0][j][e] = pe;

@@ -43,7 +43,7 @@ template <int NS, class G>
 __device__ __forceinline__ void logits_of_scores(float (&s)[NS][4], const ScoreTransform::Head& hd, G&& grad) {
   if (hd.cap_in != 0.0f) {
     for_each_entry<NS>([&](int j, int e, int, int c) {
-      const float th = softcap_tanh(s[j][e] * hd.cap_in);
+      const float th = softcap_tanh<true>(s[j][e] * hd.cap_in);
       s[j][e] = hd.cap2 * th;
       grad(j, e, c, fmaf(-th, th, 1.0f));
     });
