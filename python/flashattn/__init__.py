@@ -11,7 +11,8 @@ PyTorch (imported on first use, so NumPy-only users need no torch):
     from flashattn import flash_attn_func                  # FlashAttention 2's API and layouts
 """
 
-from ._api import MASKS, PRECISIONS, backward, build_info, cuda_available, forward
+from ._api import (MASKS, PRECISIONS, backward, backward_varlen, build_info, cuda_available,
+                   forward, forward_varlen)
 from ._ext import version as _lib_version
 
 __version__ = _lib_version()
@@ -19,6 +20,8 @@ __version__ = _lib_version()
 __all__ = [
     "forward",
     "backward",
+    "forward_varlen",
+    "backward_varlen",
     "MASKS",
     "PRECISIONS",
     "cuda_available",
@@ -26,9 +29,14 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
 ]
 
-_FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func")
+_FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                     "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                     "flash_attn_varlen_kvpacked_func")
 
 
 def __getattr__(name):

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _ext
 
-__all__ = ["forward", "backward", "MASKS", "PRECISIONS", "cuda_available", "build_info"]
+__all__ = ["forward", "backward", "forward_varlen", "backward_varlen", "MASKS", "PRECISIONS", "cuda_available", "build_info"]
 
 MASKS = {
     "none": _ext.MASK_NONE,
@@ -256,10 +256,10 @@ class _Launch:
         with x.device:
             return cupy.empty_like(x, order="K")
 
-    def empty_lse(self, q):
-        """float32 [B, H, Sq] on q's device."""
+    def empty_lse(self, q, shape=None):
+        """float32 [B, H, Sq] (or the given shape) on q's device."""
         q = self.view(q)
-        shape = tuple(q.shape[:3])
+        shape = tuple(q.shape[:3]) if shape is None else tuple(shape)
         if self.host == "torch":
             import torch
 
@@ -415,4 +415,112 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", window
     a = launch.arg
     _ext.backward(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv),
                   scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
+    return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))
+
+
+# ---- packed variable-length batches -------------------------------------------------------------
+
+
+def seqlen_value(value, name):
+    """max_seqlen_q / _k as a Python int (the library checks >= 1 and every sequence against it)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} = {value!r} is not an int")
+    value = int(value)
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} = {value} does not fit in int64")
+    return value
+
+
+def _index_arg(launch, x, name):
+    # The sequence arrays are read by the library (int32, 1-D, on q's device: checked there).
+    if x is None:
+        return None
+    framework(x, name)
+    if hasattr(x, "block_until_ready"):
+        x.block_until_ready()
+    return x
+
+
+def _varlen_args(launch, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k):
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise TypeError("cu_seqlens_q and cu_seqlens_k are required (int32 [batch + 1])")
+    return (_index_arg(launch, cu_seqlens_q, "cu_seqlens_q"),
+            _index_arg(launch, cu_seqlens_k, "cu_seqlens_k"),
+            _index_arg(launch, seqused_k, "seqused_k"),
+            seqlen_value(max_seqlen_q, "max_seqlen_q"), seqlen_value(max_seqlen_k, "max_seqlen_k"))
+
+
+def _check_packed(launch, q):
+    nd = _ndim(launch.view(q))
+    if nd != 3:
+        raise ValueError(f"q.ndim = {nd}, expected 3 for a varlen call ([total_q, Hq, D])")
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   seqused_k=None, softmax_scale=None, mask="none", window_size=(-1, -1),
+                   softcap=0.0, alibi_slopes=None, out=None, lse=None, precision="fp32",
+                   num_threads=None, deterministic=False):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's varlen
+    layout): returns (out, lse).
+
+    q: [total_q, Hq, D]; k, v: [total_k, Hkv, D]; sequence b owns query rows
+    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+    and attends only within itself. cu_seqlens_q / _k: int32 [B + 1] on q's device, prefix sums
+    from 0 ending at total_q / total_k (zero-length sequences allowed). max_seqlen_q / _k: ints
+    bounding every sequence's length. seqused_k: None, or int32 [B]: only the first seqused_k[b]
+    keys of sequence b are attended.
+
+    Every option is forward()'s, applied per sequence with that sequence's own Sq and Skv (the
+    bottom-right causal mask, the window band and the ALiBi distance). out: [total_q, Hq, D] like
+    q; lse: float32 [Hq, total_q] (-inf for a row that sees no key). The sequence arrays are
+    checked on the host before anything is written (on CUDA: a small copy and a wait).
+    """
+    launch = _Launch(q)
+    _check_packed(launch, q)
+    launch.check_output(out, "out")
+    launch.check_output(lse, "lse")
+    idx = _varlen_args(launch, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
+    prec, nthreads = precision_code(precision), threads_value(num_threads)
+    det = flag_value(deterministic)
+    slopes = slopes_arg(alibi_slopes)
+    out_alloc, lse_alloc = out is None, lse is None
+    if out_alloc:
+        out = launch.empty_like(q)
+    if lse_alloc:
+        qv = launch.view(q)
+        lse = launch.empty_lse(q, (qv.shape[1], qv.shape[0]))
+    _ext.forward_varlen(launch.arg(q), launch.arg(k), launch.arg(v), launch.arg(out),
+                        launch.arg(lse), *idx, scale, mask_c, prec, nthreads, launch.stream, det,
+                        wl, wr, cap, slopes)
+    return launch.result(out, out_alloc), launch.result(lse, lse_alloc)
+
+
+def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, *, seqused_k=None, softmax_scale=None, mask="none",
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dq=None, dk=None,
+                    dv=None, precision="fp32", num_threads=None, deterministic=False):
+    """Backward of forward_varlen(): returns (dq, dk, dv) ([total_q, Hq, D], [total_k, Hkv, D]
+    twice). The sequence arrays and every option must be the forward's; the rest as backward()."""
+    launch = _Launch(q)
+    _check_packed(launch, q)
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+        launch.check_output(x, name)
+    idx = _varlen_args(launch, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
+    prec, nthreads = precision_code(precision), threads_value(num_threads)
+    det = flag_value(deterministic)
+    slopes = slopes_arg(alibi_slopes)
+    allocated = (dq is None, dk is None, dv is None)
+    if dq is None:
+        dq = launch.empty_like(q)
+    if dk is None:
+        dk = launch.empty_like(k)
+    if dv is None:
+        dv = launch.empty_like(v)
+    a = launch.arg
+    _ext.backward_varlen(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv), *idx,
+                         scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
     return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))

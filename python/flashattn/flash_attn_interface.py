@@ -35,7 +35,16 @@ Same signatures, layouts and return values as flash_attn 2.x:
   same softmax, a per-row constant apart), so the softmax_lse they return is larger by
   slope * (i + seqlen_k - seqlen_q); return_attn_probs=True returns that value here too.
 
-Not implemented: dropout_p != 0 raises NotImplementedError rather than being ignored.
+Packed variable-length batches (flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func,
+flash_attn_varlen_kvpacked_func): q (total_q, nheads, headdim), k, v (total_k, nheads_k,
+headdim), qkv (total, 3, nheads, headdim), kv (total_k, 2, nheads_k, headdim); cu_seqlens int32
+(batch + 1,) on the inputs' device; each sequence attends within itself, with causal, the window
+and ALiBi relative to its own lengths. softmax_lse is (nheads, total_q); the window sides are
+normalised against max_seqlen_k, as flash_attn does, and the ALiBi softmax_lse shift above is
+applied per sequence with that sequence's lengths.
+
+Not implemented: dropout_p != 0 raises NotImplementedError rather than being ignored; so does a
+block_table (paged KV cache) for flash_attn_varlen_func.
 """
 
 import numbers
@@ -45,7 +54,9 @@ import torch
 from . import _api
 from . import torch as _ops  # also registers torch.ops.flashattn.*
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func"]
 
 
 def _check_unsupported(dropout_p):
@@ -102,14 +113,19 @@ def _result(out, lse, return_attn_probs, fa2_shift=None):
     return (out, lse, None)
 
 
+def _alibi_shifts(alibi_slopes, causal, window_size, seqlen_k):
+    """Whether flash_attn's softmax_lse differs from ours by the ALiBi shift (see below)."""
+    if alibi_slopes is None or not isinstance(alibi_slopes, torch.Tensor):
+        return False
+    left, right = _window(window_size, causal, seqlen_k)
+    return left == -1 and (causal or right == 0)
+
+
 def _alibi_lse_shift(alibi_slopes, causal, window_size, seqlen_q, seqlen_k, lse):
     """flash_attn's causal kernels (left side unbounded, right side 0 after its normalisation)
     add slope * j to the scores instead of -slope * |i + seqlen_k - seqlen_q - j|: the returned
     softmax_lse is larger by slope * (i + seqlen_k - seqlen_q). None where the two agree."""
-    if alibi_slopes is None or not isinstance(alibi_slopes, torch.Tensor):
-        return None
-    left, right = _window(window_size, causal, seqlen_k)
-    if left != -1 or not (causal or right == 0):
+    if not _alibi_shifts(alibi_slopes, causal, window_size, seqlen_k):
         return None
     rows = torch.arange(seqlen_q, device=lse.device, dtype=torch.float32) + (seqlen_k - seqlen_q)
     slopes = alibi_slopes.to(device=lse.device, dtype=torch.float32)
@@ -167,3 +183,86 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     out, lse = torch.ops.flashattn.kvpacked_fwd(q, kv, *codes, _ops.slopes_value(alibi_slopes))
     shift = _alibi_lse_shift(alibi_slopes, causal, window_size, q.shape[1], kv.shape[1], lse) if return_attn_probs else None
     return _result(out, lse, return_attn_probs, shift)
+
+
+# ---- packed variable-length batches -------------------------------------------------------------
+
+
+def _alibi_lse_shift_varlen(alibi_slopes, causal, window_size, cu_seqlens_q, cu_seqlens_k,
+                            max_seqlen_k, lse):
+    """_alibi_lse_shift per sequence: row i of sequence b is larger by
+    slope[b, h] * (i + seqlen_k[b] - seqlen_q[b]); (nheads, total_q) like softmax_lse, or None."""
+    if not _alibi_shifts(alibi_slopes, causal, window_size, max_seqlen_k):
+        return None
+    cq = cu_seqlens_q.to(device=lse.device, dtype=torch.int64)
+    ck = cu_seqlens_k.to(device=lse.device, dtype=torch.int64)
+    len_q, len_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    seq = torch.repeat_interleave(torch.arange(len_q.numel(), device=lse.device), len_q)
+    total_q = lse.shape[1]
+    rows = (torch.arange(total_q, device=lse.device) - cq[seq] + len_k[seq] - len_q[seq])
+    slopes = alibi_slopes.to(device=lse.device, dtype=torch.float32)
+    slopes = slopes[:, None] if slopes.dim() == 1 else slopes[seq].transpose(0, 1)
+    return slopes * rows.to(torch.float32)[None, :]
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    seq = _ops.varlen_values(cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)
+    codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, seq[4])
+    out, lse = torch.ops.flashattn.varlen_fwd(q, k, v, *seq, *codes,
+                                              _ops.slopes_value(alibi_slopes))
+    shift = None
+    if return_attn_probs:
+        shift = _alibi_lse_shift_varlen(alibi_slopes, causal, window_size, cu_seqlens_q,
+                                        cu_seqlens_k, seq[4], lse)
+    return _result(out, lse, return_attn_probs, shift)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q / _k: int32
+    (batch + 1,). Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with
+    softmax_lse (nheads, total_q) when return_attn_probs."""
+    _check_unsupported(dropout_p)
+    if block_table is not None:
+        raise NotImplementedError("flashattn: block_table (paged KV cache) is not implemented "
+                                  "(only block_table=None)")
+    _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
+    for name, x in (("k", k), ("v", v)):
+        _check_ndim(x, name, 3, "(total_k, nheads_k, headdim)")
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim); cu_seqlens: int32 (batch + 1,). Returns out
+    (total, nheads, headdim), or (out, softmax_lse, None) when return_attn_probs."""
+    _check_unsupported(dropout_p)
+    _check_ndim(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv.shape = {tuple(qkv.shape)}: dimension 1 must be 3 (q, k, v)")
+    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                   max_seqlen, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim). Returns out
+    (total_q, nheads, headdim), or (out, softmax_lse, None) when return_attn_probs."""
+    _check_unsupported(dropout_p)
+    _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
+    _check_ndim(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv.shape = {tuple(kv.shape)}: dimension 1 must be 2 (k, v)")
+    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)

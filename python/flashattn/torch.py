@@ -16,6 +16,10 @@ The packed ops ``flashattn::qkvpacked_fwd/bwd`` and ``flashattn::kvpacked_fwd/bw
 FlashAttention-compatible functions (flashattn.flash_attn_interface): their backward writes the
 gradients of q, k and v straight into one packed buffer laid out like the packed input.
 
+The varlen ops ``flashattn::varlen_fwd/bwd`` take packed variable-length batches (q
+[total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens; lse [Hq, total_q]); the sequence
+arrays are plain inputs without gradient.
+
 The log-sum-exp output is marked non-differentiable (requires_grad=False, as in FlashAttention):
 gradients flow to q, k and v through out only. The ALiBi slopes are an input of every op but get
 no gradient (None), as in FlashAttention.
@@ -28,7 +32,7 @@ from torch import Tensor
 
 from . import _api, _ext
 
-__all__ = ["attention", "FlashAttnFunction"]
+__all__ = ["attention", "attention_varlen", "FlashAttnFunction"]
 
 
 def _stream(t: Tensor) -> int:
@@ -268,6 +272,119 @@ def _kvpacked_backward(ctx, dout, dlse):
 _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setup)
 
 
+# ---- packed variable-length batches: q [total_q, Hq, D], k, v [total_k, Hkv, D] -----------------
+
+
+# The sequence arguments (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k) come
+# right after the tensors, before the options; they get no gradient either.
+_VARLEN_ARG_COUNT = 5
+
+
+def _call_fwd_varlen(q, k, v, out, lse, cu_q, cu_k, used_k, max_q, max_k, scale, mask, precision,
+                     num_threads, deterministic, window_left, window_right, softcap,
+                     alibi_slopes):
+    _ext.forward_varlen(q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, used_k, max_q,
+                        max_k, scale, mask, precision, _threads(q, num_threads), _stream(q),
+                        deterministic, window_left, window_right, softcap, _slopes(alibi_slopes))
+
+
+def _call_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, used_k, max_q, max_k, scale,
+                     mask, precision, num_threads, deterministic, window_left, window_right,
+                     softcap, alibi_slopes):
+    _ext.backward_varlen(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
+                         lse.detach(), dq, dk, dv, cu_q, cu_k, used_k, max_q, max_k, scale, mask,
+                         precision, _threads(q, num_threads), _stream(q), deterministic,
+                         window_left, window_right, softcap, _slopes(alibi_slopes))
+
+
+def _packed_lse_like(q: Tensor) -> Tensor:
+    return _lse_like(q, (q.shape[1], q.shape[0]))
+
+
+@torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())
+def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                softmax_scale: float, mask: int, precision: int, num_threads: int,
+                deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                softcap: float = 0.0,
+                alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    out = torch.empty_like(q)
+    lse = _packed_lse_like(q)
+    _call_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, mask, precision, num_threads, deterministic,
+                     window_left, window_right, softcap, alibi_slopes)
+    return out, lse
+
+
+@_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      mask, precision, num_threads, deterministic=False, window_left=-1, window_right=-1,
+      softcap=0.0, alibi_slopes=None):
+    return torch.empty_like(q), _packed_lse_like(q)
+
+
+@torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())
+def _varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, mask: int,
+                precision: int, num_threads: int, deterministic: bool = False,
+                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _call_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, mask, precision, num_threads,
+                     deterministic, window_left, window_right, softcap, alibi_slopes)
+    return dq, dk, dv
+
+
+@_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, mask, precision, num_threads, deterministic=False, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    out, lse = output
+    q, k, v, cu_q, cu_k, used_k, max_q, max_k, *options = inputs
+    *scalars, slopes = options
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_k, slopes)
+    ctx.args = (max_q, max_k, *scalars)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, used_k, slopes = ctx.saved_tensors
+    max_q, max_k, *scalars = ctx.args
+    dq, dk, dv = torch.ops.flashattn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_k,
+                                                max_q, max_k, *scalars, slopes)
+    return (dq, dk, dv) + (None,) * (_VARLEN_ARG_COUNT + _OPTION_COUNT)
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def index_value(x, name, optional=False):
+    """A sequence array for the varlen ops: a torch.Tensor (int32 [B + 1] or [B] on q's device,
+    which the library checks), or None where optional."""
+    if x is None and optional:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x
+    raise TypeError(f"{name}: expected a torch.Tensor (int32), got "
+                    f"{type(x).__module__}.{type(x).__qualname__}")
+
+
+def varlen_values(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k):
+    """The varlen ops' sequence arguments, checked, in their order."""
+    return (index_value(cu_seqlens_q, "cu_seqlens_q"), index_value(cu_seqlens_k, "cu_seqlens_k"),
+            index_value(seqused_k, "seqused_k", optional=True),
+            _api.seqlen_value(max_seqlen_q, "max_seqlen_q"),
+            _api.seqlen_value(max_seqlen_k, "max_seqlen_k"))
+
+
 # ---- public API ---------------------------------------------------------------------------------
 
 
@@ -307,6 +424,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
                                                         num_threads, deterministic, window_size,
                                                         softcap),
                                        slopes_value(alibi_slopes))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, seqused_k=None,
+                     softmax_scale=None, mask="none", window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, precision="fp32", num_threads=None, deterministic=False,
+                     return_lse=False):
+    """Differentiable attention over a packed variable-length batch (flashattn.forward_varlen's
+    layouts and arguments): q [total_q, Hq, D], k, v [total_k, Hkv, D], int32 cu_seqlens_q / _k
+    [B + 1] and optional seqused_k [B] on q's device. Returns out [total_q, Hq, D], or (out, lse)
+    with lse float32 [Hq, total_q] when return_lse. Gradients flow to q, k and v only."""
+    out, lse = torch.ops.flashattn.varlen_fwd(
+        q, k, v, *varlen_values(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                max_seqlen_k),
+        *_codes(softmax_scale, mask, precision, num_threads, deterministic, window_size, softcap),
+        slopes_value(alibi_slopes))
     return (out, lse) if return_lse else out
 
 

@@ -78,7 +78,13 @@ struct Kind {
                        "float64 on the CPU)";
   const char* ndims = nullptr;  // nullptr: "4", or "3" for lse (the library checks the exact ndim)
   size_t min_ndim = 0, max_ndim = 4;
+  bool index = false;  // the varlen sequence arrays: int32 only
 };
+
+// The varlen call's packed operands ([total, H, D]; lse [Hq, total_q]) and its int32 arrays.
+const Kind kPacked{Kind{}.dtypes, "3", 0, 4};
+const Kind kPackedLse{Kind{}.dtypes, "2", 0, 4};
+const Kind kIndex{", expected int32", "1", 1, 1, true};
 
 template <class Array>
 Arg<Array> convert(nb::handle obj, const char* name, bool is_output, const Kind& kind = {}) {
@@ -94,7 +100,10 @@ Arg<Array> convert(nb::handle obj, const char* name, bool is_output, const Kind&
                              .c_str());
   }
   const Array& t = a.array;
-  const int32_t code = dtype_code(t.dtype());
+  const nb::dlpack::dtype dt = t.dtype();
+  const bool is_int32 = dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Int) &&
+                        dt.bits == 32 && dt.lanes == 1;
+  const int32_t code = kind.index ? (is_int32 ? FLASHATTN_INT32 : -1) : dtype_code(dt);
   if (code < 0)
     throw nb::type_error(
         (std::string(name) + ".dtype = " + dtype_str(t.dtype()) + kind.dtypes).c_str());
@@ -237,6 +246,79 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
   if (status != FLASHATTN_OK) raise_status(status);
 }
 
+// The varlen arrays: cu_seqlens_q / _k and the optional seqused_k stay referenced (their ndarray
+// views) while the library reads them.
+struct VarlenArgs {
+  Arg<InArray> cq, ck;
+  std::optional<Arg<InArray>> used;
+  flashattn_varlen vl{};
+  VarlenArgs(nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle seqused_k,
+             int64_t max_seqlen_q, int64_t max_seqlen_k)
+      : cq(convert<InArray>(cu_seqlens_q, "cu_seqlens_q", false, kIndex)),
+        ck(convert<InArray>(cu_seqlens_k, "cu_seqlens_k", false, kIndex)) {
+    if (!seqused_k.is_none()) used = convert<InArray>(seqused_k, "seqused_k", false, kIndex);
+    vl.struct_size = sizeof(flashattn_varlen);
+    vl.cu_seqlens_q = &cq.view;
+    vl.cu_seqlens_k = &ck.view;
+    vl.seqused_k = used ? &used->view : nullptr;
+    vl.max_seqlen_q = max_seqlen_q;
+    vl.max_seqlen_k = max_seqlen_k;
+  }
+};
+
+void forward_varlen(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                    nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle seqused_k,
+                    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int mask,
+                    int precision, int num_threads, uintptr_t stream, bool deterministic,
+                    int64_t window_left, int64_t window_right, double softcap,
+                    nb::handle alibi_slopes) {
+  auto tq = convert<InArray>(q, "q", false, kPacked), tk = convert<InArray>(k, "k", false, kPacked),
+       tv = convert<InArray>(v, "v", false, kPacked);
+  auto to = convert<OutArray>(out, "out", true, kPacked),
+       tl = convert<OutArray>(lse, "lse", true, kPackedLse);
+  const VarlenArgs va(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const Slopes slopes(alibi_slopes);
+  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
+                                           deterministic, window_left, window_right, softcap,
+                                           slopes);
+  int status;
+  {
+    nb::gil_scoped_release nogil;
+    status = flashattn_forward_varlen(&tq.view, &tk.view, &tv.view, &to.view, &tl.view, &va.vl,
+                                      &o);
+  }
+  if (status != FLASHATTN_OK) raise_status(status);
+}
+
+void backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                     nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv,
+                     nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle seqused_k,
+                     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int mask,
+                     int precision, int num_threads, uintptr_t stream, bool deterministic,
+                     int64_t window_left, int64_t window_right, double softcap,
+                     nb::handle alibi_slopes) {
+  auto tdo = convert<InArray>(dout, "dout", false, kPacked),
+       tq = convert<InArray>(q, "q", false, kPacked), tk = convert<InArray>(k, "k", false, kPacked),
+       tv = convert<InArray>(v, "v", false, kPacked),
+       to = convert<InArray>(out, "out", false, kPacked),
+       tl = convert<InArray>(lse, "lse", false, kPackedLse);
+  auto tdq = convert<OutArray>(dq, "dq", true, kPacked),
+       tdk = convert<OutArray>(dk, "dk", true, kPacked),
+       tdv = convert<OutArray>(dv, "dv", true, kPacked);
+  const VarlenArgs va(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  const Slopes slopes(alibi_slopes);
+  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
+                                           deterministic, window_left, window_right, softcap,
+                                           slopes);
+  int status;
+  {
+    nb::gil_scoped_release nogil;
+    status = flashattn_backward_varlen(&tq.view, &tk.view, &tv.view, &to.view, &tdo.view,
+                                       &tl.view, &tdq.view, &tdk.view, &tdv.view, &va.vl, &o);
+  }
+  if (status != FLASHATTN_OK) raise_status(status);
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -258,6 +340,26 @@ NB_MODULE(_ext, m) {
         "Runs flashattn_backward on DLPack tensors; dq, dk and dv are written in place. "
         "deterministic: a bitwise-reproducible backward (CUDA float16/bfloat16: no dQ atomics). "
         "The window, softcap and alibi_slopes must be the forward's.");
+  m.def("forward_varlen", &forward_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("out"), nb::arg("lse"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+        nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
+        nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"),
+        nb::arg("stream"), nb::arg("deterministic") = false, nb::arg("window_left") = -1,
+        nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
+        nb::arg("alibi_slopes").none() = nb::none(),
+        "Runs flashattn_forward_varlen: q, out [total_q, Hq, D], k, v [total_k, Hkv, D], lse "
+        "float32 [Hq, total_q]; cu_seqlens_q / _k int32 [B + 1], seqused_k None or int32 [B]. "
+        "out and lse are written in place; options as forward().");
+  m.def("backward_varlen", &backward_varlen, nb::arg("dout"), nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
+        nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("seqused_k").none(),
+        nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("softmax_scale"),
+        nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("deterministic") = false, nb::arg("window_left") = -1,
+        nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
+        nb::arg("alibi_slopes").none() = nb::none(),
+        "Runs flashattn_backward_varlen (layouts as forward_varlen); dq, dk and dv are written "
+        "in place. Options and sequence arrays must be the forward's.");
   m.def("version", [] { return std::string(flashattn_version()); },
         "Version of the libflashattn that is loaded.");
   m.def("cuda_available", [] { return flashattn_cuda_available() != 0; },
