@@ -106,7 +106,6 @@ namespace {
 // Packed batches are validated on every backend, and served where implemented.
 void require_packing_support(int32_t device) {
   if (device >= 0) throw Error(Status::Unsupported, "packed variable-length batches are not implemented on CUDA yet");
-  throw Error(Status::Unsupported, "packed variable-length batches are not implemented on the CPU yet");
 }
 }  // namespace
 

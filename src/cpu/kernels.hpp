@@ -29,9 +29,11 @@ class Parallel {
 };
 
 // The kernels take the mask as a MaskRule (core/mask.hpp) that the driver builds once from
-// p.num.mask, the sliding window and the sequence lengths; they never read p.num.mask. Any band
-// works (tests/test_cpu_mask_band.cpp passes bands directly). The score transform (scale,
-// softcap, ALiBi slopes) they read from p.num.
+// p.num.mask, the sliding window and the sequence lengths; for dense calls they never read
+// p.num.mask, and any band works (tests/test_cpu_mask_band.cpp passes bands directly). Packed
+// calls (p.packing.on()) have one band per sequence, over its own lengths: the kernels build it
+// from p.num per sequence and the rule passed is unused. The score transform (scale, softcap,
+// ALiBi slopes) they read from p.num.
 struct KernelSet {
   const char* name;       // "avx512", "avx2", "generic"
   int vector_bytes;       // SIMD register width the kernels were built for

@@ -476,6 +476,78 @@ inline S* row_ptr(const Out4& t, int64_t b, int64_t h, int64_t s) {
   return static_cast<S*>(t.ptr) + b * t.sb + h * t.sh + s * t.ss;
 }
 
+// The operand from row row0 on. A packed sequence's view (batch stride 0) starts at its first row
+// in the packed tensor; row0 = 0 (every dense call) leaves the view as it is.
+template <class S>
+inline In4 from_row(const In4& t, int64_t row0) {
+  return {static_cast<const S*>(t.ptr) + row0 * t.ss, t.sb, t.sh, t.ss};
+}
+template <class S>
+inline Out4 from_row(const Out4& t, int64_t row0) {
+  return {static_cast<S*>(t.ptr) + row0 * t.ss, t.sb, t.sh, t.ss};
+}
+
+// ---- work decomposition -----------------------------------------------------------------------
+// Tasks over (sequence, head, block of `block` rows). Dense: batch * heads * ceil(len / block),
+// task = (b * heads + h) * nblk + blk, the order every pass had before packing. Packed: sequence
+// b's tasks are [first[b], first[b + 1]) in the same head-major order over its own length, from a
+// prefix table built once per call; a sequence without rows has no task. The partition depends on
+// the shape and the sequence lengths only, never on the threads.
+struct SeqBlocks {
+  int64_t heads, nblk;   // dense: blocks per (batch, head)
+  const int64_t* first;  // packed: [B + 1] prefix of task counts; nullptr when dense
+  int64_t count, batch;
+  struct Item {
+    int64_t b, h, blk, nblk;
+  };
+  Item at(int64_t task) const {
+    if (first == nullptr) {
+      const int64_t bh = task / nblk;
+      return {bh / heads, bh % heads, task % nblk, nblk};
+    }
+    // The last b with first[b] <= task; its sequence is not empty (first[b + 1] > task).
+    int64_t lo = 0, hi = batch;
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (first[mid] <= task)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    const int64_t n = (first[lo + 1] - first[lo]) / heads, t = task - first[lo];
+    return {lo, t / n, t % n, n};
+  }
+};
+
+// keys: blocks over each sequence's key rows (all of them, the ones past seqused_k too, whose
+// gradients must be written), else over its query rows.
+inline SeqBlocks seq_blocks(const Shape& sh, const Packing& pk, int64_t heads, int64_t block, bool keys,
+                            Parallel& par) {
+  const int64_t len = keys ? sh.seq_kv : sh.seq_q;
+  const int64_t nblk = (len + block - 1) / block;
+  if (!pk.on()) return SeqBlocks{heads, nblk, nullptr, nblk * sh.batch * heads, sh.batch};
+  int64_t* first = static_cast<int64_t*>(par.alloc(static_cast<size_t>(sh.batch + 1) * sizeof(int64_t)));
+  const int32_t* cu = keys ? pk.cu_k : pk.cu_q;
+  first[0] = 0;
+  for (int64_t b = 0; b < sh.batch; ++b)
+    first[b + 1] = first[b] + (int64_t{cu[b + 1]} - cu[b] + block - 1) / block * heads;
+  return SeqBlocks{heads, 0, first, first[sh.batch], sh.batch};
+}
+
+// One sequence of a task: its rows in the operands, its lengths, and its mask band and ALiBi
+// diagonal, both relative to its own lengths. Dense calls take the call's band as the driver built
+// it (tests/test_cpu_mask_band.cpp passes arbitrary ones).
+struct Seq {
+  SeqSpan sp;
+  MaskRule rule;
+};
+inline Seq seq_of(const Shape& sh, const Numerics& num, const Packing& pk, const MaskRule& call_rule, int64_t b) {
+  const SeqSpan sp = seq_span(sh, pk, b);
+  if (!pk.on()) return Seq{sp, call_rule};
+  return Seq{sp, make_mask_rule(static_cast<int32_t>(num.mask), sp.seq_q, sp.seq_kv, num.window_left,
+                                num.window_right)};
+}
+
 // A block of rows used as a broadcast (A) operand: its pointer and row stride.
 template <class C>
 struct Rows {
@@ -646,6 +718,12 @@ struct ScoreMods {
     m.on = m.cap || st.has_alibi();
     return m;
   }
+  // The transform of one sequence: ALiBi's diagonal is its own Skv - Sq (packed calls).
+  ScoreMods of_seq(const SeqSpan& sp) const {
+    ScoreMods m = *this;
+    m.diag = sp.seq_kv - sp.seq_q;
+    return m;
+  }
   // The ALiBi slope of (batch b, query head h) in log2 units; 0 without ALiBi.
   C slope2(int64_t b, int64_t h) const {
     if (alibi.slopes == nullptr) return C(0);
@@ -796,29 +874,33 @@ struct Forward {
     const ForwardParams* p;
     MaskRule rule;
     ScoreMods<C> mods;
+    SeqBlocks tasks;
   };
 
   static void task(const void* vctx, int64_t task, void* scratch) {
     const Ctx& ctx = *static_cast<const Ctx*>(vctx);
     const ForwardParams& p = *ctx.p;
-    const MaskRule& rule = ctx.rule;
     const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-    const int64_t nqb = (Sq + BQ - 1) / BQ;
     // Head-major order: the two threads work on neighbouring query blocks of one head, so they
     // stream the same K/V blocks (shared in L3) instead of two different heads' (measured +1 to
     // +5 points of the sgemm ratio). Within a head, causal blocks late in the sequence cost the
     // most: they go first.
-    const int64_t qb = nqb - 1 - task % nqb, bh = task / nqb;
-    const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+    const SeqBlocks::Item it = ctx.tasks.at(task);
+    const int64_t qb = it.nblk - 1 - it.blk, b = it.b, h = it.h;
+    const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
+    const MaskRule& rule = seq.rule;
+    const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
+    const In4 q = from_row<S>(p.q, seq.sp.q0), k = from_row<S>(p.k, seq.sp.k0), v = from_row<S>(p.v, seq.sp.k0);
+    const Out4 outv = from_row<S>(p.out, seq.sp.q0);
+    const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
     Carve<C> cv{static_cast<C*>(scratch)};
     const Tiles t = carve(cv, D);
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
 
-    const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D, ctx.mods.fold, t.qt, BQ);
-    const C slope2 = ctx.mods.slope2(b, h);
+    const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
+    const C slope2 = mods.slope2(b, h);
     for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
@@ -829,10 +911,10 @@ struct Forward {
     const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
     for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
-      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
-      const Panels<C> Vp = pack_panels<S, C>(p.v, b, hk, j0, nk, D, t.vp);
+      const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
+      const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t.vp);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
-      if (ctx.mods.on) score_step<C, true>(ST, BQ, nk, BQ, ctx.mods, slope2, i0, j0);
+      if (mods.on) score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0);
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
         mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
       online_softmax(ST, nk, mrow, lrow, O, Dp);
@@ -840,9 +922,9 @@ struct Forward {
     }
 
     // Epilogue: O / l and LSE = (m + log2 l) * ln 2; rows with no visible key: O = 0, LSE = -inf.
-    float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
+    float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh + seq.sp.q0 * p.lse.ss;
     for (int64_t c = 0; c < nq; ++c) {
-      S* out = row_ptr<S>(p.out, b, h, i0 + c);
+      S* out = row_ptr<S>(outv, b, h, i0 + c);
       const C l = lrow[c];
       if (l > C(0)) {
         const C inv = C(1) / l;
@@ -899,11 +981,10 @@ struct Forward {
 
   static void run(const ForwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
-    const int64_t nqb = (sh.seq_q + BQ - 1) / BQ;
     Carve<C> cv{nullptr};
     carve(cv, sh.head_dim);
-    const Ctx ctx{&p, rule, ScoreMods<C>::make(sh, p.num)};
-    par.run(nqb * sh.batch * sh.heads_q, cv.bytes(), &task, &ctx);
+    const Ctx ctx{&p, rule, ScoreMods<C>::make(sh, p.num), seq_blocks(sh, p.packing, sh.heads_q, BQ, false, par)};
+    par.run(ctx.tasks.count, cv.bytes(), &task, &ctx);
   }
 };
 
@@ -919,8 +1000,12 @@ struct Backward {
     MaskRule rule;
     ScoreTransform st;
     ScoreMods<C> mods;
-    C* delta;       // D = rowsum(dO * O), [B, Hq, Sq] contiguous
-    const C* lse2;  // float64 only: LSE recomputed in double, log2 units, [B, Hq, Sq]; else null
+    C* delta;       // D = rowsum(dO * O), [B, Hq, Sq] contiguous ([Hq, total_q] when packed)
+    const C* lse2;  // float64 only: LSE recomputed in double, log2 units, as delta; else null
+    int64_t stat_b, stat_h;  // strides of delta and lse2 (packed: 0 and total_q)
+    SeqBlocks dq_tasks, dkv_tasks;
+    // Where row 0 of (b, h) of a sequence starting at query row q0 lies in delta and lse2.
+    int64_t stat(int64_t b, int64_t h, int64_t q0) const { return b * stat_b + h * stat_h + q0; }
   };
 
   // float64 only: the row LSE recomputed in double (the forward's row statistics without the PV
@@ -929,24 +1014,26 @@ struct Backward {
   struct LseCtx {
     const Ctx* ctx;
     C* out;
+    SeqBlocks tasks;
   };
   static void lse_task(const void* vctx, int64_t task, void* scratch) {
     using F = Forward<S>;
     constexpr int64_t BQ = F::BQ, BK = F::BK;
     const LseCtx& lc = *static_cast<const LseCtx*>(vctx);
     const BackwardParams& p = *lc.ctx->p;
-    const MaskRule& rule = lc.ctx->rule;
     const Shape& sh = p.shape;
-    const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv;
-    const int64_t nqb = (Sq + BQ - 1) / BQ;
-    const int64_t qb = nqb - 1 - task % nqb, bh = task / nqb;
-    const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+    const SeqBlocks::Item it = lc.tasks.at(task);
+    const int64_t qb = it.nblk - 1 - it.blk, b = it.b, h = it.h;
+    const Seq seq = seq_of(sh, p.num, p.packing, lc.ctx->rule, b);
+    const MaskRule& rule = seq.rule;
+    const ScoreMods<C> mods = lc.ctx->mods.of_seq(seq.sp);
+    const In4 q = from_row<S>(p.q, seq.sp.q0), k = from_row<S>(p.k, seq.sp.k0);
+    const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv;
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
     Carve<C> cv{static_cast<C*>(scratch)};
     const typename F::Tiles t = F::carve(cv, D);
-    const ScoreMods<C>& mods = lc.ctx->mods;
-    const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
+    const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
     const C slope2 = mods.slope2(b, h);
     for (int64_t c = 0; c < BQ; ++c) {
       t.m[c] = neg_inf<C>();
@@ -956,29 +1043,32 @@ struct Backward {
     const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
     for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
-      const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
+      const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
       gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, t.st, BQ);
       if (mods.on) score_step<C, true>(t.st, BQ, nk, BQ, mods, slope2, i0, j0);
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
         mask_key_rows(t.st, BQ, rule, i0, BQ, j0, nk);
       F::online_softmax(t.st, nk, t.m, t.l, nullptr, 0);
     }
+    C* out = lc.out + lc.ctx->stat(b, h, seq.sp.q0);
     for (int64_t c = 0; c < nq; ++c)
-      lc.out[bh * Sq + i0 + c] =
+      out[i0 + c] =
           t.l[c] > C(0) ? t.m[c] + static_cast<C>(__builtin_log2(static_cast<double>(t.l[c])))
                         : static_cast<C>(__builtin_inf());
   }
 
-  // D preprocess: one task per (batch, query head).
+  // D preprocess: one task per (batch or sequence, query head).
   static void delta_task(const void* vctx, int64_t task, void*) {
     const Ctx& ctx = *static_cast<const Ctx*>(vctx);
     const BackwardParams& p = *ctx.p;
     const Shape& sh = p.shape;
     const int64_t b = task / sh.heads_q, h = task % sh.heads_q;
-    C* dst = ctx.delta + task * sh.seq_q;
-    for (int64_t i = 0; i < sh.seq_q; ++i) {
-      const S* o = row_ptr<S>(p.out, b, h, i);
-      const S* g = row_ptr<S>(p.dout, b, h, i);
+    const SeqSpan sp = seq_span(sh, p.packing, b);
+    const In4 out = from_row<S>(p.out, sp.q0), dout = from_row<S>(p.dout, sp.q0);
+    C* dst = ctx.delta + ctx.stat(b, h, sp.q0);
+    for (int64_t i = 0; i < sp.seq_q; ++i) {
+      const S* o = row_ptr<S>(out, b, h, i);
+      const S* g = row_ptr<S>(dout, b, h, i);
       C acc = C(0);
       for (int64_t d = 0; d < sh.head_dim; ++d) acc += load_as<C>(o + d) * load_as<C>(g + d);
       dst[i] = acc;
@@ -987,10 +1077,11 @@ struct Backward {
 
   // LSE of row i in log2 units; a row without visible keys (LSE = -inf) becomes +inf so that
   // P = exp2(s - lse) = 0 instead of inf or NaN.
-  static C lse2_of(const Ctx& ctx, int64_t b, int64_t h, int64_t i) {
+  // (Row i of the sequence that starts at query row q0.)
+  static C lse2_of(const Ctx& ctx, int64_t b, int64_t h, int64_t q0, int64_t i) {
     const BackwardParams& p = *ctx.p;
-    if (ctx.lse2) return ctx.lse2[(b * p.shape.heads_q + h) * p.shape.seq_q + i];
-    const float v = p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss];
+    if (ctx.lse2) return ctx.lse2[ctx.stat(b, h, q0) + i];
+    const float v = p.lse.ptr[b * p.lse.sb + h * p.lse.sh + (q0 + i) * p.lse.ss];
     if (v == -__builtin_inff()) return static_cast<C>(__builtin_inf());
     return static_cast<C>(v) * static_cast<C>(kLog2e);
   }
@@ -1020,25 +1111,30 @@ struct Backward {
     static void dq_task(const Ctx& ctx, int64_t task, void* scratch) {
       const BackwardParams& p = *ctx.p;
       const Shape& sh = p.shape;
-      const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
-      const int64_t nqb = (Sq + BQ - 1) / BQ;
-      const int64_t qb = nqb - 1 - task % nqb, bh = task / nqb;  // head-major, as the forward
-      const int64_t b = bh / sh.heads_q, h = bh % sh.heads_q;
+      const SeqBlocks::Item it = ctx.dq_tasks.at(task);
+      const int64_t qb = it.nblk - 1 - it.blk, b = it.b, h = it.h;  // head-major, as the forward
+      const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
+      const MaskRule& rule = seq.rule;
+      const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
+      const int64_t q0 = seq.sp.q0;
+      const In4 q = from_row<S>(p.q, q0), dout = from_row<S>(p.dout, q0);
+      const In4 k = from_row<S>(p.k, seq.sp.k0), v = from_row<S>(p.v, seq.sp.k0);
+      const Out4 dqv = from_row<S>(p.dq, q0);
+      const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
       const int64_t hk = h / (sh.heads_q / sh.heads_kv);
       const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-      const MaskRule& rule = ctx.rule;
       Carve<C> cv{static_cast<C*>(scratch)};
       const DqTiles t = dq_carve(cv, D);
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const ScoreMods<C>& mods = ctx.mods;
-      const Panels<C> QT = pack_transposed<S, C>(p.q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
-      const Panels<C> dOT = pack_transposed<S, C>(p.dout, b, h, i0, nq, D, C(1), t.dot, BQ);
+      const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
+      const Panels<C> dOT = pack_transposed<S, C>(dout, b, h, i0, nq, D, C(1), t.dot, BQ);
       const C slope2 = mods.slope2(b, h);
+      const C* delta = ctx.delta + ctx.stat(b, h, q0);
       for (int64_t c = 0; c < BQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
-        lse2[c] = c < nq ? lse2_of(ctx, b, h, i0 + c) : static_cast<C>(__builtin_inf());
-        dlt[c] = c < nq ? ctx.delta[bh * Sq + i0 + c] : C(0);
+        lse2[c] = c < nq ? lse2_of(ctx, b, h, q0, i0 + c) : static_cast<C>(__builtin_inf());
+        dlt[c] = c < nq ? delta[i0 + c] : C(0);
       }
       for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
 
@@ -1046,9 +1142,9 @@ struct Backward {
       const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
       for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
         const int64_t nk = smin(BK, kend - j0);
-        const Rows<C> K = rows_of<S, C>(p.k, b, hk, j0, nk, D, t.krows);
-        const Rows<C> Vr = rows_of<S, C>(p.v, b, hk, j0, nk, D, t.vrows);
-        const Panels<C> Kp = pack_panels<S, C>(p.k, b, hk, j0, nk, D, t.kp);
+        const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
+        const Rows<C> Vr = rows_of<S, C>(v, b, hk, j0, nk, D, t.vrows);
+        const Panels<C> Kp = pack_panels<S, C>(k, b, hk, j0, nk, D, t.kp);
         gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
         gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
         // Under a softcap the step leaves (dP - D) o F in dPT.
@@ -1075,7 +1171,7 @@ struct Backward {
       }
       const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t c = 0; c < nq; ++c) {
-        S* dst = row_ptr<S>(p.dq, b, h, i0 + c);
+        S* dst = row_ptr<S>(dqv, b, h, i0 + c);
         for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * gs);
       }
     }
@@ -1110,38 +1206,46 @@ struct Backward {
     static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
       const BackwardParams& p = *ctx.p;
       const Shape& sh = p.shape;
-      const int64_t D = sh.head_dim, Sq = sh.seq_q, Skv = sh.seq_kv, Dp = round_up(D, W);
       const int64_t group = sh.heads_q / sh.heads_kv;
       // Head-major (threads share the group's Q/dO blocks); causal: early key blocks are seen
       // by the most queries: they go first.
-      const int64_t nkb = (Skv + BK - 1) / BK;
-      const int64_t kb = task % nkb, bhk = task / nkb;
-      const int64_t b = bhk / sh.heads_kv, hk = bhk % sh.heads_kv;
-      const int64_t j0 = kb * BK, nk = smin(BK, Skv - j0);
-      const MaskRule& rule = ctx.rule;
+      const SeqBlocks::Item it = ctx.dkv_tasks.at(task);
+      const int64_t kb = it.blk, b = it.b, hk = it.h;
+      const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
+      const MaskRule& rule = seq.rule;
+      const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
+      const int64_t q0 = seq.sp.q0;
+      const In4 q = from_row<S>(p.q, q0), dout = from_row<S>(p.dout, q0);
+      const In4 k = from_row<S>(p.k, seq.sp.k0), v = from_row<S>(p.v, seq.sp.k0);
+      const Out4 dkv = from_row<S>(p.dk, seq.sp.k0), dvv = from_row<S>(p.dv, seq.sp.k0);
+      const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
+      // The block's rows [j0, j0 + nrows) of the sequence's keys; packed keys at or past
+      // seqused_k (nk <= rows) are attended by nobody and get dK = dV = 0.
+      const int64_t rows_all = p.packing.on() ? int64_t{p.packing.cu_k[b + 1]} - p.packing.cu_k[b] : Skv;
+      const int64_t j0 = kb * BK, nrows = smin(BK, rows_all - j0);
+      const int64_t nk = MaskRule::clamp(Skv - j0, 0, nrows);
       Carve<C> cv{static_cast<C*>(scratch)};
       const DkvTiles t = dkv_carve(cv, D);
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const ScoreMods<C>& mods = ctx.mods;
-      const Panels<C> KT = pack_transposed<S, C>(p.k, b, hk, j0, nk, D, mods.fold, t.kt, BK);
-      const Panels<C> VT = pack_transposed<S, C>(p.v, b, hk, j0, nk, D, C(1), t.vt, BK);
+      const Panels<C> KT = pack_transposed<S, C>(k, b, hk, j0, nk, D, mods.fold, t.kt, BK);
+      const Panels<C> VT = pack_transposed<S, C>(v, b, hk, j0, nk, D, C(1), t.vt, BK);
       for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
       // The queries that see some key of the block; keys no query sees get dK = dV = 0.
-      const int64_t ibegin = rule.row_begin(j0), iend = rule.row_end(j0 + nk - 1, Sq);
+      const int64_t ibegin = rule.row_begin(j0), iend = nk > 0 ? rule.row_end(j0 + nk - 1, Sq) : ibegin;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
-        const C* delta = ctx.delta + (b * sh.heads_q + h) * Sq;
+        const C* delta = ctx.delta + ctx.stat(b, h, q0);
         const C slope2 = mods.slope2(b, h);
         for (int64_t i0 = ibegin; i0 < iend; i0 += BQ) {
           const int64_t nq = smin(BQ, iend - i0);
-          const Rows<C> Q = rows_of<S, C>(p.q, b, h, i0, nq, D, t.qrows);
-          const Rows<C> dO = rows_of<S, C>(p.dout, b, h, i0, nq, D, t.dorows);
-          const Panels<C> Qp = pack_panels<S, C>(p.q, b, h, i0, nq, D, t.qp);
-          const Panels<C> dOp = pack_panels<S, C>(p.dout, b, h, i0, nq, D, t.dop);
+          const Rows<C> Q = rows_of<S, C>(q, b, h, i0, nq, D, t.qrows);
+          const Rows<C> dO = rows_of<S, C>(dout, b, h, i0, nq, D, t.dorows);
+          const Panels<C> Qp = pack_panels<S, C>(q, b, h, i0, nq, D, t.qp);
+          const Panels<C> dOp = pack_panels<S, C>(dout, b, h, i0, nq, D, t.dop);
           for (int64_t r = 0; r < nq; ++r) {
-            lse2[r] = lse2_of(ctx, b, h, i0 + r);
+            lse2[r] = lse2_of(ctx, b, h, q0, i0 + r);
             dlt[r] = delta[i0 + r];
           }
           gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
@@ -1176,11 +1280,19 @@ struct Backward {
       }
       const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t r = 0; r < nk; ++r) {
-        S* dk = row_ptr<S>(p.dk, b, hk, j0 + r);
-        S* dv = row_ptr<S>(p.dv, b, hk, j0 + r);
+        S* dk = row_ptr<S>(dkv, b, hk, j0 + r);
+        S* dv = row_ptr<S>(dvv, b, hk, j0 + r);
         for (int64_t d = 0; d < D; ++d) {
           store_as<C>(dk + d, dK[r * Dp + d] * gs);
           store_as<C>(dv + d, dV[r * Dp + d]);
+        }
+      }
+      for (int64_t r = nk; r < nrows; ++r) {
+        S* dk = row_ptr<S>(dkv, b, hk, j0 + r);
+        S* dv = row_ptr<S>(dvv, b, hk, j0 + r);
+        for (int64_t d = 0; d < D; ++d) {
+          store_as<C>(dk + d, C(0));
+          store_as<C>(dv + d, C(0));
         }
       }
     }
@@ -1201,27 +1313,37 @@ struct Backward {
 
   static void run(const BackwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
-    const size_t rows = static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q);
-    Ctx ctx{&p, rule, ScoreTransform::make(sh, p.num), ScoreMods<C>::make(sh, p.num),
-            static_cast<C*>(par.alloc(rows * sizeof(C))), nullptr};
+    // Row statistics (delta, lse2) per (batch, head, row): [B, Hq, Sq], or [Hq, total_q] packed.
+    const int64_t total_q = p.packing.on() ? int64_t{p.packing.cu_q[sh.batch]} : sh.batch * sh.seq_q;
+    const size_t rows = static_cast<size_t>(sh.heads_q * total_q);
+    const int64_t stat_b = p.packing.on() ? 0 : sh.heads_q * sh.seq_q;
+    const int64_t stat_h = p.packing.on() ? total_q : sh.seq_q;
+    Ctx ctx{&p,
+            rule,
+            ScoreTransform::make(sh, p.num),
+            ScoreMods<C>::make(sh, p.num),
+            static_cast<C*>(par.alloc(rows * sizeof(C))),
+            nullptr,
+            stat_b,
+            stat_h,
+            seq_blocks(sh, p.packing, sh.heads_q, Dq::BQ, false, par),
+            seq_blocks(sh, p.packing, sh.heads_kv, Dkv::BK, true, par)};
     par.run(sh.batch * sh.heads_q, 0, &delta_task, &ctx);
     if constexpr (Same<C, double>::value) {
-      LseCtx lc{&ctx, static_cast<C*>(par.alloc(rows * sizeof(C)))};
+      LseCtx lc{&ctx, static_cast<C*>(par.alloc(rows * sizeof(C))),
+                seq_blocks(sh, p.packing, sh.heads_q, Forward<S>::BQ, false, par)};
       Carve<C> cv{nullptr};
       Forward<S>::carve(cv, sh.head_dim);
-      const int64_t nqb_f = (sh.seq_q + Forward<S>::BQ - 1) / Forward<S>::BQ;
-      par.run(nqb_f * sh.batch * sh.heads_q, cv.bytes(), &lse_task, &lc);
+      par.run(lc.tasks.count, cv.bytes(), &lse_task, &lc);
       ctx.lse2 = lc.out;
     }
-    const int64_t nqb = (sh.seq_q + Dq::BQ - 1) / Dq::BQ;
-    const int64_t nkb = (sh.seq_kv + Dkv::BK - 1) / Dkv::BK;
-    MainCtx m{ctx, nkb * sh.batch * sh.heads_kv};
-    const int64_t n_dq = nqb * sh.batch * sh.heads_q;
+    MainCtx m{ctx, ctx.dkv_tasks.count};
     Carve<C> c1{nullptr}, c2{nullptr};
     Dq::dq_carve(c1, sh.head_dim);
     Dkv::dkv_carve(c2, sh.head_dim);
-    par.run(m.n_dkv + n_dq, smax(c1.bytes(), c2.bytes()), &main_task, &m);
+    par.run(m.n_dkv + ctx.dq_tasks.count, smax(c1.bytes(), c2.bytes()), &main_task, &m);
   }
+
 };
 
 template <template <class> class K, class P>
