@@ -48,6 +48,7 @@ mod error;
 mod half;
 mod options;
 mod tensor;
+mod varlen;
 
 use core::ffi::CStr;
 
@@ -56,6 +57,7 @@ pub use flashattn_sys as sys;
 pub use half::{Bf16, F16};
 pub use options::{CudaStream, Mask, Options, Precision, Window};
 pub use tensor::{DType, Device, Element, Tensor, TensorMut};
+pub use varlen::Varlen;
 
 /// Attention forward: `out = softmax(scores, masked) v` with `scores = scale * q k^T` (softcapped
 /// and with the ALiBi bias when the options say so; masked by the mask and the window), and the
@@ -101,6 +103,68 @@ pub fn backward<T: Element>(
     // SAFETY: as in forward.
     let status =
         unsafe { sys::flashattn_backward(&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, &opts) };
+    Error::check(status)
+}
+
+/// [`forward`] over a packed variable-length batch: B sequences of different lengths stored back
+/// to back without padding, split by `varlen` ([`Varlen`]). Each sequence attends only within
+/// itself, with every option applied per sequence (bottom-right causal, windows and ALiBi
+/// relative to that sequence's own lengths; `[B, Hq]` slopes per sequence).
+///
+/// Layouts: q and out logical `[total_q, Hq, D]`, k and v `[total_k, Hkv, D]` (ndim 3, any
+/// strides with a unit head_dim stride, e.g. `Tensor::contiguous(&q, &[total_q, hq, d])`); lse
+/// f32 `[Hq, total_q]` (FlashAttention 2's varlen layout). A query row that sees no key (a
+/// sequence with no keys included) gets out = 0 and lse = -inf. Outputs are overwritten; on
+/// error nothing is written. The CPU backend implements it; CUDA answers
+/// [`ErrorKind::Unsupported`] for now.
+pub fn forward_varlen<T: Element>(
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut TensorMut<'_, f32>,
+    varlen: &Varlen<'_>,
+    options: &Options<'_>,
+) -> Result<(), Error> {
+    let slopes = options.alibi_slopes.map(|t| t.raw());
+    let opts = options.raw(slopes.as_ref())?;
+    let indices = varlen.indices()?;
+    let vl = indices.raw();
+    let (q, k, v, out, lse) = (q.raw(), k.raw(), v.raw(), out.raw(), lse.raw());
+    // SAFETY: as in forward; the index vectors are shared borrows (or an unsafe constructor's
+    // promise) and `indices`, which vl points into, outlives the call.
+    let status = unsafe { sys::flashattn_forward_varlen(&q, &k, &v, &out, &lse, &vl, &opts) };
+    Error::check(status)
+}
+
+/// [`backward`] over a packed variable-length batch: the layouts of [`forward_varlen`] (dout and
+/// dq like q, dk and dv like k, lse `[Hq, total_q]`), the same `varlen` and options as the
+/// forward. Keys beyond `seqused_k` and keys no query sees get dk = dv = 0. Outputs are
+/// overwritten; on error nothing is written.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_varlen<T: Element>(
+    q: &Tensor<'_, T>,
+    k: &Tensor<'_, T>,
+    v: &Tensor<'_, T>,
+    out: &Tensor<'_, T>,
+    dout: &Tensor<'_, T>,
+    lse: &Tensor<'_, f32>,
+    dq: &mut TensorMut<'_, T>,
+    dk: &mut TensorMut<'_, T>,
+    dv: &mut TensorMut<'_, T>,
+    varlen: &Varlen<'_>,
+    options: &Options<'_>,
+) -> Result<(), Error> {
+    let slopes = options.alibi_slopes.map(|t| t.raw());
+    let opts = options.raw(slopes.as_ref())?;
+    let indices = varlen.indices()?;
+    let vl = indices.raw();
+    let (q, k, v, out, dout, lse) = (q.raw(), k.raw(), v.raw(), out.raw(), dout.raw(), lse.raw());
+    let (dq, dk, dv) = (dq.raw(), dk.raw(), dv.raw());
+    // SAFETY: as in forward_varlen.
+    let status = unsafe {
+        sys::flashattn_backward_varlen(&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, &vl, &opts)
+    };
     Error::check(status)
 }
 

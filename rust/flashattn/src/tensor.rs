@@ -372,6 +372,26 @@ impl<'a, T: Element> TensorMut<'a, T> {
     }
 }
 
+/// The C view of an int32 index vector (the varlen `cu_seqlens` / `seqused_k`): ndim 1, shape
+/// `[len]`, stride 1. Only the device code and the length are checked here.
+pub(crate) fn index_raw(
+    data: *const i32,
+    len: usize,
+    device: Device,
+    name: &str,
+) -> Result<sys::flashattn_tensor, Error> {
+    let n = i64::try_from(len)
+        .map_err(|_| Error::invalid(format!("{name} has {len} entries, more than fit in int64")))?;
+    Ok(sys::flashattn_tensor {
+        data: data as *mut c_void,
+        dtype: sys::FLASHATTN_INT32,
+        device: device.code()?,
+        ndim: 1,
+        shape: [n, 0, 0, 0],
+        stride: [1, 0, 0, 0],
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
