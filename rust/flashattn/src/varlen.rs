@@ -31,6 +31,39 @@ impl Index {
 /// `seqused_k[b]` keys. The library checks all of this (it reads the vectors before writing
 /// anything) and names the offending vector in its message.
 ///
+///
+/// ```
+/// use flashattn::{forward_varlen, Mask, Options, Tensor, TensorMut, Varlen};
+/// // Three sequences: 3, 0 and 5 queries; 4, 2 and 5 keys; 4 query heads over 2 kv heads.
+/// let (hq, hkv, d) = (4, 2, 8);
+/// let (cu_q, cu_k) = ([0i32, 3, 3, 8], [0i32, 4, 6, 11]);
+/// let (total_q, total_k) = (8, 11);
+/// let q = vec![0.1f32; total_q * hq * d];
+/// let k = vec![0.2f32; total_k * hkv * d];
+/// let v = vec![0.3f32; total_k * hkv * d];
+/// let mut out = vec![f32::NAN; q.len()];
+/// let mut lse = vec![f32::NAN; hq * total_q];
+/// let vl = Varlen::new(&cu_q, &cu_k, 5, 5).with_seqused_k(&[2, 2, 5]);
+/// forward_varlen(
+///     &Tensor::contiguous(&q, &[total_q, hq, d])?,
+///     &Tensor::contiguous(&k, &[total_k, hkv, d])?,
+///     &Tensor::contiguous(&v, &[total_k, hkv, d])?,
+///     &mut TensorMut::contiguous(&mut out, &[total_q, hq, d])?,
+///     &mut TensorMut::contiguous(&mut lse, &[hq, total_q])?,
+///     &vl,
+///     &Options { mask: Mask::CausalBottomRight, ..Options::default() },
+/// )?;
+/// // Uniform values: a row that sees a key averages v (0.3). Row 0 (sequence 0's first query)
+/// // sees none (bottom-right causal over its 2 used keys): out = 0, lse = -inf.
+/// for h in 0..hq {
+///     assert_eq!(lse[h * total_q], f32::NEG_INFINITY);
+///     assert!(lse[h * total_q + 1..(h + 1) * total_q].iter().all(|x| x.is_finite()));
+/// }
+/// assert!(out[..hq * d].iter().all(|&x| x == 0.0));
+/// assert!(out[hq * d..].iter().all(|&x| (x - 0.3).abs() < 1e-6));
+/// # Ok::<(), flashattn::Error>(())
+/// ```
+///
 /// [`forward_varlen`]: crate::forward_varlen
 /// [`backward_varlen`]: crate::backward_varlen
 #[derive(Clone, Copy, Debug)]
