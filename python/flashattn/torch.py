@@ -406,11 +406,40 @@ def slopes_value(alibi_slopes):
                     f"{type(alibi_slopes).__module__}.{type(alibi_slopes).__qualname__}")
 
 
+def _sdpa_names(softmax_scale, mask, is_causal, scale, enable_gqa, q, k):
+    """PyTorch SDPA's spellings, mapped onto the library's: is_causal=True is SDPA's causal mask
+    (top-left: key j visible to query i when j <= i); scale is softmax_scale; enable_gqa is
+    accepted (GQA always works here) and, when False, refuses differing head counts as SDPA does.
+    mask="causal" is FlashAttention's causal (bottom-right), the library's default alignment."""
+    if scale is not None:
+        if softmax_scale is not None:
+            raise TypeError("attention(): give softmax_scale or SDPA's scale, not both")
+        softmax_scale = scale
+    if is_causal is not None:
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__qualname__}")
+        if is_causal:
+            if mask != "none":
+                raise TypeError(f"attention(): is_causal=True and mask={mask!r}: give one of them")
+            mask = "causal_top_left"
+    if mask == "causal":
+        mask = "causal_bottom_right"
+    if enable_gqa is False and q.dim() >= 2 and k.dim() >= 2 and q.shape[-3] != k.shape[-3]:
+        raise ValueError(f"q has {q.shape[-3]} heads and k {k.shape[-3]}: differing head counts "
+                         "need enable_gqa=True (as in scaled_dot_product_attention)")
+    return softmax_scale, mask
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none",
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="fp32",
-              num_threads=None, deterministic=False, return_lse=False):
+              num_threads=None, deterministic=False, return_lse=False, is_causal=None,
+              scale=None, enable_gqa=None):
     """Differentiable attention on [B, H, S, D] tensors (any strides, e.g. ``x.transpose(1, 2)``
     of a [B, S, H, D] tensor): returns out, or (out, lse) when return_lse.
+
+    SDPA's names work too: is_causal=True (SDPA's top-left causal mask), scale (= softmax_scale),
+    enable_gqa (GQA always works; False refuses differing head counts as SDPA does); and
+    mask="causal" is FlashAttention's causal (bottom-right; equal to top-left when Sq = Skv).
 
     Arguments as flashattn.forward: window_size=(left, right) is FlashAttention's sliding window
     (-1 = unbounded side), intersected with the mask; softcap > 0 caps the scores with
@@ -420,6 +449,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
     torch.compile (custom ops with fake implementations) and on CPU and CUDA tensors; on the CPU
     it uses torch.get_num_threads() threads unless num_threads is given.
     """
+    softmax_scale, mask = _sdpa_names(softmax_scale, mask, is_causal, scale, enable_gqa, q, k)
     out, lse = torch.ops.flashattn.fwd(q, k, v, *_codes(softmax_scale, mask, precision,
                                                         num_threads, deterministic, window_size,
                                                         softcap),

@@ -358,3 +358,29 @@ def test_sdpa_agrees_with_the_reference():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{mask} {name}")
         naive, _ = attention_ref(q, k, v, None, mask)
         torch.testing.assert_close(naive, theirs.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_sdpa_spellings():
+    """attention() takes SDPA's is_causal / scale / enable_gqa, and mask="causal": each gives the
+    bits of its library spelling, against SDPA itself for the SDPA ones."""
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(2, 4, 9, 16, generator=g)
+    k = torch.randn(2, 2, 13, 16, generator=g)
+    v = torch.randn(2, 2, 13, 16, generator=g)
+    same = torch.equal
+    assert same(fat.attention(q, k, v, is_causal=True), fat.attention(q, k, v, mask="causal_top_left"))
+    assert same(fat.attention(q, k, v, mask="causal"), fat.attention(q, k, v, mask="causal_bottom_right"))
+    assert same(fat.attention(q, k, v, scale=0.3), fat.attention(q, k, v, softmax_scale=0.3))
+    assert same(fat.attention(q, k, v, enable_gqa=True), fat.attention(q, k, v))
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=0.3)
+    got = fat.attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fat.attention(q, k, v, enable_gqa=False)
+    with pytest.raises(TypeError, match="not both"):
+        fat.attention(q, k, v, scale=0.3, softmax_scale=0.3)
+    with pytest.raises(TypeError, match="give one of them"):
+        fat.attention(q, k, v, is_causal=True, mask="causal_bottom_right")
+    with pytest.raises(TypeError, match="is_causal"):
+        fat.attention(q, k, v, is_causal=1)
