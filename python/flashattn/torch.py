@@ -430,6 +430,40 @@ def _sdpa_names(softmax_scale, mask, is_causal, scale, enable_gqa, q, k):
     return softmax_scale, mask
 
 
+class _EmptyAttention(torch.autograd.Function):
+    """Attention with no query rows or no keys, as scaled_dot_product_attention gives it: an empty
+    out (Sq = 0) or zeros (Skv = 0: every row sees no key, lse = -inf), and zero gradients. The
+    library takes no zero-size dimension, so these never reach it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _empty_attention(q, k, v):
+    """(out, lse) through _EmptyAttention after the shape checks a real call would make, or None
+    when neither sequence is empty."""
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
+        return None
+    if q.shape[2] != 0 and k.shape[2] != 0:
+        return None
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or \
+            k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q.shape = {tuple(q.shape)}, k.shape = {tuple(k.shape)}, v.shape = "
+                         f"{tuple(v.shape)}: expected [B, Hq, Sq, D], [B, Hkv, Skv, D] twice with Hkv "
+                         "dividing Hq")
+    return _EmptyAttention.apply(q, k, v)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none",
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, precision="fp32",
               num_threads=None, deterministic=False, return_lse=False, is_causal=None,
@@ -437,7 +471,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
     """Differentiable attention on [B, H, S, D] tensors (any strides, e.g. ``x.transpose(1, 2)``
     of a [B, S, H, D] tensor): returns out, or (out, lse) when return_lse.
 
-    SDPA's names work too: is_causal=True (SDPA's top-left causal mask), scale (= softmax_scale),
+    Sq = 0 or Skv = 0 give what SDPA gives: an empty out, or zeros (lse = -inf), and zero
+    gradients. SDPA's names work too: is_causal=True (SDPA's top-left causal mask), scale (= softmax_scale),
     enable_gqa (GQA always works; False refuses differing head counts as SDPA does); and
     mask="causal" is FlashAttention's causal (bottom-right; equal to top-left when Sq = Skv).
 
@@ -450,6 +485,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
     it uses torch.get_num_threads() threads unless num_threads is given.
     """
     softmax_scale, mask = _sdpa_names(softmax_scale, mask, is_causal, scale, enable_gqa, q, k)
+    empty = _empty_attention(q, k, v)
+    if empty is not None:  # Sq = 0 or Skv = 0, as SDPA: empty or zero results, zero gradients
+        return empty if return_lse else empty[0]
     out, lse = torch.ops.flashattn.fwd(q, k, v, *_codes(softmax_scale, mask, precision,
                                                         num_threads, deterministic, window_size,
                                                         softcap),

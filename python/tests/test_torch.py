@@ -384,3 +384,23 @@ def test_sdpa_spellings():
         fat.attention(q, k, v, is_causal=True, mask="causal_bottom_right")
     with pytest.raises(TypeError, match="is_causal"):
         fat.attention(q, k, v, is_causal=1)
+
+
+@pytest.mark.parametrize("sq,skv", [(0, 7), (5, 0), (0, 0)])
+def test_empty_sequences_as_sdpa(sq, skv):
+    """Sq = 0 or Skv = 0: the values and gradients SDPA gives (empty, or zeros)."""
+    g = torch.Generator().manual_seed(43)
+    q = torch.randn(2, 4, sq, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, skv, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, skv, 16, generator=g, requires_grad=True)
+    out, lse = fat.attention(q, k, v, return_lse=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+    assert out.shape == ref.shape == (2, 4, sq, 16)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(ref, torch.zeros_like(ref))
+    assert lse.shape == (2, 4, sq) and bool((lse == float("-inf")).all())
+    (out.sum() + 1.0).backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+    with pytest.raises(ValueError, match="Hkv"):
+        fat.attention(q, torch.zeros(2, 3, skv, 16), torch.zeros(2, 3, skv, 16))
