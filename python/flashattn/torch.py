@@ -488,6 +488,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
     empty = _empty_attention(q, k, v)
     if empty is not None:  # Sq = 0 or Skv = 0, as SDPA: empty or zero results, zero gradients
         return empty if return_lse else empty[0]
+    if not torch.compiler.is_compiling():
+        # Eager calls go through the autograd.Function over the extension: the custom op's eager
+        # dispatch imports torch._dynamo on its first call (~2 s, measured with torch 2.15 on
+        # the CPU), where SDPA's first call takes milliseconds. Under torch.compile the custom op
+        # is what gets traced. Both call the same extension functions with the same arguments.
+        out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, mask, precision, num_threads,
+                                           deterministic, window_size, softcap, alibi_slopes)
+        return (out, lse) if return_lse else out
     out, lse = torch.ops.flashattn.fwd(q, k, v, *_codes(softmax_scale, mask, precision,
                                                         num_threads, deterministic, window_size,
                                                         softcap),

@@ -404,3 +404,18 @@ def test_empty_sequences_as_sdpa(sq, skv):
         assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
     with pytest.raises(ValueError, match="Hkv"):
         fat.attention(q, torch.zeros(2, 3, skv, 16), torch.zeros(2, 3, skv, 16))
+
+
+def test_first_eager_call_imports_no_dynamo():
+    """import flashattn.torch and a first forward+backward leave torch._dynamo unimported (its
+    import made the first call take ~2 s where SDPA's takes milliseconds)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, flashattn.torch as fat\n"
+            "q = torch.randn(1, 2, 33, 16, requires_grad=True)\n"
+            "fat.attention(q, q, q, mask='causal').sum().backward()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False", r.stdout
