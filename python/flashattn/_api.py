@@ -330,6 +330,19 @@ def slopes_arg(alibi_slopes):
 # ---- public functions ---------------------------------------------------------------------------
 
 
+def _call_options(launch, softmax_scale, mask, window_size, softcap, alibi_slopes, precision,
+                  num_threads, deterministic):
+    """The extension's arguments after the tensors (and sequence arrays), in its order, each
+    validated (in the order the errors are documented to come: scale, mask, window, softcap,
+    precision, threads, deterministic, slopes), shared by the dense and varlen calls."""
+    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
+    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
+    prec, nthreads = precision_code(precision), threads_value(num_threads)
+    det = flag_value(deterministic)
+    slopes = slopes_arg(alibi_slopes)
+    return scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes
+
+
 def forward(q, k, v, *, softmax_scale=None, mask="none", window_size=(-1, -1), softcap=0.0,
             alibi_slopes=None, out=None, lse=None, precision="fp32", num_threads=None,
             deterministic=False):
@@ -366,18 +379,15 @@ def forward(q, k, v, *, softmax_scale=None, mask="none", window_size=(-1, -1), s
     _check_ndim(launch.view(q), "q", 4)
     launch.check_output(out, "out")
     launch.check_output(lse, "lse")
-    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
-    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
-    prec, nthreads = precision_code(precision), threads_value(num_threads)
-    det = flag_value(deterministic)
-    slopes = slopes_arg(alibi_slopes)
+    opts = _call_options(launch, softmax_scale, mask, window_size, softcap, alibi_slopes,
+                         precision, num_threads, deterministic)
     out_alloc, lse_alloc = out is None, lse is None
     if out_alloc:
         out = launch.empty_like(q)
     if lse_alloc:
         lse = launch.empty_lse(q)
     _ext.forward(launch.arg(q), launch.arg(k), launch.arg(v), launch.arg(out), launch.arg(lse),
-                 scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
+                 *opts)
     return launch.result(out, out_alloc), launch.result(lse, lse_alloc)
 
 
@@ -400,21 +410,13 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale=None, mask="none", window
     _check_ndim(launch.view(q), "q", 4)
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         launch.check_output(x, name)
-    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
-    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
-    prec, nthreads = precision_code(precision), threads_value(num_threads)
-    det = flag_value(deterministic)
-    slopes = slopes_arg(alibi_slopes)
+    opts = _call_options(launch, softmax_scale, mask, window_size, softcap, alibi_slopes,
+                         precision, num_threads, deterministic)
     allocated = (dq is None, dk is None, dv is None)
-    if dq is None:
-        dq = launch.empty_like(q)
-    if dk is None:
-        dk = launch.empty_like(k)
-    if dv is None:
-        dv = launch.empty_like(v)
+    dq, dk, dv = (launch.empty_like(x) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv)))
     a = launch.arg
     _ext.backward(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv),
-                  scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
+                  *opts)
     return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))
 
 
@@ -480,11 +482,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     launch.check_output(out, "out")
     launch.check_output(lse, "lse")
     idx = _varlen_args(launch, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
-    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
-    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
-    prec, nthreads = precision_code(precision), threads_value(num_threads)
-    det = flag_value(deterministic)
-    slopes = slopes_arg(alibi_slopes)
+    opts = _call_options(launch, softmax_scale, mask, window_size, softcap, alibi_slopes,
+                         precision, num_threads, deterministic)
     out_alloc, lse_alloc = out is None, lse is None
     if out_alloc:
         out = launch.empty_like(q)
@@ -492,8 +491,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         qv = launch.view(q)
         lse = launch.empty_lse(q, (qv.shape[1], qv.shape[0]))
     _ext.forward_varlen(launch.arg(q), launch.arg(k), launch.arg(v), launch.arg(out),
-                        launch.arg(lse), *idx, scale, mask_c, prec, nthreads, launch.stream, det,
-                        wl, wr, cap, slopes)
+                        launch.arg(lse), *idx, *opts)
     return launch.result(out, out_alloc), launch.result(lse, lse_alloc)
 
 
@@ -508,19 +506,11 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         launch.check_output(x, name)
     idx = _varlen_args(launch, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
-    scale, mask_c = scale_value(softmax_scale), mask_code(mask)
-    (wl, wr), cap = window_value(window_size), softcap_value(softcap)
-    prec, nthreads = precision_code(precision), threads_value(num_threads)
-    det = flag_value(deterministic)
-    slopes = slopes_arg(alibi_slopes)
+    opts = _call_options(launch, softmax_scale, mask, window_size, softcap, alibi_slopes,
+                         precision, num_threads, deterministic)
     allocated = (dq is None, dk is None, dv is None)
-    if dq is None:
-        dq = launch.empty_like(q)
-    if dk is None:
-        dk = launch.empty_like(k)
-    if dv is None:
-        dv = launch.empty_like(v)
+    dq, dk, dv = (launch.empty_like(x) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv)))
     a = launch.arg
     _ext.backward_varlen(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv), *idx,
-                         scale, mask_c, prec, nthreads, launch.stream, det, wl, wr, cap, slopes)
+                         *opts)
     return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))
