@@ -62,6 +62,34 @@ inline bool visible(const ProblemConfig& c, int64_t i, int64_t j) {
   return true;
 }
 
+// How many elements break the exact zeros of what the mask leaves out: rows that see no key must
+// give out = 0, lse = -inf and dq = 0; keys no row sees dk = dv = 0 (all logical [B, H, S, D] /
+// [B, Hq, Sq] float64 copies of the outputs).
+inline int64_t unseen_not_zero(const ProblemConfig& c, const std::vector<double>& out, const std::vector<double>& lse,
+                               const std::vector<double>& dq, const std::vector<double>& dk,
+                               const std::vector<double>& dv) {
+  const int64_t D = c.head_dim;
+  int64_t bad = 0;
+  for (int64_t bh = 0; bh < c.batch * c.heads_q; ++bh)
+    for (int64_t i = 0; i < c.seq_q; ++i) {
+      bool any = false;
+      for (int64_t j = 0; j < c.seq_kv && !any; ++j) any = visible(c, i, j);
+      const int64_t row = bh * c.seq_q + i;
+      if (any) continue;
+      bad += !(lse[row] == -std::numeric_limits<double>::infinity());
+      for (int64_t x = 0; x < D; ++x) bad += !(out[row * D + x] == 0.0) + !(dq[row * D + x] == 0.0);
+    }
+  for (int64_t bh = 0; bh < c.batch * c.heads_kv; ++bh)
+    for (int64_t j = 0; j < c.seq_kv; ++j) {
+      bool any = false;
+      for (int64_t i = 0; i < c.seq_q && !any; ++i) any = visible(c, i, j);
+      if (any) continue;
+      for (int64_t x = 0; x < D; ++x)
+        bad += !(dk[(bh * c.seq_kv + j) * D + x] == 0.0) + !(dv[(bh * c.seq_kv + j) * D + x] == 0.0);
+    }
+  return bad;
+}
+
 // For each gradient, the largest sum of |terms| that one of its elements is made of:
 //   dq_i = scale * sum_j P_ij (dP_ij - D_i) F_ij k_j   dk_j = scale * sum_i P_ij (dP_ij - D_i) F_ij q_i
 //   dv_j = sum_i P_ij dO_i                            D_i = sum_x dO_ix O_ix
