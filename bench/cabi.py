@@ -28,6 +28,13 @@ class Options(ctypes.Structure):
                 ("alibi_slopes", ctypes.POINTER(Tensor))]
 
 
+class Varlen(ctypes.Structure):
+    # flashattn_varlen (include/flashattn/flashattn.h)
+    _fields_ = [("struct_size", ctypes.c_uint32), ("cu_seqlens_q", ctypes.POINTER(Tensor)),
+                ("cu_seqlens_k", ctypes.POINTER(Tensor)), ("seqused_k", ctypes.POINTER(Tensor)),
+                ("max_seqlen_q", ctypes.c_int64), ("max_seqlen_k", ctypes.c_int64)]
+
+
 class CtypesLib:
     """The C ABI of one libflashattn, on torch tensors (device pointers, torch's stream)."""
 
@@ -43,7 +50,10 @@ class CtypesLib:
         self.lib.flashattn_forward.argtypes = [p] * 5 + [ctypes.POINTER(Options)]
         self.lib.flashattn_backward.argtypes = [p] * 9 + [ctypes.POINTER(Options)]
         t = torch
-        self.codes = {t.float32: 0, t.float16: 1, t.bfloat16: 2, t.float64: 3}
+        self.codes = {t.float32: 0, t.float16: 1, t.bfloat16: 2, t.float64: 3, t.int32: 4}
+        vp = ctypes.POINTER(Varlen)
+        self.lib.flashattn_forward_varlen.argtypes = [p] * 5 + [vp, ctypes.POINTER(Options)]
+        self.lib.flashattn_backward_varlen.argtypes = [p] * 9 + [vp, ctypes.POINTER(Options)]
         _LOADED.append(self.lib)
 
     def version(self):
@@ -112,6 +122,32 @@ class CtypesLib:
         args = [self._view(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)] + [self._options(q, *opts)]
         refs = [ctypes.byref(x) for x in args]
         fn = self.lib.flashattn_backward
+        return lambda: self._check(fn(*refs))
+
+
+    def _varlen(self, cu_q, cu_k, max_q, max_k):
+        vl = Varlen()
+        vl.keep = [self._view(cu_q), self._view(cu_k)]  # alive as long as the structure
+        vl.struct_size = ctypes.sizeof(Varlen)
+        vl.cu_seqlens_q = ctypes.pointer(vl.keep[0])
+        vl.cu_seqlens_k = ctypes.pointer(vl.keep[1])
+        vl.max_seqlen_q, vl.max_seqlen_k = max_q, max_k
+        return vl
+
+    # Packed batches (flashattn_forward_varlen / _backward_varlen): q/k/v/out/... [total, H, D],
+    # lse [Hq, total_q], cu_q / cu_k int32 CUDA tensors [B + 1]; bound as above.
+    def bind_forward_varlen(self, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts):
+        args = [self._view(x) for x in (q, k, v, out, lse)] + [self._varlen(cu_q, cu_k, max_q, max_k),
+                                                               self._options(q, *opts)]
+        refs = [ctypes.byref(x) for x in args]
+        fn = self.lib.flashattn_forward_varlen
+        return lambda: self._check(fn(*refs))
+
+    def bind_backward_varlen(self, q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, opts):
+        args = [self._view(x) for x in (q, k, v, out, dout, lse, dq, dk, dv)] + [
+            self._varlen(cu_q, cu_k, max_q, max_k), self._options(q, *opts)]
+        refs = [ctypes.byref(x) for x in args]
+        fn = self.lib.flashattn_backward_varlen
         return lambda: self._check(fn(*refs))
 
 

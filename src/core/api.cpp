@@ -102,17 +102,9 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
     cuda::backward(p);
 }
 
-namespace {
-// Packed batches are validated on every backend, and served where implemented.
-void require_packing_support(int32_t device) {
-  if (device >= 0) throw Error(Status::Unsupported, "packed variable-length batches are not implemented on CUDA yet");
-}
-}  // namespace
-
 void forward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                     const Varlen& varlen, const Options& options) {
   ForwardParams p = make_forward_params_varlen(q, k, v, out, lse, varlen, options);
-  require_packing_support(p.exec.device);
   if (p.exec.device < 0)
     cpu::forward(p);
   else
@@ -123,7 +115,6 @@ void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Varlen& varlen,
                      const Options& options) {
   BackwardParams p = make_backward_params_varlen(q, k, v, out, dout, lse, dq, dk, dv, varlen, options);
-  require_packing_support(p.exec.device);
   if (p.exec.device < 0)
     cpu::backward(p);
   else

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/host_device.hpp"
 #include "core/mask.hpp"
@@ -82,6 +83,7 @@ struct Packing {
   const int32_t* cu_q;
   const int32_t* cu_k;
   const int32_t* used_k;
+  int64_t total_q, total_k;  // rows of the packed operands (cu_q[batch], cu_k[batch])
   FLASHATTN_HD bool on() const { return cu_q != nullptr; }
 };
 
@@ -96,6 +98,18 @@ FLASHATTN_HD SeqSpan seq_span(const Shape& s, const Packing& pk, int64_t b) {
   const int64_t q0 = pk.cu_q[b], k0 = pk.cu_k[b];
   const int64_t skv = pk.used_k != nullptr ? pk.used_k[b] : pk.cu_k[b + 1] - k0;
   return SeqSpan{q0, k0, pk.cu_q[b + 1] - q0, skv};
+}
+
+// Bytes of one element of a dtype (params carry validated dtypes only).
+FLASHATTN_HD constexpr int64_t element_bytes(DType t) {
+  return t == DType::Float64 ? 8 : (t == DType::Float32 ? 4 : 2);
+}
+// Operand op with its base moved by `rows` rows (of sequence stride ss).
+template <class Op>
+FLASHATTN_HD Op rows_from(Op op, int64_t rows, int64_t bytes) {
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(op.ptr)>>, const char, char>;
+  op.ptr = reinterpret_cast<decltype(op.ptr)>(reinterpret_cast<Byte*>(op.ptr) + rows * op.ss * bytes);
+  return op;
 }
 
 struct ForwardParams {
@@ -117,6 +131,42 @@ struct BackwardParams {
   Out4 dq, dk, dv;
   Packing packing;  // last, as in ForwardParams
 };
+
+// Sequence b of a call as a dense call of its own: the shape's lengths are the sequence's, the
+// operands' bases its first rows (packed views have batch stride 0, so b * sb adds nothing and
+// the kernels' index arithmetic is unchanged). A dense call is returned as it is. This is how the
+// CUDA kernels serve packed batches: the grid covers max_seqlen rows per sequence, and a CTA
+// whose rows lie past its sequence's end has no work (QueryBlock/KeyBlock rows <= 0).
+FLASHATTN_HD ForwardParams at_sequence(ForwardParams p, int64_t b) {
+  if (!p.packing.on()) return p;
+  const SeqSpan sp = seq_span(p.shape, p.packing, b);
+  const int64_t e = element_bytes(p.num.dtype);
+  p.shape.seq_q = sp.seq_q;
+  p.shape.seq_kv = sp.seq_kv;
+  p.q = rows_from(p.q, sp.q0, e);
+  p.out = rows_from(p.out, sp.q0, e);
+  p.lse = rows_from(p.lse, sp.q0, 4);
+  p.k = rows_from(p.k, sp.k0, e);
+  p.v = rows_from(p.v, sp.k0, e);
+  return p;
+}
+FLASHATTN_HD BackwardParams at_sequence(BackwardParams p, int64_t b) {
+  if (!p.packing.on()) return p;
+  const SeqSpan sp = seq_span(p.shape, p.packing, b);
+  const int64_t e = element_bytes(p.num.dtype);
+  p.shape.seq_q = sp.seq_q;
+  p.shape.seq_kv = sp.seq_kv;
+  p.q = rows_from(p.q, sp.q0, e);
+  p.out = rows_from(p.out, sp.q0, e);
+  p.dout = rows_from(p.dout, sp.q0, e);
+  p.dq = rows_from(p.dq, sp.q0, e);
+  p.lse = rows_from(p.lse, sp.q0, 4);
+  p.k = rows_from(p.k, sp.k0, e);
+  p.v = rows_from(p.v, sp.k0, e);
+  p.dk = rows_from(p.dk, sp.k0, e);
+  p.dv = rows_from(p.dv, sp.k0, e);
+  return p;
+}
 
 // The call's mask band: its mask and sliding window over its sequence lengths.
 FLASHATTN_HD MaskRule mask_rule(const Shape& s, const Numerics& n) {

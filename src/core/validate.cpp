@@ -626,7 +626,8 @@ PackedCall check_packed(const std::vector<Named>& named, const std::vector<Named
   check_sequences(vl, q.t->shape[0], k.t->shape[0], o.stream);
   r.c.shape = Shape{B, q.t->shape[1], k.t->shape[1], vl.max_seqlen_q, vl.max_seqlen_k, q.t->shape[2]};
   r.packing = Packing{static_cast<const int32_t*>(cq.t->data), static_cast<const int32_t*>(ck.t->data),
-                      vl.seqused_k != nullptr ? static_cast<const int32_t*>(su.t->data) : nullptr};
+                      vl.seqused_k != nullptr ? static_cast<const int32_t*>(su.t->data) : nullptr,
+                      q.t->shape[0], k.t->shape[0]};
   return r;
 }
 

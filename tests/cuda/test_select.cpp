@@ -146,6 +146,35 @@ Sel sel(const Shape& s, const Numerics& n, int major, int minor) {
   return r;
 }
 
+// Packed batches run the mma.sync kernels on every device (the sm_90a kernels do not take them),
+// with the backward design an sm_80 device would get, and workspaces sized by the packed rows
+// (Hq * total_q), not by B * max_seqlen_q.
+TEST(CudaSelect, PackedBatchesRunTheMmaSyncKernels) {
+  static const int32_t cu[3] = {0, 100, 300};  // never read by selection
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (int64_t d : {64, 128}) {
+      Shape s{2, 8, 8, 4096, 4096, d};  // max_seqlen 4096, total 300 rows
+      ForwardParams f = fparams(s, num(dt));
+      BackwardParams b = bparams(s, num(dt));
+      for (auto* x : {&f.q, &f.k, &f.v, &b.q, &b.k, &b.v, &b.out, &b.dout}) x->sb = 0;
+      for (auto* x : {&f.out, &b.dq, &b.dk, &b.dv}) x->sb = 0;
+      f.packing = b.packing = Packing{cu, cu, nullptr, 300, 300};
+      for (int major : {8, 9}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " D" + std::to_string(d) + " sm" + std::to_string(major) + "0");
+        const Selected<ForwardPlan> fp = select_forward(f, dev(major, 0), ov(scoped_vars()));
+        const Selected<BackwardPlan> bp = select_backward(b, dev(major, 0), ov(scoped_vars()));
+        ASSERT_TRUE(fp.ok && bp.ok) << fp.why << bp.why;
+        const bool half = dt != DType::Float32;
+        EXPECT_EQ(fp.plan.kernel, half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+        const BwdKernel want = !half ? BwdKernel::Sm80Mma32Split
+                               : d <= 64 ? BwdKernel::Sm80Mma16Atomic : BwdKernel::Sm80Mma16Split;
+        EXPECT_EQ(bp.plan.kernel, want);
+        const size_t rows = 8 * 300, delta = (rows + 3) / 4 * 4;
+        EXPECT_EQ(bp.plan.workspace, (delta + (bp.plan.atomic_dq() ? rows * bp.plan.dp : 0)) * sizeof(float));
+      }
+    }
+}
+
 TEST(CudaSelect, Hopper16BitUsesTheSm90KernelsAndTheAtomicBackward) {
   for (int64_t d : {64, 128, 256}) {
     const Sel c = sel(shape(4096, d), num(DType::BFloat16), 9, 0);
@@ -551,7 +580,7 @@ TEST(CudaSelect, SoftcapAndAlibiTakeTheXfKernels) {
         const Sel c = sel(shape(2048, 64), mod(num(DType::Float32, Mask::None, prec)), 9, 0);
         EXPECT_EQ(c.fwd().kernel, FwdKernel::Sm80Mma32);
         EXPECT_EQ(c.bwd().kernel, BwdKernel::Sm80Mma32Split);
-        EXPECT_EQ(c.bwd().workspace, delta_floats(shape(2048, 64)) * sizeof(float));
+        EXPECT_EQ(c.bwd().workspace, delta_floats(shape(2048, 64), Packing{}) * sizeof(float));
       }
       const Sel old = sel(shape(2048, 64), mod(num(DType::Float32)), 7, 5);
       EXPECT_EQ(old.math, Math::Fma);

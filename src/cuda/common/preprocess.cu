@@ -155,6 +155,24 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   for (int64_t x = lane_id(); x < p.shape.head_dim; x += 32) store_from_float(dq + x, acc[x] * gs);
 }
 
+// dK = dV = 0 on the keys [used_k[b], cu_k[b+1] - cu_k[b]) of each sequence (no query attends
+// them; the dK/dV grid covers only the used keys). CTA x = one (sequence, kv head); U is the
+// element's bit pattern type (zero is all-zero bits in every dtype).
+template <class U>
+__global__ void __launch_bounds__(256) zero_unused_keys_kernel(const __grid_constant__ BwdArgs a) {
+  const BackwardParams& p = a.p;
+  const int64_t b = blockIdx.x / p.shape.heads_kv, hk = blockIdx.x % p.shape.heads_kv;
+  const int64_t k0 = p.packing.cu_k[b] + p.packing.used_k[b], k1 = p.packing.cu_k[b + 1];
+  const int64_t d = p.shape.head_dim, n = (k1 - k0) * d;
+  U* dk = static_cast<U*>(p.dk.ptr) + hk * p.dk.sh;
+  U* dv = static_cast<U*>(p.dv.ptr) + hk * p.dv.sh;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int64_t row = k0 + e / d, c = e % d;
+    dk[row * p.dk.ss + c] = U{0};
+    dv[row * p.dv.ss + c] = U{0};
+  }
+}
+
 }  // namespace dev
 
 namespace {
@@ -221,6 +239,17 @@ void launch_preprocess(const BwdArgs& a, cudaStream_t stream) {
     default: throw Error(Status::Internal, "cuda preprocess: unexpected dtype");
   }
   check_launch("preprocess kernel launch");
+}
+
+void launch_zero_unused_keys(const BwdArgs& a, cudaStream_t stream) {
+  const Shape& s = a.p.shape;
+  const int64_t ctas = s.batch * s.heads_kv;
+  if (ctas >= (int64_t{1} << 31))
+    throw Error(Status::Unsupported, "backward: batch * Hkv = " + std::to_string(ctas) + " is too large for the CUDA seqused_k pass");
+  const auto grid = static_cast<unsigned>(ctas);
+  if (dtype_size(a.p.num.dtype) == 4) dev::zero_unused_keys_kernel<uint32_t><<<grid, 256, 0, stream>>>(a);
+  else dev::zero_unused_keys_kernel<uint16_t><<<grid, 256, 0, stream>>>(a);
+  check_launch("seqused_k dK/dV zero kernel launch");
 }
 
 void launch_dq_convert(const BwdArgs& a, int dp, cudaStream_t stream) {

@@ -1,8 +1,8 @@
 // The CUDA kernels' work arithmetic, host and device: which tiles a CTA visits and which entries of
 // a tile a lane keeps, all from the mask's band (core/mask.hpp). Every kernel iterates the tile
 // range these functions give (tile of iteration it = t_begin + it) and masks with their per-row
-// bounds, so the band (causal, a sliding window; varlen offsets would be another) is this file's
-// concern, not the kernels'. (The score transform's per-entry step, softcap and ALiBi, changes
+// bounds, so the band (causal, a sliding window) is this file's concern, not the kernels'. (A
+// packed batch's sequence is a dense call of its own to these: at_sequence, core/params.hpp.) (The score transform's per-entry step, softcap and ALiBi, changes
 // values, never which entries are visible: it is no concern of this file.)
 // Plain integer code (no device intrinsics): tests/cuda/test_work.cpp checks it on the host
 // against a brute-force mask.
@@ -100,6 +100,11 @@ FLASHATTN_HD QueryBlock query_block_at(const Shape& s, const MaskRule& rule, int
   q.rule = rule;
   // Causal: the last query blocks see the most keys; start them first.
   const int64_t nx = (s.seq_q + bm - 1) / bm;
+  if (x >= nx) {  // a packed batch's grid covers max_seqlen_q: past this sequence's rows, no work
+    q.m0 = 0;
+    q.rows = q.t_begin = q.ntiles = 0;
+    return q;
+  }
   const int64_t mb = rule.bounded_above() ? nx - 1 - x : x;
   q.m0 = mb * bm;
   q.rows = static_cast<int>(s.seq_q - q.m0 < bm ? s.seq_q - q.m0 : bm);
@@ -138,7 +143,7 @@ FLASHATTN_HD KeyBlock key_block_at(const Shape& s, const MaskRule& rule, int64_t
   k.group = s.heads_q / s.heads_kv;
   k.rule = rule;
   k.m0 = x * bm;
-  k.rows = static_cast<int>(s.seq_kv - k.m0 < bm ? s.seq_kv - k.m0 : bm);
+  k.rows = static_cast<int>(s.seq_kv - k.m0 < bm ? s.seq_kv - k.m0 : bm);  // <= 0: past a packed sequence
   const TileRange t = query_tiles(rule, k.m0, k.rows, s.seq_q, bn);
   k.t_begin = t.begin;
   k.t_end = t.begin + t.count;

@@ -293,8 +293,9 @@ void backward(const BackwardParams& p) {
   // accumulator [B*Hq*Sq, DP] of the atomic design (zeroed on the stream) or the float32 sm_90a
   // backward's operand copies.
   Workspace ws(plan.workspace, stream);
-  const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
-  const size_t after_delta = delta_floats(s);
+  const bool packed = p.packing.on();
+  const size_t rows = query_rows(s, p.packing);
+  const size_t after_delta = delta_floats(s, p.packing);
   BwdArgs a{};
   a.p = p;
   a.score = ScoreTransform::make(p.shape, p.num);
@@ -308,11 +309,22 @@ void backward(const BackwardParams& p) {
   a.f32_pair = plan.pair;
   a.persistent_cap = plan.persistent_cap;
   a.convert_ctas = plan.convert_ctas;
+  a.ws_sb = packed ? 0 : s.heads_q * s.seq_q;
+  a.ws_sh = packed ? p.packing.total_q : s.seq_q;
+  // The row passes (D, dQ conversion) see a packed batch as one sequence of total_q rows: its
+  // views have batch stride 0 and the workspaces are [Hq, total_q].
+  BwdArgs rows_args = a;
+  if (packed) {
+    rows_args.p.shape.batch = 1;
+    rows_args.p.shape.seq_q = p.packing.total_q;
+    // Keys past seqused_k are attended by no query: dK = dV = 0 there.
+    if (p.packing.used_k != nullptr) launch_zero_unused_keys(a, stream);
+  }
   if (a.dq_accum != nullptr)
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, rows * plan.dp * sizeof(float), stream));
   switch (plan.kernel) {
     case BwdKernel::Sm80Mma32Split:
-      launch_preprocess(a, stream);
+      launch_preprocess(rows_args, stream);
       return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
         dispatch_math(plan.math, [&](auto m) {
           dispatch_xf(plan.xf, [&](auto xf) {
@@ -322,7 +334,7 @@ void backward(const BackwardParams& p) {
         });
       });
     case BwdKernel::Sm80Mma16Split:
-      launch_preprocess(a, stream);
+      launch_preprocess(rows_args, stream);
       return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
         dispatch_half(plan.h, [&](auto h) {
           dispatch_xf(plan.xf, [&](auto xf) {
@@ -332,7 +344,7 @@ void backward(const BackwardParams& p) {
         });
       });
     case BwdKernel::Sm80Mma16Atomic:
-      launch_preprocess(a, stream);
+      launch_preprocess(rows_args, stream);
       dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
         dispatch_half(plan.h, [&](auto h) {
           dispatch_xf(plan.xf, [&](auto xf) {
@@ -340,9 +352,9 @@ void backward(const BackwardParams& p) {
           });
         });
       });
-      return launch_dq_convert(a, plan.dp, stream);
+      return launch_dq_convert(rows_args, plan.dp, stream);
     case BwdKernel::Sm90Wgmma16Atomic:
-      launch_preprocess(a, stream);
+      launch_preprocess(rows_args, stream);
       dispatch_dim<kSm90Dkv16>(plan.dp, [&](auto dp) {
         dispatch_half(plan.h, [&](auto h) {
           dispatch_xf(plan.xf, [&](auto xf) {
@@ -350,7 +362,7 @@ void backward(const BackwardParams& p) {
           });
         });
       });
-      return launch_dq_convert(a, plan.dp, stream);
+      return launch_dq_convert(rows_args, plan.dp, stream);
     case BwdKernel::Sm90Wgmma32:
       // (These launch the preprocess themselves, beside their operand copies.)
       if (plan.math == Math::Tf32x3)

@@ -30,8 +30,12 @@ struct BwdArgs {
   ScoreTransform score;  // as FwdArgs::score; grad_scale() for dQ and dK
   bool vec16;
   bool big;
-  float* delta;  // workspace: D = rowsum(dO * O), contiguous [B, Hq, Sq]
-  float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, contiguous [B, Hq, Sq, DP]
+  float* delta;  // workspace: D = rowsum(dO * O), one float per query row (ws_row)
+  float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, DP floats per query row
+  // The per-row workspaces' layout, in rows: row i of (b, h) is ws_row(b, h) + i. Contiguous
+  // [B, Hq, Sq] (sb = Hq Sq, sh = Sq) for a dense call; [Hq, total_q] (0, total_q) for a packed
+  // one, as its LSE, so that at_sequence() moves them to a sequence like the operands.
+  int64_t ws_sb, ws_sh;
   float* copies;  // float32 sm_90a backward: the operand copies' workspace (after D)
   int sm90_variant;  // sm_90a dK/dV: tile_config90 variant (1: one warpgroup, two CTAs per SM)
   // float32 backward on sm_90a: the dK/dV pass on the wgmma kernel too (the default); otherwise
@@ -40,7 +44,29 @@ struct BwdArgs {
   bool f32_pair;  // float32 backward on sm_90a: the pair kernels (a choice at D = 64 in tf32 mode)
   long persistent_cap;  // pair kernels: at most this many CTAs walk the blocks (0: one per block)
   int convert_ctas;  // CTAs writing the Q/dO copies on a side stream (0: in order on the stream)
+  FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
+
+// The arguments of sequence b of a packed call (at_sequence, core/params.hpp): also ALiBi's
+// diagonal (Skv - Sq of the sequence) and, in the backward, the per-row workspaces from its
+// first row (dp floats per dQ accumulator row). A dense call's arguments are returned as they are.
+FLASHATTN_HD FwdArgs at_sequence(const FwdArgs& a, int64_t b) {
+  if (!a.p.packing.on()) return a;
+  FwdArgs r = a;
+  r.p = at_sequence(a.p, b);
+  r.score.diag = r.p.shape.seq_kv - r.p.shape.seq_q;
+  return r;
+}
+FLASHATTN_HD BwdArgs at_sequence(const BwdArgs& a, int64_t b, int dp) {
+  if (!a.p.packing.on()) return a;
+  BwdArgs r = a;
+  r.p = at_sequence(a.p, b);
+  r.score.diag = r.p.shape.seq_kv - r.p.shape.seq_q;
+  const int64_t q0 = a.p.packing.cu_q[b];
+  r.delta += q0;
+  if (r.dq_accum != nullptr) r.dq_accum += q0 * dp;
+  return r;
+}
 
 // Each launcher sets the kernel's shared-memory limit, launches on `stream`, checks the launch.
 // XF: the kernel runs the score transform's per-entry step (softcap, ALiBi: core/score.hpp),
@@ -53,6 +79,8 @@ template <int DP, Math M, bool XF = false>
 void launch_dq(const BwdArgs& a, cudaStream_t stream);
 template <int DP, Math M, bool XF = false>
 void launch_dkv(const BwdArgs& a, cudaStream_t stream);
+// dK = dV = 0 for the keys of a packed batch's sequences past their seqused_k.
+void launch_zero_unused_keys(const BwdArgs& a, cudaStream_t stream);
 // D = rowsum(dO * O) into a.delta, for O/dO of the params' dtype (float32, float16, bfloat16).
 void launch_preprocess(const BwdArgs& a, cudaStream_t stream);
 

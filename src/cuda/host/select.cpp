@@ -162,7 +162,9 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
   const bool half = n.dtype != DType::Float32;
   const int64_t per16 = 16 / dtype_size(n.dtype);
   f.vec16 = vec_ok(p.q, per16) && vec_ok(p.k, per16) && vec_ok(p.v, per16) && vec_ok(p.out, per16);
-  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && f.vec16;
+  // Packed batches run the mma.sync kernels (each CTA's sequence through at_sequence); the sm_90a
+  // kernels' tensor maps and persistent schedules do not take per-sequence rows yet.
+  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && f.vec16 && !p.packing.on();
   const int eb = dtype_size(n.dtype);
   auto maps_q = [&] { return tma_ok(p.q, eb, s.batch, s.heads_q, s.seq_q); };
   auto maps_k = [&] { return tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv); };
@@ -217,17 +219,18 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   const int64_t per16 = 16 / dtype_size(n.dtype);
   b.vec16 = vec_ok(p.q, per16) && vec_ok(p.k, per16) && vec_ok(p.v, per16) && vec_ok(p.out, per16) &&
             vec_ok(p.dout, per16) && vec_ok(p.dq, per16) && vec_ok(p.dk, per16) && vec_ok(p.dv, per16);
-  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && b.vec16;
+  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && b.vec16 && !p.packing.on();  // (as the forward)
   const int eb = dtype_size(n.dtype);
   // Every sm_90a backward maps Q and dO (streamed by the dK/dV pass, or the dQ pass's stationary
   // operands) and K and V as stored.
   const bool maps = sm90 && tma_ok(p.q, eb, s.batch, s.heads_q, s.seq_q) &&
                     tma_ok(p.dout, eb, s.batch, s.heads_q, s.seq_q) && tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv) &&
                     tma_ok(p.v, eb, s.batch, s.heads_kv, s.seq_kv);
-  const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q);
-  const size_t delta = delta_floats(s);
+  const size_t rows = query_rows(s, p.packing);
+  const size_t delta = delta_floats(s, p.packing);
   if (half) {
-    bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov));
+    // (A packed batch: the mma.sync kernels' choice, as on an sm_80 device.)
+    bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov) && !p.packing.on());
     if (ov.bwd >= 0) atomic = ov.bwd == 1;
     if (n.deterministic) atomic = false;  // the split passes: every sum in a fixed order
     if (!atomic) {
@@ -242,7 +245,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       b.kernel = BwdKernel::Sm80Mma16Atomic;
       b.smem_dkv = smem_bytes16(Pass::Dkv, b.dp, b.big, true);
     }
-    // The float32 dQ accumulator [B*Hq*Sq, DP] of the atomic design, zeroed before the pass.
+    // The float32 dQ accumulator (DP floats per query row) of the atomic design, zeroed before the pass.
     b.workspace = (delta + (b.atomic_dq() ? rows * b.dp : 0)) * sizeof(float);
   } else {
     if (!float32_math(n, dev, ov, &b.math, &r.why)) return r;

@@ -131,9 +131,10 @@ inline CopySizes copy_sizes(const Shape& s, int dp, bool with_q) {
 }
 // Floats of the backward workspace before the accumulator or the copies: D [B*Hq*Sq], rounded up
 // so that what follows starts 16-byte aligned (the sm_90 kernels' vector reductions need 8).
-inline size_t delta_floats(const Shape& s) {
-  return (static_cast<size_t>(s.batch * s.heads_q * s.seq_q) + 3) / 4 * 4;
+inline size_t query_rows(const Shape& s, const Packing& pk) {
+  return static_cast<size_t>(s.heads_q * (pk.on() ? pk.total_q : s.batch * s.seq_q));
 }
+inline size_t delta_floats(const Shape& s, const Packing& pk) { return (query_rows(s, pk) + 3) / 4 * 4; }
 
 // The pair kernels' CTAs for `items` blocks: one per block unless `cap` > 0 (at most cap CTAs,
 // each taking its next block from a counter).

@@ -36,7 +36,7 @@ __device__ __forceinline__ uint16_t* out16(const T& op, int64_t b, int64_t h, in
 // ================================================================================================
 template <int DP, Half16 H, bool XF>
 __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).threads(), 1)
-    forward16_kernel(const __grid_constant__ FwdArgs a) {
+    forward16_kernel(const __grid_constant__ FwdArgs args) {
   constexpr TileConfig16 C = tile_config16(Pass::Forward, DP, kDeviceBig);
   constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), MT = C.mt;
   constexpr int NS = BN / 8, NO = DP / 8;
@@ -47,6 +47,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   unsigned char* sK = sQ + TQ::kBytes;      // [2][BN x DP]
   unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
 
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence).
+  const FwdArgs a = at_sequence(args, blockIdx.z);
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
@@ -56,6 +58,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   // tile t is t & 1 (no barrier phases that must start at 0), so one counter stays live instead
   // of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
+  if (rows <= 0) return;  // past a packed sequence's end: no work (never in a dense grid)
   const MaskRule& rule = qb.rule;
   const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
 
@@ -143,7 +146,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
 // ================================================================================================
 template <int DP, Half16 H, bool XF>
 __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).threads(), 1)
-    dq16_kernel(const __grid_constant__ BwdArgs a) {
+    dq16_kernel(const __grid_constant__ BwdArgs args) {
   constexpr TileConfig16 C = tile_config16(Pass::Dq, DP, kDeviceBig);
   constexpr int BM = C.block_m, BN = C.block_n, T = C.threads();
   constexpr int NS = BN / 8, NO = DP / 8;
@@ -156,6 +159,8 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   unsigned char* sK = sdO + TQ::kBytes;     // [2][BN x DP]
   unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
 
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence).
+  const BwdArgs a = at_sequence(args, blockIdx.z, DP);
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
@@ -165,6 +170,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
   // tile t is t & 1 (no barrier phases that must start at 0), so one counter stays live instead
   // of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
+  if (rows <= 0) return;  // past a packed sequence's end: no work (never in a dense grid)
   const MaskRule& rule = qb.rule;
   // XF: the per-entry step for this (b, h), and the linear part after it (multiplier 1).
   const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
@@ -190,7 +196,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     const int64_t row = row_w + (lane >> 2) + 8 * r;
     const bool in = row < Sq;
     l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
-    dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+    dl[r] = in ? a.delta[a.ws_row(b, h) + row] : 0.0f;
   }
   float dq[1][NO][4];
   zero(dq);
@@ -242,7 +248,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
 // ================================================================================================
 template <int DP, Half16 H, bool ATOMIC, bool XF>
 __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threads(), 1)
-    dkv16_kernel(const __grid_constant__ BwdArgs a) {
+    dkv16_kernel(const __grid_constant__ BwdArgs args) {
   constexpr TileConfig16 C = tile_config16(Pass::Dkv, DP, kDeviceBig);
   constexpr int BK = C.block_m, BQ = C.block_n, T = C.threads(), W = C.warps;
   constexpr int CS = C.col_split, DW = DP / CS;  // dK/dV columns per warp
@@ -260,12 +266,15 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
   float* sD = sL + 2 * BQ;                                      // [2][BQ] D
   unsigned char* sdS = reinterpret_cast<unsigned char*>(sD + 2 * BQ);  // ATOMIC: dS^T [BK x BQ]
 
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence).
+  const BwdArgs a = at_sequence(args, blockIdx.z, DP);
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
   const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num);
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int rows = kb.rows, ntiles = kb.ntiles;
+  if (rows <= 0) return;  // past a packed sequence's end: no work (never in a dense grid)
   const MaskRule& rule = kb.rule;
   const ScoreTransform lin = XF ? a.score.after_elementwise() : a.score;  // see dq16_kernel
   // ATOMIC: every key block of a head adds into the same dQ rows; starting each CTA at a
@@ -284,7 +293,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     load_tile16<BQ, DP, T>(sQ + stage * TQ::kBytes, in16(p.q, b, h, n0), p.q.ss, n, D, a.vec16);
     load_tile16<BQ, DP, T>(sdO + stage * TQ::kBytes, in16(p.dout, b, h, n0), p.dout.ss, n, D, a.vec16);
     load_vec<BQ, T>(sL + stage * BQ, p.lse.ptr + b * p.lse.sb + h * p.lse.sh + n0 * p.lse.ss, p.lse.ss, n);
-    load_vec<BQ, T>(sD + stage * BQ, a.delta + (b * p.shape.heads_q + h) * Sq + n0, 1, n);
+    load_vec<BQ, T>(sD + stage * BQ, a.delta + a.ws_row(b, h) + n0, 1, n);
   };
   if (ntiles > 0) load_q(0, 0);
   cp_async_commit();
@@ -335,7 +344,7 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
       float dq[1][DQW / 8][4];
       zero(dq);
       gemm_ts<H, DQW / 8, BK / 16, TS, TK>(dq, smem_addr(sdS), 2 * mq, smem_addr(sK), ns * DQW / 8);
-      float* acc = a.dq_accum + ((b * p.shape.heads_q + h) * Sq + n0) * DP;
+      float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP;
       const int g = lane >> 2, t = lane & 3;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -24,7 +24,7 @@ namespace dev {
 // ================================================================================================
 template <int DP, Math M, bool XF>
 __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).threads(), 1)
-    forward_kernel(const __grid_constant__ FwdArgs a) {
+    forward_kernel(const __grid_constant__ FwdArgs args) {
   constexpr TileConfig C = tile_config(Pass::Forward, DP, kDeviceBig);
   constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), LD = smem_row(DP);
   constexpr int NS = BN / 8, NO = DP / 8;
@@ -34,6 +34,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   float* sK = sQ + BM * LD;             // [stages][BN][LD]
   float* sV = sK + C.stages * BN * LD;  // [stages][BN][LD]
 
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence).
+  const FwdArgs a = at_sequence(args, blockIdx.z);
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
@@ -43,6 +45,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
   // cp.async buffer of tile t is t & 1 (no barrier phases that must start at 0), so one counter
   // stays live instead of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
+  if (rows <= 0) return;  // past a packed sequence's end: no work (never in a dense grid)
   const MaskRule& rule = qb.rule;
   const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
 
@@ -117,7 +120,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
 // ================================================================================================
 template <int DP, Math M, bool XF>
 __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(), 1)
-    dq_kernel(const __grid_constant__ BwdArgs a) {
+    dq_kernel(const __grid_constant__ BwdArgs args) {
   constexpr TileConfig C = tile_config(Pass::Dq, DP, kDeviceBig);
   constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), LD = smem_row(DP);
   constexpr int NS = BN / 8, NO = DP / 8;
@@ -128,6 +131,8 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   float* sK = sdO + BM * LD;
   float* sV = sK + C.stages * BN * LD;
 
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence).
+  const BwdArgs a = at_sequence(args, blockIdx.z, DP);
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
@@ -137,6 +142,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
   // cp.async buffer of tile t is t & 1 (no barrier phases that must start at 0), so one counter
   // stays live instead of an iteration count and t_begin.
   const int rows = qb.rows, t_end = qb.t_begin + qb.ntiles;
+  if (rows <= 0) return;  // past a packed sequence's end: no work (never in a dense grid)
   const MaskRule& rule = qb.rule;
   // XF: the per-entry step for this (b, h), and the linear part after it (multiplier 1).
   const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
@@ -166,7 +172,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
     const int64_t row = row_w + (lane >> 2) + 8 * r;
     const bool in = row < Sq;
     l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
-    dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+    dl[r] = in ? a.delta[a.ws_row(b, h) + row] : 0.0f;
   }
   float dq[NO][4];
   zero(dq);
@@ -215,7 +221,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
 // ================================================================================================
 template <int DP, Math M, bool XF>
 __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads(), 1)
-    dkv_kernel(const __grid_constant__ BwdArgs a) {
+    dkv_kernel(const __grid_constant__ BwdArgs args) {
   constexpr TileConfig C = tile_config(Pass::Dkv, DP, kDeviceBig);
   constexpr int BM = C.block_m, BN = C.block_n, T = C.threads(), LD = smem_row(DP);
   constexpr int CS = C.col_split, DW = DP / CS;  // columns of dK/dV per warp
@@ -229,12 +235,15 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   float* sL = sdO + C.stages * BN * LD;  // [stages][BN] LSE
   float* sD = sL + C.stages * BN;        // [stages][BN] D
 
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence).
+  const BwdArgs a = at_sequence(args, blockIdx.z, DP);
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const int D = static_cast<int>(p.shape.head_dim);
   const KeyBlock kb = key_block<BM, BN>(p.shape, p.num);
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int rows = kb.rows, ntiles = kb.ntiles;
+  if (rows <= 0) return;  // past a packed sequence's end: no work (never in a dense grid)
   const MaskRule& rule = kb.rule;
   const ScoreTransform lin = XF ? a.score.after_elementwise() : a.score;  // see dq_kernel
 
@@ -253,7 +262,7 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
                          static_cast<const float*>(p.dout.ptr) + b * p.dout.sb + h * p.dout.sh + n0 * p.dout.ss,
                          p.dout.ss, n, D, a.vec16);
     load_vec<BN, T>(sL + stage * BN, p.lse.ptr + b * p.lse.sb + h * p.lse.sh + n0 * p.lse.ss, p.lse.ss, n);
-    load_vec<BN, T>(sD + stage * BN, a.delta + (b * p.shape.heads_q + h) * Sq + n0, 1, n);
+    load_vec<BN, T>(sD + stage * BN, a.delta + a.ws_row(b, h) + n0, 1, n);
   };
   if (ntiles > 0) load_q(0, 0);
   cp_async_commit();

@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       wg_gemm_sn<H, BQ / 16, TS, TQ>(dk[0], smem_addr(sdSi), 64 * kg, qa, 0, cg * DW);
       wgmma_commit();
     }
-    float* acc = a.dq_accum + ((b * p.shape.heads_q + h) * Sq + n0) * DP + DQN * wg;
+    float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + DQN * wg;
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
 #pragma unroll
     for (int c = 0; c < DQN / QC; ++c) {

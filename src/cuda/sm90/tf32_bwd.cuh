@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
     const int64_t row = row_w + g + 8 * r;
     const bool in = row < Sq;
     l2[r] = in ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
-    dl[r] = in ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+    dl[r] = in ? a.delta[a.ws_row(b, h) + row] : 0.0f;
   }
   const RowKeys keys(rule, row_w + g, Sq, Skv);  // and their visible keys
   uint32_t qa[KS][4], doa[KS][4];

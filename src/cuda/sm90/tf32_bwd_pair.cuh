@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
       const int64_t row = row_w + g + 8 * r;
       const bool in = row < Sq;
       l2[r] = in && wg == 0 ? lse_to_log2(p.lse.ptr[b * p.lse.sb + h * p.lse.sh + row * p.lse.ss]) : INFINITY;
-      dl[r] = in && wg == 1 ? a.delta[(b * p.shape.heads_q + h) * Sq + row] : 0.0f;
+      dl[r] = in && wg == 1 ? a.delta[a.ws_row(b, h) + row] : 0.0f;
     }
     // Q (scores side) or dO (gradient side); X3: as stored, split into big (xa) and small (xs;
     // kSm: the small part over the tile in shared memory, read there until the block ends).

@@ -365,7 +365,7 @@ __device__ __forceinline__ void fill_lse_delta(float* sL, float* sD, const BwdAr
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q;
   const float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
-  const float* delta = a.delta + (b * p.shape.heads_q + h) * Sq;
+  const float* delta = a.delta + a.ws_row(b, h);
   for (int c = lane_id(); c < BQ; c += 32) {
     const int64_t q = n0 + c;
     sL[c] = q < Sq ? lse_to_log2(lse[q * p.lse.ss]) : INFINITY;

@@ -1,0 +1,264 @@
+// Packed variable-length batches on the CUDA backend (flashattn_forward_varlen / _backward_varlen):
+// every sequence's outputs against the float64 reference of that sequence alone (the CPU suite's
+// cases, tests/varlen_cases.hpp, plus head dims and lengths of the GPU tiles: 1..4096 in one
+// batch), in the default and the deterministic backward; each sequence bit for bit equal to the
+// dense call of that sequence on the same kernels; device-side validation. Outputs are poisoned
+// (NaN) before each call, so an element no kernel wrote fails.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.hpp"
+#include "varlen_cases.hpp"
+
+namespace flashattn::test {
+namespace {
+
+// A VarRun's buffers on device 0: inputs copied, outputs poisoned before every call and copied
+// back into the VarRun's host buffers after it (so check_against_reference judges the device's
+// results).
+struct DeviceVarRun {
+  VarRun& r;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  Tensor q, k, v, out, lse, dout, dq, dk, dv, cq, ck, used, slopes;
+  Varlen vl;
+  bool ok = true;
+
+  explicit DeviceVarRun(VarRun& r_) : r(r_) {
+    q = upload(r.q.t, r.q.bytes);
+    k = upload(r.k.t, r.k.bytes);
+    v = upload(r.v.t, r.v.bytes);
+    dout = upload(r.dout.t, r.dout.bytes);
+    out = upload(r.out.t, r.out.bytes);
+    lse = upload(r.lse.t, r.lse.bytes);
+    dq = upload(r.dq.t, r.dq.bytes);
+    dk = upload(r.dk.t, r.dk.bytes);
+    dv = upload(r.dv.t, r.dv.bytes);
+    cq = upload_index(r.cu_q);
+    ck = upload_index(r.cu_k);
+    vl = r.vl;
+    vl.cu_seqlens_q = &cq;
+    vl.cu_seqlens_k = &ck;
+    if (!r.used.empty()) {
+      used = upload_index(r.used);
+      vl.seqused_k = &used;
+    }
+    if (!r.slopes.empty()) {
+      std::vector<unsigned char> b(r.slopes.size() * 4);
+      std::memcpy(b.data(), r.slopes.data(), b.size());
+      slopes = upload(r.tslopes, b);
+    }
+  }
+  Tensor upload(const Tensor& host, const std::vector<unsigned char>& bytes) {
+    bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size() + 16));
+    Tensor t = host;
+    t.data = bufs.back()->ptr;
+    t.device = 0;
+    if (t.data == nullptr || cudaMemcpy(t.data, bytes.data(), bytes.size(), cudaMemcpyHostToDevice) != cudaSuccess)
+      ok = false;
+    return t;
+  }
+  Tensor upload_index(std::vector<int32_t>& x) {
+    std::vector<unsigned char> b(x.size() * 4);
+    std::memcpy(b.data(), x.data(), b.size());
+    return upload(index_tensor(x), b);
+  }
+  Options options(bool deterministic, Precision prec) const {
+    Options o = r.options(1);
+    o.deterministic = deterministic;
+    o.precision = prec;
+    o.alibi_slopes = r.slopes.empty() ? nullptr : &slopes;
+    return o;
+  }
+  void poison() {
+    const Tensor* o[] = {&out, &lse, &dq, &dk, &dv};
+    const Buf* h[] = {&r.out, &r.lse, &r.dq, &r.dk, &r.dv};
+    for (int i = 0; i < 5; ++i) (void)cudaMemset(o[i]->data, 0xff, h[i]->bytes.size());
+  }
+  void run(bool deterministic, Precision prec = Precision::Fp32) {
+    poison();
+    const Options o = options(deterministic, prec);
+    forward_varlen(q, k, v, out, lse, vl, o);
+    backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, vl, o);
+    download();
+  }
+  void download() {
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const Tensor* o[] = {&out, &lse, &dq, &dk, &dv};
+    Buf* h[] = {&r.out, &r.lse, &r.dq, &r.dk, &r.dv};
+    for (int i = 0; i < 5; ++i)
+      ASSERT_EQ(cudaSuccess, cudaMemcpy(h[i]->bytes.data(), o[i]->data, h[i]->bytes.size(), cudaMemcpyDeviceToHost));
+  }
+};
+
+using testing::AlibiKind;
+
+// The CPU suite's cases (float64 is CPU-only) and cases at the GPU kernels' head dims and tiles.
+std::vector<VarCase> cuda_cases() {
+  std::vector<VarCase> v;
+  for (const VarCase& c : reference_cases())
+    if (c.dtype != DType::Float64) v.push_back(c);
+  const std::vector<int32_t> lq = {1, 300, 77, 0, 129, 64}, lk = {1, 200, 500, 9, 129, 0};
+  v.push_back({"Bf16D128GqaCausal", lq, lk, {}, 8, 2, 128, DType::BFloat16, Mask::CausalBottomRight});
+  v.push_back({"F16D64WindowSoftcap", lq, lk, {}, 4, 4, 64, DType::Float16, Mask::None, 48, 16, 20.0f});
+  v.push_back({"F16D96TopLeft", lq, lk, {}, 2, 1, 96, DType::Float16, Mask::CausalTopLeft});
+  v.push_back({"Bf16D256AlibiSequsedK", lq, lk, {1, 150, 500, 3, 0, 0}, 2, 1, 256, DType::BFloat16,
+               Mask::CausalBottomRight, -1, -1, 0.0f, AlibiKind::BatchHeads});
+  v.push_back({"F32D64Gqa", lq, lk, {}, 6, 3, 64, DType::Float32, Mask::CausalBottomRight});
+  v.push_back({"F32D128WindowAlibi", lq, lk, {}, 2, 1, 128, DType::Float32, Mask::None, 100, 0, 0.0f,
+               AlibiKind::Heads});
+  v.push_back({"F32D256", {3, 70, 129}, {5, 33, 200}, {}, 2, 2, 256, DType::Float32, Mask::None});
+  // Mixed 1..4096 in one batch.
+  v.push_back({"Bf16Mixed1To4096", {4096, 1, 2049, 77, 1000}, {4096, 3, 2049, 500, 1}, {}, 2, 1, 64,
+               DType::BFloat16, Mask::CausalBottomRight});
+  return v;
+}
+
+class VarlenCuda : public ::testing::TestWithParam<VarCase> {};
+
+// The default backward (the atomic design at padded D = 64 for 16-bit types) and the
+// deterministic one, each against the float64 reference per sequence.
+TEST_P(VarlenCuda, MatchesReferencePerSequence) {
+  REQUIRE_GPU();
+  VarRun r(GetParam());
+  DeviceVarRun d(r);
+  ASSERT_TRUE(d.ok) << "cudaMalloc / cudaMemcpy failed";
+  for (bool det : {false, true}) {
+    SCOPED_TRACE(det ? "deterministic" : "default");
+    d.run(det);
+    if (HasFatalFailure()) return;
+    check_against_reference(r);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, VarlenCuda, ::testing::ValuesIn(cuda_cases()),
+                         [](const ::testing::TestParamInfo<VarCase>& i) { return i.param.name; });
+
+// Each sequence of a packed call equals the dense call of that sequence (B = 1, views into the
+// packed buffers) on the same kernels (the mma.sync ones, which packed calls run), bit for bit:
+// deterministic backward, every float32 precision.
+class VarlenCudaDense : public ::testing::TestWithParam<VarCase> {};
+
+TEST_P(VarlenCudaDense, PackedEqualsDensePerSequenceBitwise) {
+  REQUIRE_GPU();
+  const VarCase& c = GetParam();
+  const std::vector<Precision> precs =
+      c.dtype == DType::Float32 ? std::vector<Precision>{Precision::Fp32, Precision::Tf32} : std::vector<Precision>{Precision::Fp32};
+  for (Precision prec : precs) {
+    SCOPED_TRACE(prec == Precision::Tf32 ? "tf32" : "fp32");
+    VarRun r(c);
+    DeviceVarRun d(r);
+    ASSERT_TRUE(d.ok) << "cudaMalloc / cudaMemcpy failed";
+    d.run(true, prec);
+    if (HasFatalFailure()) return;
+    EnvScope arch("FLASHATTN_CUDA_ARCH", "sm80");
+    const int64_t D = c.d, Hq = c.hq, Hkv = c.hkv, es = dtype_size(c.dtype);
+    for (int64_t b = 0; b < r.batch(); ++b) {
+      const int64_t sq = c.lq[b], skv = r.used_k(b), q0 = r.cu_q[b], k0 = r.cu_k[b];
+      if (sq == 0 || skv == 0) continue;  // dense shapes are positive (the reference test covers these)
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      auto view = [&](const Tensor& x, int64_t r0, int64_t n, int64_t h) {
+        return Tensor::bshd(static_cast<char*>(x.data) + r0 * h * D * es, c.dtype, 1, h, n, D, 0);
+      };
+      DeviceBuffer out(sq * Hq * D * es), dq(sq * Hq * D * es), dk(skv * Hkv * D * es), dv(skv * Hkv * D * es),
+          lse(Hq * sq * 4);
+      ASSERT_TRUE(out.ptr && dq.ptr && dk.ptr && dv.ptr && lse.ptr);
+      for (DeviceBuffer* x : {&out, &dq, &dk, &dv, &lse}) (void)cudaMemset(x->ptr, 0xff, x->bytes);
+      Options o = d.options(true, prec);
+      Tensor sl;
+      if (!r.slopes.empty()) {
+        sl = d.slopes;
+        sl.ndim = 1;
+        sl.shape[0] = Hq;
+        sl.stride[0] = 1;
+        if (c.alibi == AlibiKind::BatchHeads) sl.data = static_cast<float*>(d.slopes.data) + b * Hq;
+        o.alibi_slopes = &sl;
+      }
+      const Tensor tout = Tensor::bshd(out.ptr, c.dtype, 1, Hq, sq, D, 0), tdq = Tensor::bshd(dq.ptr, c.dtype, 1, Hq, sq, D, 0),
+                   tdk = Tensor::bshd(dk.ptr, c.dtype, 1, Hkv, skv, D, 0), tdv = Tensor::bshd(dv.ptr, c.dtype, 1, Hkv, skv, D, 0);
+      const Tensor tlse = Tensor::lse(static_cast<float*>(lse.ptr), 1, Hq, sq, 0);
+      forward(view(d.q, q0, sq, Hq), view(d.k, k0, skv, Hkv), view(d.v, k0, skv, Hkv), tout, tlse, o);
+      backward(view(d.q, q0, sq, Hq), view(d.k, k0, skv, Hkv), view(d.v, k0, skv, Hkv), tout,
+               view(d.dout, q0, sq, Hq), tlse, tdq, tdk, tdv, o);
+      ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+      auto host = [](const DeviceBuffer& x) {
+        std::vector<unsigned char> h(x.bytes);
+        (void)cudaMemcpy(h.data(), x.ptr, x.bytes, cudaMemcpyDeviceToHost);
+        return h;
+      };
+      EXPECT_TRUE(host(out) == rows_bytes(r.out, q0, sq, Hq * D)) << "out";
+      EXPECT_TRUE(host(dq) == rows_bytes(r.dq, q0, sq, Hq * D)) << "dq";
+      EXPECT_TRUE(host(dk) == rows_bytes(r.dk, k0, skv, Hkv * D)) << "dk";
+      EXPECT_TRUE(host(dv) == rows_bytes(r.dv, k0, skv, Hkv * D)) << "dv";
+      const std::vector<unsigned char> l = host(lse);
+      int64_t lse_diff = 0;
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t i = 0; i < sq; ++i)
+          lse_diff += std::memcmp(&l[(h * sq + i) * 4], &r.lse.bytes[(h * r.tq + q0 + i) * 4], 4) != 0;
+      EXPECT_EQ(lse_diff, 0) << "lse";
+    }
+  }
+}
+
+std::vector<VarCase> dense_cases() {
+  std::vector<VarCase> v;
+  for (const VarCase& c : cuda_cases())
+    if (c.name != "Bf16Mixed1To4096") v.push_back(c);
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, VarlenCudaDense, ::testing::ValuesIn(dense_cases()),
+                         [](const ::testing::TestParamInfo<VarCase>& i) { return i.param.name; });
+
+// The sequence arrays must be on the call's device; bad contents are found there too (read back
+// before any launch) and nothing is written.
+TEST(VarlenCudaBadInput, SequenceArrays) {
+  REQUIRE_GPU();
+  VarCase c{"bad", {3, 0, 5}, {4, 2, 5}};
+  VarRun r(c);
+  DeviceVarRun d(r);
+  ASSERT_TRUE(d.ok);
+  auto outputs_poisoned = [&] {
+    (void)cudaDeviceSynchronize();
+    std::vector<float> o(r.out.n);
+    (void)cudaMemcpy(o.data(), d.out.data, o.size() * 4, cudaMemcpyDeviceToHost);
+    for (float x : o)
+      if (!std::isnan(x)) return false;
+    return true;
+  };
+  auto expect_error = [&](const Varlen& vl, const std::string& fragment) {
+    d.poison();
+    try {
+      forward_varlen(d.q, d.k, d.v, d.out, d.lse, vl, d.options(false, Precision::Fp32));
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(outputs_poisoned());
+  };
+  {
+    Varlen vl = d.vl;
+    Tensor host_cq = index_tensor(r.cu_q);  // on the CPU while q is on device 0
+    vl.cu_seqlens_q = &host_cq;
+    expect_error(vl, "cu_seqlens_q");
+  }
+  {
+    std::vector<int32_t> bad = {0, 3, 2, 8};  // decreasing, on the device
+    DeviceBuffer buf(16);
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(buf.ptr, bad.data(), 16, cudaMemcpyHostToDevice));
+    Tensor t = index_tensor(bad);
+    t.data = buf.ptr;
+    t.device = 0;
+    Varlen vl = d.vl;
+    vl.cu_seqlens_q = &t;
+    expect_error(vl, "non-decreasing");
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test
