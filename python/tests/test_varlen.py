@@ -2,8 +2,8 @@
 flashattn.torch.attention_varlen and the flash_attn 2.x varlen functions, against the float64
 reference applied to each sequence's slice; the sequence arrays' validation.
 
-Tests that run the kernels need the CPU backend's varlen path: until it is there they fail (not
-skip) through `run_backend`, saying so."""
+The CPU tests run everywhere; the CUDA ones (test_flash_attn_varlen_func_cuda) skip without a
+CUDA device."""
 
 import inspect
 
@@ -22,11 +22,11 @@ POISON = float("nan")
 
 
 def run_backend(fn, *args, **kwargs):
-    """Calls fn; a NotImplementedError from the varlen CPU path becomes a clear failure."""
+    """Calls fn; a NotImplementedError (a backend without the varlen path) becomes a clear failure."""
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as e:
-        pytest.fail(f"the CPU backend does not run varlen calls yet (branch varlen-cpu): {e}")
+        pytest.fail(f"the backend does not run varlen calls: {e}")
 
 
 # ---- batches and the per-sequence reference -----------------------------------------------------
@@ -248,6 +248,44 @@ def test_flash_attn_varlen_func(causal, dtype, lens, mods):
     ref_lse = r[1]
     if alibi is not None and causal and fa2_window(window, causal, mk)[0] == -1:
         # flash_attn's causal ALiBi kernels add slope * j: lse larger by slope * (i + Sk - Sq).
+        ref_lse = ref_lse + alibi_shift(alibi, lens_q, lens_k)
+    for name, kind, got, ref in zip(("out", "lse", "dq", "dk", "dv"),
+                                    ("out", "lse", "grad", "grad", "grad"),
+                                    (out, lse, qq.grad, kk.grad, vv.grad),
+                                    (r[0], ref_lse, *r[2:])):
+        check(name, got.detach(), ref, dtype, kind)
+
+
+CUDA = pytest.mark.skipif(not (torch.cuda.is_available() and flashattn.cuda_available()),
+                          reason="no CUDA device (or a CPU-only build)")
+
+
+@CUDA
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("lens", ["self", "cross"], ids=str)
+@pytest.mark.parametrize("mods", ["plain", "all"])
+def test_flash_attn_varlen_func_cuda(causal, dtype, lens, mods):
+    """The same calls on CUDA tensors (sequence arrays on the device too)."""
+    lens_q, lens_k = LENGTHS[lens]
+    hq, hkv, d = 6, 2, 64
+    m = dict(MODS.get(mods, {}))
+    alibi = slopes_for(m.pop("alibi", None), len(lens_q), hq)
+    window, softcap = m.get("window", (-1, -1)), m.get("softcap", 0.0)
+    q, k, v, dout = make_batch(lens_q, lens_k, hq, hkv, d, dtype, seed=2)
+    qq, kk, vv = (x.cuda().requires_grad_() for x in (q, k, v))
+    mq, mk = max(lens_q), max(lens_k)
+    out, lse, _ = flash_attn_varlen_func(qq, kk, vv, cu(lens_q).cuda(), cu(lens_k).cuda(), mq, mk,
+                                         causal=causal, window_size=window, softcap=softcap,
+                                         alibi_slopes=None if alibi is None else alibi.cuda(),
+                                         return_attn_probs=True)
+    assert out.is_cuda and out.shape == q.shape and out.dtype == dtype
+    out.backward(dout.cuda())
+    mask = "causal_bottom_right" if causal else "none"
+    r = ref_varlen(q, k, v, dout, lens_q, lens_k, mask=mask, alibi=alibi,
+                   window=fa2_window(window, causal, mk), softcap=softcap)
+    ref_lse = r[1]
+    if alibi is not None and causal and fa2_window(window, causal, mk)[0] == -1:
         ref_lse = ref_lse + alibi_shift(alibi, lens_q, lens_k)
     for name, kind, got, ref in zip(("out", "lse", "dq", "dk", "dv"),
                                     ("out", "lse", "grad", "grad", "grad"),
