@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Per-call host time of tiny attention calls: flashattn's PyTorch entry points against SDPA in
+the same process on the same inputs (issue: framework integration, host overhead).
+
+The shape is tiny (default B 1, H 1, S 128, D 64, bfloat16 on CUDA / float32 on the CPU) so that
+the device work is a few microseconds and what is measured is the host's cost of a call: Python,
+autograd, the dispatcher, validation and the launches. Each entry is called --calls times back to
+back (after --warmup), the device synchronised once at the end; the figure is the median over
+--rounds of (wall time / calls), in microseconds:
+  fwd       the forward alone, under torch.no_grad() (inference)
+  fwd+bwd   forward with grad, then backward of out (a training step's attention)
+Entries: flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func (one sequence),
+flashattn.torch.attention, and SDPA (each backend that takes the inputs: flash, cudnn, efficient,
+math on CUDA; the default on the CPU). On the CPU the device work is not negligible; compare
+entries with each other there, not with CUDA figures. Prints a table and writes OUT/host.csv.
+
+usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shape", default="1,1,128,64", help="B,H,S,D")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    import flashattn
+    import flashattn.torch as fat
+    from flashattn import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() and flashattn.cuda_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
+    b, h, s, d = (int(x) for x in args.shape.split(","))
+    g = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=g)  # noqa: E731
+    q, k, v, do = mk(b, s, h, d), mk(b, s, h, d), mk(b, s, h, d), mk(b, s, h, d)  # [B, S, H, D]
+    qkv = torch.stack([q, k, v], dim=2)
+    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))  # [B, H, S, D] views
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
+    qp, kp, vp, dop = (x.reshape(b * s, h, d) for x in (q, k, v, do))
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        for _ in range(args.warmup):
+            fn()
+        sync()
+        per = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            sync()
+            per.append((time.perf_counter() - t0) / args.calls * 1e6)
+        return statistics.median(per)
+
+    # Each entry: (name, forward callable on leaf tensors, the gradient for its output).
+    def entry(name, fwd, leaves, grad):
+        def inference():
+            with torch.no_grad():
+                fwd(*leaves)
+
+        req = [x.detach().clone().requires_grad_() for x in leaves]
+
+        def train():
+            out = fwd(*req)
+            out.backward(grad)
+
+        return name, inference, train
+
+    entries = [
+        entry("flash_attn_func", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do),
+        entry("flash_attn_qkvpacked_func", lambda x: flash_attn_qkvpacked_func(x, causal=True), (qkv,), do),
+        entry("flash_attn_varlen_func",
+              lambda a, b_, c: flash_attn_varlen_func(a, b_, c, cu, cu, s, s, causal=True), (qp, kp, vp), dop),
+        entry("flashattn.torch.attention", lambda a, b_, c: fat.attention(a, b_, c, is_causal=True), (qt, kt, vt),
+              dot),
+    ]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = ([("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                 ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa-math", SDPBackend.MATH)]
+                if dev == "cuda" else [("sdpa", None)])
+    for name, be in backends:
+        def sdpa(a, b_, c, be=be):
+            if be is None:
+                return F.scaled_dot_product_attention(a, b_, c, is_causal=True)
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(a, b_, c, is_causal=True)
+        try:
+            sdpa(qt, kt, vt)
+            entries.append(entry(name, sdpa, (qt, kt, vt), dot))
+        except Exception as e:  # a backend that does not take these inputs
+            print(f"{name}: not available ({type(e).__name__})")
+
+    rows = []
+    for name, inference, train in entries:
+        rows.append(dict(entry=name, fwd_us=timed(inference), fwd_bwd_us=timed(train)))
+    ref = next((r for r in rows if r["entry"] in ("sdpa-flash", "sdpa")), None)
+    print(f"# host time per call, {dev}, {dtype}, B{b} H{h} S{s} D{d}, torch {torch.__version__}"
+          f" (median of {args.rounds} rounds of {args.calls} calls)")
+    print(f"| entry | fwd us | fwd+bwd us | fwd / {ref['entry'] if ref else '-'} | fwd+bwd / same |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        rf = r["fwd_us"] / ref["fwd_us"] if ref else float("nan")
+        rb = r["fwd_bwd_us"] / ref["fwd_bwd_us"] if ref else float("nan")
+        print(f"| {r['entry']} | {r['fwd_us']:.1f} | {r['fwd_bwd_us']:.1f} | {rf:.2f} | {rb:.2f} |")
+    if args.out:
+        import csv
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
