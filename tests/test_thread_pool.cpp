@@ -5,7 +5,7 @@
 // hook makes every thread start after the first n throw std::system_error(EAGAIN), exactly what
 // std::thread does when pthread_create fails. Before the fix the pool's constructor let that
 // exception unwind past workers already waiting on its condition variable: the unwinding blocked
-// forever in pthread_cond_destroy while shared_pool() held the process-wide lock, so that call and
+// forever in pthread_cond_destroy while the process-wide pool lock was held, so that call and
 // every later one hung. Each case therefore runs in a forked child with an alarm: a hang fails the
 // test within seconds instead of stalling CI. (tests/test_limits.cpp provokes the same
 // failure in the real library with RLIMIT_AS.)
@@ -99,45 +99,44 @@ TEST(ThreadPoolStartFailure, TaskExceptionsStillPropagate) {
   }));
 }
 
-// The process-wide pool: a start failure neither leaves the lock held nor breaks later calls; a
+// The leased pools: a start failure neither leaves the registry locked nor breaks later calls; a
 // pool that got fewer threads than asked is kept for that request (no new attempt, and no
-// thread churn, on every call), and a different request builds a new pool.
-TEST(ThreadPoolStartFailure, SharedPoolStaysUsable) {
+// thread churn, on every call), and a different request gets a pool of its own.
+TEST(ThreadPoolStartFailure, LeasedPoolsStayUsable) {
   EXPECT_TRUE(in_child([]() -> std::string {
     set_thread_start_limit_for_testing(2);
     {
-      std::unique_lock<std::mutex> lock;
-      ThreadPool& pool = shared_pool(8, lock);
-      if (pool.threads() != 3) return "first pool: threads() = " + std::to_string(pool.threads());
-      std::string err = run_and_count(pool, 200);
+      PoolLease lease(8);
+      if (lease.pool().threads() != 3) return "first pool: threads() = " + std::to_string(lease.pool().threads());
+      std::string err = run_and_count(lease.pool(), 200);
       if (!err.empty()) return err;
     }
     set_thread_start_limit_for_testing(-1);
-    // Another thread gets the lock (it was released) and the same pool back.
+    // Another thread gets the same (released) pool back.
     std::string err;
     std::thread other([&] {
-      std::unique_lock<std::mutex> lock;
-      ThreadPool& pool = shared_pool(8, lock);
-      if (pool.threads() != 3) err = "second call: threads() = " + std::to_string(pool.threads());
-      else err = run_and_count(pool, 200);
+      PoolLease lease(8);
+      if (lease.pool().threads() != 3) err = "second call: threads() = " + std::to_string(lease.pool().threads());
+      else err = run_and_count(lease.pool(), 200);
     });
     other.join();
     if (!err.empty()) return err;
-    std::unique_lock<std::mutex> lock;
-    ThreadPool& pool = shared_pool(5, lock);
-    if (pool.threads() != 5) return "new request: threads() = " + std::to_string(pool.threads());
-    return run_and_count(pool, 200);
+    PoolLease lease(5);
+    if (lease.pool().threads() != 5) return "new request: threads() = " + std::to_string(lease.pool().threads());
+    return run_and_count(lease.pool(), 200);
   }));
 }
 
-// Every possible failure point of a 12-thread pool, with pools re-created in between.
+// Every possible failure point of a pool's thread starts, a new pool each time.
 TEST(ThreadPoolStartFailure, EveryFailurePoint) {
   EXPECT_TRUE(in_child([]() -> std::string {
     for (int limit = 0; limit <= 12; ++limit) {
       set_thread_start_limit_for_testing(limit);
-      std::unique_lock<std::mutex> lock;
-      ThreadPool& pool = shared_pool(limit % 2 ? 12 : 13, lock);
-      const int want = std::min(limit + 1, limit % 2 ? 12 : 13);
+      // A distinct size each time: a new pool (released pools are kept and reused per size);
+      // past PoolLease::kMaxPools sizes, idle pools of other sizes are replaced.
+      PoolLease lease(20 + limit);
+      ThreadPool& pool = lease.pool();
+      const int want = limit + 1;
       if (pool.threads() != want)
         return "limit " + std::to_string(limit) + ": threads() = " + std::to_string(pool.threads()) +
                ", expected " + std::to_string(want);
@@ -146,6 +145,57 @@ TEST(ThreadPoolStartFailure, EveryFailurePoint) {
     }
     return std::string();
   }, 60));
+}
+
+// Calls at the same time run at the same time: each of two threads leases a pool and runs a job
+// that waits (up to 10 s) until the other's job has started. With one pool shared under a lock
+// (the old design) the second call could not start before the first finished, so the first
+// waited out its 10 s and the test fails.
+TEST(PoolLeases, ConcurrentCallsRunConcurrently) {
+  std::atomic<int> started{0};
+  std::atomic<bool> timed_out{false};
+  auto call = [&] {
+    PoolLease lease(2);
+    struct Ctx {
+      std::atomic<int>* started;
+      std::atomic<bool>* timed_out;
+    } ctx{&started, &timed_out};
+    lease.pool().run(
+        1,
+        [](const void* c, int64_t, int) {
+          const Ctx& x = *static_cast<const Ctx*>(c);
+          x.started->fetch_add(1);
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (x.started->load() < 2)
+            if (std::chrono::steady_clock::now() > until) {
+              x.timed_out->store(true);
+              return;
+            } else {
+              std::this_thread::yield();
+            }
+        },
+        &ctx);
+  };
+  std::thread a(call), b(call);
+  a.join();
+  b.join();
+  EXPECT_FALSE(timed_out.load()) << "a call waited for the other to finish";
+  EXPECT_EQ(started.load(), 2);
+}
+
+// More concurrent callers than pools: they wait their turn rather than fail, and every task of
+// every call runs exactly once.
+TEST(PoolLeases, MoreCallersThanPools) {
+  constexpr int kCallers = PoolLease::kMaxPools * 2 + 3;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(kCallers);
+  for (int i = 0; i < kCallers; ++i)
+    threads.emplace_back([&, i] {
+      PoolLease lease(1 + i % 3);
+      errors[i] = run_and_count(lease.pool(), 37 + i);
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kCallers; ++i) EXPECT_EQ(errors[i], "") << "caller " << i;
 }
 
 }  // namespace

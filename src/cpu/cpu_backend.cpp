@@ -68,23 +68,19 @@ Buffer allocate(size_t bytes) {
   return Buffer(p);
 }
 
-// Per-thread scratch survives between calls (guarded by the pool lock) so small problems do not
-// pay for fresh pages every time.
+// Per-thread scratch survives between calls (attached to the leased pool: one call at a time
+// uses it) so small problems do not pay for fresh pages every time.
 struct ScratchCache {
   std::vector<Buffer> bufs;
   std::vector<size_t> sizes;
 };
-ScratchCache& scratch_cache() {
-  static ScratchCache c;
-  return c;
-}
 
 class PoolParallel final : public Parallel {
  public:
-  PoolParallel(ThreadPool& pool) : pool_(pool) {}
+  explicit PoolParallel(PoolLease& lease) : pool_(lease.pool()), scratch_(lease.attached<ScratchCache>()) {}
 
   void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
-    ScratchCache& sc = scratch_cache();
+    ScratchCache& sc = scratch_;
     const size_t n = static_cast<size_t>(pool_.threads());
     if (sc.bufs.size() < n) {
       sc.bufs.resize(n);
@@ -123,6 +119,7 @@ class PoolParallel final : public Parallel {
   }
 
   ThreadPool& pool_;
+  ScratchCache& scratch_;
   std::vector<Buffer> owned_;
 };
 
@@ -139,17 +136,15 @@ const KernelSet& select_kernel() {
 
 void forward(const ForwardParams& p) {
   const KernelSet& k = select_kernel();
-  std::unique_lock<std::mutex> lock;
-  ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
-  PoolParallel par(pool);
+  PoolLease lease(p.exec.num_threads);  // (concurrent calls lease pools of their own)
+  PoolParallel par(lease);
   k.forward(p, rule_of(p.shape, p.num), par);
 }
 
 void backward(const BackwardParams& p) {
   const KernelSet& k = select_kernel();
-  std::unique_lock<std::mutex> lock;
-  ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
-  PoolParallel par(pool);
+  PoolLease lease(p.exec.num_threads);  // (concurrent calls lease pools of their own)
+  PoolParallel par(lease);
   k.backward(p, rule_of(p.shape, p.num), par);
 }
 

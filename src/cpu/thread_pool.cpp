@@ -128,43 +128,84 @@ void ThreadPool::run(int64_t num_tasks, TaskFn fn, const void* ctx) {
 
 namespace {
 
-// The process-wide pool and its lock. Never destroyed: worker threads sleeping at exit are simply
-// ended with the process, and nothing runs during static destruction.
-struct Shared {
+// The pools: idle ones, and how many exist (idle or leased). Never destroyed: worker threads
+// sleeping at exit are simply ended with the process, and nothing runs during static destruction.
+struct Registry {
   std::mutex mu;
-  std::unique_ptr<ThreadPool> pool;
+  std::condition_variable released;
+  std::vector<std::unique_ptr<PoolLease::Slot>> idle;
+  int live = 0;
 };
-Shared* g_shared = nullptr;
+Registry* g_registry = nullptr;
 std::once_flag g_once;
 
 #if defined(FLASHATTN_HAVE_ATFORK)
 // A child process (e.g. a Python DataLoader worker forked from a process that already used the
-// CPU backend) has only the forking thread: the pool's workers do not exist there, and the lock
-// may be held by a thread that does not exist either. Abandon both and start afresh on first use.
+// CPU backend) has only the forking thread: the pools' workers do not exist there, and the lock
+// may be held by a thread that does not exist either. Abandon everything and start afresh.
 void after_fork_in_child() {
-  if (g_shared) {
-    (void)g_shared->pool.release();
-    g_shared = new Shared;
-  }
+  if (g_registry) g_registry = new Registry;  // the old one is leaked, never touched again
 }
 #endif
 
-}  // namespace
-
-ThreadPool& shared_pool(int threads, std::unique_lock<std::mutex>& lock) {
+Registry& registry() {
   std::call_once(g_once, [] {
-    g_shared = new Shared;
+    g_registry = new Registry;
 #if defined(FLASHATTN_HAVE_ATFORK)
     pthread_atfork(nullptr, nullptr, &after_fork_in_child);
 #endif
   });
-  Shared& s = *g_shared;
-  lock = std::unique_lock<std::mutex>(s.mu);
-  if (!s.pool || s.pool->requested() != threads) {
-    s.pool.reset();  // join the old workers before starting new ones
-    s.pool = std::make_unique<ThreadPool>(threads);
+  return *g_registry;
+}
+
+}  // namespace
+
+PoolLease::PoolLease(int threads) {
+  if (threads < 1) threads = 1;
+  Registry& r = registry();
+  std::unique_ptr<Slot> replaced;
+  {
+    std::unique_lock<std::mutex> lock(r.mu);
+    for (;;) {
+      for (auto it = r.idle.begin(); it != r.idle.end(); ++it)
+        if ((*it)->pool->requested() == threads) {
+          slot_ = std::move(*it);
+          r.idle.erase(it);
+          return;
+        }
+      if (r.live < kMaxPools) {
+        ++r.live;
+        break;
+      }
+      if (!r.idle.empty()) {  // every pool exists: replace an idle one of another size
+        replaced = std::move(r.idle.back());
+        r.idle.pop_back();
+        break;
+      }
+      r.released.wait(lock);
+    }
   }
-  return *s.pool;
+  replaced.reset();  // join its workers (outside the lock) before starting new ones
+  try {
+    slot_ = std::make_unique<Slot>();
+    slot_->pool = std::make_unique<ThreadPool>(threads);  // never fails for want of threads
+  } catch (...) {
+    const std::lock_guard<std::mutex> g(r.mu);
+    --r.live;
+    r.released.notify_one();
+    throw;
+  }
+}
+
+PoolLease::~PoolLease() {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> g(r.mu);
+  try {
+    r.idle.push_back(std::move(slot_));
+  } catch (...) {
+    --r.live;  // no room to keep it: it is destroyed with the lease
+  }
+  r.released.notify_one();
 }
 
 }  // namespace flashattn::cpu

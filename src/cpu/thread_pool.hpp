@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -57,10 +58,36 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-// The process-wide pool for `threads` requested threads, created or resized on demand (a pool that
-// got fewer threads than requested is kept, not re-created on every call). The returned lock
-// serialises concurrent callers (the pool runs one job at a time).
-ThreadPool& shared_pool(int threads, std::unique_lock<std::mutex>& lock);
+// A pool of `threads` requested threads, leased by one call for its duration. Calls made at the
+// same time (from several user threads) each lease a pool of their own, so they run concurrently
+// instead of taking turns; pools are kept for reuse once released (a pool that got fewer threads
+// than requested is kept too, not re-created on every call). At most kMaxPools pools exist at once:
+// a caller beyond that waits for one to be released (an idle pool of another size is replaced).
+// Each pool carries one attachment of the caller's choosing (the CPU backend's per-thread scratch),
+// created on first use and reused with the pool.
+class PoolLease {
+ public:
+  static constexpr int kMaxPools = 8;
+  explicit PoolLease(int threads);
+  ~PoolLease();
+  PoolLease(const PoolLease&) = delete;
+  PoolLease& operator=(const PoolLease&) = delete;
+
+  ThreadPool& pool() const { return *slot_->pool; }
+  template <class T>
+  T& attached() {
+    if (!slot_->attachment) slot_->attachment = std::make_shared<T>();
+    return *static_cast<T*>(slot_->attachment.get());
+  }
+
+  struct Slot {
+    std::unique_ptr<ThreadPool> pool;
+    std::shared_ptr<void> attachment;
+  };
+
+ private:
+  std::unique_ptr<Slot> slot_;
+};
 
 #if defined(FLASHATTN_THREAD_POOL_TESTING)
 // Test builds only (tests/test_thread_pool.cpp compiles this file with the macro): the next
