@@ -200,6 +200,24 @@ FLASHATTN_API const char* flashattn_version(void);
 /* 1 when this build has the CUDA backend and at least one CUDA device is usable, else 0. */
 FLASHATTN_API int flashattn_cuda_available(void);
 
+/* CPU calls on a framework's threads. By default the CPU backend runs each call on a pool of its
+ * own threads. A framework that keeps a team of worker threads (e.g. PyTorch's OpenMP threads,
+ * which spin for a while after each of its operations and would compete with a second set of
+ * threads for the cores) can install a team runner instead: run(ctx, threads, body, arg) must call
+ * body(arg, t) on one or more threads at the same time, each with a distinct t in [0, threads),
+ * and return once every call has returned (the calling thread may be one of them; fewer threads
+ * than asked, even one, is fine: the work is handed out dynamically, results do not depend on the
+ * team). body never throws or longjmps out. With OpenMP:
+ *   void run(void* ctx, int32_t n, flashattn_cpu_team_body body, void* arg) {
+ *     #pragma omp parallel num_threads(n)
+ *     body(arg, omp_get_thread_num());
+ *   }
+ * The runner is process-wide and applies to calls that start after it is set; NULL restores the
+ * library's own pools. Returns FLASHATTN_OK. */
+typedef void (*flashattn_cpu_team_body)(void* arg, int32_t thread);
+typedef void (*flashattn_cpu_team_runner)(void* ctx, int32_t threads, flashattn_cpu_team_body body, void* arg);
+FLASHATTN_API int flashattn_set_cpu_team_runner(flashattn_cpu_team_runner run, void* ctx);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

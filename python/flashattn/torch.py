@@ -27,6 +27,7 @@ gradients flow to q, k and v through out only. The ALiBi slopes are an input of 
 no gradient (None), as in FlashAttention.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from . import _api, _ext
 
-__all__ = ["attention", "attention_varlen", "FlashAttnFunction"]
+__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads"]
 
 
 # The current stream's handle without building a torch.cuda.Stream object (a few microseconds
@@ -67,6 +68,44 @@ def _threads(t: Tensor, num_threads: int) -> int:
     if num_threads == 0 and not t.is_cuda:
         return torch.get_num_threads()
     return num_threads
+
+
+# ---- CPU threads shared with PyTorch ------------------------------------------------------------
+
+
+def _torch_openmp_path():
+    """The file of the OpenMP runtime PyTorch's CPU operators run on, as loaded in this process
+    (Linux: from /proc/self/maps; the copy inside torch's own folder first), or None."""
+    try:
+        if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return None
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+    except (OSError, RuntimeError, IndexError):
+        return None
+    names = ("libgomp", "libomp", "libiomp5")
+    found = sorted(p for p in paths if os.path.basename(p).startswith(names))
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    found.sort(key=lambda p: not p.startswith(torch_dir))
+    return found[0] if found else None
+
+
+def use_torch_threads(enable: bool = True) -> bool:
+    """CPU calls on PyTorch's own intra-op (OpenMP) threads, or (enable=False) on the library's
+    thread pools (the default; FLASHATTN_TORCH_THREADS=1 calls this at import). torch's OpenMP workers keep
+    spinning for a while after each operator, and a second set of threads would compete with them
+    for the cores; as parallel regions of torch's runtime the library's tasks run on those very
+    threads, torch.get_num_threads() of them. Applies to every CPU call of the library in this
+    process. Returns whether torch's threads are in use (False where torch does not use OpenMP)."""
+    if not enable:
+        _ext.use_own_threads()
+        return False
+    path = _torch_openmp_path()
+    return bool(path) and _ext.use_openmp_runtime(path)
+
+
+if os.environ.get("FLASHATTN_TORCH_THREADS", "0") == "1":
+    use_torch_threads(True)
 
 
 def _unit_last(t: Tensor) -> Tensor:

@@ -13,6 +13,10 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#define FLASHATTN_EXT_DLFCN 1
+#endif
 #include <optional>
 #include <sstream>
 #include <string>
@@ -319,6 +323,52 @@ void backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, 
   if (status != FLASHATTN_OK) raise_status(status);
 }
 
+// ---- CPU calls on an OpenMP runtime's threads (flashattn_set_cpu_team_runner) --------------------
+// PyTorch's CPU operators run on an OpenMP team whose workers spin for a while after each
+// operator; a second set of threads (the library's pools) then competes with them for the cores.
+// Running the library's CPU calls as parallel regions of that same runtime puts them on those very
+// threads. The runtime is the one already loaded (dlopen with RTLD_NOLOAD: never a second copy);
+// GOMP_parallel is GNU OpenMP's entry point, which LLVM's libomp provides too.
+struct OpenMP {
+  void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags) = nullptr;
+  int (*thread_num)() = nullptr;
+};
+OpenMP g_openmp;
+
+struct OpenMPCall {
+  flashattn_cpu_team_body body;
+  void* arg;
+};
+void openmp_member(void* data) {
+  const OpenMPCall& c = *static_cast<const OpenMPCall*>(data);
+  c.body(c.arg, g_openmp.thread_num());
+}
+void openmp_runner(void*, int32_t threads, flashattn_cpu_team_body body, void* arg) {
+  OpenMPCall c{body, arg};
+  g_openmp.parallel(&openmp_member, &c, static_cast<unsigned>(threads), 0);
+}
+
+// True when the OpenMP runtime at `path` is loaded in this process and now runs the CPU calls.
+bool use_openmp_runtime(const std::string& path) {
+#if defined(FLASHATTN_EXT_DLFCN)
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (h == nullptr) return false;
+  void* par = dlsym(h, "GOMP_parallel");
+  void* num = dlsym(h, "omp_get_thread_num");
+  if (par == nullptr || num == nullptr) {
+    dlclose(h);
+    return false;
+  }
+  // (The handle stays open: the runtime must outlive every call made through it.)
+  g_openmp.parallel = reinterpret_cast<decltype(g_openmp.parallel)>(par);
+  g_openmp.thread_num = reinterpret_cast<decltype(g_openmp.thread_num)>(num);
+  return flashattn_set_cpu_team_runner(&openmp_runner, nullptr) == FLASHATTN_OK;
+#else
+  (void)path;
+  return false;
+#endif
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -366,6 +416,12 @@ NB_MODULE(_ext, m) {
         "True when libflashattn was built with CUDA and a CUDA device is usable.");
   m.def("build_info", [] { return flashattn::build_info(); },
         "Backends, CPU features and kernels of the loaded libflashattn (as `flashattn info`).");
+  m.def("use_openmp_runtime", &use_openmp_runtime, nb::arg("path"),
+        "Runs the CPU calls as parallel regions of the OpenMP runtime loaded from `path` (already "
+        "loaded in this process: e.g. PyTorch's), on its threads; False when it is not loaded or "
+        "not an OpenMP runtime.");
+  m.def("use_own_threads", [] { flashattn_set_cpu_team_runner(nullptr, nullptr); },
+        "Back to the library's own thread pools for CPU calls.");
   m.attr("MASK_NONE") = FLASHATTN_MASK_NONE;
   m.attr("MASK_CAUSAL_TOP_LEFT") = FLASHATTN_MASK_CAUSAL_TOP_LEFT;
   m.attr("MASK_CAUSAL_BOTTOM_RIGHT") = FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;

@@ -419,3 +419,36 @@ def test_first_eager_call_imports_no_dynamo():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", r.stdout
+
+
+# ---- CPU threads shared with PyTorch -------------------------------------------------------------
+
+
+def test_cpu_calls_on_torch_threads_are_bitwise_the_same():
+    """With torch's OpenMP runtime (the default at import where torch uses OpenMP) and with the
+    library's own pools, a CPU forward and backward give the same bits (the work is handed out
+    dynamically either way; each output has one writer and a fixed order)."""
+    import flashattn
+    import flashattn.torch as fat
+    on = fat.use_torch_threads(True)
+    if not on:
+        pytest.skip("this torch does not run its CPU operators on OpenMP (or not on Linux)")
+    assert "caller's thread team" in flashattn.build_info()
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 4, 97, 40, generator=g) for _ in range(4))
+
+    def run():
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        out = fat.attention(qq, kk, vv, mask="causal_bottom_right", num_threads=2)
+        out.backward(dout)
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    try:
+        shared = run()
+        fat.use_torch_threads(False)
+        assert "thread pools" in flashattn.build_info()
+        own = run()
+    finally:
+        fat.use_torch_threads(True)
+    for a, b in zip(shared, own):
+        assert torch.equal(a, b)

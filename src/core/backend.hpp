@@ -12,6 +12,11 @@ namespace cpu {
 void forward(const ForwardParams& p);
 void backward(const BackwardParams& p);
 std::string describe();  // ISA chosen at run time, threads, kernels
+// A framework's team of threads for the CPU calls (flashattn_set_cpu_team_runner); run == nullptr:
+// the backend's own pools.
+using TeamBody = void (*)(void* arg, int32_t thread);
+using TeamRunner = void (*)(void* ctx, int32_t threads, TeamBody body, void* arg);
+void set_team_runner(TeamRunner run, void* ctx);
 }  // namespace cpu
 
 namespace cuda {

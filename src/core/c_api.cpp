@@ -163,6 +163,10 @@ __attribute__((visibility("default"))) int flashattn_dev_set_override(const char
 }
 #endif
 
+int flashattn_set_cpu_team_runner(flashattn_cpu_team_runner run, void* ctx) {
+  return guarded([&] { flashattn::cpu::set_team_runner(run, ctx); });
+}
+
 int flashattn_cuda_available(void) {
   try {
     return flashattn::cuda_available() ? 1 : 0;

@@ -1,7 +1,9 @@
 // The CPU backend's driver: picks the kernel set for this machine once (select_kernel), runs the
 // kernels on the shared thread pool and owns their scratch memory.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -123,6 +125,120 @@ class PoolParallel final : public Parallel {
   std::vector<Buffer> owned_;
 };
 
+// The calls' tasks on a framework's team of threads (set_team_runner): every team member drains
+// the same task counter, as the pool's threads do. A member takes its scratch slot from a counter
+// of its own (not from the runner's thread number, which the library need not trust), members
+// beyond `threads` return at once, and a task's exception is kept and rethrown here after the
+// runner returns (never thrown through the runner's frames).
+class TeamParallel final : public Parallel {
+ public:
+  TeamParallel(TeamRunner run, void* ctx, int threads, ScratchCache& sc)
+      : run_(run), ctx_(ctx), threads_(threads < 1 ? 1 : threads), scratch_(sc) {}
+
+  void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
+    if (num_tasks <= 0) return;
+    const size_t n = static_cast<size_t>(threads_);
+    if (scratch_.bufs.size() < n) {
+      scratch_.bufs.resize(n);
+      scratch_.sizes.resize(n, 0);
+    }
+    Team team;
+    team.fn = fn;
+    team.ctx = ctx;
+    team.scratch_bytes = scratch_bytes;
+    team.cache = &scratch_;
+    team.num_tasks = num_tasks;
+    team.slots = threads_;
+    // A single task, or a single thread, runs inline: waking a team costs more than it gives.
+    if (num_tasks == 1 || threads_ == 1) body(&team, 0);
+    else run_(ctx_, threads_, &body, &team);
+    if (team.error) std::rethrow_exception(team.error);
+    if (team.next_task.load() < num_tasks) {
+      // The runner returned without any member having run (a runner that calls body zero
+      // times): finish on this thread rather than leave outputs unwritten.
+      body(&team, 0);
+      if (team.error) std::rethrow_exception(team.error);
+    }
+  }
+
+  void* alloc(size_t bytes) override {
+    owned_.push_back(allocate(bytes));
+    return owned_.back().get();
+  }
+
+ private:
+  struct Team {
+    TaskFn fn;
+    const void* ctx;
+    size_t scratch_bytes;
+    ScratchCache* cache;
+    int64_t num_tasks;
+    int slots;
+    std::atomic<int64_t> next_task{0};
+    std::atomic<int> next_slot{0};
+    std::mutex mu;
+    std::exception_ptr error;
+  };
+  static void body(void* arg, int32_t /*thread*/) {
+    Team& team = *static_cast<Team*>(arg);
+    const int slot = team.next_slot.fetch_add(1);
+    if (slot >= team.slots) return;
+    const size_t t = static_cast<size_t>(slot);
+    for (;;) {
+      const int64_t task = team.next_task.fetch_add(1);
+      if (task >= team.num_tasks) return;
+      try {
+        Buffer& buf = team.cache->bufs[t];
+        size_t& size = team.cache->sizes[t];
+        if (team.scratch_bytes > 0 && size < team.scratch_bytes) {
+          buf.reset();
+          size = 0;
+          buf = allocate(team.scratch_bytes);
+          size = team.scratch_bytes;
+        }
+        team.fn(team.ctx, task, buf.get());
+      } catch (...) {
+        const std::lock_guard<std::mutex> g(team.mu);
+        if (!team.error) team.error = std::current_exception();
+        team.next_task.store(team.num_tasks);  // skip the rest
+      }
+    }
+  }
+
+  TeamRunner run_;
+  void* ctx_;
+  int threads_;
+  ScratchCache& scratch_;
+  std::vector<Buffer> owned_;
+};
+
+// The installed runner (flashattn_set_cpu_team_runner); read once per call.
+struct Runner {
+  TeamRunner run = nullptr;
+  void* ctx = nullptr;
+};
+std::mutex g_runner_mu;
+Runner g_runner;
+Runner current_runner() {
+  const std::lock_guard<std::mutex> g(g_runner_mu);
+  return g_runner;
+}
+
+// Runs one backend call's kernels on the installed team, or on a leased pool.
+template <class Call>
+void with_parallel(int threads, Call&& call) {
+  const Runner r = current_runner();
+  // (A lease of a one-thread pool starts no thread; it serves this call's scratch only.)
+  PoolLease lease(r.run != nullptr ? 1 : threads);
+  if (r.run != nullptr) {
+    TeamParallel par(r.run, r.ctx, threads, lease.attached<ScratchCache>());
+    call(static_cast<Parallel&>(par));
+  } else {
+    PoolParallel par(lease);
+    call(static_cast<Parallel&>(par));
+  }
+}
+
 // The mask the API asked for (mask and sliding window), as the band every kernel iterates and
 // masks by. (Softcap and ALiBi reach the kernels through p.num.)
 MaskRule rule_of(const Shape& s, const Numerics& n) { return mask_rule(s, n); }
@@ -134,18 +250,20 @@ const KernelSet& select_kernel() {
   return k;
 }
 
+// (Concurrent calls lease pools, or scratch, of their own: with_parallel.)
 void forward(const ForwardParams& p) {
   const KernelSet& k = select_kernel();
-  PoolLease lease(p.exec.num_threads);  // (concurrent calls lease pools of their own)
-  PoolParallel par(lease);
-  k.forward(p, rule_of(p.shape, p.num), par);
+  with_parallel(p.exec.num_threads, [&](Parallel& par) { k.forward(p, rule_of(p.shape, p.num), par); });
 }
 
 void backward(const BackwardParams& p) {
   const KernelSet& k = select_kernel();
-  PoolLease lease(p.exec.num_threads);  // (concurrent calls lease pools of their own)
-  PoolParallel par(lease);
-  k.backward(p, rule_of(p.shape, p.num), par);
+  with_parallel(p.exec.num_threads, [&](Parallel& par) { k.backward(p, rule_of(p.shape, p.num), par); });
+}
+
+void set_team_runner(TeamRunner run, void* ctx) {
+  const std::lock_guard<std::mutex> g(g_runner_mu);
+  g_runner = Runner{run, ctx};
 }
 
 std::string describe() {
@@ -156,7 +274,9 @@ std::string describe() {
   os << "), tiles " << k.block_q << " queries x " << k.block_kv
      << " keys, kernels: forward (online softmax), backward (D preprocess, dQ pass, dK/dV pass), "
         "hardware threads "
-     << std::thread::hardware_concurrency();
+     << std::thread::hardware_concurrency()
+     << (current_runner().run != nullptr ? ", calls run on a caller's thread team (flashattn_set_cpu_team_runner)"
+                                         : ", calls run on the library's thread pools");
   return os.str();
 }
 
