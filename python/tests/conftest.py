@@ -9,6 +9,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # reference.py
 # process (and the other pytest-xdist workers).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# The torch tests skip where PyTorch is absent. scripts/test (so CI) installs it and sets
+# FLASHATTN_TEST_REQUIRE_TORCH=1, so that a torch that does not import stops the session with its
+# ImportError instead of turning every torch test into a skip.
+if os.environ.get("FLASHATTN_TEST_REQUIRE_TORCH") == "1":
+    import torch  # noqa: F401
+
 # Tolerances on max|got - ref| / max|ref| per tensor, the C++ grid test's (tests/test_cpu_grid.cpp
 # explains each): the reference sees exactly the rounded inputs the kernel sees, so what is left is
 # float32 accumulation (float32) or the rounding of each output to the storage type (fp16/bf16).

@@ -83,6 +83,17 @@ pub fn forward<T: Element>(
 /// Attention backward: from `dout` and the forward's `out` and `lse` (same options), computes
 /// `dq`, `dk` and `dv` (dk and dv summed over the query heads sharing a kv head). Outputs are
 /// overwritten; on error nothing is written.
+///
+/// # Argument order
+///
+/// `(q, k, v, out, dout, lse, dq, dk, dv, options)`: the C ABI's (`flashattn_backward`) and the
+/// C++ API's order, which this crate follows argument for argument. Python's
+/// `flashattn.backward(dout, q, k, v, out, lse, ...)` puts `dout` first instead, as flash_attn
+/// 2.x's backward does, so that code written for it ports unchanged. The difference is
+/// deliberate: `q`, `out` and `dout` have one type (`&Tensor<T>`), so switching this crate to
+/// Python's order would still compile in every existing caller and silently give wrong
+/// gradients. Porting a Python call: move `dout` from first to just after `out`.
+/// [`backward_varlen`] has the same order.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Element>(
     q: &Tensor<'_, T>,
@@ -141,6 +152,9 @@ pub fn forward_varlen<T: Element>(
 /// dq like q, dk and dv like k, lse `[Hq, total_q]`), the same `varlen` and options as the
 /// forward. Keys beyond `seqused_k` and keys no query sees get dk = dv = 0. Outputs are
 /// overwritten; on error nothing is written.
+///
+/// Arguments in the C ABI's order, as [`backward`] (Python's `backward_varlen` puts `dout`
+/// first; see [`backward`]'s "Argument order").
 #[allow(clippy::too_many_arguments)]
 pub fn backward_varlen<T: Element>(
     q: &Tensor<'_, T>,
