@@ -294,11 +294,75 @@ void check_alibi(const Named& n, int64_t B, int64_t Hq) {
   }
 }
 
+// The options every call shares (mask, precision, scale, threads, window, softcap).
+void check_options(const Options& o) {
+  auto mask = static_cast<int32_t>(o.mask);
+  if (mask < FLASHATTN_MASK_NONE || mask > FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT)
+    fail("options.mask = " + std::to_string(mask) +
+         " is unknown (0 none, 1 causal top-left, 2 causal bottom-right)");
+  auto prec = static_cast<int32_t>(o.precision);
+  if (prec != FLASHATTN_PRECISION_FP32 && prec != FLASHATTN_PRECISION_TF32)
+    fail("options.precision = " + std::to_string(prec) + " is unknown (0 fp32, 1 tf32)");
+  if (!std::isfinite(o.softmax_scale)) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
+    fail(os.str());
+  }
+  if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
+       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE: float32 scores that large "
+          "are rounding noise and overflow in the backward)";
+    fail(os.str());
+  }
+  if (o.num_threads < 0)
+    fail("options.num_threads = " + std::to_string(o.num_threads) +
+         " is negative (0 means all hardware threads)");
+  if (o.num_threads > FLASHATTN_MAX_THREADS)
+    fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
+         std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
+
+  for (const auto& [name, w] : {std::pair<const char*, int64_t>{"window_left", o.window_left},
+                                 std::pair<const char*, int64_t>{"window_right", o.window_right}})
+    if (w < -1)
+      fail(std::string("options.") + name + " = " + std::to_string(w) +
+           " is invalid (the window size must be >= 0, or -1 for unbounded)");
+  if (!std::isfinite(o.softcap) || o.softcap < 0.0f) {
+    std::ostringstream os;
+    os << "options.softcap = " << o.softcap << " is invalid (0 for none, or a finite value > 0)";
+    fail(os.str());
+  }
+}
+
 struct Common {
   Shape shape;
   Numerics num;
   Exec exec;
 };
+
+// Shape, numerics and execution of a validated call (q: the operand that gives dtype and device).
+Common make_common(const Named& q, const Shape& shape, const Options& o) {
+  if (q.t->dtype == DType::Float64 && q.t->device >= 0)
+    throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
+                                         device_str(q.t->device) + ")");
+
+  Common c{};
+  c.shape = shape;
+  float scale = o.softmax_scale != 0.0f ? o.softmax_scale
+                                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
+  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic, o.window_left, o.window_right,
+                   o.softcap, Alibi{nullptr, 0, 0}};
+  if (o.alibi_slopes != nullptr) {
+    const Tensor& a = *o.alibi_slopes;
+    c.num.alibi = Alibi{static_cast<const float*>(a.data), a.ndim == 2 ? a.stride[0] : 0, a.stride[a.ndim - 1]};
+  }
+  int32_t threads = o.num_threads;
+  if (threads == 0)
+    threads = static_cast<int32_t>(std::min<unsigned>(
+        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
+  c.exec = Exec{q.t->device, o.stream, threads};
+  return c;
+}
 
 // extra: further inputs on the call's device (the varlen sequence arrays); alibi_batch: the batch
 // the ALiBi slopes' [B, Hq] form must have (-1: q's; a packed call's views have batch 1).
@@ -345,43 +409,7 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
                                          " is not supported (head_dim must be 1.." +
                                          std::to_string(kMaxHeadDim) + ")");
 
-  // options
-  auto mask = static_cast<int32_t>(o.mask);
-  if (mask < FLASHATTN_MASK_NONE || mask > FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT)
-    fail("options.mask = " + std::to_string(mask) +
-         " is unknown (0 none, 1 causal top-left, 2 causal bottom-right)");
-  auto prec = static_cast<int32_t>(o.precision);
-  if (prec != FLASHATTN_PRECISION_FP32 && prec != FLASHATTN_PRECISION_TF32)
-    fail("options.precision = " + std::to_string(prec) + " is unknown (0 fp32, 1 tf32)");
-  if (!std::isfinite(o.softmax_scale)) {
-    std::ostringstream os;
-    os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
-    fail(os.str());
-  }
-  if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
-    std::ostringstream os;
-    os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
-       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE: float32 scores that large "
-          "are rounding noise and overflow in the backward)";
-    fail(os.str());
-  }
-  if (o.num_threads < 0)
-    fail("options.num_threads = " + std::to_string(o.num_threads) +
-         " is negative (0 means all hardware threads)");
-  if (o.num_threads > FLASHATTN_MAX_THREADS)
-    fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
-         std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
-
-  for (const auto& [name, w] : {std::pair<const char*, int64_t>{"window_left", o.window_left},
-                                 std::pair<const char*, int64_t>{"window_right", o.window_right}})
-    if (w < -1)
-      fail(std::string("options.") + name + " = " + std::to_string(w) +
-           " is invalid (the window size must be >= 0, or -1 for unbounded)");
-  if (!std::isfinite(o.softcap) || o.softcap < 0.0f) {
-    std::ostringstream os;
-    os << "options.softcap = " << o.softcap << " is invalid (0 for none, or a finite value > 0)";
-    fail(os.str());
-  }
+  check_options(o);
 
   std::vector<Named> all = {q, k, v, lse};
   all.insert(all.end(), same_as_q.begin(), same_as_q.end());
@@ -392,26 +420,7 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
   }
   all.insert(all.end(), extra.begin(), extra.end());
   check_devices(all);
-  if (q.t->dtype == DType::Float64 && q.t->device >= 0)
-    throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
-                                         device_str(q.t->device) + ")");
-
-  Common c{};
-  c.shape = Shape{B, Hq, Hkv, Sq, Skv, D};
-  float scale = o.softmax_scale != 0.0f ? o.softmax_scale
-                                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic, o.window_left, o.window_right,
-                   o.softcap, Alibi{nullptr, 0, 0}};
-  if (o.alibi_slopes != nullptr) {
-    const Tensor& a = *o.alibi_slopes;
-    c.num.alibi = Alibi{static_cast<const float*>(a.data), a.ndim == 2 ? a.stride[0] : 0, a.stride[a.ndim - 1]};
-  }
-  int32_t threads = o.num_threads;
-  if (threads == 0)
-    threads = static_cast<int32_t>(std::min<unsigned>(
-        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
-  c.exec = Exec{q.t->device, o.stream, threads};
-  return c;
+  return make_common(q, Shape{B, Hq, Hkv, Sq, Skv, D}, o);
 }
 
 // The inputs an output must not overlap: the call's tensors and the ALiBi slopes.
