@@ -12,6 +12,7 @@
 
 #include "core/backend.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/kvcache.hpp"
 #include "cpu/thread_pool.hpp"
 
 namespace flashattn::cpu {
@@ -142,6 +143,22 @@ void forward(const ForwardParams& p) {
   std::unique_lock<std::mutex> lock;
   ThreadPool& pool = shared_pool(p.exec.num_threads, lock);
   PoolParallel par(pool);
+  k.forward(p, rule_of(p.shape, p.num), par);
+}
+
+void forward_kvcache(const KvcacheParams& kp) {
+  const KernelSet& k = select_kernel();
+  std::unique_lock<std::mutex> lock;
+  ThreadPool& pool = shared_pool(kp.fwd.exec.num_threads, lock);
+  PoolParallel par(pool);
+  // The rotated q lives for the call: B * Hq * Sq * D elements of the call's dtype.
+  const Shape& sh = kp.fwd.shape;
+  void* q_rot = kp.rotary.cos != nullptr
+                    ? par.alloc(static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q * sh.head_dim *
+                                                    element_bytes(kp.fwd.num.dtype)))
+                    : nullptr;
+  ForwardParams p = kp.fwd;
+  p.q = kvcache_prepare(kp, q_rot);
   k.forward(p, rule_of(p.shape, p.num), par);
 }
 

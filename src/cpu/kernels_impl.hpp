@@ -487,6 +487,26 @@ inline Out4 from_row(const Out4& t, int64_t row0) {
   return {static_cast<S*>(t.ptr) + row0 * t.ss, t.sb, t.sh, t.ss};
 }
 
+// The K or V rows a forward task reads: an operand, or for KV-cache calls (map != nullptr) a
+// cache reached through its row map (core/params.hpp: kv_offset), paged or not. The row map is
+// resolved per row where the tiles are packed, so no call copies the cache.
+struct KvRows {
+  In4 t;
+  const KvMap* map;
+  // Rows of one (b, h) equally spaced by t.ss (a B operand may then be read in place): true
+  // except through a page table, where a tile may span pages.
+  bool strided() const { return map == nullptr || map->block_table == nullptr; }
+};
+template <class S>
+inline const S* row_ptr(const KvRows& r, int64_t b, int64_t h, int64_t s) {
+  if (r.map == nullptr) return row_ptr<S>(r.t, b, h, s);
+  return static_cast<const S*>(r.t.ptr) + kv_offset(*r.map, r.t, b, h, s);
+}
+inline bool rows_strided(const In4&) { return true; }
+inline bool rows_strided(const KvRows& r) { return r.strided(); }
+inline int64_t row_stride(const In4& t) { return t.ss; }
+inline int64_t row_stride(const KvRows& r) { return r.t.ss; }
+
 // ---- work decomposition -----------------------------------------------------------------------
 // Tasks over (sequence, head, block of `block` rows). Dense: batch * heads * ceil(len / block),
 // task = (b * heads + h) * nblk + blk, the order every pass had before packing. Packed: sequence
@@ -548,6 +568,14 @@ inline Seq seq_of(const Shape& sh, const Numerics& num, const Packing& pk, const
                                 num.window_right)};
 }
 
+// Sequence b of a KV-cache call: its queries are the dense q's, its keys the first seqlen_k[b]
+// rows of its cache (KvRows), the band and the ALiBi diagonal over those lengths.
+inline Seq seq_of_cache(const Shape& sh, const Numerics& num, const KvMap& kv, int64_t b) {
+  const SeqSpan sp{0, 0, sh.seq_q, kv.seqlen_k[b]};
+  return Seq{sp, make_mask_rule(static_cast<int32_t>(num.mask), sp.seq_q, sp.seq_kv, num.window_left,
+                                num.window_right)};
+}
+
 // A block of rows used as a broadcast (A) operand: its pointer and row stride.
 template <class C>
 struct Rows {
@@ -555,21 +583,18 @@ struct Rows {
   int64_t ld;
 };
 
-// Rows [row0, row0 + n) of an operand as an A operand (only columns < D are read). An operand
-// stored in the compute type is used in place; others are converted into dst (row stride D).
-template <class S, class C>
-Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C* dst) {
-  if constexpr (Same<S, C>::value) {
-    (void)n;
-    (void)dst;
-    return {row_ptr<S>(t, b, h, row0), t.ss};
-  } else {
-    for (int64_t r = 0; r < n; ++r) {
-      const S* src = row_ptr<S>(t, b, h, row0 + r);
-      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = load_as<C>(src + d);
-    }
-    return {dst, D};
+// Rows [row0, row0 + n) of an operand (In4 or KvRows) as an A operand (only columns < D are
+// read). Equally spaced rows stored in the compute type are used in place; others (converted, or
+// gathered through a page table) are copied into dst (row stride D).
+template <class S, class C, class T>
+Rows<C> rows_of(const T& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C* dst) {
+  if constexpr (Same<S, C>::value)
+    if (rows_strided(t)) return {row_ptr<S>(t, b, h, row0), row_stride(t)};
+  for (int64_t r = 0; r < n; ++r) {
+    const S* src = row_ptr<S>(t, b, h, row0 + r);
+    for (int64_t d = 0; d < D; ++d) dst[r * D + d] = load_as<C>(src + d);
   }
+  return {dst, D};
 }
 
 // Columns of a panel-major B operand made from D, rounded up to whole panels.
@@ -579,8 +604,8 @@ inline int64_t panel_cols(int64_t D) {
 }
 
 // Rows [row0, row0 + n) of an operand (n x D) as a panel-major B operand; columns past D are 0.
-template <class S, class C>
-Panels<C> pack_panels(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
+template <class S, class C, class T>
+Panels<C> pack_panels(const T& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
                       C* dst) {
   constexpr int64_t PW = panel_width<C>();
   const int64_t np = panel_cols<C>(D) / PW;
@@ -887,10 +912,12 @@ struct Forward {
     // most: they go first.
     const SeqBlocks::Item it = ctx.tasks.at(task);
     const int64_t qb = it.nblk - 1 - it.blk, b = it.b, h = it.h;
-    const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
+    const Seq seq = p.kv.on() ? seq_of_cache(sh, p.num, p.kv, b) : seq_of(sh, p.num, p.packing, ctx.rule, b);
     const MaskRule& rule = seq.rule;
     const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
-    const In4 q = from_row<S>(p.q, seq.sp.q0), k = from_row<S>(p.k, seq.sp.k0), v = from_row<S>(p.v, seq.sp.k0);
+    const In4 q = from_row<S>(p.q, seq.sp.q0);
+    const KvRows k{from_row<S>(p.k, seq.sp.k0), p.kv.on() ? &p.kv : nullptr},
+        v{from_row<S>(p.v, seq.sp.k0), p.kv.on() ? &p.kv : nullptr};
     const Out4 outv = from_row<S>(p.out, seq.sp.q0);
     const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
