@@ -441,12 +441,6 @@ TEST(KvCache, Rotary) {
       }
 }
 
-TEST(KvCache, RotaryWithoutAppend) {
-  KvCase c;
-  c.rotary_dim = 32, c.s_new = 0, c.seqlens = {4, 50}, c.Sq = 2;
-  check_case(c);
-}
-
 TEST(KvCache, WindowSoftcapAlibi) {
   KvCase c;
   c.seqlens = {40, 9}, c.Sq = 4, c.s_new = 4, c.window_left = 8, c.window_right = 0, c.softcap = 5.0f, c.alibi = true;
@@ -587,6 +581,9 @@ TEST(KvCacheBadInput, Rotary) {
                  {"rotary_cos is given but rotary_sin is NULL"});
   expect_refused(c, [](Harness& h) { h.tcos.dtype = DType::Float16; }, Status::InvalidArgument,
                  {"rotary_cos.dtype = float16"});
+  KvCase n = c;
+  n.s_new = 0;  // rotary without an append (FlashAttention refuses it too)
+  expect_refused(n, [](Harness&) {}, Status::InvalidArgument, {"rotary_cos / rotary_sin are given but k_new"});
 }
 
 TEST(KvCacheBadInput, Aliasing) {

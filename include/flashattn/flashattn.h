@@ -220,10 +220,12 @@ FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const fla
  * rounded to the dtype; dims >= rotary_dim pass unchanged. New key j sits at position
  * cache_seqlens[b] + j; query row i at cache_seqlens[b] + i when the mask is causal or a sliding
  * window is set, else every query row at cache_seqlens[b] (FlashAttention's rule). S_ro must
- * exceed every position used.
+ * exceed every position used. The tables need k_new / v_new (as in FlashAttention: the cache
+ * holds rotated keys, so q alone is never rotated).
  * Checked before anything is written (the index tensors are read on the host): shapes, dtypes,
  * devices, strides; 0 <= leftpad[b] <= cache_seqlens[b] and cache_seqlens[b] + S_new <= capacity;
- * cache_batch_idx in [0, B_cache) and, when appending, without repeats; the block_table entries of
+ * cache_batch_idx in [0, B_cache) and, when appending, without repeats (FlashAttention lets one of
+ * the duplicates win; here it is an error); the block_table entries of
  * the rows a sequence uses in [0, num_blocks) (entries past them are not read); block_table is
  * not combined with cache_batch_idx or cache_leftpad. Two sequences whose block tables share a
  * page are not detected (as in FlashAttention): appending through both writes that page twice.

@@ -788,6 +788,9 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   if ((kv.rotary_cos == nullptr) != (kv.rotary_sin == nullptr))
     fail(std::string("rotary_cos is ") + (kv.rotary_cos ? "given" : "NULL") + " but rotary_sin is " +
          (kv.rotary_sin ? "given" : "NULL") + ": pass both rotary tables, or neither");
+  if (kv.rotary_cos != nullptr && !append)
+    fail("rotary_cos / rotary_sin are given but k_new / v_new are NULL: the rotary embedding applies to q and the "
+         "appended keys together (as FlashAttention's); a cache is assumed to hold rotated keys");
   if (append && kv.cache_seqlens == nullptr)
     fail("k_new / v_new are given but cache_seqlens is NULL: the append position of each sequence is needed");
   if (paged && kv.cache_batch_idx != nullptr)
