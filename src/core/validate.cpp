@@ -800,7 +800,12 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   // The tensors' own facts, then shapes (the [B, S, H, D] order of FlashAttention).
   std::vector<Named> data = {nq, nkc, nvc, no};
   if (append) data.push_back(nkn), data.push_back(nvn);
-  for (const Named& n : data) expect_ndim(n, 4, n.t == &q || n.t == &out ? "[B, Sq, Hq, D]" : paged && (n.t == &k_cache || n.t == &v_cache) ? "[num_blocks, block_size, Hkv, D]" : n.t == kv.k_new || n.t == kv.v_new ? "[B, S_new, Hkv, D]" : "[B_cache, S_cache, Hkv, D]");
+  auto layout = [&](const Tensor* t) {
+    if (t == &q || t == &out) return "[B, Sq, Hq, D]";
+    if (t == kv.k_new || t == kv.v_new) return "[B, S_new, Hkv, D]";
+    return paged ? "[num_blocks, block_size, Hkv, D]" : "[B_cache, S_cache, Hkv, D]";
+  };
+  for (const Named& n : data) expect_ndim(n, 4, layout(n.t));
   expect_ndim(nl, 3, "[B, Hq, Sq]");
   for (const Named& n : data) check_tensor(n, 4);
   check_tensor(nl, 3);
@@ -867,7 +872,10 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
 
   // The index contents, read on the host: every row and page a sequence uses lies in the cache.
   const int64_t max_blocks = paged ? kv.block_table->shape[1] : 0;
-  const int64_t capacity = paged ? max_blocks * Sc : Sc;
+  int64_t capacity = Sc;
+  if (paged && __builtin_mul_overflow(max_blocks, Sc, &capacity))
+    fail("block_table.shape[1] * block_size = " + std::to_string(max_blocks) + " * " + std::to_string(Sc) +
+         " overflows int64");
   std::vector<int32_t> seqlens = kv.cache_seqlens ? read_index(*kv.cache_seqlens, o.stream)
                                                   : std::vector<int32_t>(static_cast<size_t>(B), 0);
   if (kv.cache_seqlens == nullptr && capacity > INT32_MAX)
@@ -879,10 +887,14 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   for (int64_t b = 0; b < B; ++b) {
     const std::string sb = "[" + std::to_string(b) + "]";
     if (seqlens[b] < 0) fail("cache_seqlens" + sb + " = " + std::to_string(seqlens[b]) + " is negative");
-    if (int64_t{seqlens[b]} + s_new > capacity)
+    if (seqlens[b] > capacity || s_new > capacity - seqlens[b])
       fail("cache_seqlens" + sb + " + S_new = " + std::to_string(seqlens[b]) + " + " + std::to_string(s_new) + " = " +
-           std::to_string(int64_t{seqlens[b]} + s_new) + " exceeds the cache capacity " + std::to_string(capacity) +
+           std::to_string(static_cast<unsigned long long>(seqlens[b]) + static_cast<unsigned long long>(s_new)) +
+           " exceeds the cache capacity " + std::to_string(capacity) +
            " (" + cap_what + ")");
+    if (int64_t{seqlens[b]} + s_new > INT32_MAX)
+      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(int64_t{seqlens[b]} + s_new) +
+           " exceeds the int32 range of cache positions");
     if (!call.start.empty() && (call.start[b] < 0 || call.start[b] > seqlens[b]))
       fail("cache_leftpad" + sb + " = " + std::to_string(call.start[b]) + " is outside [0, cache_seqlens" + sb +
            " = " + std::to_string(seqlens[b]) + "]");
