@@ -922,6 +922,11 @@ struct Forward {
     const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+    // The query columns the products and the softmax cover: one vector for a block of at most W
+    // rows (a decode step's single row), else the whole tile; W columns instead of BQ cut the
+    // S^T product and the softmax of a decode step by BQ / W. Each column's arithmetic is that of
+    // the full-width tile, so results do not change.
+    const int64_t nqv = nq <= W ? W : BQ;
     Carve<C> cv{static_cast<C*>(scratch)};
     const Tiles t = carve(cv, D);
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
@@ -940,11 +945,11 @@ struct Forward {
       const int64_t nk = smin(BK, kend - j0);
       const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
       const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t.vp);
-      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
-      if (mods.on) score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0);
+      gemm<C, false>(nk, nqv / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
+      if (mods.on) score_step<C, true>(ST, BQ, nk, nqv, mods, slope2, i0, j0);
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
-        mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
-      online_softmax(ST, nk, mrow, lrow, O, Dp);
+        mask_key_rows(ST, BQ, rule, i0, nqv, j0, nk);
+      online_softmax(ST, nk, mrow, lrow, O, Dp, nqv / W);
       gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
     }
 
@@ -968,19 +973,28 @@ struct Forward {
 
   // ST [nk x BQ] holds scores (log2 units) on entry and P^T = exp2(S - m_new) on exit; the
   // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new).
-  static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
+  // Only the first ns column strips are read and updated: BQ / W (the full tile) or 1 (a block of
+  // at most W rows); each a compile-time count, so the strips' chains stay in registers.
+  static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp, int64_t ns = BQ / W) {
+    if (ns == 1)
+      softmax_strips<1>(ST, nk, mrow, lrow, O, Dp);
+    else
+      softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);
+  }
+  template <int64_t NS>
+  static void softmax_strips(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
     // Rows outer, the BQ / W column strips inner: the strips' running maxima and sums are
     // independent chains (a single vmaxps chain down 128 rows was latency-bound: 4 cycles a row),
     // and each row of ST is read contiguously. Per column the operations and their order are
     // those of a column-by-column loop.
-    constexpr int64_t NS = BQ / W;
+    const int64_t ns = NS;
     V mnew[NS], muse[NS], sum[NS];
-    for (int64_t s = 0; s < NS; ++s) mnew[s] = vload<V>(mrow + s * W);
+    for (int64_t s = 0; s < ns; ++s) mnew[s] = vload<V>(mrow + s * W);
     for (int64_t r = 0; r < nk; ++r)
-      for (int64_t s = 0; s < NS; ++s) mnew[s] = vmax(mnew[s], vload<V>(ST + r * BQ + s * W));
+      for (int64_t s = 0; s < ns; ++s) mnew[s] = vmax(mnew[s], vload<V>(ST + r * BQ + s * W));
     alignas(64) C alpha[BQ];
     const V ninf = vbroadcast<V>(neg_inf<C>());
-    for (int64_t s = 0; s < NS; ++s) {
+    for (int64_t s = 0; s < ns; ++s) {
       // A column that has seen only masked keys keeps m = -inf; subtracting 0 instead keeps
       // exp2(-inf - m) = 0 rather than NaN.
       muse[s] = mnew[s] == ninf ? V{} : mnew[s];
@@ -988,17 +1002,17 @@ struct Forward {
       sum[s] = V{};
     }
     for (int64_t r = 0; r < nk; ++r)
-      for (int64_t s = 0; s < NS; ++s) {
+      for (int64_t s = 0; s < ns; ++s) {
         V e = exp2v(vload<V>(ST + r * BQ + s * W) - muse[s]);
         vstore(ST + r * BQ + s * W, e);
         sum[s] += e;
       }
-    for (int64_t s = 0; s < NS; ++s) {
+    for (int64_t s = 0; s < ns; ++s) {
       vstore(lrow + s * W, vload<V>(lrow + s * W) * vload<V>(alpha + s * W) + sum[s]);
       vstore(mrow + s * W, mnew[s]);
     }
     if (O == nullptr) return;  // row statistics only (float64 backward's LSE pass)
-    for (int64_t c = 0; c < BQ; ++c) {
+    for (int64_t c = 0; c < ns * W; ++c) {
       // Once the running maximum settles most rows keep alpha = 1: skipping them is exact.
       if (alpha[c] == C(1)) continue;
       const V a = vbroadcast<V>(alpha[c]);
