@@ -470,6 +470,54 @@ TEST(KvCache, StridedQueries) {
   check_case(c);
 }
 
+// Decode steps (Sq = 1 and 4: the one-vector tiles) over caches of 1 to 2101 keys, around
+// multiples of the key tile.
+TEST(KvCache, LongDecode) {
+  for (DType t : {DType::Float32, DType::BFloat16, DType::Float64}) {
+    SCOPED_TRACE(dtype_name(t));
+    KvCase c;
+    c.dtype = t, c.B = 4, c.Hq = 4, c.Hkv = 2, c.D = 64, c.S_cache = 2200, c.s_new = 1, c.Sq = 1;
+    c.seqlens = {0, 511, 512, 2100};  // 1, 512, 513 and 2101 keys
+    c.mask = Mask::CausalBottomRight, c.rotary_dim = 32;
+    check_case(c);
+    KvCase q4 = c;
+    q4.Sq = 4, q4.s_new = 2, q4.mask = Mask::None;
+    check_case(q4);
+  }
+}
+
+TEST(KvCache, LongDecodeWindow) {
+  // A window of 100 keys over a long cache: the band skips all but the last key tiles.
+  KvCase c;
+  c.B = 2, c.Hq = 4, c.Hkv = 1, c.D = 32, c.S_cache = 1600, c.Sq = 2, c.s_new = 2, c.seqlens = {1500, 3};
+  c.mask = Mask::CausalBottomRight, c.window_left = 100, c.softcap = 10.0f, c.alibi = true;
+  check_case(c);
+}
+
+// Bitwise the same over 1, 2 and 3 threads, paged or contiguous.
+TEST(KvCache, DecodeThreadsAndPagedBitwise) {
+  KvCase c;
+  c.B = 2, c.Hq = 2, c.Hkv = 1, c.D = 48, c.Sq = 1, c.s_new = 1, c.seqlens = {1800, 700}, c.S_cache = 2048;
+  c.mask = Mask::CausalBottomRight;
+  KvCase p = c;
+  p.block_size = 16, p.max_blocks = 128;
+  std::vector<unsigned char> out0;
+  std::vector<float> lse0;
+  for (int threads : {1, 2, 3}) {
+    for (const KvCase* k : {&c, &p}) {
+      Harness h(*k);
+      h.opts.num_threads = threads;
+      ASSERT_NO_THROW(h.run());
+      if (out0.empty()) {
+        out0 = h.out, lse0 = h.lse;
+        continue;
+      }
+      EXPECT_EQ(out0, h.out) << threads << " threads, " << (k == &p ? "paged" : "contiguous");
+      EXPECT_EQ(0, std::memcmp(lse0.data(), h.lse.data(), lse0.size() * sizeof(float)));
+    }
+  }
+}
+
 // ---- refused inputs: error names argument and values, nothing written ---------------------------
 
 template <class Mutate>
