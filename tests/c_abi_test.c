@@ -179,6 +179,122 @@ static double rel_err(const float* got, const double* ref, int n, const char* na
   return max_abs / (max_ref > 0 ? max_ref : 1);
 }
 
+/* KV-cache decode from C: q [B, 1, HQ, D], caches [B, SC, HKV, D], one new key per sequence
+   appended at cache_seqlens[b]; the naive result attends rows [0, cache_seqlens[b]] (no mask). */
+enum { SC = 8 };
+#define NC (B * SC * HKV * D)
+static float kq[B * HQ * D], kc[NC], vc[NC], kn[B * HKV * D], vn[B * HKV * D], ko[B * HQ * D], kl[B * HQ];
+
+static flashattn_tensor bshd(float* data, int64_t b, int64_t s, int64_t h) {
+  flashattn_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.dtype = FLASHATTN_FLOAT32;
+  t.device = FLASHATTN_CPU;
+  t.ndim = 4;
+  t.shape[0] = b;
+  t.shape[1] = s;
+  t.shape[2] = h;
+  t.shape[3] = D;
+  t.stride[3] = 1;
+  t.stride[2] = D;
+  t.stride[1] = h * D;
+  t.stride[0] = s * h * D;
+  return t;
+}
+
+static void kvcache_checks(void) {
+  static int32_t seqlens[B] = {3, 6};
+  static float kc0[NC], vc0[NC];
+  flashattn_tensor tq = bshd(kq, B, 1, HQ), tkc = bshd(kc, B, SC, HKV), tvc = bshd(vc, B, SC, HKV);
+  flashattn_tensor tkn = bshd(kn, B, 1, HKV), tvn = bshd(vn, B, 1, HKV), to = bshd(ko, B, 1, HQ), tl, tsl;
+  flashattn_kvcache kv;
+  int st, b, h, j, x, i;
+  double err = 0, ref_max = 0;
+  memset(&tl, 0, sizeof tl);
+  tl.data = kl;
+  tl.dtype = FLASHATTN_FLOAT32;
+  tl.device = FLASHATTN_CPU;
+  tl.ndim = 3;
+  tl.shape[0] = B, tl.shape[1] = HQ, tl.shape[2] = 1;
+  tl.stride[0] = HQ, tl.stride[1] = 1, tl.stride[2] = 1;
+  memset(&tsl, 0, sizeof tsl);
+  tsl.data = seqlens;
+  tsl.dtype = FLASHATTN_INT32;
+  tsl.device = FLASHATTN_CPU;
+  tsl.ndim = 1;
+  tsl.shape[0] = B;
+  tsl.stride[0] = 1;
+  fill(kq, B * HQ * D, 11);
+  fill(kc, NC, 12);
+  fill(vc, NC, 13);
+  fill(kn, B * HKV * D, 14);
+  fill(vn, B * HKV * D, 15);
+  memcpy(kc0, kc, sizeof kc);
+  memcpy(vc0, vc, sizeof vc);
+  for (i = 0; i < B * HQ * D; ++i) ko[i] = NAN;
+
+  memset(&kv, 0x5a, sizeof kv);
+  flashattn_kvcache_init(&kv);
+  CHECK(kv.struct_size == sizeof(flashattn_kvcache) && kv.rotary_interleaved == 1 && kv.reserved0 == 0 &&
+            kv.k_new == NULL && kv.block_table == NULL && kv.rotary_cos == NULL,
+        "kvcache_init left a non-default field");
+  kv.k_new = &tkn;
+  kv.v_new = &tvn;
+  kv.cache_seqlens = &tsl;
+
+  /* a struct smaller than this header's, NULL, or reserved0 set: refused, nothing written */
+  kv.struct_size = (uint32_t)offsetof(flashattn_kvcache, rotary_interleaved);
+  st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, &kv, NULL);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "kv struct_size too small: status %d", st);
+  CHECK(strstr(flashattn_last_error(), "kv->struct_size") != NULL, "message: '%s'", flashattn_last_error());
+  kv.struct_size = sizeof(flashattn_kvcache);
+  kv.reserved0 = 1;
+  st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, &kv, NULL);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT && strstr(flashattn_last_error(), "reserved0") != NULL,
+        "reserved0 = 1: status %d, '%s'", st, flashattn_last_error());
+  kv.reserved0 = 0;
+  st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, NULL, NULL);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT && strstr(flashattn_last_error(), "kv is NULL") != NULL,
+        "NULL kv: status %d, '%s'", st, flashattn_last_error());
+  CHECK(memcmp(kc, kc0, sizeof kc) == 0 && memcmp(vc, vc0, sizeof vc) == 0, "a refused call wrote the cache");
+  for (i = 0; i < B * HQ * D; ++i) CHECK(isnan(ko[i]), "out[%d] written by a failed call", i);
+
+  st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, &kv, NULL);
+  CHECK(st == FLASHATTN_OK, "forward_kvcache: %s", flashattn_last_error());
+  for (b = 0; b < B; ++b)
+    for (j = 0; j < SC; ++j)
+      for (h = 0; h < HKV; ++h) {
+        const int o = ((b * SC + j) * HKV + h) * D;
+        const float* want_k = j == seqlens[b] ? &kn[(b * HKV + h) * D] : &kc0[o];
+        const float* want_v = j == seqlens[b] ? &vn[(b * HKV + h) * D] : &vc0[o];
+        CHECK(memcmp(&kc[o], want_k, D * sizeof(float)) == 0 && memcmp(&vc[o], want_v, D * sizeof(float)) == 0,
+              "cache row %d of sequence %d", j, b);
+      }
+  for (b = 0; b < B; ++b)
+    for (h = 0; h < HQ; ++h) {
+      const int hk = h / (HQ / HKV), n = seqlens[b] + 1;
+      const double scale = (double)(float)(1.0 / sqrt((double)D));
+      double sc[SC], m = -INFINITY, sum = 0, lse_ref;
+      for (j = 0; j < n; ++j) {
+        double a = 0;
+        for (x = 0; x < D; ++x) a += (double)kq[(b * HQ + h) * D + x] * kc[((b * SC + j) * HKV + hk) * D + x];
+        sc[j] = a * scale;
+        if (sc[j] > m) m = sc[j];
+      }
+      for (j = 0; j < n; ++j) sum += exp(sc[j] - m);
+      lse_ref = m + log(sum);
+      err = fmax(err, fabs(kl[b * HQ + h] - lse_ref) / fabs(lse_ref));
+      for (x = 0; x < D; ++x) {
+        double o = 0;
+        for (j = 0; j < n; ++j) o += exp(sc[j] - lse_ref) * vc[((b * SC + j) * HKV + hk) * D + x];
+        err = fmax(err, fabs(ko[(b * HQ + h) * D + x] - o));
+        ref_max = fmax(ref_max, fabs(o));
+      }
+    }
+  CHECK(err < 1e-5 * (ref_max > 1 ? ref_max : 1), "kvcache: error %g", err);
+}
+
 int main(void) {
   const flashattn_tensor tq = view4(q, HQ, SQ), tk = view4(k, HKV, SKV), tv = view4(v, HKV, SKV);
   const flashattn_tensor tout = view4(out, HQ, SQ), tdout = view4(dout, HQ, SQ);
@@ -422,6 +538,8 @@ int main(void) {
         "status string 2");
   CHECK(strcmp(flashattn_status_string(99), "unknown status") == 0, "status string 99");
   CHECK(flashattn_version() != NULL && strchr(flashattn_version(), '.') != NULL, "version");
+
+  kvcache_checks();
 
   if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
   else printf("c_abi_test: all checks passed\n");

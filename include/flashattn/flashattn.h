@@ -52,7 +52,7 @@ extern "C" {
 #define FLASHATTN_FLOAT16 1
 #define FLASHATTN_BFLOAT16 2
 #define FLASHATTN_FLOAT64 3 /* CPU only: for gradient checking in double precision */
-#define FLASHATTN_INT32 4   /* index tensors only (the varlen cu_seqlens / seqused_k) */
+#define FLASHATTN_INT32 4   /* index tensors only (varlen cu_seqlens / seqused_k, kvcache) */
 
 /* device codes: -1 is the CPU; n >= 0 is CUDA device n */
 #define FLASHATTN_CPU (-1)
@@ -186,6 +186,73 @@ FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const fla
                                             const flashattn_tensor* dout, const flashattn_tensor* lse,
                                             const flashattn_tensor* dq, const flashattn_tensor* dk,
                                             const flashattn_tensor* dv, const flashattn_varlen* varlen,
+                                            const flashattn_options* opts);
+
+/* KV-cache attention (FlashAttention 2's flash_attn_with_kvcache), forward only: decoding and
+ * chunked prefill against a key/value cache that the call may extend in place.
+ *
+ * Layouts here are FlashAttention's [batch, seq, heads, head_dim] order (any strides, unit
+ * head_dim stride, as everywhere):
+ *   q, out            : [B, Sq, Hq, D]
+ *   k_cache, v_cache  : [B_cache, S_cache, Hkv, D] (B_cache >= B), or paged (block_table given):
+ *                       [num_blocks, block_size, Hkv, D], block_size a multiple of 16
+ *   k_new, v_new      : [B, S_new, Hkv, D] (optional, both or neither)
+ *   lse               : [B, Hq, Sq] float32, natural log (as flashattn_forward)
+ *   cache_seqlens     : int32 [B]            block_table : int32 [B, max_blocks] (unit last stride)
+ *   cache_batch_idx   : int32 [B]            cache_leftpad : int32 [B]
+ *   rotary_cos, _sin  : [S_ro, rotary_dim / 2], dtype of q (unit last stride); rotary_dim <= D
+ * All on q's device, q's dtype unless stated. Cache rows are absolute positions 0..capacity-1 of
+ * a sequence's cache: capacity = S_cache (contiguous) or max_blocks * block_size (paged, row r
+ * in page block_table[b, r / block_size] at row r % block_size). Sequence b uses cache batch row
+ * cache_batch_idx[b] (default b; contiguous caches only) and
+ *   1. when k_new / v_new are given (cache_seqlens required), writes them, k_new rotated when the
+ *      rotary tables are given, into cache rows [cache_seqlens[b], cache_seqlens[b] + S_new): the
+ *      one call of the library that writes into an input;
+ *   2. attends, with q (rotated when the tables are given), the keys and values of cache rows
+ *      [leftpad[b], cache_seqlens[b] + S_new): Sk_b = cache_seqlens[b] + S_new - leftpad[b] keys
+ *      (no cache_seqlens: every row of the cache, cache_seqlens[b] = capacity, S_new = 0; no
+ *      leftpad: 0). Mask, window, softcap and ALiBi are those of flashattn_forward with
+ *      Skv = Sk_b (bottom-right causal is FlashAttention's causal).
+ * Rotary (RoPE): position p rotates dims [0, rotary_dim) in rotary_dim / 2 pairs by the angle
+ * whose cosine and sine are rotary_cos[p, i], rotary_sin[p, i]: pair i is (x[2i], x[2i+1]) when
+ * rotary_interleaved (GPT-J), (x[i], x[i + rotary_dim/2]) otherwise (GPT-NeoX); the pair (a, b)
+ * becomes (a cos - b sin, a sin + b cos), computed in float32 (float64 for float64 data) and
+ * rounded to the dtype; dims >= rotary_dim pass unchanged. New key j sits at position
+ * cache_seqlens[b] + j; query row i at cache_seqlens[b] + i when the mask is causal or a sliding
+ * window is set, else every query row at cache_seqlens[b] (FlashAttention's rule). S_ro must
+ * exceed every position used. The tables need k_new / v_new (as in FlashAttention: the cache
+ * holds rotated keys, so q alone is never rotated).
+ * Checked before anything is written (the index tensors are read on the host): shapes, dtypes,
+ * devices, strides; 0 <= leftpad[b] <= cache_seqlens[b] and cache_seqlens[b] + S_new <= capacity;
+ * cache_batch_idx in [0, B_cache) and, when appending, without repeats (FlashAttention lets one of
+ * the duplicates win; here it is an error); the block_table entries of
+ * the rows a sequence uses in [0, num_blocks) (entries past them are not read); block_table is
+ * not combined with cache_batch_idx or cache_leftpad. Two sequences whose block tables share a
+ * page are not detected (as in FlashAttention): appending through both writes that page twice.
+ * out and lse must not overlap any input, the caches included; when appending, the caches are
+ * outputs too and must not overlap each other or any other argument. */
+typedef struct {
+  uint32_t struct_size; /* sizeof(flashattn_kvcache) as the caller knows it */
+  const flashattn_tensor* k_new;           /* NULL: nothing is appended (then v_new NULL too) */
+  const flashattn_tensor* v_new;
+  const flashattn_tensor* cache_seqlens;   /* NULL: the whole cache is valid (no append then) */
+  const flashattn_tensor* cache_batch_idx; /* NULL: sequence b uses cache row b */
+  const flashattn_tensor* cache_leftpad;   /* NULL: every sequence's cache starts at row 0 */
+  const flashattn_tensor* block_table;     /* NULL: contiguous cache */
+  const flashattn_tensor* rotary_cos;      /* NULL (with rotary_sin): no rotary embedding */
+  const flashattn_tensor* rotary_sin;
+  int32_t rotary_interleaved; /* nonzero: GPT-J pairs (FlashAttention's default, and what
+                                 flashattn_kvcache_init sets); 0: GPT-NeoX halves */
+  int32_t reserved0;          /* unused, must be 0 */
+} flashattn_kvcache;
+
+/* Fills *kv with defaults: struct_size = sizeof, every tensor NULL, rotary_interleaved = 1. */
+FLASHATTN_API void flashattn_kvcache_init(flashattn_kvcache* kv);
+
+/* The CUDA backend does not serve this call yet (FLASHATTN_ERROR_UNSUPPORTED); the CPU does. */
+FLASHATTN_API int flashattn_forward_kvcache(const flashattn_tensor* q, const flashattn_tensor* k_cache,
+                                            const flashattn_tensor* v_cache, const flashattn_tensor* out,
+                                            const flashattn_tensor* lse, const flashattn_kvcache* kv,
                                             const flashattn_options* opts);
 
 /* The message of the last failed call on this thread; "" after a successful call. Never NULL. */

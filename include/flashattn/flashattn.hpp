@@ -19,7 +19,7 @@ enum class DType : int32_t {
   Float16 = FLASHATTN_FLOAT16,
   BFloat16 = FLASHATTN_BFLOAT16,
   Float64 = FLASHATTN_FLOAT64,  // CPU only
-  Int32 = FLASHATTN_INT32,      // index tensors only (Varlen)
+  Int32 = FLASHATTN_INT32,      // index tensors only (Varlen, KvCache)
 };
 
 enum class Mask : int32_t {
@@ -116,6 +116,25 @@ FLASHATTN_API void forward_varlen(const Tensor& q, const Tensor& k, const Tensor
 FLASHATTN_API void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                    const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
                                    const Tensor& dv, const Varlen& varlen, const Options& options = {});
+
+// KV-cache attention (flashattn_kvcache in flashattn.h has the exact semantics): q/out
+// [B, Sq, Hq, D], k_cache/v_cache [B_cache, S_cache, Hkv, D] or paged [num_blocks, block_size,
+// Hkv, D], lse float32 [B, Hq, Sq]. Appends k_new/v_new into the caches in place, then attends.
+// Every pointer may be nullptr (absent); the views must outlive the call.
+struct KvCache {
+  const Tensor* k_new = nullptr;            // [B, S_new, Hkv, D]
+  const Tensor* v_new = nullptr;
+  const Tensor* cache_seqlens = nullptr;    // int32 [B]
+  const Tensor* cache_batch_idx = nullptr;  // int32 [B]
+  const Tensor* cache_leftpad = nullptr;    // int32 [B]
+  const Tensor* block_table = nullptr;      // int32 [B, max_blocks]
+  const Tensor* rotary_cos = nullptr;       // [S_ro, rotary_dim / 2], dtype of q
+  const Tensor* rotary_sin = nullptr;
+  bool rotary_interleaved = true;           // GPT-J pairs (FlashAttention's default); false: GPT-NeoX
+};
+
+FLASHATTN_API void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,
+                                   const Tensor& lse, const KvCache& kv, const Options& options = {});
 
 // Bytes per element of a dtype.
 FLASHATTN_API int64_t dtype_size(DType dtype);

@@ -121,6 +121,17 @@ void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     cuda::backward(p);
 }
 
+void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,
+                     const Tensor& lse, const KvCache& kv, const Options& options) {
+  KvcacheCall call;
+  make_kvcache_params(q, k_cache, v_cache, out, lse, kv, options, call);
+  if (call.params.fwd.exec.device >= 0)
+    throw Error(Status::Unsupported,
+                "forward_kvcache (KV-cache attention) is not implemented by the CUDA backend yet: q.device = " +
+                    std::to_string(call.params.fwd.exec.device) + "; use CPU tensors");
+  cpu::forward_kvcache(call.params);
+}
+
 bool cuda_available() { return cuda::available(); }
 
 std::string build_info() {

@@ -11,6 +11,8 @@ namespace flashattn {
 namespace cpu {
 void forward(const ForwardParams& p);
 void backward(const BackwardParams& p);
+// KV-cache forward: the append (and rotary) first, then the attention of p.fwd.
+void forward_kvcache(const KvcacheParams& p);
 std::string describe();  // ISA chosen at run time, threads, kernels
 // A framework's team of threads for the CPU calls (flashattn_set_cpu_team_runner); run == nullptr:
 // the backend's own pools.

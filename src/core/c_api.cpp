@@ -3,6 +3,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "flashattn/flashattn.h"
 #include "flashattn/flashattn.hpp"
@@ -77,9 +78,53 @@ flashattn::Varlen varlen_from_c(const flashattn_varlen* vl, flashattn::Tensor (&
   return r;
 }
 
+// The KV-cache description; its tensors' views go to *store.
+flashattn::KvCache kvcache_from_c(const flashattn_kvcache* kv, flashattn::Tensor (&store)[8]) {
+  using flashattn::Error;
+  using flashattn::Status;
+  if (kv == nullptr) throw Error(Status::InvalidArgument, "kv is NULL (a flashattn_kvcache is required)");
+  if (kv->struct_size < sizeof(flashattn_kvcache))
+    throw Error(Status::InvalidArgument, "kv->struct_size = " + std::to_string(kv->struct_size) +
+                                             " is too small (set it to sizeof(flashattn_kvcache) = " +
+                                             std::to_string(sizeof(flashattn_kvcache)) +
+                                             " or call flashattn_kvcache_init)");
+  if (kv->reserved0 != 0)
+    throw Error(Status::InvalidArgument, "kv->reserved0 = " + std::to_string(kv->reserved0) + ", must be 0");
+  flashattn::KvCache r;
+  const std::pair<const flashattn_tensor*, const char*> in[8] = {
+      {kv->k_new, "k_new"},         {kv->v_new, "v_new"},         {kv->cache_seqlens, "cache_seqlens"},
+      {kv->cache_batch_idx, "cache_batch_idx"}, {kv->cache_leftpad, "cache_leftpad"}, {kv->block_table, "block_table"},
+      {kv->rotary_cos, "rotary_cos"}, {kv->rotary_sin, "rotary_sin"}};
+  const flashattn::Tensor** out[8] = {&r.k_new,         &r.v_new,       &r.cache_seqlens, &r.cache_batch_idx,
+                                      &r.cache_leftpad, &r.block_table, &r.rotary_cos,    &r.rotary_sin};
+  for (int i = 0; i < 8; ++i)
+    if (in[i].first != nullptr) store[i] = to_tensor(in[i].first, in[i].second), *out[i] = &store[i];
+  r.rotary_interleaved = kv->rotary_interleaved != 0;
+  return r;
+}
+
 }  // namespace
 
 extern "C" {
+
+void flashattn_kvcache_init(flashattn_kvcache* kv) {
+  if (kv == nullptr) return;
+  std::memset(kv, 0, sizeof(*kv));
+  kv->struct_size = sizeof(flashattn_kvcache);
+  kv->rotary_interleaved = 1;
+}
+
+int flashattn_forward_kvcache(const flashattn_tensor* q, const flashattn_tensor* k_cache, const flashattn_tensor* v_cache,
+                              const flashattn_tensor* out, const flashattn_tensor* lse, const flashattn_kvcache* kv,
+                              const flashattn_options* opts) {
+  return guarded([&] {
+    flashattn::Tensor alibi, idx[8];
+    const flashattn::Options o = flashattn::detail::options_from_c(opts, &alibi);
+    const flashattn::KvCache k = kvcache_from_c(kv, idx);
+    flashattn::forward_kvcache(to_tensor(q, "q"), to_tensor(k_cache, "k_cache"), to_tensor(v_cache, "v_cache"),
+                               to_tensor(out, "out"), to_tensor(lse, "lse"), k, o);
+  });
+}
 
 void flashattn_options_init(flashattn_options* opts) {
   if (opts == nullptr) return;

@@ -112,6 +112,30 @@ FLASHATTN_HD Op rows_from(Op op, int64_t rows, int64_t bytes) {
   return op;
 }
 
+// KV-cache calls (flashattn_forward_kvcache): the keys of sequence b are rows [0, seqlen_k[b]) of
+// its cache relative to its first valid row start[b] (the leftpad). Element offset of relative
+// row s, head h, in the K or V operand t (whose sb is the cache's batch or page stride, ss its row
+// stride): kv_offset below. The arrays are host memory (the CPU backend serves these calls) and
+// were checked (rows within the capacity, pages within the pool). seqlen_k == nullptr: no cache.
+struct KvMap {
+  const int32_t* seqlen_k;     // [B] keys attended (after the append)
+  const int32_t* batch_row;    // [B] cache batch row (nullptr: b)
+  const int32_t* start;        // [B] first valid cache row (nullptr: 0)
+  const int32_t* block_table;  // [B, bt_stride] pages (nullptr: contiguous cache)
+  int64_t bt_stride;
+  int64_t block_size;          // rows per page
+  FLASHATTN_HD bool on() const { return seqlen_k != nullptr; }
+};
+template <class Op>
+FLASHATTN_HD int64_t kv_offset(const KvMap& m, const Op& t, int64_t b, int64_t h, int64_t s) {
+  if (m.block_table != nullptr) {
+    const int64_t page = m.block_table[b * m.bt_stride + s / m.block_size];
+    return page * t.sb + h * t.sh + (s % m.block_size) * t.ss;
+  }
+  const int64_t row = m.batch_row != nullptr ? m.batch_row[b] : b;
+  return row * t.sb + h * t.sh + ((m.start != nullptr ? m.start[b] : 0) + s) * t.ss;
+}
+
 struct ForwardParams {
   Shape shape;
   Numerics num;
@@ -120,6 +144,30 @@ struct ForwardParams {
   Out4 out;
   OutLse lse;
   Packing packing;  // last: dense callers may leave it out of an aggregate initializer
+  KvMap kv;         // after packing, for the same reason (never on together with it)
+};
+
+// What a KV-cache call does before its attention (core/validate.cpp built it; the forward part,
+// p.kv on, reads the caches). The append writes k_new / v_new (k rotated) into the caches at
+// relative rows first_new[b] + j, j < s_new (first_new = cache_seqlens - start); rotary
+// positions are absolute cache rows: new key j at pos0[b] + j, query row i at pos0[b] + i when
+// q_advances, else pos0[b].
+struct KvRotary {
+  const void* cos;  // [rows, rotary_dim / 2] in the call's dtype; nullptr: no rotary
+  const void* sin;
+  int64_t cos_ss, sin_ss;  // row strides (elements)
+  int64_t rotary_dim;      // even, <= head_dim
+  bool interleaved;        // GPT-J pairs (2i, 2i + 1); else GPT-NeoX (i, i + rotary_dim / 2)
+  bool q_advances;
+};
+struct KvcacheParams {
+  ForwardParams fwd;
+  In4 k_new, v_new;  // [B, Hkv, S_new, D] logical (s_new == 0: no append)
+  Out4 k_cache, v_cache;  // the caches as outputs (same views as fwd.k / fwd.v)
+  int64_t s_new;
+  const int32_t* first_new;  // [B] host
+  const int32_t* pos0;       // [B] host: cache_seqlens
+  KvRotary rotary;
 };
 
 struct BackwardParams {

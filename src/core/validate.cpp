@@ -294,11 +294,75 @@ void check_alibi(const Named& n, int64_t B, int64_t Hq) {
   }
 }
 
+// The options every call shares (mask, precision, scale, threads, window, softcap).
+void check_options(const Options& o) {
+  auto mask = static_cast<int32_t>(o.mask);
+  if (mask < FLASHATTN_MASK_NONE || mask > FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT)
+    fail("options.mask = " + std::to_string(mask) +
+         " is unknown (0 none, 1 causal top-left, 2 causal bottom-right)");
+  auto prec = static_cast<int32_t>(o.precision);
+  if (prec != FLASHATTN_PRECISION_FP32 && prec != FLASHATTN_PRECISION_TF32)
+    fail("options.precision = " + std::to_string(prec) + " is unknown (0 fp32, 1 tf32)");
+  if (!std::isfinite(o.softmax_scale)) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
+    fail(os.str());
+  }
+  if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
+    std::ostringstream os;
+    os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
+       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE: float32 scores that large "
+          "are rounding noise and overflow in the backward)";
+    fail(os.str());
+  }
+  if (o.num_threads < 0)
+    fail("options.num_threads = " + std::to_string(o.num_threads) +
+         " is negative (0 means all hardware threads)");
+  if (o.num_threads > FLASHATTN_MAX_THREADS)
+    fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
+         std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
+
+  for (const auto& [name, w] : {std::pair<const char*, int64_t>{"window_left", o.window_left},
+                                 std::pair<const char*, int64_t>{"window_right", o.window_right}})
+    if (w < -1)
+      fail(std::string("options.") + name + " = " + std::to_string(w) +
+           " is invalid (the window size must be >= 0, or -1 for unbounded)");
+  if (!std::isfinite(o.softcap) || o.softcap < 0.0f) {
+    std::ostringstream os;
+    os << "options.softcap = " << o.softcap << " is invalid (0 for none, or a finite value > 0)";
+    fail(os.str());
+  }
+}
+
 struct Common {
   Shape shape;
   Numerics num;
   Exec exec;
 };
+
+// Shape, numerics and execution of a validated call (q: the operand that gives dtype and device).
+Common make_common(const Named& q, const Shape& shape, const Options& o) {
+  if (q.t->dtype == DType::Float64 && q.t->device >= 0)
+    throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
+                                         device_str(q.t->device) + ")");
+
+  Common c{};
+  c.shape = shape;
+  float scale = o.softmax_scale != 0.0f ? o.softmax_scale
+                                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
+  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic, o.window_left, o.window_right,
+                   o.softcap, Alibi{nullptr, 0, 0}};
+  if (o.alibi_slopes != nullptr) {
+    const Tensor& a = *o.alibi_slopes;
+    c.num.alibi = Alibi{static_cast<const float*>(a.data), a.ndim == 2 ? a.stride[0] : 0, a.stride[a.ndim - 1]};
+  }
+  int32_t threads = o.num_threads;
+  if (threads == 0)
+    threads = static_cast<int32_t>(std::min<unsigned>(
+        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
+  c.exec = Exec{q.t->device, o.stream, threads};
+  return c;
+}
 
 // extra: further inputs on the call's device (the varlen sequence arrays); alibi_batch: the batch
 // the ALiBi slopes' [B, Hq] form must have (-1: q's; a packed call's views have batch 1).
@@ -345,43 +409,7 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
                                          " is not supported (head_dim must be 1.." +
                                          std::to_string(kMaxHeadDim) + ")");
 
-  // options
-  auto mask = static_cast<int32_t>(o.mask);
-  if (mask < FLASHATTN_MASK_NONE || mask > FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT)
-    fail("options.mask = " + std::to_string(mask) +
-         " is unknown (0 none, 1 causal top-left, 2 causal bottom-right)");
-  auto prec = static_cast<int32_t>(o.precision);
-  if (prec != FLASHATTN_PRECISION_FP32 && prec != FLASHATTN_PRECISION_TF32)
-    fail("options.precision = " + std::to_string(prec) + " is unknown (0 fp32, 1 tf32)");
-  if (!std::isfinite(o.softmax_scale)) {
-    std::ostringstream os;
-    os << "options.softmax_scale = " << o.softmax_scale << " is not finite";
-    fail(os.str());
-  }
-  if (std::fabs(o.softmax_scale) > FLASHATTN_MAX_SOFTMAX_SCALE) {
-    std::ostringstream os;
-    os << "options.softmax_scale = " << o.softmax_scale << " is out of range: |softmax_scale| must be <= "
-       << FLASHATTN_MAX_SOFTMAX_SCALE << " (FLASHATTN_MAX_SOFTMAX_SCALE: float32 scores that large "
-          "are rounding noise and overflow in the backward)";
-    fail(os.str());
-  }
-  if (o.num_threads < 0)
-    fail("options.num_threads = " + std::to_string(o.num_threads) +
-         " is negative (0 means all hardware threads)");
-  if (o.num_threads > FLASHATTN_MAX_THREADS)
-    fail("options.num_threads = " + std::to_string(o.num_threads) + " is too large (at most " +
-         std::to_string(FLASHATTN_MAX_THREADS) + ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
-
-  for (const auto& [name, w] : {std::pair<const char*, int64_t>{"window_left", o.window_left},
-                                 std::pair<const char*, int64_t>{"window_right", o.window_right}})
-    if (w < -1)
-      fail(std::string("options.") + name + " = " + std::to_string(w) +
-           " is invalid (the window size must be >= 0, or -1 for unbounded)");
-  if (!std::isfinite(o.softcap) || o.softcap < 0.0f) {
-    std::ostringstream os;
-    os << "options.softcap = " << o.softcap << " is invalid (0 for none, or a finite value > 0)";
-    fail(os.str());
-  }
+  check_options(o);
 
   std::vector<Named> all = {q, k, v, lse};
   all.insert(all.end(), same_as_q.begin(), same_as_q.end());
@@ -392,26 +420,7 @@ Common check_common(const Named& q, const Named& k, const Named& v, const Named&
   }
   all.insert(all.end(), extra.begin(), extra.end());
   check_devices(all);
-  if (q.t->dtype == DType::Float64 && q.t->device >= 0)
-    throw Error(Status::Unsupported, "q.dtype = float64 is supported on the CPU only (q.device = " +
-                                         device_str(q.t->device) + ")");
-
-  Common c{};
-  c.shape = Shape{B, Hq, Hkv, Sq, Skv, D};
-  float scale = o.softmax_scale != 0.0f ? o.softmax_scale
-                                        : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  c.num = Numerics{q.t->dtype, scale, o.mask, o.precision, o.deterministic, o.window_left, o.window_right,
-                   o.softcap, Alibi{nullptr, 0, 0}};
-  if (o.alibi_slopes != nullptr) {
-    const Tensor& a = *o.alibi_slopes;
-    c.num.alibi = Alibi{static_cast<const float*>(a.data), a.ndim == 2 ? a.stride[0] : 0, a.stride[a.ndim - 1]};
-  }
-  int32_t threads = o.num_threads;
-  if (threads == 0)
-    threads = static_cast<int32_t>(std::min<unsigned>(
-        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
-  c.exec = Exec{q.t->device, o.stream, threads};
-  return c;
+  return make_common(q, Shape{B, Hq, Hkv, Sq, Skv, D}, o);
 }
 
 // The inputs an output must not overlap: the call's tensors and the ALiBi slopes.
@@ -688,6 +697,290 @@ BackwardParams make_backward_params_varlen(const Tensor& q, const Tensor& k, con
   p.dk = in4<Out4>(views[7]);
   p.dv = in4<Out4>(views[8]);
   return p;
+}
+
+
+// ---- KV-cache calls ---------------------------------------------------------------------------------
+namespace {
+
+// A [B, S, H, D] tensor (FlashAttention's order) as the logical [B, H, S, D] view.
+Tensor bshd_as_bhsd(const Tensor& t) {
+  Tensor r = t;
+  std::swap(r.shape[1], r.shape[2]);
+  std::swap(r.stride[1], r.stride[2]);
+  return r;
+}
+
+void expect_ndim(const Named& n, int32_t ndim, const char* layout) {
+  if (n.t->ndim != ndim)
+    fail(std::string(n.name) + ".ndim = " + std::to_string(n.t->ndim) + ", expected " + std::to_string(ndim) + " (" +
+         layout + ")");
+}
+
+void expect_shape(const Named& n, std::initializer_list<int64_t> want, const char* layout) {
+  int i = 0;
+  bool ok = true;
+  for (int64_t w : want) ok = ok && n.t->shape[i++] == w;
+  if (!ok) {
+    std::string w = "[";
+    i = 0;
+    for (int64_t x : want) w += (i++ ? ", " : "") + std::to_string(x);
+    fail(std::string(n.name) + ".shape = " + format_dims(n.t->shape, n.t->ndim) + ", expected " + w + "] (" + layout +
+         ")");
+  }
+}
+
+void expect_dtype(const Named& n, DType want, const char* why) {
+  if (n.t->dtype != want)
+    fail(std::string(n.name) + ".dtype = " + dtype_str(n.t->dtype) + ", expected " + dtype_name(want) + " (" + why +
+         ")");
+}
+
+// The block table: int32 [B, max_blocks], unit last stride, present and aligned.
+void check_block_table(const Named& n, int64_t B) {
+  const Tensor& t = *n.t;
+  expect_ndim(n, 2, "[batch, max_blocks_per_seq]");
+  expect_dtype(n, DType::Int32, "page indices");
+  if (t.data == nullptr) fail("block_table.data is NULL");
+  if (t.device < -1) fail("block_table.device = " + std::to_string(t.device) + " is invalid");
+  if (t.shape[0] != B || t.shape[1] < 1)
+    fail("block_table.shape = " + format_dims(t.shape, 2) + ", expected [" + std::to_string(B) +
+         ", max_blocks_per_seq >= 1]");
+  if (t.stride[0] < 0 || (t.shape[1] > 1 && t.stride[1] != 1) || t.stride[0] > (int64_t{1} << 40))
+    fail("block_table.stride = " + format_dims(t.stride, 2) + ": the last stride must be 1 and the first >= 0");
+  if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) fail("block_table.data is not aligned to 4 bytes (int32)");
+}
+
+// The rotary tables: [S_ro, rotary_dim / 2] in q's dtype, unit last stride.
+void check_rotary(const Named& cos, const Named& sin, DType dtype, int64_t D) {
+  for (const Named& n : {cos, sin}) {
+    expect_ndim(n, 2, "[S_ro, rotary_dim / 2]");
+    if (n.t->dtype != dtype)
+      fail(std::string(n.name) + ".dtype = " + dtype_str(n.t->dtype) + " must equal q.dtype = " + dtype_name(dtype));
+    if (n.t->data == nullptr) fail(std::string(n.name) + ".data is NULL");
+    if (n.t->device < -1) fail(std::string(n.name) + ".device = " + std::to_string(n.t->device) + " is invalid");
+    if (n.t->shape[0] < 1 || n.t->shape[1] < 1)
+      fail(std::string(n.name) + ".shape = " + format_dims(n.t->shape, 2) + " has a zero-size or negative dimension");
+    if (n.t->stride[0] < 0 || n.t->stride[0] > (int64_t{1} << 40) || (n.t->shape[1] > 1 && n.t->stride[1] != 1))
+      fail(std::string(n.name) + ".stride = " + format_dims(n.t->stride, 2) +
+           ": the last stride must be 1 and the first >= 0");
+    if (reinterpret_cast<uintptr_t>(n.t->data) % static_cast<uintptr_t>(dtype_size(dtype)) != 0)
+      fail(std::string(n.name) + ".data is not aligned to its element size");
+  }
+  if (sin.t->shape[0] != cos.t->shape[0] || sin.t->shape[1] != cos.t->shape[1])
+    fail("rotary_sin.shape = " + format_dims(sin.t->shape, 2) + " does not match rotary_cos.shape = " +
+         format_dims(cos.t->shape, 2));
+  if (2 * cos.t->shape[1] > D)
+    fail("rotary_dim = 2 * rotary_cos.shape[1] = " + std::to_string(2 * cos.t->shape[1]) + " exceeds head_dim = " +
+         std::to_string(D) + " (rotary_dim must be even and <= head_dim)");
+}
+
+}  // namespace
+
+void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,
+                         const Tensor& lse, const KvCache& kv, const Options& o, KvcacheCall& call) {
+  const Named nq{&q, "q"}, nkc{&k_cache, "k_cache"}, nvc{&v_cache, "v_cache"}, no{&out, "out"}, nl{&lse, "lse"};
+  const Named nkn{kv.k_new, "k_new"}, nvn{kv.v_new, "v_new"};
+  const bool paged = kv.block_table != nullptr, append = kv.k_new != nullptr;
+  if ((kv.k_new == nullptr) != (kv.v_new == nullptr))
+    fail(std::string("k_new is ") + (kv.k_new ? "given" : "NULL") + " but v_new is " + (kv.v_new ? "given" : "NULL") +
+         ": pass both new keys and new values, or neither");
+  if ((kv.rotary_cos == nullptr) != (kv.rotary_sin == nullptr))
+    fail(std::string("rotary_cos is ") + (kv.rotary_cos ? "given" : "NULL") + " but rotary_sin is " +
+         (kv.rotary_sin ? "given" : "NULL") + ": pass both rotary tables, or neither");
+  if (kv.rotary_cos != nullptr && !append)
+    fail("rotary_cos / rotary_sin are given but k_new / v_new are NULL: the rotary embedding applies to q and the "
+         "appended keys together (as FlashAttention's); a cache is assumed to hold rotated keys");
+  if (append && kv.cache_seqlens == nullptr)
+    fail("k_new / v_new are given but cache_seqlens is NULL: the append position of each sequence is needed");
+  if (paged && kv.cache_batch_idx != nullptr)
+    fail("cache_batch_idx cannot be combined with block_table (a paged cache names its pages per sequence)");
+  if (paged && kv.cache_leftpad != nullptr) fail("cache_leftpad cannot be combined with block_table");
+
+  // The tensors' own facts, then shapes (the [B, S, H, D] order of FlashAttention).
+  std::vector<Named> data = {nq, nkc, nvc, no};
+  if (append) data.push_back(nkn), data.push_back(nvn);
+  auto layout = [&](const Tensor* t) {
+    if (t == &q || t == &out) return "[B, Sq, Hq, D]";
+    if (t == kv.k_new || t == kv.v_new) return "[B, S_new, Hkv, D]";
+    return paged ? "[num_blocks, block_size, Hkv, D]" : "[B_cache, S_cache, Hkv, D]";
+  };
+  for (const Named& n : data) expect_ndim(n, 4, layout(n.t));
+  expect_ndim(nl, 3, "[B, Hq, Sq]");
+  for (const Named& n : data) check_tensor(n, 4);
+  check_tensor(nl, 3);
+  for (const Named& n : data)
+    if (n.t->dtype != q.dtype)
+      fail(std::string(n.name) + ".dtype = " + dtype_name(n.t->dtype) + " must equal q.dtype = " + dtype_name(q.dtype));
+  expect_dtype(nl, DType::Float32, "the log-sum-exp is always float32");
+  const int64_t B = q.shape[0], Sq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
+  const int64_t Bc = k_cache.shape[0], Sc = k_cache.shape[1], Hkv = k_cache.shape[2];
+  expect_shape(no, {B, Sq, Hq, D}, "[B, Sq, Hq, D], as q");
+  if (k_cache.shape[3] != D)
+    fail("k_cache.shape[3] (head_dim) = " + std::to_string(k_cache.shape[3]) + " does not match q.shape[3] = " +
+         std::to_string(D));
+  expect_shape(nvc, {Bc, Sc, Hkv, D}, "as k_cache");
+  if (Hq % Hkv != 0)
+    fail("k_cache.shape[2] (kv heads) = " + std::to_string(Hkv) + " does not divide q.shape[2] (query heads) = " +
+         std::to_string(Hq) + " (GQA needs Hq to be a multiple of Hkv)");
+  expect_shape(nl, {B, Hq, Sq}, "[B, Hq, Sq]");
+  if (D > kMaxHeadDim)
+    throw Error(Status::Unsupported, "q.shape[3] (head_dim) = " + std::to_string(D) +
+                                         " is not supported (head_dim must be 1.." + std::to_string(kMaxHeadDim) + ")");
+  const int64_t s_new = append ? kv.k_new->shape[1] : 0;
+  if (append) {
+    expect_shape(nkn, {B, s_new, Hkv, D}, "[B, S_new, Hkv, D]: batch of q, heads and head_dim of k_cache");
+    expect_shape(nvn, {B, s_new, Hkv, D}, "as k_new");
+  }
+  if (!paged && kv.cache_batch_idx == nullptr && Bc < B)
+    fail("k_cache.shape[0] (cache batch) = " + std::to_string(Bc) + " is smaller than q.shape[0] (batch) = " +
+         std::to_string(B) + " (without cache_batch_idx sequence b uses cache row b)");
+  if (paged && Sc % 16 != 0)
+    fail("k_cache.shape[1] (block_size) = " + std::to_string(Sc) + " is not a multiple of 16 (paged cache)");
+
+  // Index tensors and rotary tables.
+  const Named nsl{kv.cache_seqlens, "cache_seqlens"}, nbi{kv.cache_batch_idx, "cache_batch_idx"},
+      nlp{kv.cache_leftpad, "cache_leftpad"}, nbt{kv.block_table, "block_table"}, ncos{kv.rotary_cos, "rotary_cos"},
+      nsin{kv.rotary_sin, "rotary_sin"};
+  std::vector<Named> idx;
+  for (const Named& n : {nsl, nbi, nlp})
+    if (n.t != nullptr) check_index_tensor(n, B, "[batch]"), idx.push_back(n);
+  if (paged) check_block_table(nbt, B), idx.push_back(nbt);
+  const bool rotary = kv.rotary_cos != nullptr;
+  if (rotary) check_rotary(ncos, nsin, q.dtype, D), idx.push_back(ncos), idx.push_back(nsin);
+
+  check_options(o);
+  std::vector<Named> all = data;
+  all.push_back(nl);
+  all.insert(all.end(), idx.begin(), idx.end());
+  if (o.alibi_slopes != nullptr) {
+    check_alibi(Named{o.alibi_slopes, "alibi_slopes"}, B, Hq);
+    all.push_back(Named{o.alibi_slopes, "alibi_slopes"});
+  }
+  check_devices(all);
+
+  // Outputs: out and lse; the caches too when appending. Everything else is an input.
+  std::vector<Named> inputs = with_alibi({nq}, o), outputs = {no, nl};
+  inputs.insert(inputs.end(), idx.begin(), idx.end());
+  if (append) {
+    inputs.push_back(nkn), inputs.push_back(nvn);
+    outputs.push_back(nkc), outputs.push_back(nvc);
+  } else {
+    inputs.push_back(nkc), inputs.push_back(nvc);
+  }
+  check_outputs(inputs, outputs);
+
+  // The index contents, read on the host: every row and page a sequence uses lies in the cache.
+  const int64_t max_blocks = paged ? kv.block_table->shape[1] : 0;
+  int64_t capacity = Sc;
+  if (paged && __builtin_mul_overflow(max_blocks, Sc, &capacity))
+    fail("block_table.shape[1] * block_size = " + std::to_string(max_blocks) + " * " + std::to_string(Sc) +
+         " overflows int64");
+  std::vector<int32_t> seqlens = kv.cache_seqlens ? read_index(*kv.cache_seqlens, o.stream)
+                                                  : std::vector<int32_t>(static_cast<size_t>(B), 0);
+  if (kv.cache_seqlens == nullptr && capacity > INT32_MAX)
+    fail("the cache capacity " + std::to_string(capacity) + " exceeds the int32 range of sequence lengths");
+  if (kv.cache_seqlens == nullptr) std::fill(seqlens.begin(), seqlens.end(), static_cast<int32_t>(capacity));
+  call.start = kv.cache_leftpad ? read_index(*kv.cache_leftpad, o.stream) : std::vector<int32_t>();
+  call.batch_row = kv.cache_batch_idx ? read_index(*kv.cache_batch_idx, o.stream) : std::vector<int32_t>();
+  const char* cap_what = paged ? "max_blocks_per_seq * block_size" : "k_cache.shape[1], the cache length";
+  for (int64_t b = 0; b < B; ++b) {
+    const std::string sb = "[" + std::to_string(b) + "]";
+    if (seqlens[b] < 0) fail("cache_seqlens" + sb + " = " + std::to_string(seqlens[b]) + " is negative");
+    if (seqlens[b] > capacity || s_new > capacity - seqlens[b])
+      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(seqlens[b]) + " + " + std::to_string(s_new) + " = " +
+           std::to_string(static_cast<unsigned long long>(seqlens[b]) + static_cast<unsigned long long>(s_new)) +
+           " exceeds the cache capacity " + std::to_string(capacity) +
+           " (" + cap_what + ")");
+    if (int64_t{seqlens[b]} + s_new > INT32_MAX)
+      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(int64_t{seqlens[b]} + s_new) +
+           " exceeds the int32 range of cache positions");
+    if (!call.start.empty() && (call.start[b] < 0 || call.start[b] > seqlens[b]))
+      fail("cache_leftpad" + sb + " = " + std::to_string(call.start[b]) + " is outside [0, cache_seqlens" + sb +
+           " = " + std::to_string(seqlens[b]) + "]");
+    if (!call.batch_row.empty() && (call.batch_row[b] < 0 || call.batch_row[b] >= Bc))
+      fail("cache_batch_idx" + sb + " = " + std::to_string(call.batch_row[b]) + " is outside [0, " +
+           std::to_string(Bc) + ") (k_cache.shape[0])");
+  }
+  if (append && !call.batch_row.empty()) {
+    std::vector<int32_t> sorted = call.batch_row;
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 1; i < sorted.size(); ++i)
+      if (sorted[i] == sorted[i - 1])
+        fail("cache_batch_idx names cache row " + std::to_string(sorted[i]) +
+             " for two sequences: appending would write it twice");
+  }
+  if (paged) {
+    // The entries of the pages each sequence uses ([0, cache_seqlens + S_new) rows), copied dense.
+    const Tensor& t = *kv.block_table;
+    std::vector<int32_t> table(static_cast<size_t>(B * max_blocks), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      if (t.device < 0)
+        std::memcpy(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
+                    static_cast<size_t>(max_blocks) * sizeof(int32_t));
+      else
+        cuda::copy_to_host(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
+                           static_cast<size_t>(max_blocks) * sizeof(int32_t), t.device, o.stream);
+      const int64_t used = (int64_t{seqlens[b]} + s_new + Sc - 1) / Sc;
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t e = table[b * max_blocks + i];
+        if (e < 0 || e >= Bc)
+          fail("block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " + std::to_string(e) +
+               " is outside [0, " + std::to_string(Bc) + ") (k_cache.shape[0], the number of blocks)");
+      }
+    }
+    call.table = std::move(table);
+  }
+  Common c = make_common(nq, Shape{B, Hq, Hkv, Sq, 1, D}, o);
+  const bool q_advances = o.mask != Mask::None || c.num.has_window();
+  if (rotary) {
+    int64_t need = 0;
+    for (int64_t b = 0; b < B; ++b) need = std::max(need, int64_t{seqlens[b]} + std::max(s_new, q_advances ? Sq : 1));
+    if (kv.rotary_cos->shape[0] < need)
+      fail("rotary_cos.shape[0] = " + std::to_string(kv.rotary_cos->shape[0]) + " is too short: positions up to " +
+           std::to_string(need - 1) + " are used (max over b of cache_seqlens[b] + " +
+           (s_new >= (q_advances ? Sq : 1) ? "S_new" : q_advances ? "Sq" : "1") + " - 1)");
+  }
+
+  // Per sequence: keys attended after the append, and where the append starts (relative rows).
+  call.seqlen_k.resize(static_cast<size_t>(B));
+  call.first_new.resize(static_cast<size_t>(B));
+  int64_t max_sk = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t start = call.start.empty() ? 0 : call.start[b];
+    call.first_new[b] = seqlens[b] - start;
+    call.seqlen_k[b] = static_cast<int32_t>(seqlens[b] + s_new - start);
+    max_sk = std::max<int64_t>(max_sk, call.seqlen_k[b]);
+  }
+  call.pos0 = std::move(seqlens);
+  c.shape.seq_kv = std::max<int64_t>(max_sk, 1);
+
+  KvcacheParams& kp = call.params;
+  kp = KvcacheParams{};
+  ForwardParams& p = kp.fwd;
+  p.shape = c.shape;
+  p.num = c.num;
+  p.exec = c.exec;
+  const Tensor vq = bshd_as_bhsd(q), vo = bshd_as_bhsd(out), vk = bshd_as_bhsd(k_cache), vv = bshd_as_bhsd(v_cache);
+  p.q = in4<In4>(vq);
+  p.k = in4<In4>(vk);
+  p.v = in4<In4>(vv);
+  p.out = in4<Out4>(vo);
+  p.lse = OutLse{static_cast<float*>(lse.data), lse.stride[0], lse.stride[1], lse.stride[2]};
+  p.kv = KvMap{call.seqlen_k.data(), call.batch_row.empty() ? nullptr : call.batch_row.data(),
+               call.start.empty() ? nullptr : call.start.data(), paged ? call.table.data() : nullptr, max_blocks, Sc};
+  kp.k_cache = in4<Out4>(vk);
+  kp.v_cache = in4<Out4>(vv);
+  kp.s_new = s_new;
+  if (append) {
+    kp.k_new = in4<In4>(bshd_as_bhsd(*kv.k_new));
+    kp.v_new = in4<In4>(bshd_as_bhsd(*kv.v_new));
+  }
+  kp.first_new = call.first_new.data();
+  kp.pos0 = call.pos0.data();
+  if (rotary)
+    kp.rotary = KvRotary{kv.rotary_cos->data, kv.rotary_sin->data, kv.rotary_cos->stride[0], kv.rotary_sin->stride[0],
+                         2 * kv.rotary_cos->shape[1], kv.rotary_interleaved, q_advances};
 }
 
 }  // namespace flashattn

@@ -5,6 +5,10 @@
 //   "k.shape[3] (head_dim) = 64 does not match q.shape[3] = 128".
 #pragma once
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "core/params.hpp"
 
 namespace flashattn {
@@ -24,6 +28,17 @@ ForwardParams make_forward_params_varlen(const Tensor& q, const Tensor& k, const
 BackwardParams make_backward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                            const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
                                            const Tensor& dv, const Varlen& varlen, const Options& options);
+
+// A validated KV-cache call: its params and the host copies of the index arrays they point into
+// (so the struct must stay where it is while the params are used).
+struct KvcacheCall {
+  KvcacheParams params;
+  std::vector<int32_t> seqlen_k, first_new, pos0, batch_row, start, table;
+};
+// Every check of flashattn_forward_kvcache (flashattn.h), the index contents included, before
+// anything is written; fills `call`.
+void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,
+                         const Tensor& lse, const KvCache& kv, const Options& options, KvcacheCall& call);
 
 // "[2, 8, 128, 64]"
 std::string format_dims(const int64_t* dims, int32_t ndim);

@@ -14,6 +14,7 @@
 
 #include "core/backend.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/kvcache.hpp"
 #include "cpu/thread_pool.hpp"
 
 namespace flashattn::cpu {
@@ -243,6 +244,19 @@ void with_parallel(int threads, Call&& call) {
 // masks by. (Softcap and ALiBi reach the kernels through p.num.)
 MaskRule rule_of(const Shape& s, const Numerics& n) { return mask_rule(s, n); }
 
+// A KV-cache call on `par`: the append and the rotated q (kvcache.cpp; the rotated q lives for the
+// call, B * Hq * Sq * D elements of the call's dtype), then the forward kernel over the caches.
+void run_kvcache(const KernelSet& k, const KvcacheParams& kp, Parallel& par) {
+  const Shape& sh = kp.fwd.shape;
+  void* q_rot = kp.rotary.cos != nullptr
+                    ? par.alloc(static_cast<size_t>(sh.batch * sh.heads_q * sh.seq_q * sh.head_dim *
+                                                    element_bytes(kp.fwd.num.dtype)))
+                    : nullptr;
+  ForwardParams p = kp.fwd;
+  p.q = kvcache_prepare(kp, q_rot);
+  k.forward(p, rule_of(p.shape, p.num), par);
+}
+
 }  // namespace
 
 const KernelSet& select_kernel() {
@@ -254,6 +268,14 @@ const KernelSet& select_kernel() {
 void forward(const ForwardParams& p) {
   const KernelSet& k = select_kernel();
   with_parallel(p.exec.num_threads, [&](Parallel& par) { k.forward(p, rule_of(p.shape, p.num), par); });
+}
+
+void forward_kvcache(const KvcacheParams& kp) {
+  const KernelSet& k = select_kernel();
+  std::unique_lock<std::mutex> lock;
+  ThreadPool& pool = shared_pool(kp.fwd.exec.num_threads, lock);
+  PoolParallel par(pool);
+  run_kvcache(k, kp, par);
 }
 
 void backward(const BackwardParams& p) {

@@ -487,6 +487,26 @@ inline Out4 from_row(const Out4& t, int64_t row0) {
   return {static_cast<S*>(t.ptr) + row0 * t.ss, t.sb, t.sh, t.ss};
 }
 
+// The K or V rows a forward task reads: an operand, or for KV-cache calls (map != nullptr) a
+// cache reached through its row map (core/params.hpp: kv_offset), paged or not. The row map is
+// resolved per row where the tiles are packed, so no call copies the cache.
+struct KvRows {
+  In4 t;
+  const KvMap* map;
+  // Rows of one (b, h) equally spaced by t.ss (a B operand may then be read in place): true
+  // except through a page table, where a tile may span pages.
+  bool strided() const { return map == nullptr || map->block_table == nullptr; }
+};
+template <class S>
+inline const S* row_ptr(const KvRows& r, int64_t b, int64_t h, int64_t s) {
+  if (r.map == nullptr) return row_ptr<S>(r.t, b, h, s);
+  return static_cast<const S*>(r.t.ptr) + kv_offset(*r.map, r.t, b, h, s);
+}
+inline bool rows_strided(const In4&) { return true; }
+inline bool rows_strided(const KvRows& r) { return r.strided(); }
+inline int64_t row_stride(const In4& t) { return t.ss; }
+inline int64_t row_stride(const KvRows& r) { return r.t.ss; }
+
 // ---- work decomposition -----------------------------------------------------------------------
 // Tasks over (sequence, head, block of `block` rows). Dense: batch * heads * ceil(len / block),
 // task = (b * heads + h) * nblk + blk, the order every pass had before packing. Packed: sequence
@@ -548,6 +568,14 @@ inline Seq seq_of(const Shape& sh, const Numerics& num, const Packing& pk, const
                                 num.window_right)};
 }
 
+// Sequence b of a KV-cache call: its queries are the dense q's, its keys the first seqlen_k[b]
+// rows of its cache (KvRows), the band and the ALiBi diagonal over those lengths.
+inline Seq seq_of_cache(const Shape& sh, const Numerics& num, const KvMap& kv, int64_t b) {
+  const SeqSpan sp{0, 0, sh.seq_q, kv.seqlen_k[b]};
+  return Seq{sp, make_mask_rule(static_cast<int32_t>(num.mask), sp.seq_q, sp.seq_kv, num.window_left,
+                                num.window_right)};
+}
+
 // A block of rows used as a broadcast (A) operand: its pointer and row stride.
 template <class C>
 struct Rows {
@@ -555,21 +583,18 @@ struct Rows {
   int64_t ld;
 };
 
-// Rows [row0, row0 + n) of an operand as an A operand (only columns < D are read). An operand
-// stored in the compute type is used in place; others are converted into dst (row stride D).
-template <class S, class C>
-Rows<C> rows_of(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C* dst) {
-  if constexpr (Same<S, C>::value) {
-    (void)n;
-    (void)dst;
-    return {row_ptr<S>(t, b, h, row0), t.ss};
-  } else {
-    for (int64_t r = 0; r < n; ++r) {
-      const S* src = row_ptr<S>(t, b, h, row0 + r);
-      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = load_as<C>(src + d);
-    }
-    return {dst, D};
+// Rows [row0, row0 + n) of an operand (In4 or KvRows) as an A operand (only columns < D are
+// read). Equally spaced rows stored in the compute type are used in place; others (converted, or
+// gathered through a page table) are copied into dst (row stride D).
+template <class S, class C, class T>
+Rows<C> rows_of(const T& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C* dst) {
+  if constexpr (Same<S, C>::value)
+    if (rows_strided(t)) return {row_ptr<S>(t, b, h, row0), row_stride(t)};
+  for (int64_t r = 0; r < n; ++r) {
+    const S* src = row_ptr<S>(t, b, h, row0 + r);
+    for (int64_t d = 0; d < D; ++d) dst[r * D + d] = load_as<C>(src + d);
   }
+  return {dst, D};
 }
 
 // Columns of a panel-major B operand made from D, rounded up to whole panels.
@@ -579,8 +604,8 @@ inline int64_t panel_cols(int64_t D) {
 }
 
 // Rows [row0, row0 + n) of an operand (n x D) as a panel-major B operand; columns past D are 0.
-template <class S, class C>
-Panels<C> pack_panels(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
+template <class S, class C, class T>
+Panels<C> pack_panels(const T& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D,
                       C* dst) {
   constexpr int64_t PW = panel_width<C>();
   const int64_t np = panel_cols<C>(D) / PW;
@@ -887,14 +912,21 @@ struct Forward {
     // most: they go first.
     const SeqBlocks::Item it = ctx.tasks.at(task);
     const int64_t qb = it.nblk - 1 - it.blk, b = it.b, h = it.h;
-    const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
+    const Seq seq = p.kv.on() ? seq_of_cache(sh, p.num, p.kv, b) : seq_of(sh, p.num, p.packing, ctx.rule, b);
     const MaskRule& rule = seq.rule;
     const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
-    const In4 q = from_row<S>(p.q, seq.sp.q0), k = from_row<S>(p.k, seq.sp.k0), v = from_row<S>(p.v, seq.sp.k0);
+    const In4 q = from_row<S>(p.q, seq.sp.q0);
+    const KvRows k{from_row<S>(p.k, seq.sp.k0), p.kv.on() ? &p.kv : nullptr},
+        v{from_row<S>(p.v, seq.sp.k0), p.kv.on() ? &p.kv : nullptr};
     const Out4 outv = from_row<S>(p.out, seq.sp.q0);
     const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+    // The query columns the products and the softmax cover: one vector for a block of at most W
+    // rows (a decode step's single row), else the whole tile; W columns instead of BQ cut the
+    // S^T product and the softmax of a decode step by BQ / W. Each column's arithmetic is that of
+    // the full-width tile, so results do not change.
+    const int64_t nqv = nq <= W ? W : BQ;
     Carve<C> cv{static_cast<C*>(scratch)};
     const Tiles t = carve(cv, D);
     C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
@@ -913,11 +945,11 @@ struct Forward {
       const int64_t nk = smin(BK, kend - j0);
       const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
       const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t.vp);
-      gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
-      if (mods.on) score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0);
+      gemm<C, false>(nk, nqv / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
+      if (mods.on) score_step<C, true>(ST, BQ, nk, nqv, mods, slope2, i0, j0);
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
-        mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
-      online_softmax(ST, nk, mrow, lrow, O, Dp);
+        mask_key_rows(ST, BQ, rule, i0, nqv, j0, nk);
+      online_softmax(ST, nk, mrow, lrow, O, Dp, nqv / W);
       gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
     }
 
@@ -941,19 +973,28 @@ struct Forward {
 
   // ST [nk x BQ] holds scores (log2 units) on entry and P^T = exp2(S - m_new) on exit; the
   // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new).
-  static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
+  // Only the first ns column strips are read and updated: BQ / W (the full tile) or 1 (a block of
+  // at most W rows); each a compile-time count, so the strips' chains stay in registers.
+  static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp, int64_t ns = BQ / W) {
+    if (ns == 1)
+      softmax_strips<1>(ST, nk, mrow, lrow, O, Dp);
+    else
+      softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);
+  }
+  template <int64_t NS>
+  static void softmax_strips(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
     // Rows outer, the BQ / W column strips inner: the strips' running maxima and sums are
     // independent chains (a single vmaxps chain down 128 rows was latency-bound: 4 cycles a row),
     // and each row of ST is read contiguously. Per column the operations and their order are
     // those of a column-by-column loop.
-    constexpr int64_t NS = BQ / W;
+    const int64_t ns = NS;
     V mnew[NS], muse[NS], sum[NS];
-    for (int64_t s = 0; s < NS; ++s) mnew[s] = vload<V>(mrow + s * W);
+    for (int64_t s = 0; s < ns; ++s) mnew[s] = vload<V>(mrow + s * W);
     for (int64_t r = 0; r < nk; ++r)
-      for (int64_t s = 0; s < NS; ++s) mnew[s] = vmax(mnew[s], vload<V>(ST + r * BQ + s * W));
+      for (int64_t s = 0; s < ns; ++s) mnew[s] = vmax(mnew[s], vload<V>(ST + r * BQ + s * W));
     alignas(64) C alpha[BQ];
     const V ninf = vbroadcast<V>(neg_inf<C>());
-    for (int64_t s = 0; s < NS; ++s) {
+    for (int64_t s = 0; s < ns; ++s) {
       // A column that has seen only masked keys keeps m = -inf; subtracting 0 instead keeps
       // exp2(-inf - m) = 0 rather than NaN.
       muse[s] = mnew[s] == ninf ? V{} : mnew[s];
@@ -961,17 +1002,17 @@ struct Forward {
       sum[s] = V{};
     }
     for (int64_t r = 0; r < nk; ++r)
-      for (int64_t s = 0; s < NS; ++s) {
+      for (int64_t s = 0; s < ns; ++s) {
         V e = exp2v(vload<V>(ST + r * BQ + s * W) - muse[s]);
         vstore(ST + r * BQ + s * W, e);
         sum[s] += e;
       }
-    for (int64_t s = 0; s < NS; ++s) {
+    for (int64_t s = 0; s < ns; ++s) {
       vstore(lrow + s * W, vload<V>(lrow + s * W) * vload<V>(alpha + s * W) + sum[s]);
       vstore(mrow + s * W, mnew[s]);
     }
     if (O == nullptr) return;  // row statistics only (float64 backward's LSE pass)
-    for (int64_t c = 0; c < BQ; ++c) {
+    for (int64_t c = 0; c < ns * W; ++c) {
       // Once the running maximum settles most rows keep alpha = 1: skipping them is exact.
       if (alpha[c] == C(1)) continue;
       const V a = vbroadcast<V>(alpha[c]);

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <limits>
 
+#include "core/half.hpp"
 #include "core/mask.hpp"
 
 namespace flashattn::testing {
@@ -155,6 +156,59 @@ RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
         }
       for (int64_t e = 0; e < Skv * D; ++e) r.dk[ko + e] += scale * acc[e];
     }
+  return r;
+}
+
+namespace {
+
+double round_to(double x, DType t) {
+  switch (t) {
+    case DType::Float32: return static_cast<float>(x);
+    case DType::Float16: return fp16_to_float(float_to_fp16(static_cast<float>(x)));
+    case DType::BFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(x)));
+    default: return x;
+  }
+}
+
+// Row x[0, D) rotated at position pos: each pair (a, b) of the first rotary_dim dims becomes
+// (a cos - b sin, a sin + b cos), i.e. the complex product (a + ib) e^{i theta}.
+void rotate(double* x, int64_t pos, const RefRotary& r) {
+  const int64_t half = r.rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double c = r.cos[pos * half + i], s = r.sin[pos * half + i];
+    double& a = x[r.interleaved ? 2 * i : i];
+    double& b = x[r.interleaved ? 2 * i + 1 : i + half];
+    const double a2 = a * c - b * s, b2 = a * s + b * c;
+    a = round_to(a2, r.round_to);
+    b = round_to(b2, r.round_to);
+  }
+}
+
+}  // namespace
+
+RefKvcache reference_kvcache(const RefKvcacheSeq& s, const RefRotary& rot, double scale, Mask mask,
+                             const RefMods& mods) {
+  const int64_t D = s.head_dim, L = s.len_old, N = s.seq_new, Sk = L + N;
+  RefKvcache r;
+  std::vector<double> q = s.q;
+  r.k_appended = s.k_new;
+  if (rot.rotary_dim > 0) {
+    for (int64_t h = 0; h < s.heads_q; ++h)
+      for (int64_t i = 0; i < s.seq_q; ++i) rotate(&q[(h * s.seq_q + i) * D], s.pos0 + (s.q_advances ? i : 0), rot);
+    for (int64_t h = 0; h < s.heads_kv; ++h)
+      for (int64_t j = 0; j < N; ++j) rotate(&r.k_appended[(h * N + j) * D], s.pos0 + j, rot);
+  }
+  // The cache after the append: per kv head, the old rows then the new ones.
+  std::vector<double> k(s.heads_kv * Sk * D), v(s.heads_kv * Sk * D);
+  for (int64_t h = 0; h < s.heads_kv; ++h)
+    for (int64_t j = 0; j < Sk; ++j)
+      for (int64_t x = 0; x < D; ++x) {
+        const int64_t o = (h * Sk + j) * D + x;
+        k[o] = j < L ? s.k_old[(h * L + j) * D + x] : r.k_appended[(h * N + j - L) * D + x];
+        v[o] = j < L ? s.v_old[(h * L + j) * D + x] : s.v_new[(h * N + j - L) * D + x];
+      }
+  const RefShape shape{1, s.heads_q, s.heads_kv, s.seq_q, Sk, D};
+  r.fwd = reference_forward(shape, q, k, v, scale, mask, mods);
   return r;
 }
 

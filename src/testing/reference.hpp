@@ -41,4 +41,33 @@ RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
                                const std::vector<double>& dout, double scale, Mask mask,
                                const RefMods& mods = {});
 
+// KV-cache attention of one sequence (flashattn_forward_kvcache), from the definitions: the
+// rotary embedding applied to q and to the new keys, the new rows appended after the valid cache
+// prefix, then reference_forward over the result (batch 1; mods.alibi holds this sequence's Hq
+// slopes).
+struct RefRotary {
+  std::vector<double> cos, sin;  // [rows, rotary_dim / 2], row-major; empty: no rotary
+  int64_t rotary_dim = 0;
+  bool interleaved = true;       // pairs (2i, 2i + 1); else (i, i + rotary_dim / 2)
+  // The library stores rotated values in the call's dtype (float16 / bfloat16 / float32 round
+  // them); the reference rounds its exact rotation the same way. Float64: no rounding.
+  DType round_to = DType::Float64;
+};
+struct RefKvcacheSeq {
+  int64_t heads_q = 0, heads_kv = 0, seq_q = 0, head_dim = 0;
+  std::vector<double> q;             // [Hq, Sq, D]
+  int64_t len_old = 0;               // valid cache rows before the append
+  std::vector<double> k_old, v_old;  // [Hkv, len_old, D]
+  int64_t seq_new = 0;
+  std::vector<double> k_new, v_new;  // [Hkv, seq_new, D]
+  int64_t pos0 = 0;                  // absolute position of the first new key (cache_seqlens[b])
+  bool q_advances = false;           // query row i at pos0 + i (else every row at pos0)
+};
+struct RefKvcache {
+  RefForward fwd;                  // out [Hq, Sq, D], lse [Hq, Sq]
+  std::vector<double> k_appended;  // [Hkv, seq_new, D]: the new keys as the cache must hold them
+};
+RefKvcache reference_kvcache(const RefKvcacheSeq& s, const RefRotary& rot, double scale, Mask mask,
+                             const RefMods& mods = {});
+
 }  // namespace flashattn::testing
