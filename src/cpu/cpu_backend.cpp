@@ -272,10 +272,7 @@ void forward(const ForwardParams& p) {
 
 void forward_kvcache(const KvcacheParams& kp) {
   const KernelSet& k = select_kernel();
-  std::unique_lock<std::mutex> lock;
-  ThreadPool& pool = shared_pool(kp.fwd.exec.num_threads, lock);
-  PoolParallel par(pool);
-  run_kvcache(k, kp, par);
+  with_parallel(kp.fwd.exec.num_threads, [&](Parallel& par) { run_kvcache(k, kp, par); });
 }
 
 void backward(const BackwardParams& p) {
