@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,10 +40,14 @@
 namespace flashattn::test {
 
 // One input element set to a non-finite value: q[b, h, row, col], or k / v[b, hk, row, col].
+// all_ones: a NaN written as all-ones bytes (0xffffffff in float32: a NaN whose rounding to a
+// narrower significand carries out of it, as the GPU's canonical NaN 0x7fffffff does) instead of
+// the quiet NaN `value` converts to.
 struct Poison {
   enum Which { Q, K, V } which;
   int64_t b, h, row, col;
   double value;
+  bool all_ones = false;
 };
 
 enum class Want : uint8_t {
@@ -174,7 +180,13 @@ inline void apply_poison(Problem& p, const std::vector<Poison>& poison) {
           testing::store_element(p.q.view.data, p.cfg.dtype, off,
                                  std::fabs(testing::load_element(p.q.view.data, p.cfg.dtype, off)) + 0.25);
         }
-    testing::store_element(t.view.data, p.cfg.dtype, at(t.view, x.b, x.h, x.row, x.col), x.value);
+    const int64_t off = at(t.view, x.b, x.h, x.row, x.col);
+    if (x.all_ones) {
+      const size_t bytes = dtype_size(p.cfg.dtype);
+      std::memset(static_cast<unsigned char*>(t.view.data) + off * bytes, 0xff, bytes);
+    } else {
+      testing::store_element(t.view.data, p.cfg.dtype, off, x.value);
+    }
   }
 }
 

@@ -66,6 +66,12 @@ const Case kCases[] = {
     {"inf_k", [](const Shape& s) { return poisons(Poison::K, s, kInf); }},
     // the first key: every row that sees a key sees it under a causal mask
     {"nan_k_first", [](const Shape&) { return std::vector<Poison>{{Poison::K, 0, 0, 0, 1, kNan}}; }},
+    {"nan_all_ones_q_k", [](const Shape& s) {
+       std::vector<Poison> r = poisons(Poison::Q, s, kNan);
+       for (const Poison& x : poisons(Poison::K, s, kNan)) r.push_back(x);
+       for (Poison& x : r) x.all_ones = true;
+       return r;
+     }},
 };
 
 const DType kDtypes[] = {DType::Float32, DType::Float16, DType::BFloat16, DType::Float64};
