@@ -676,17 +676,6 @@ void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t
   }
 }
 
-// Whether query row i sees a key, and key j a query row, by the band (and the sequence lengths).
-// The outputs of the others are exact zeros (dQ; dK and dV), written as such by the epilogues:
-// their P and dS are 0, but 0 times a NaN or inf in a row of K (Q, dO) that shares their tile
-// would still make the product NaN.
-inline bool row_sees_keys(const MaskRule& rule, int64_t i, int64_t seq_kv) {
-  return rule.key_begin(i) < rule.key_end(i, seq_kv);
-}
-inline bool key_seen(const MaskRule& rule, int64_t j, int64_t seq_q) {
-  return rule.row_begin(j) < rule.row_end(j, seq_q);
-}
-
 // The score transform is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass) operand:
 // after ScoreTransform::prescale_as<C>() every product is a log2-unit logit (float64 compute takes
 // the multiplier in double: a float's rounding, up to 3e-8 of every logit, would dominate the
@@ -951,7 +940,7 @@ struct Forward {
     for (int64_t c = 0; c < nq; ++c) {
       S* out = row_ptr<S>(outv, b, h, i0 + c);
       const C l = lrow[c];
-      if (row_sees_keys(rule, i0 + c, Skv)) {
+      if (rule.row_sees_keys(i0 + c, Skv)) {
         const C inv = C(1) / l;
         for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, O[c * Dp + d] * inv);
         const double v =
@@ -1199,7 +1188,9 @@ struct Backward {
       const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t c = 0; c < nq; ++c) {
         S* dst = row_ptr<S>(dqv, b, h, i0 + c);
-        const bool seen = row_sees_keys(rule, i0 + c, Skv);  // an empty row: exactly 0
+        // A row without keys: exactly 0 (its dS is 0, but 0 times a NaN or inf in a K row that
+        // shares the tile would still be NaN).
+        const bool seen = rule.row_sees_keys(i0 + c, Skv);
         for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, seen ? dQ[c * Dp + d] * gs : C(0));
       }
     }
@@ -1314,7 +1305,7 @@ struct Backward {
       for (int64_t r = 0; r < nk; ++r) {
         S* dk = row_ptr<S>(dkv, b, hk, j0 + r);
         S* dv = row_ptr<S>(dvv, b, hk, j0 + r);
-        const bool seen = key_seen(rule, j0 + r, Sq);  // a key no query sees: exactly 0
+        const bool seen = rule.key_seen(j0 + r, Sq);  // a key without rows: exactly 0 (as dQ's)
         for (int64_t d = 0; d < D; ++d) {
           store_as<C>(dk + d, seen ? dK[r * Dp + d] * gs : C(0));
           store_as<C>(dv + d, seen ? dV[r * Dp + d] : C(0));
