@@ -3,7 +3,9 @@
 //    and window predicate, own softcap and ALiBi bias, own log-sum-exp), and
 //  * its gradients dQ, dK, dV of L = sum(out * dout) are compared with central finite differences
 //    of its own forward, with and without sliding windows, softcaps and ALiBi slopes (zero and
-//    negative ones included).
+//    negative ones included);
+//  * NaN and Inf in its inputs give the outputs the rule of tests/nonfinite_cases.hpp names, and
+//    its finite outputs do not depend on a poisoned element they do not see.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "nonfinite_cases.hpp"
 #include "test_util.hpp"
 
 namespace flashattn::test {
@@ -240,6 +243,44 @@ TEST_P(ReferenceCheck, MaskedRowsAndKeysAreExactZeros) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Small, ReferenceCheck, ::testing::ValuesIn(kCases), case_name);
+
+// NaN and Inf in q, k, v: every output of the reference is what the rule of
+// tests/nonfinite_cases.hpp says - NaN, exactly 0 (empty rows, unseen keys), -inf, or a finite
+// value - and each finite one is bitwise that of the same problem with the poisoned element
+// replaced by a finite value (it does not depend on it at all: a hidden entry is absent from the
+// sums, not a zero weight). (No infinity under a softcap: tanh makes an infinite score finite.)
+TEST_P(ReferenceCheck, NonFiniteInputsFollowTheRule) {
+  const RefCase& c = GetParam();
+  ProblemConfig cfg = make_config(c.b, c.hq, c.hkv, c.sq, c.skv, c.d, c.mask, DType::Float64, testing::Layout::BHSD,
+                                  static_cast<float>(c.scale), 9);
+  cfg.window_left = c.mods.window_left;
+  cfg.window_right = c.mods.window_right;
+  if (!c.mods.alibi.empty()) cfg.alibi = testing::AlibiKind::BatchHeads;  // the Problem's own slopes
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::vector<Poison>> cases = {
+      {{Poison::Q, 0, c.hq - 1, c.sq - 1, 0, nan}},
+      {{Poison::Q, c.b - 1, 0, c.sq / 2, c.d - 1, nan}, {Poison::K, 0, 0, c.skv - 1, 0, nan}},
+      {{Poison::K, c.b - 1, c.hkv - 1, c.skv / 2, 0, nan}},
+      {{Poison::V, 0, 0, 0, c.d - 1, nan}, {Poison::V, c.b - 1, c.hkv - 1, c.skv - 1, 0, nan}},
+      {{Poison::K, 0, 0, c.skv / 2, c.d - 1, inf}},
+  };
+  for (size_t n = 0; n < cases.size() - (c.mods.softcap > 0 ? 1 : 0); ++n) {
+    SCOPED_TRACE("poison set " + std::to_string(n));
+    Problem p(cfg), same(cfg);
+    apply_poison(p, cases[n]);
+    // The finite twin: the same inputs (q's column made positive for an infinity included), the
+    // poisoned elements 0.5.
+    apply_poison(same, cases[n]);
+    std::vector<Poison> finite = cases[n];
+    for (Poison& x : finite) x.value = 0.5;
+    apply_poison(same, finite);
+    const Reference r = reference_for(p), t = reference_for(same);
+    const std::vector<double> got[5] = {r.fwd.out, r.fwd.lse, r.bwd.dq, r.bwd.dk, r.bwd.dv};
+    const std::vector<double> twin[5] = {t.fwd.out, t.fwd.lse, t.bwd.dq, t.bwd.dk, t.bwd.dv};
+    const double exact[5] = {0, 0, 0, 0, 0};
+    EXPECT_TRUE(matches_wants(got, twin, wants_for(cfg, cases[n], false), exact));
+  }
+}
 
 }  // namespace
 }  // namespace flashattn::test

@@ -93,6 +93,29 @@ def test_fully_masked_rows_are_zero_not_nan(rng):
     assert all(np.isfinite(g).all() for g in (dq, dk, dv))
 
 
+def test_nan_in_q_gives_nan_not_an_empty_row(rng):
+    # A NaN in q makes every score of its row NaN: the row's out and lse are NaN (training must see
+    # it), not the 0 and -inf of a row that sees no key, as they were; those rows (0-4 here) stay
+    # exactly 0 / -inf, the float64 reference agrees, and the other rows are untouched.
+    q, k, v, dout = problem(rng, (1, 2, 2, 9, 4, 16), "float32", "bhsd")
+    q[0, 1, 7, 3] = np.nan
+    out, lse = flashattn.forward(q, k, v, mask="causal_bottom_right")
+    ref_out, ref_lse = ref.forward(q, k, v, None, "causal_bottom_right")
+    assert np.isnan(out[0, 1, 7]).all() and np.isnan(lse[0, 1, 7])
+    assert np.isnan(ref_out[0, 1, 7]).all() and np.isnan(ref_lse[0, 1, 7])
+    assert (out[:, :, :5] == 0).all() and np.isneginf(lse[:, :, :5]).all()
+    rest = np.ones(lse.shape, bool)
+    rest[:, :, :5] = False
+    rest[0, 1, 7] = False
+    assert np.isfinite(out[rest]).all() and np.isfinite(lse[rest]).all()
+    # Backward: the row's dq, and dk, dv of the keys it sees (0-2), are NaN; rows without keys
+    # keep dq = 0 exactly.
+    dq, dk, dv = flashattn.backward(dout, q, k, v, out, lse, mask="causal_bottom_right")
+    assert np.isnan(dq[0, 1, 7]).all()
+    assert np.isnan(dk[0, 1, :3]).all() and np.isnan(dv[0, 1, :3]).all()
+    assert (dq[:, :, :5] == 0).all()
+
+
 def test_softmax_scale(rng):
     q, k, v, dout = problem(rng, (2, 4, 2, 19, 23, 24), "float64", "bhsd")
     check_against_reference(q, k, v, dout, "causal_top_left", "float64", scale=0.37)

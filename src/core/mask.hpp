@@ -13,7 +13,7 @@
 //     combined with causal by taking hi = min(hi, d).
 // Unbounded sides are kUnbounded, far beyond any index so that i + lo and j - hi never overflow.
 // Rows whose band holds no key in [0, Skv) (e.g. bottom-right with Sq > Skv: the first Sq - Skv
-// rows) produce O = 0, LSE = -inf and no gradient.
+// rows) produce O = 0, LSE = -inf and no gradient, whatever the inputs hold.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +37,11 @@ struct MaskRule {
   // Rows that see key j: [row_begin(j), row_end(j, seq_q)), possibly empty.
   FLASHATTN_HD int64_t row_begin(int64_t j) const { return clamp(j - hi, 0, kUnbounded); }
   FLASHATTN_HD int64_t row_end(int64_t j, int64_t seq_q) const { return clamp(j - lo + 1, 0, seq_q); }
+  // Whether row i sees some key, and key j some row. The others' outputs are exact zeros whatever
+  // the inputs hold (O = 0, LSE = -inf, dQ = 0; dK = dV = 0): emptiness is the band's, never the
+  // values' (docs/ALGORITHM.md, "Non-finite inputs and empty rows").
+  FLASHATTN_HD bool row_sees_keys(int64_t i, int64_t seq_kv) const { return key_begin(i) < key_end(i, seq_kv); }
+  FLASHATTN_HD bool key_seen(int64_t j, int64_t seq_q) const { return row_begin(j) < row_end(j, seq_q); }
 
   // The union over a block of rows [r0, r1) is one range (the band's edges are monotone in i):
   // keys [key_begin(r0), key_end(r1 - 1)); likewise rows [row_begin(k0), row_end(k1 - 1)) for

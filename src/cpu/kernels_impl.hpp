@@ -106,8 +106,13 @@ constexpr double kLn2 = 0.69314718055994530942;
 // in a float32 sum, while weights near 2^-126 made P V, dS = P (dP - D) and the GEMMs that take
 // them denormal, and each denormal operand costs a microcode assist (scores spread over 100+
 // nats, as ALiBi's distant keys are: measured +16% on the backward).
+// CAP1 (the backward's recomputed P = exp2(S - lse)): the argument is capped at 0, so P <= 1 as it
+// is in exact arithmetic. S - lse can round above 0 by the float32 rounding of lse, about
+// 2^-24 |lse|: far out (scores of 1e9 and more) that made P, and the gradients, overflow. The cap
+// is the clamp below with another bound: no extra work. NaN still propagates.
+template <bool CAP1 = false>
 inline vf exp2v(vf x) {
-  const vf lo = vbroadcast<vf>(-64.0f), hi = vbroadcast<vf>(127.0f);
+  const vf lo = vbroadcast<vf>(-64.0f), hi = vbroadcast<vf>(CAP1 ? 0.0f : 127.0f);
   vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
   // Adding 1.5 * 2^23 rounds to the nearest integer, which then sits in the low mantissa bits.
@@ -133,10 +138,12 @@ inline vf exp2v(vf x) {
   return x < lo ? vf{} : r;
 }
 
-// float64: a plain libm exp2 per lane (the float64 path serves gradient checks, not speed).
+// float64: a plain libm exp2 per lane (the float64 path serves gradient checks, not speed); CAP1
+// as above (x > 0 is false for NaN, which stays NaN).
+template <bool CAP1 = false>
 inline vd exp2v(vd x) {
   vd r;
-  for (int i = 0; i < Simd<double>::W; ++i) r[i] = __builtin_exp2(x[i]);
+  for (int i = 0; i < Simd<double>::W; ++i) r[i] = __builtin_exp2(CAP1 && x[i] > 0.0 ? 0.0 : x[i]);
   return r;
 }
 
@@ -664,17 +671,19 @@ inline C neg_inf() {
 // edges of the band, so any band (a sliding window, too) needs no change here.
 
 // T holds keys [j0, j0 + nk) in rows and queries [i0, i0 + ncols) in columns (row stride ld):
-// entries outside the band become -inf. Columns past the last query are padding nobody reads.
+// entries outside the band become `value`: -inf for scores (the forward), 0 for P and dS (the
+// backward masks after the exponential, so that neither a NaN or -inf LSE nor a NaN D of the row
+// makes a hidden entry NaN). Columns past the last query are padding nobody reads.
 template <class C>
 void mask_key_rows(C* T, int64_t ld, const MaskRule& rule, int64_t i0, int64_t ncols, int64_t j0,
-                   int64_t nk) {
+                   int64_t nk, C value = neg_inf<C>()) {
   for (int64_t r = 0; r < nk; ++r) {
     // Queries that see key j0 + r, as columns: [cb, ce), empty when ce <= cb.
     const int64_t cb = MaskRule::clamp(rule.row_begin(j0 + r) - i0, 0, ncols);
     const int64_t ce = MaskRule::clamp(rule.row_end(j0 + r, i0 + ncols) - i0, cb, ncols);
     C* row = T + r * ld;
-    for (int64_t c = 0; c < cb; ++c) row[c] = neg_inf<C>();
-    for (int64_t c = ce; c < ncols; ++c) row[c] = neg_inf<C>();
+    for (int64_t c = 0; c < cb; ++c) row[c] = value;
+    for (int64_t c = ce; c < ncols; ++c) row[c] = value;
   }
 }
 
@@ -682,13 +691,13 @@ void mask_key_rows(C* T, int64_t ld, const MaskRule& rule, int64_t i0, int64_t n
 // roles swapped.
 template <class C>
 void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t ncols, int64_t i0,
-                     int64_t nq) {
+                     int64_t nq, C value = neg_inf<C>()) {
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t cb = MaskRule::clamp(rule.key_begin(i0 + r) - j0, 0, ncols);
     const int64_t ce = MaskRule::clamp(rule.key_end(i0 + r, j0 + ncols) - j0, cb, ncols);
     C* row = T + r * ld;
-    for (int64_t c = 0; c < cb; ++c) row[c] = neg_inf<C>();
-    for (int64_t c = ce; c < ncols; ++c) row[c] = neg_inf<C>();
+    for (int64_t c = 0; c < cb; ++c) row[c] = value;
+    for (int64_t c = ce; c < ncols; ++c) row[c] = value;
   }
 }
 
@@ -939,7 +948,8 @@ struct Forward {
       lrow[c] = C(0);
     }
 
-    // An empty range (every row of the block sees no key) leaves l = 0: O = 0, LSE = -inf.
+    // An empty range (every row of the block sees no key) runs no step: the epilogue writes
+    // O = 0, LSE = -inf.
     const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
     for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
       const int64_t nk = smin(BK, kend - j0);
@@ -953,12 +963,16 @@ struct Forward {
       gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
     }
 
-    // Epilogue: O / l and LSE = (m + log2 l) * ln 2; rows with no visible key: O = 0, LSE = -inf.
+    // Epilogue: O / l and LSE = (m + log2 l) * ln 2, in IEEE arithmetic: a NaN score leaves l NaN
+    // (exp2 of it is NaN whatever the max saw), a +inf score too (exp2(inf - inf)), and visible
+    // scores that are all -inf leave l = 0 (O = 0/0 = NaN, LSE = -inf). Only rows that see no key
+    // by the band are empty (decided once per row, never from l): O = 0, LSE = -inf, even where a
+    // NaN in a value row shares the tile (their P is 0, and 0 * NaN is NaN).
     float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh + seq.sp.q0 * p.lse.ss;
     for (int64_t c = 0; c < nq; ++c) {
       S* out = row_ptr<S>(outv, b, h, i0 + c);
       const C l = lrow[c];
-      if (l > C(0)) {
+      if (rule.row_sees_keys(i0 + c, Skv)) {
         const C inv = C(1) / l;
         for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, O[c * Dp + d] * inv);
         const double v =
@@ -1091,11 +1105,11 @@ struct Backward {
         mask_key_rows(t.st, BQ, rule, i0, BQ, j0, nk);
       F::online_softmax(t.st, nk, t.m, t.l, nullptr, 0);
     }
+    // As the forward's LSE (NaN, or -inf for visible scores all -inf, propagate); an empty row's
+    // value is never used (its every entry is masked after the exponential).
     C* out = lc.out + lc.ctx->stat(b, h, seq.sp.q0);
     for (int64_t c = 0; c < nq; ++c)
-      out[i0 + c] =
-          t.l[c] > C(0) ? t.m[c] + static_cast<C>(__builtin_log2(static_cast<double>(t.l[c])))
-                        : static_cast<C>(__builtin_inf());
+      out[i0 + c] = t.m[c] + static_cast<C>(__builtin_log2(static_cast<double>(t.l[c])));
   }
 
   // D preprocess: one task per (batch or sequence, query head).
@@ -1116,14 +1130,15 @@ struct Backward {
     }
   }
 
-  // LSE of row i in log2 units; a row without visible keys (LSE = -inf) becomes +inf so that
-  // P = exp2(s - lse) = 0 instead of inf or NaN.
-  // (Row i of the sequence that starts at query row q0.)
+  // LSE of row i in log2 units (row i of the sequence that starts at query row q0), as the
+  // forward gave it: NaN and -inf stay what they are, so that P = exp2(S - lse) of a visible entry
+  // is what IEEE arithmetic makes of them (a row whose visible scores were all -inf: -inf + inf =
+  // NaN). Masked entries, and with them every entry of an empty row, are set to P = dS = 0 after
+  // the exponential (mask_key_rows / mask_query_rows with 0), whatever lse is.
   static C lse2_of(const Ctx& ctx, int64_t b, int64_t h, int64_t q0, int64_t i) {
     const BackwardParams& p = *ctx.p;
     if (ctx.lse2) return ctx.lse2[ctx.stat(b, h, q0) + i];
     const float v = p.lse.ptr[b * p.lse.sb + h * p.lse.sh + (q0 + i) * p.lse.ss];
-    if (v == -__builtin_inff()) return static_cast<C>(__builtin_inf());
     return static_cast<C>(v) * static_cast<C>(kLog2e);
   }
 
@@ -1179,7 +1194,7 @@ struct Backward {
       }
       for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
 
-      // The forward's key range: rows without a visible key have P = 0 (lse2 = +inf), dQ = 0.
+      // The forward's key range: rows without a visible key have P = dS = 0 (masked) and dQ = 0.
       const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
       for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
         const int64_t nk = smin(BK, kend - j0);
@@ -1191,29 +1206,33 @@ struct Backward {
         // Under a softcap the step leaves (dP - D) o F in dPT.
         if (mods.on)
           score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0, mods.cap ? dPT : nullptr, dlt);
-        if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
-          mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk);
         if (mods.cap) {
           for (int64_t r = 0; r < nk; ++r)
             for (int64_t c0 = 0; c0 < BQ; c0 += W) {
-              V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
+              V pv = exp2v<true>(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
               vstore(ST + r * BQ + c0, pv * vload<V>(dPT + r * BQ + c0));
             }
         } else {
           for (int64_t r = 0; r < nk; ++r) {
             for (int64_t c0 = 0; c0 < BQ; c0 += W) {
-              V pv = exp2v(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
+              V pv = exp2v<true>(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
               V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
               vstore(ST + r * BQ + c0, ds);
             }
           }
         }
+        // Hidden entries: dS = 0 (after the exponential: see mask_key_rows).
+        if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
+          mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk, C(0));
         gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
       }
       const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t c = 0; c < nq; ++c) {
         S* dst = row_ptr<S>(dqv, b, h, i0 + c);
-        for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, dQ[c * Dp + d] * gs);
+        // A row without keys: exactly 0 (its dS is 0, but 0 times a NaN or inf in a K row that
+        // shares the tile would still be NaN).
+        const bool seen = rule.row_sees_keys(i0 + c, Skv);
+        for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, seen ? dQ[c * Dp + d] * gs : C(0));
       }
     }
   };
@@ -1273,7 +1292,8 @@ struct Backward {
       const Panels<C> VT = pack_transposed<S, C>(v, b, hk, j0, nk, D, C(1), t.vt, BK);
       for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
 
-      // The queries that see some key of the block; keys no query sees get dK = dV = 0.
+      // The queries that see some key of the block; keys no query sees get dK = dV = 0 (the
+      // epilogue).
       const int64_t ibegin = rule.row_begin(j0), iend = nk > 0 ? rule.row_end(j0 + nk - 1, Sq) : ibegin;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
@@ -1294,13 +1314,11 @@ struct Backward {
           // Under a softcap the step leaves (dP - D) o F in dP.
           if (mods.on)
             score_step<C, false>(Sb, BK, nq, BK, mods, slope2, i0, j0, mods.cap ? dP : nullptr, dlt);
-          if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
-            mask_query_rows(Sb, BK, rule, j0, BK, i0, nq);
           if (mods.cap) {
             for (int64_t r = 0; r < nq; ++r) {
               const V l2 = vbroadcast<V>(lse2[r]);
               for (int64_t c0 = 0; c0 < BK; c0 += W) {
-                V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
+                V pv = exp2v<true>(vload<V>(Sb + r * BK + c0) - l2);
                 vstore(Sb + r * BK + c0, pv);
                 vstore(dP + r * BK + c0, pv * vload<V>(dP + r * BK + c0));
               }
@@ -1309,11 +1327,16 @@ struct Backward {
             for (int64_t r = 0; r < nq; ++r) {
               const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
               for (int64_t c0 = 0; c0 < BK; c0 += W) {
-                V pv = exp2v(vload<V>(Sb + r * BK + c0) - l2);
+                V pv = exp2v<true>(vload<V>(Sb + r * BK + c0) - l2);
                 vstore(Sb + r * BK + c0, pv);
                 vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
               }
             }
+          }
+          // Hidden entries: P = dS = 0 (after the exponential: see mask_key_rows).
+          if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk)) {
+            mask_query_rows(Sb, BK, rule, j0, BK, i0, nq, C(0));
+            mask_query_rows(dP, BK, rule, j0, BK, i0, nq, C(0));
           }
           gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
           gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
@@ -1323,9 +1346,10 @@ struct Backward {
       for (int64_t r = 0; r < nk; ++r) {
         S* dk = row_ptr<S>(dkv, b, hk, j0 + r);
         S* dv = row_ptr<S>(dvv, b, hk, j0 + r);
+        const bool seen = rule.key_seen(j0 + r, Sq);  // a key without rows: exactly 0 (as dQ's)
         for (int64_t d = 0; d < D; ++d) {
-          store_as<C>(dk + d, dK[r * Dp + d] * gs);
-          store_as<C>(dv + d, dV[r * Dp + d]);
+          store_as<C>(dk + d, seen ? dK[r * Dp + d] * gs : C(0));
+          store_as<C>(dv + d, seen ? dV[r * Dp + d] : C(0));
         }
       }
       for (int64_t r = nk; r < nrows; ++r) {

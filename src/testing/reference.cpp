@@ -19,9 +19,16 @@ struct HeadView {
   int64_t sq, skv, d;
 };
 
-// S = scale * q k^T (softcapped, plus the ALiBi bias) with masked entries -inf; P = softmax(S)
-// rowwise (rows with no visible key: 0). F (when given) gets d S / d (scale * q.k): 1 - tanh^2
-// under a softcap, else 1.
+// S = scale * q k^T (softcapped, plus the ALiBi bias) of the visible entries; P = softmax(S) per
+// row, masked entries exactly 0. F (when given) gets d S / d (scale * q.k): 1 - tanh^2 under a
+// softcap, else 1.
+// Non-finite values follow IEEE arithmetic through the max-shifted form every backend computes,
+//     m = max_j S_ij,  lse = m + log(sum_j exp(S_ij - m)),  P_ij = exp(S_ij - lse)
+// with one convention of the online softmax: a row whose visible scores are all -inf shifts by 0
+// instead of m (exp(-inf - -inf) would be NaN), so its sum is 0, lse = -inf and P = exp(-inf + inf)
+// = NaN. A NaN score makes the sum NaN whether or not the max saw it (std::max drops it), so lse
+// and the row's P are NaN; a +inf score makes m = +inf and exp(inf - inf) = NaN likewise. Only a
+// row with no visible key (decided by the band, never by the values) is empty: lse = -inf, P = 0.
 void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, double softcap, double slope,
                       std::vector<double>& P, std::vector<double>& lse, std::vector<double>* F = nullptr) {
   P.assign(h.sq * h.skv, 0.0);
@@ -30,12 +37,10 @@ void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, dou
   std::vector<double> S(h.skv);
   const int64_t diag = h.skv - h.sq;
   for (int64_t i = 0; i < h.sq; ++i) {
+    const int64_t j0 = rule.key_begin(i), j1 = rule.key_end(i, h.skv);
+    if (j0 >= j1) continue;  // no visible key
     double m = -std::numeric_limits<double>::infinity();
-    for (int64_t j = 0; j < h.skv; ++j) {
-      if (!rule.visible(i, j)) {
-        S[j] = -std::numeric_limits<double>::infinity();
-        continue;
-      }
+    for (int64_t j = j0; j < j1; ++j) {
       double acc = 0;
       for (int64_t x = 0; x < h.d; ++x) acc += h.q[i * h.d + x] * h.k[j * h.d + x];
       double s = scale * acc, f = 1.0;
@@ -49,12 +54,11 @@ void scores_and_probs(const HeadView& h, double scale, const MaskRule& rule, dou
       if (F) (*F)[i * h.skv + j] = f;
       m = std::max(m, S[j]);
     }
-    if (m == -std::numeric_limits<double>::infinity()) continue;  // no visible key
+    const double shift = m == -std::numeric_limits<double>::infinity() ? 0.0 : m;
     double sum = 0;
-    for (int64_t j = 0; j < h.skv; ++j) sum += rule.visible(i, j) ? std::exp(S[j] - m) : 0.0;
+    for (int64_t j = j0; j < j1; ++j) sum += std::exp(S[j] - shift);
     lse[i] = m + std::log(sum);
-    for (int64_t j = 0; j < h.skv; ++j)
-      P[i * h.skv + j] = rule.visible(i, j) ? std::exp(S[j] - lse[i]) : 0.0;
+    for (int64_t j = j0; j < j1; ++j) P[i * h.skv + j] = std::exp(S[j] - lse[i]);
   }
 }
 
@@ -85,11 +89,12 @@ RefForward reference_forward(const RefShape& s, const std::vector<double>& q,
       // Loops below run their innermost index over contiguous memory: walking a column of P or
       // dS touches a new page per element (10x slower at S = 2048). Every element still sums its
       // terms from zero in ascending index order, so results are bitwise those of the textbook
-      // loop nest.
+      // loop nest. They visit the band only: a masked entry is absent, not a zero weight, so a
+      // NaN or inf in a key a row does not see cannot reach that row (0 * inf would be NaN).
       for (int64_t i = 0; i < s.seq_q; ++i) {
         r.lse[(b * s.heads_q + h) * s.seq_q + i] = lse[i];
         double* o = &r.out[qo + i * D];
-        for (int64_t j = 0; j < s.seq_kv; ++j) {
+        for (int64_t j = rule.key_begin(i); j < rule.key_end(i, s.seq_kv); ++j) {
           const double p = P[i * s.seq_kv + j];
           for (int64_t x = 0; x < D; ++x) o[x] += p * hv.v[j * D + x];
         }
@@ -117,16 +122,17 @@ RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
       scores_and_probs(hv, scale, rule, mods.softcap, slope_of(s, mods, b, h), P, lse, &F);
       const double* dO = &dout[qo];
       // dV += P^T dO ; dP = dO V^T
-      // (innermost loops over contiguous memory, sums in the textbook order: see the forward)
+      // (innermost loops over contiguous memory, sums in the textbook order, the band only: see
+      // the forward)
       acc.assign(Skv * D, 0.0);
       for (int64_t i = 0; i < Sq; ++i)
-        for (int64_t j = 0; j < Skv; ++j) {
+        for (int64_t j = rule.key_begin(i); j < rule.key_end(i, Skv); ++j) {
           const double p = P[i * Skv + j];
           for (int64_t x = 0; x < D; ++x) acc[j * D + x] += p * dO[i * D + x];
         }
       for (int64_t e = 0; e < Skv * D; ++e) r.dv[ko + e] += acc[e];
       for (int64_t i = 0; i < Sq; ++i)
-        for (int64_t j = 0; j < Skv; ++j) {
+        for (int64_t j = rule.key_begin(i); j < rule.key_end(i, Skv); ++j) {
           double acc = 0;
           for (int64_t x = 0; x < D; ++x) acc += dO[i * D + x] * hv.v[j * D + x];
           dP[i * Skv + j] = acc;
@@ -134,15 +140,16 @@ RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
       // dS = P * (dP - rowsum(P * dP))   (the softmax Jacobian, written out), times the
       // softcap's derivative F (the bias is constant)
       for (int64_t i = 0; i < Sq; ++i) {
+        const int64_t j0 = rule.key_begin(i), j1 = rule.key_end(i, Skv);
         double rs = 0;
-        for (int64_t j = 0; j < Skv; ++j) rs += P[i * Skv + j] * dP[i * Skv + j];
-        for (int64_t j = 0; j < Skv; ++j)
+        for (int64_t j = j0; j < j1; ++j) rs += P[i * Skv + j] * dP[i * Skv + j];
+        for (int64_t j = j0; j < j1; ++j)
           dS[i * Skv + j] = P[i * Skv + j] * (dP[i * Skv + j] - rs) * F[i * Skv + j];
       }
       // dQ = scale * dS K ; dK += scale * dS^T Q
       for (int64_t i = 0; i < Sq; ++i) {
         acc.assign(D, 0.0);
-        for (int64_t j = 0; j < Skv; ++j) {
+        for (int64_t j = rule.key_begin(i); j < rule.key_end(i, Skv); ++j) {
           const double d = dS[i * Skv + j];
           for (int64_t x = 0; x < D; ++x) acc[x] += d * hv.k[j * D + x];
         }
@@ -150,7 +157,7 @@ RefBackward reference_backward(const RefShape& s, const std::vector<double>& q,
       }
       acc.assign(Skv * D, 0.0);
       for (int64_t i = 0; i < Sq; ++i)
-        for (int64_t j = 0; j < Skv; ++j) {
+        for (int64_t j = rule.key_begin(i); j < rule.key_end(i, Skv); ++j) {
           const double d = dS[i * Skv + j];
           for (int64_t x = 0; x < D; ++x) acc[j * D + x] += d * hv.q[i * D + x];
         }

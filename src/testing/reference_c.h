@@ -15,8 +15,10 @@
  *   lse                [B, Hq,  Sq]       natural log; -inf for a row that sees no key
  * Semantics are those of flashattn.h: S = softmax_scale * Q K^T with masked entries -inf,
  * P = softmax(S) per row, O = P V; a row with no visible key gives O = 0, lse = -inf and no
- * gradient. The backward returns the gradients of sum(O * dO); dk and dv sum over the query heads
- * of each kv group. softmax_scale is used exactly as given (the library carries it as a float32:
+ * gradient. NaN and Inf in the inputs propagate as flashattn.h describes; hidden entries are
+ * absent from every sum (never 0 * NaN), so an output that does not see a poisoned element does
+ * not depend on it. The backward returns the gradients of sum(O * dO); dk and dv sum over the
+ * query heads of each kv group. softmax_scale is used exactly as given (the library carries it as a float32:
  * pass that float32's value to compare with it). The backward recomputes P from q and k: it needs
  * no forward output.
  *
