@@ -38,6 +38,9 @@
  * NaN outputs of rows or keys that share a tile with it without seeing it (tile sizes are the
  * backend's). In precision fp32 on CUDA (3xTF32) an infinite input element becomes NaN in the
  * products it enters. docs/ALGORITHM.md ("Non-finite inputs and empty rows") has the details.
+ * (The CUDA kernels do not follow this rule yet: there a row whose softmax sum is not positive -
+ * a NaN or +inf score - still gets the empty row's O = 0 and lse = -inf. The CPU backend and the
+ * float64 reference follow it.)
  * Accumulation is float32 for float32/float16/bfloat16 inputs (float64 for float64 inputs).
  * Results are deterministic: bitwise identical run to run and for any thread count.
  */
