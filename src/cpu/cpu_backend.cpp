@@ -76,28 +76,51 @@ Buffer allocate(size_t bytes) {
 struct ScratchCache {
   std::vector<Buffer> bufs;
   std::vector<size_t> sizes;
+  // Slots for `threads` threads, made before a run (the vectors are not resized during it).
+  void reserve(size_t threads) {
+    if (bufs.size() < threads) {
+      bufs.resize(threads);
+      sizes.resize(threads, 0);
+    }
+  }
+  // Slot t's buffer, grown to `bytes` on its first use: threads that find no task (more threads
+  // than tasks) allocate nothing.
+  void* slot(size_t t, size_t bytes) {
+    Buffer& buf = bufs[t];
+    size_t& size = sizes[t];
+    if (bytes > 0 && size < bytes) {
+      buf.reset();
+      size = 0;
+      buf = allocate(bytes);
+      size = bytes;
+    }
+    return buf.get();
+  }
 };
 
-class PoolParallel final : public Parallel {
+// What both ways of running a call share: memory that lives until the call returns.
+class CallParallel : public Parallel {
+ public:
+  void* alloc(size_t bytes) override {
+    owned_.push_back(allocate(bytes));
+    return owned_.back().get();
+  }
+
+ protected:
+  ~CallParallel() = default;
+
+ private:
+  std::vector<Buffer> owned_;
+};
+
+class PoolParallel final : public CallParallel {
  public:
   explicit PoolParallel(PoolLease& lease) : pool_(lease.pool()), scratch_(lease.attached<ScratchCache>()) {}
 
   void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
-    ScratchCache& sc = scratch_;
-    const size_t n = static_cast<size_t>(pool_.threads());
-    if (sc.bufs.size() < n) {
-      sc.bufs.resize(n);
-      sc.sizes.resize(n, 0);
-    }
-    // Each thread grows its own slot on first use, so threads that find no task (more threads
-    // than tasks) allocate nothing; the vectors themselves are not resized during the run.
-    Job job{fn, ctx, scratch_bytes, &sc};
+    scratch_.reserve(static_cast<size_t>(pool_.threads()));
+    Job job{fn, ctx, scratch_bytes, &scratch_};
     pool_.run(num_tasks, &trampoline, &job);
-  }
-
-  void* alloc(size_t bytes) override {
-    owned_.push_back(allocate(bytes));
-    return owned_.back().get();
   }
 
  private:
@@ -109,21 +132,11 @@ class PoolParallel final : public Parallel {
   };
   static void trampoline(const void* j, int64_t task, int thread) {
     const Job& job = *static_cast<const Job*>(j);
-    const size_t t = static_cast<size_t>(thread);
-    Buffer& buf = job.cache->bufs[t];
-    size_t& size = job.cache->sizes[t];
-    if (job.scratch_bytes > 0 && size < job.scratch_bytes) {
-      buf.reset();
-      size = 0;
-      buf = allocate(job.scratch_bytes);
-      size = job.scratch_bytes;
-    }
-    job.fn(job.ctx, task, buf.get());
+    job.fn(job.ctx, task, job.cache->slot(static_cast<size_t>(thread), job.scratch_bytes));
   }
 
   ThreadPool& pool_;
   ScratchCache& scratch_;
-  std::vector<Buffer> owned_;
 };
 
 // The calls' tasks on a framework's team of threads (set_team_runner): every team member drains
@@ -131,18 +144,14 @@ class PoolParallel final : public Parallel {
 // of its own (not from the runner's thread number, which the library need not trust), members
 // beyond `threads` return at once, and a task's exception is kept and rethrown here after the
 // runner returns (never thrown through the runner's frames).
-class TeamParallel final : public Parallel {
+class TeamParallel final : public CallParallel {
  public:
   TeamParallel(TeamRunner run, void* ctx, int threads, ScratchCache& sc)
       : run_(run), ctx_(ctx), threads_(threads < 1 ? 1 : threads), scratch_(sc) {}
 
   void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
     if (num_tasks <= 0) return;
-    const size_t n = static_cast<size_t>(threads_);
-    if (scratch_.bufs.size() < n) {
-      scratch_.bufs.resize(n);
-      scratch_.sizes.resize(n, 0);
-    }
+    scratch_.reserve(static_cast<size_t>(threads_));
     Team team;
     team.fn = fn;
     team.ctx = ctx;
@@ -160,11 +169,6 @@ class TeamParallel final : public Parallel {
       body(&team, 0);
       if (team.error) std::rethrow_exception(team.error);
     }
-  }
-
-  void* alloc(size_t bytes) override {
-    owned_.push_back(allocate(bytes));
-    return owned_.back().get();
   }
 
  private:
@@ -189,15 +193,7 @@ class TeamParallel final : public Parallel {
       const int64_t task = team.next_task.fetch_add(1);
       if (task >= team.num_tasks) return;
       try {
-        Buffer& buf = team.cache->bufs[t];
-        size_t& size = team.cache->sizes[t];
-        if (team.scratch_bytes > 0 && size < team.scratch_bytes) {
-          buf.reset();
-          size = 0;
-          buf = allocate(team.scratch_bytes);
-          size = team.scratch_bytes;
-        }
-        team.fn(team.ctx, task, buf.get());
+        team.fn(team.ctx, task, team.cache->slot(t, team.scratch_bytes));
       } catch (...) {
         const std::lock_guard<std::mutex> g(team.mu);
         if (!team.error) team.error = std::current_exception();
@@ -210,7 +206,6 @@ class TeamParallel final : public Parallel {
   void* ctx_;
   int threads_;
   ScratchCache& scratch_;
-  std::vector<Buffer> owned_;
 };
 
 // The installed runner (flashattn_set_cpu_team_runner); read once per call.
