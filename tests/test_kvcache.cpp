@@ -17,6 +17,7 @@
 #include "flashattn/flashattn.hpp"
 #include "testing/problem.hpp"
 #include "testing/reference.hpp"
+#include "test_util.hpp"
 
 namespace flashattn::test {
 namespace {
@@ -61,16 +62,6 @@ Tensor view4(void* data, DType t, int64_t a, int64_t b, int64_t c, int64_t d, in
   const int64_t st[4] = {b * (c * d + row_pad), c * d + row_pad, d, 1};
   for (int i = 0; i < 4; ++i) r.shape[i] = sh[i], r.stride[i] = st[i];
   return r;
-}
-
-Tensor index1(std::vector<int32_t>& x) {
-  Tensor t;
-  t.data = x.data();
-  t.dtype = DType::Int32;
-  t.ndim = 1;
-  t.shape[0] = static_cast<int64_t>(x.size());
-  t.stride[0] = 1;
-  return t;
 }
 
 // The buffers of a case (outputs NaN-poisoned), the views and the KvCache description.
@@ -156,11 +147,11 @@ struct Harness {
     }
     if (!c.seqlens.empty()) {
       seqlens = c.seqlens;
-      tsl = index1(seqlens);
+      tsl = index_tensor(seqlens);
       kv.cache_seqlens = &tsl;
     }
-    if (c.batch_idx) tbi = index1(bidx), kv.cache_batch_idx = &tbi;
-    if (!c.leftpad.empty()) leftpad = c.leftpad, tlp = index1(leftpad), kv.cache_leftpad = &tlp;
+    if (c.batch_idx) tbi = index_tensor(bidx), kv.cache_batch_idx = &tbi;
+    if (!c.leftpad.empty()) leftpad = c.leftpad, tlp = index_tensor(leftpad), kv.cache_leftpad = &tlp;
     if (c.block_size > 0) {
       if (c.unused_pages_invalid)
         for (int64_t b = 0; b < c.B; ++b) {
@@ -572,7 +563,7 @@ TEST(KvCacheBadInput, BlockTable) {
   KvCase odd = small_paged();
   odd.block_size = 24;
   expect_refused(odd, [](Harness&) {}, Status::InvalidArgument, {"block_size) = 24", "multiple of 16"});
-  expect_refused(small_paged(), [](Harness& h) { h.tbi = index1(h.seqlens), h.kv.cache_batch_idx = &h.tbi; },
+  expect_refused(small_paged(), [](Harness& h) { h.tbi = index_tensor(h.seqlens), h.kv.cache_batch_idx = &h.tbi; },
                  Status::InvalidArgument, {"cache_batch_idx cannot be combined with block_table"});
 }
 

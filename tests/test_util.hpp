@@ -21,6 +21,17 @@ using testing::ProblemConfig;
 
 using testing::make_config;
 
+// An int32 [n] tensor over x (varlen cu_seqlens / seqused_k, kvcache index tensors) on the CPU.
+inline Tensor index_tensor(std::vector<int32_t>& x) {
+  Tensor t;
+  t.data = x.data();
+  t.dtype = DType::Int32;
+  t.ndim = 1;
+  t.shape[0] = static_cast<int64_t>(x.size());
+  t.stride[0] = 1;
+  return t;
+}
+
 inline testing::RefShape ref_shape(const ProblemConfig& c) {
   return testing::RefShape{c.batch, c.heads_q, c.heads_kv, c.seq_q, c.seq_kv, c.head_dim};
 }

@@ -20,17 +20,6 @@
 
 namespace flashattn::test {
 
-// An int32 [n] tensor over x (cu_seqlens, seqused_k) on the CPU.
-inline Tensor index_tensor(std::vector<int32_t>& x) {
-  Tensor t;
-  t.data = x.data();
-  t.dtype = DType::Int32;
-  t.ndim = 1;
-  t.shape[0] = static_cast<int64_t>(x.size());
-  t.stride[0] = 1;
-  return t;
-}
-
 // A packed problem of any dtype: per-sequence lengths (queries, keys, optionally seqused_k), the
 // options, and buffers whose outputs are NaN-poisoned before every call.
 struct VarCase {
