@@ -223,25 +223,25 @@ def fa2_window(window, causal, max_k):
     return (left, 0 if causal and right == -1 else right) if causal else (left, right)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=lambda d: DTYPE_NAMES[d])
-@pytest.mark.parametrize("lens", ["self", "cross"], ids=str)
-@pytest.mark.parametrize("mods", ["plain", "window", "softcap", "alibi_h", "alibi_bh", "all"])
-def test_flash_attn_varlen_func(causal, dtype, lens, mods):
+def check_varlen_func(device, causal, dtype, lens, mods, d, seed):
+    """flash_attn_varlen_func on `device` (inputs, sequence arrays and slopes there) against the
+    float64 reference per sequence, forward and backward."""
     lens_q, lens_k = LENGTHS[lens]
-    hq, hkv, d = 6, 2, 40
+    hq, hkv = 6, 2
     m = dict(MODS.get(mods, {}))
     alibi = slopes_for(m.pop("alibi", None), len(lens_q), hq)
     window, softcap = m.get("window", (-1, -1)), m.get("softcap", 0.0)
-    q, k, v, dout = make_batch(lens_q, lens_k, hq, hkv, d, dtype, seed=1)
-    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    q, k, v, dout = make_batch(lens_q, lens_k, hq, hkv, d, dtype, seed=seed)
+    qq, kk, vv = (x.to(device, copy=True).requires_grad_() for x in (q, k, v))
     mq, mk = max(lens_q), max(lens_k)
-    out, lse, probs = run_backend(flash_attn_varlen_func, qq, kk, vv, cu(lens_q), cu(lens_k), mq,
-                                  mk, causal=causal, window_size=window, softcap=softcap,
-                                  alibi_slopes=alibi, return_attn_probs=True)
-    assert out.shape == q.shape and out.dtype == dtype and probs is None
+    out, lse, probs = run_backend(flash_attn_varlen_func, qq, kk, vv, cu(lens_q).to(device),
+                                  cu(lens_k).to(device), mq, mk, causal=causal, window_size=window,
+                                  softcap=softcap,
+                                  alibi_slopes=None if alibi is None else alibi.to(device),
+                                  return_attn_probs=True)
+    assert out.device.type == device and out.shape == q.shape and out.dtype == dtype and probs is None
     assert lse.shape == (hq, q.shape[0]) and lse.dtype == torch.float32
-    run_backend(out.backward, dout)
+    run_backend(out.backward, dout.to(device))
     mask = "causal_bottom_right" if causal else "none"
     r = ref_varlen(q, k, v, dout, lens_q, lens_k, mask=mask, alibi=alibi,
                    window=fa2_window(window, causal, mk), softcap=softcap)
@@ -256,6 +256,14 @@ def test_flash_attn_varlen_func(causal, dtype, lens, mods):
         check(name, got.detach(), ref, dtype, kind)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("lens", ["self", "cross"], ids=str)
+@pytest.mark.parametrize("mods", ["plain", "window", "softcap", "alibi_h", "alibi_bh", "all"])
+def test_flash_attn_varlen_func(causal, dtype, lens, mods):
+    check_varlen_func("cpu", causal, dtype, lens, mods, d=40, seed=1)
+
+
 CUDA = pytest.mark.skipif(not (torch.cuda.is_available() and flashattn.cuda_available()),
                           reason="no CUDA device (or a CPU-only build)")
 
@@ -267,31 +275,7 @@ CUDA = pytest.mark.skipif(not (torch.cuda.is_available() and flashattn.cuda_avai
 @pytest.mark.parametrize("mods", ["plain", "all"])
 def test_flash_attn_varlen_func_cuda(causal, dtype, lens, mods):
     """The same calls on CUDA tensors (sequence arrays on the device too)."""
-    lens_q, lens_k = LENGTHS[lens]
-    hq, hkv, d = 6, 2, 64
-    m = dict(MODS.get(mods, {}))
-    alibi = slopes_for(m.pop("alibi", None), len(lens_q), hq)
-    window, softcap = m.get("window", (-1, -1)), m.get("softcap", 0.0)
-    q, k, v, dout = make_batch(lens_q, lens_k, hq, hkv, d, dtype, seed=2)
-    qq, kk, vv = (x.cuda().requires_grad_() for x in (q, k, v))
-    mq, mk = max(lens_q), max(lens_k)
-    out, lse, _ = flash_attn_varlen_func(qq, kk, vv, cu(lens_q).cuda(), cu(lens_k).cuda(), mq, mk,
-                                         causal=causal, window_size=window, softcap=softcap,
-                                         alibi_slopes=None if alibi is None else alibi.cuda(),
-                                         return_attn_probs=True)
-    assert out.is_cuda and out.shape == q.shape and out.dtype == dtype
-    out.backward(dout.cuda())
-    mask = "causal_bottom_right" if causal else "none"
-    r = ref_varlen(q, k, v, dout, lens_q, lens_k, mask=mask, alibi=alibi,
-                   window=fa2_window(window, causal, mk), softcap=softcap)
-    ref_lse = r[1]
-    if alibi is not None and causal and fa2_window(window, causal, mk)[0] == -1:
-        ref_lse = ref_lse + alibi_shift(alibi, lens_q, lens_k)
-    for name, kind, got, ref in zip(("out", "lse", "dq", "dk", "dv"),
-                                    ("out", "lse", "grad", "grad", "grad"),
-                                    (out, lse, qq.grad, kk.grad, vv.grad),
-                                    (r[0], ref_lse, *r[2:])):
-        check(name, got.detach(), ref, dtype, kind)
+    check_varlen_func("cuda", causal, dtype, lens, mods, d=64, seed=2)
 
 
 def alibi_shift(alibi, lens_q, lens_k):
