@@ -181,6 +181,17 @@ def _is_cuda(x, fw):
     return dev_type in _DLPACK_CUDA
 
 
+def torch_stream(t):
+    """The handle of PyTorch's current stream on the device of torch tensor t (0 on the CPU),
+    without building a torch.cuda.Stream object (a few microseconds per call) where this torch
+    has the raw accessor."""
+    if not t.is_cuda:
+        return 0
+    torch = _module_if_loaded("torch")
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(t.get_device()) if raw is not None else torch.cuda.current_stream(t.device).cuda_stream
+
+
 class _Launch:
     """Where and how one call runs: the stream, and how outputs are allocated and returned.
 
@@ -198,12 +209,8 @@ class _Launch:
         self.host = self.fw
         if self.fw == "torch":
             if self.cuda:
-                import torch
-
-                # Queue the kernels behind whatever PyTorch queued on its current stream (its
-                # handle without building a torch.cuda.Stream where this torch allows).
-                raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-                self.stream = raw(q.get_device()) if raw else torch.cuda.current_stream(q.device).cuda_stream
+                # Queue the kernels behind whatever PyTorch queued on its current stream.
+                self.stream = torch_stream(q)
         elif self.fw == "cupy":
             import cupy
 

@@ -38,17 +38,7 @@ from . import _api, _ext
 __all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads"]
 
 
-# The current stream's handle without building a torch.cuda.Stream object (a few microseconds
-# per call): the private accessor where this torch has it, the public API otherwise.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream(t: Tensor) -> int:
-    if not t.is_cuda:
-        return 0
-    if _raw_stream is not None:
-        return _raw_stream(t.get_device())
-    return torch.cuda.current_stream(t.device).cuda_stream
+_stream = _api.torch_stream
 
 
 # Tensors cross into the extension as DLPack capsules: nanobind takes a capsule as it is, where a
