@@ -18,9 +18,10 @@
 // weight 0, and a tile product multiplies it with the inputs' rows, so 0 * NaN (or 0 * inf) can
 // reach an output whose row or key does not see the poisoned element: O through a poisoned v
 // (P V, in the poisoned column), dQ through a poisoned k or v (dS K; dS = P (dP - D) with
-// dP = dO V^T), dK through a poisoned q (dS^T Q); and an O that may be NaN so, through D, the dQ
-// of its row and the dK of the keys it sees. Such outputs may be NaN (Want::ValueOrNaN); empty
-// rows and unseen keys may not (the epilogues write their zeros).
+// dP = dO V^T), dK through a poisoned q (dS^T Q); and a row whose D = rowsum(dO * O) is NaN (or
+// may be, its O having such a NaN) through dS = 0 * (dP - D) to the dK of every key of its tiles.
+// Such outputs may be NaN (Want::ValueOrNaN); empty rows and unseen keys may not (the epilogues
+// write their zeros).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -30,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -129,7 +131,13 @@ inline Wants wants_for(const ProblemConfig& c, const std::vector<Poison>& poison
         const int64_t row = qrow(b, h, i);
         if (d_leak[row]) dq_leak[row] = 1;
         for (int64_t j = 0; j < Skv; ++j) {
-          if (!sees(i, j)) continue;
+          // A hidden entry's dS = 0 * (dP - D) is NaN where D is (the CUDA dK/dV kernels zero its
+          // P, not its dS: no per-entry work in their hottest loop), so such a row may reach the
+          // dK of keys it does not see, too.
+          if (!sees(i, j)) {
+            if (d_nan[row] || d_leak[row]) dk_leak[krow(b, h / G, j)] = 1;
+            continue;
+          }
           if (d_nan[row]) dk_nan[krow(b, h / G, j)] = 1;  // dS = P (dP - D)
           if (d_leak[row]) dk_leak[krow(b, h / G, j)] = 1;
           if (p_nan[row]) dv_nan[krow(b, h / G, j)] = 1;  // P^T dO
@@ -190,11 +198,89 @@ inline void apply_poison(Problem& p, const std::vector<Poison>& poison) {
   }
 }
 
-// Every output element of `got` (out, lse, dq, dk, dv as Problem::to_double gives them) against
+// ---- the cases the CPU and GPU suites share ----------------------------------------------------
+
+// A problem shape with its mask (and window), named for the test.
+struct NonFiniteShape {
+  const char* name;
+  int64_t b, hq, hkv, sq, skv, d;
+  Mask mask;
+  int64_t window_left = -1, window_right = -1;
+};
+inline ProblemConfig config_of(const NonFiniteShape& s, DType dt, uint64_t seed) {
+  ProblemConfig c = make_config(s.b, s.hq, s.hkv, s.sq, s.skv, s.d, s.mask, dt, testing::Layout::BSHD, 0.0f, seed);
+  c.window_left = s.window_left;
+  c.window_right = s.window_right;
+  return c;
+}
+
+// Poisons near the middle of the sequences (rows and keys some rows see and some do not), in
+// batch and head 0, and in the last batch's last head too.
+inline std::vector<Poison> poison_pair(Poison::Which w, const NonFiniteShape& s, double value, bool all_ones = false) {
+  const int64_t row = w == Poison::Q ? s.sq - 2 : s.skv / 2, h = w == Poison::Q ? s.hq - 1 : s.hkv - 1;
+  return {{w, 0, 0, row, 0, value, all_ones}, {w, s.b - 1, h, row / 2, s.d - 1, value, all_ones}};
+}
+struct NonFiniteCase {
+  const char* name;
+  std::vector<Poison> (*poison)(const NonFiniteShape&);
+};
+// NaN in q, k, v; +inf in k; a NaN in the first key (every row that sees a key sees it under a
+// causal mask); NaNs of all-ones bytes in q and k.
+inline const std::vector<NonFiniteCase>& nonfinite_cases() {
+  constexpr double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  static const std::vector<NonFiniteCase> cases = {
+      {"nan_q", [](const NonFiniteShape& s) { return poison_pair(Poison::Q, s, nan); }},
+      {"nan_k", [](const NonFiniteShape& s) { return poison_pair(Poison::K, s, nan); }},
+      {"nan_v", [](const NonFiniteShape& s) { return poison_pair(Poison::V, s, nan); }},
+      {"inf_k", [](const NonFiniteShape& s) { return poison_pair(Poison::K, s, inf); }},
+      {"nan_k_first", [](const NonFiniteShape&) { return std::vector<Poison>{{Poison::K, 0, 0, 0, 0, nan}}; }},
+      {"nan_all_ones_q_k",
+       [](const NonFiniteShape& s) {
+         std::vector<Poison> r = poison_pair(Poison::Q, s, nan, true);
+         for (const Poison& x : poison_pair(Poison::K, s, nan, true)) r.push_back(x);
+         return r;
+       }},
+  };
+  return cases;
+}
+
+// One test parameter: shape x case x dtype, over every combination of the given lists.
+struct NonFiniteParam {
+  NonFiniteShape shape;
+  NonFiniteCase c;
+  DType dtype;
+};
+inline void PrintTo(const NonFiniteParam& p, std::ostream* os) {
+  *os << p.shape.name << "/" << p.c.name << "/" << dtype_name(p.dtype);
+}
+inline std::vector<NonFiniteParam> nonfinite_params(const std::vector<NonFiniteShape>& shapes,
+                                                    const std::vector<DType>& dtypes) {
+  std::vector<NonFiniteParam> r;
+  for (const NonFiniteShape& s : shapes)
+    for (const NonFiniteCase& c : nonfinite_cases())
+      for (DType dt : dtypes) r.push_back({s, c, dt});
+  return r;
+}
+inline std::string nonfinite_param_name(const ::testing::TestParamInfo<NonFiniteParam>& i) {
+  return std::string(i.param.shape.name) + "_" + i.param.c.name + "_" + dtype_name(i.param.dtype);
+}
+
+// The five outputs (out, lse, dq, dk, dv) of a problem or of the reference, as matches_wants reads them.
+struct Outputs {
+  std::vector<double> v[5];
+};
+inline Outputs outputs_of(const Problem& p) {
+  return Outputs{{p.to_double(p.out), p.to_double(p.lse), p.to_double(p.dq), p.to_double(p.dk), p.to_double(p.dv)}};
+}
+inline Outputs outputs_of(const Reference& r) { return Outputs{{r.fwd.out, r.fwd.lse, r.bwd.dq, r.bwd.dk, r.bwd.dv}}; }
+
+// Every output element of `got` (out, lse, dq, dk, dv: outputs_of) against
 // `wants`, Value entries against `ref` within tol[o] * max(1, max |ref| of the output's Value
 // entries; for the gradients the largest of the three). Lists the first mismatches.
-inline ::testing::AssertionResult matches_wants(const std::vector<double> (&got)[5], const std::vector<double> (&ref)[5],
+inline ::testing::AssertionResult matches_wants(const Outputs& got_outputs, const Outputs& ref_outputs,
                                                 const Wants& wants, const double (&tol)[5]) {
+  const std::vector<double>(&got)[5] = got_outputs.v;
+  const std::vector<double>(&ref)[5] = ref_outputs.v;
   static const char* kNames[5] = {"out", "lse", "dq", "dk", "dv"};
   double scale[5];
   for (int o = 0; o < 5; ++o) {

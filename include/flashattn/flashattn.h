@@ -28,19 +28,17 @@
  * lengths gets O = 0, lse = -inf and dq = 0, and a key that no row sees dk = dv = 0, exactly,
  * whatever the inputs hold. Every other output is what IEEE arithmetic makes of the max-shifted
  * softmax (m = max_j S_ij, lse = m + log(sum_j exp(S_ij - m)), O = sum_j exp(S_ij - lse) V_j): a
- * NaN score (NaN in q or k) or a +inf one gives that row O = NaN and lse = NaN (not +inf: the
- * row sum is exp(inf - inf) = NaN); visible scores that are all -inf give O = NaN (0/0) and
- * lse = -inf; a NaN in v gives NaN in that column of O for the rows that see it; scores beyond the
- * range of exp (1e19) give the largest one's v exactly. In the backward a row whose O has a NaN
- * has dq = NaN and makes dk NaN for every key it sees (through rowsum(dout * O)), and dv too when
- * its lse is NaN. Within one kernel tile a hidden entry
- * has the weight 0, and 0 * NaN is NaN, so a NaN or inf element of q, k, v or dout can also make
- * NaN outputs of rows or keys that share a tile with it without seeing it (tile sizes are the
- * backend's). In precision fp32 on CUDA (3xTF32) an infinite input element becomes NaN in the
- * products it enters. docs/ALGORITHM.md ("Non-finite inputs and empty rows") has the details.
- * (The CUDA kernels do not follow this rule yet: there a row whose softmax sum is not positive -
- * a NaN or +inf score - still gets the empty row's O = 0 and lse = -inf. The CPU backend and the
- * float64 reference follow it.)
+ * NaN score (NaN in q or k) or a +inf one gives that row O = NaN and lse = NaN (not +inf: the row
+ * sum is exp(inf - inf) = NaN); visible scores that are all -inf give O = NaN (0/0) and lse = -inf;
+ * a NaN in v gives NaN in that column of O for the rows that see it; scores beyond the range of exp
+ * (1e19) give the largest one's v exactly. In the backward a row whose O has a NaN has dq = NaN and
+ * makes dk NaN for every key it sees (through rowsum(dout * O)), and dv too when its lse is NaN.
+ * Within one kernel tile a hidden entry has the weight 0, and 0 * NaN is NaN, so a NaN or inf
+ * element of q, k, v or dout can also make NaN outputs of rows or keys that share a tile with it
+ * without seeing it (on CUDA also the dk of keys that share a tile with a row whose O has a NaN;
+ * tile sizes are the backend's). In precision fp32 on CUDA (3xTF32) an infinite input element
+ * becomes NaN in the products it enters. docs/ALGORITHM.md ("Non-finite inputs and empty rows") has
+ * the details.
  * Accumulation is float32 for float32/float16/bfloat16 inputs (float64 for float64 inputs).
  * Results are deterministic: bitwise identical run to run and for any thread count.
  */

@@ -42,6 +42,18 @@ struct MaskRule {
   // values' (docs/ALGORITHM.md, "Non-finite inputs and empty rows").
   FLASHATTN_HD bool row_sees_keys(int64_t i, int64_t seq_kv) const { return key_begin(i) < key_end(i, seq_kv); }
   FLASHATTN_HD bool key_seen(int64_t j, int64_t seq_q) const { return row_begin(j) < row_end(j, seq_q); }
+  // The same as ranges (the band's edges are monotone): rows [i, i + 1) with lo <= hi,
+  // i + hi >= 0 and i + lo < seq_kv see a key, i.e. rows [live_rows_begin, live_rows_end); keys
+  // j >= lo with j - hi < seq_q are seen, i.e. keys [live_keys_begin, live_keys_end). Both empty
+  // when lo > hi. One compare per row against values uniform over a kernel (the CUDA epilogues).
+  FLASHATTN_HD int64_t live_rows_begin(int64_t seq_q) const { return clamp(-hi, 0, seq_q); }
+  FLASHATTN_HD int64_t live_rows_end(int64_t seq_q, int64_t seq_kv) const {
+    return lo > hi ? 0 : clamp(seq_kv - lo, 0, seq_q);
+  }
+  FLASHATTN_HD int64_t live_keys_begin(int64_t seq_kv) const { return clamp(lo, 0, seq_kv); }
+  FLASHATTN_HD int64_t live_keys_end(int64_t seq_q, int64_t seq_kv) const {
+    return lo > hi ? 0 : clamp(seq_q + hi, 0, seq_kv);
+  }
 
   // The union over a block of rows [r0, r1) is one range (the band's edges are monotone in i):
   // keys [key_begin(r0), key_end(r1 - 1)); likewise rows [row_begin(k0), row_end(k1 - 1)) for

@@ -1,8 +1,9 @@
 // The CUDA kernels' work arithmetic (src/cuda/common/work.hpp) on the host, against a brute-force
 // mask written out from its definition: the key tiles a query block visits and the query tiles a
 // key block visits (exactly the tiles holding a visible entry, none for a block that sees nothing),
-// which tiles skip per-entry masking (only those whose every entry is visible), and the per-lane
-// column bounds that mask the others (exactly the visible entries). Masks none, causal top-left
+// which tiles skip per-entry masking (only those whose every entry is visible), the per-lane
+// column bounds that mask the others (exactly the visible entries), and which rows and keys have no
+// visible entry at all. Masks none, causal top-left
 // and bottom-right, sliding windows with and without causal, Sq != Skv, tiles of 16 to 128.
 // Host code only: runs in CI.
 #include <gtest/gtest.h>
@@ -232,6 +233,26 @@ TEST(CudaWork, BlocksThatSeeNothingVisitNoTiles) {
   const KeyBlock c = key_block<64, 32>(t, numerics(Mask::CausalTopLeft), 0, 0, 1);
   const KeyBlock d = key_block_at(t, tl, 0, 0, 1, 64, 32);
   EXPECT_TRUE(c.m0 == d.m0 && c.t_begin == d.t_begin && c.ntiles == d.ntiles);
+}
+
+// The rows that see some key and the keys some row sees, as the epilogues take them
+// (MaskRule::live_rows_begin / _end, live_keys_begin / _end: one range each, uniform over a
+// kernel) and as the CPU kernels and the reference do (row_sees_keys, key_seen): exactly those of
+// the brute-force mask. They decide which outputs are written as exact zeros, whatever the inputs.
+TEST(CudaWork, RowsWithoutKeysAndKeysWithoutRows) {
+  for_each_problem([](const Band& m, const MaskRule& rule, int64_t sq, int64_t skv, const Grid& grid) {
+    const std::string w = what(m, sq, skv, 0, 0);
+    for (int64_t i = 0; i < sq; ++i) {
+      const bool sees = grid.count(i, i + 1, 0, skv) > 0;
+      ASSERT_EQ(rule.row_sees_keys(i, skv), sees) << w << " row " << i;
+      ASSERT_EQ(i >= rule.live_rows_begin(sq) && i < rule.live_rows_end(sq, skv), sees) << w << " row " << i;
+    }
+    for (int64_t j = 0; j < skv; ++j) {
+      const bool seen = grid.count(0, sq, j, j + 1) > 0;
+      ASSERT_EQ(rule.key_seen(j, sq), seen) << w << " key " << j;
+      ASSERT_EQ(j >= rule.live_keys_begin(skv) && j < rule.live_keys_end(sq, skv), seen) << w << " key " << j;
+    }
+  });
 }
 
 // A window narrows both ends of the range: the tiles before the band's lower edge are skipped

@@ -128,16 +128,29 @@ __device__ __forceinline__ void load_vec(float* smem, const float* g, int64_t ld
 
 // ---- TF32 splitting ----------------------------------------------------------------------------
 // Round to the nearest TF32 (10 explicit mantissa bits; ties away from zero) with integer ops:
-// full-rate ALU instead of the conversion unit. Inputs here are finite.
-__device__ __forceinline__ uint32_t tf32_round(float x) {
+// full-rate ALU instead of the conversion unit. tf32_round_finite: finite x only.
+__device__ __forceinline__ uint32_t tf32_round_finite(float x) {
   return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+// Any x: a non-finite one skips the rounding add (as cvt.rna.tf32.f32 compiles), so that an
+// infinity stays one and a NaN a NaN: the add carried a NaN's low significand bits into the sign
+// (the GPU's canonical NaN 0x7fffffff, which every NaN the kernels compute is, became -0 and
+// vanished from the products, where training must see it). (A NaN whose payload lies only in the
+// 13 dropped bits, which no arithmetic makes, would read as an infinity.)
+__device__ __forceinline__ uint32_t tf32_round(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (fabsf(x) < INFINITY ? u + 0x1000u : u) & 0xffffe000u;
 }
 // x = big + small with both TF32: big carries the top 11 significant bits, small the next 11
 // (x - big is exact in fp32), so big*big + big*small + small*big misses only small*small,
-// ~2^-22 relative: float32-class products from TF32 tensor cores.
+// ~2^-22 relative: float32-class products from TF32 tensor cores. A NaN x keeps a NaN big
+// (tf32_round). An infinite x has big = x and small = round(inf - inf): the GPU's NaN 0x7fffffff,
+// which tf32_round_finite turns into -0, so its products stay infinite where the other operand's
+// small part is not 0 (0 * inf is NaN: 3xTF32 cannot carry infinities, docs/ALGORITHM.md). (An
+// explicit test for it cost the 3xTF32 dK/dV kernel at D = 256 some 300 more spill bytes.)
 __device__ __forceinline__ void tf32_split(float x, uint32_t& big, uint32_t& small) {
   big = tf32_round(x);
-  small = tf32_round(x - __uint_as_float(big));
+  small = tf32_round_finite(x - __uint_as_float(big));
 }
 
 // float32 -> tf32 (round to nearest, ties away) on the conversion unit, as the bit pattern the
@@ -479,6 +492,28 @@ __device__ __forceinline__ KeyBlock key_block(const Shape& s, const Numerics& n)
   return key_block<BM, BN>(s, n, blockIdx.z, blockIdx.y, blockIdx.x);
 }
 
+// Whether the lane's rows row0 and row0 + 8 (r = 0, 1) lie in [begin, end): with
+// MaskRule::live_rows_begin / _end, whether they see some key; with live_keys_begin / _end (rows
+// are keys), whether some query row sees them. The bounds are uniform over the kernel (the call's
+// band), so the epilogues pay two compares per row and no registers across their main loop (a
+// per-row band test there, hoisted by ptxas above the loop, cost dq16 10 registers and spills).
+__device__ __forceinline__ void rows_in(int64_t row0, int64_t begin, int64_t end, bool (&in)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) in[r] = row0 + 8 * r >= begin && row0 + 8 * r < end;
+}
+
+// Sets row r (0: the lane's row g, 1: row g + 8) of a 16 x 8NT accumulator slice to exactly 0 where
+// keep[r] is false: the epilogues' outputs of rows that see no key (O, dQ) and of keys no row sees
+// (dK, dV). Their weights P and dS are 0, but a tile product still multiplies them with the rows
+// of the other operand that share the tile, and 0 * NaN (or 0 * inf) is NaN.
+template <int NT>
+__device__ __forceinline__ void zero_rows_unless(float (&acc)[NT][4], const bool (&keep)[2]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = keep[e >> 1] ? acc[j][e] : 0.0f;
+}
+
 // Reductions over the 4 lanes of a quad (they hold one row between them).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -528,22 +563,34 @@ __device__ __forceinline__ void softmax_rows(SoftmaxState& st, float (&s)[NS][4]
     mx = quad_max(mx);
     const float m_new = fmaxf(st.m[r], SCALED ? score.logit2(mx) : mx);
     // A row that has seen no visible key keeps m = -inf; subtracting 0 keeps its P at 0
-    // instead of exp2(-inf + inf) = NaN.
+    // instead of exp2(-inf + inf) = NaN. (fmaxf drops a NaN score from the max; its exp2 is NaN
+    // all the same, so the row's sum l, and its O and LSE, are NaN: nothing here needs to see it.)
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
     alpha[r] = FAST ? exp2_ftz(st.m[r] - m_use) : exp2f(st.m[r] - m_use);
     st.m[r] = m_new;
     float sum = 0.0f;
+    // SCALED: the fused exponent fma(s, sl2, -m) is exact before its one rounding while m is the
+    // rounded logit of the raw max, so at the max it is m's rounding error err (|err| <= 2^-24
+    // |m|): a common factor 2^err of the row's P, which cancels in O = P V / l and in
+    // LSE = m + log2 l while it is near 1 (|m| < 2^24: |err| <= 1/2). Beyond, P overflows or
+    // vanishes (at scores of 2e19, 2^(+-2^40): O was 0, or NaN). A warp with such a row takes the
+    // unfused form for the tile, whose exponent at the max is exactly 0 (one vote per row and tile).
+    if (SCALED && __all_sync(0xffffffffu, fabsf(m_use) < 0x1p24f)) {
 #pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      if constexpr (SCALED) {
+      for (int j = 0; j < NS; ++j) {
         s[j][2 * r] = exp2_ftz(score.exp2_arg(s[j][2 * r], m_use));
         s[j][2 * r + 1] = exp2_ftz(score.exp2_arg(s[j][2 * r + 1], m_use));
-      } else {
-        const float x0 = s[j][2 * r] - m_use, x1 = s[j][2 * r + 1] - m_use;
+        sum += s[j][2 * r] + s[j][2 * r + 1];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        const float x0 = (SCALED ? score.logit2(s[j][2 * r]) : s[j][2 * r]) - m_use;
+        const float x1 = (SCALED ? score.logit2(s[j][2 * r + 1]) : s[j][2 * r + 1]) - m_use;
         s[j][2 * r] = FAST ? exp2_ftz(x0) : exp2f(x0);
         s[j][2 * r + 1] = FAST ? exp2_ftz(x1) : exp2f(x1);
+        sum += s[j][2 * r] + s[j][2 * r + 1];
       }
-      sum += s[j][2 * r] + s[j][2 * r + 1];
     }
     st.l[r] = st.l[r] * alpha[r] + sum;
   }
@@ -603,15 +650,25 @@ __device__ __forceinline__ void online_softmax(SoftmaxState& st, float (&s)[NS][
   rescale_rows(o, alpha);
 }
 
-// End of the forward: the lane's two rows' 1/l (0 for a row that saw no visible key, whose O is
-// then 0) and LSE = ln(sum exp(S)) = (m + log2 l) * ln 2 (-inf for such a row).
-__device__ __forceinline__ void finish_rows(const SoftmaxState& st, float (&inv)[2], float (&lse)[2]) {
+// End of the forward for the lane's two rows: 1/l and LSE = ln(sum exp(S)) = (m + log2 l) * ln 2
+// in IEEE arithmetic - l is NaN after a NaN or +inf score (O and LSE NaN), 0 when the visible
+// scores were all -inf (O = 0/0 = NaN, LSE = -inf). A row that sees no key by the band (sees[r]
+// false: rows_in with MaskRule::live_rows_*, never decided from l) gets inv = 0 and LSE = -inf,
+// and normalize_rows makes its O exactly 0.
+__device__ __forceinline__ void finish_rows(const SoftmaxState& st, const bool (&sees)[2], float (&inv)[2],
+                                            float (&lse)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(st.l[r]);
-    inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
-    lse[r] = l > 0.0f ? (st.m[r] + log2f(l)) * kLn2 : -INFINITY;
+    inv[r] = sees[r] ? 1.0f / l : 0.0f;
+    lse[r] = sees[r] ? (st.m[r] + log2f(l)) * kLn2 : -INFINITY;
   }
+}
+// O /= l with finish_rows' inv; rows that see no key exactly 0 (zero_rows_unless).
+template <int NO>
+__device__ __forceinline__ void normalize_rows(float (&o)[NO][4], const float (&inv)[2], const bool (&sees)[2]) {
+  rescale_rows(o, inv);
+  zero_rows_unless(o, sees);
 }
 
 // Writes the lane's two rows' LSE (rows row0 + g and row0 + g + 8 of one (b, h), those < sq), once
@@ -628,11 +685,11 @@ __device__ __forceinline__ void store_lse(const OutLse& out, int64_t b, int64_t 
   }
 }
 
-// LSE in the backward's log2 domain: P = exp2(score.exp2_arg(s, l2)). A row with no visible key (lse = -inf)
-// maps to +inf so that every P of it is exp2(-inf) = 0.
-__device__ __forceinline__ float lse_to_log2(float lse) {
-  return lse == -INFINITY ? INFINITY : lse * kLog2e;
-}
+// LSE in the backward's log2 domain: P = exp2(score.exp2_arg(s, l2)). NaN and -inf stay what they
+// are, so that P of a visible entry is what IEEE arithmetic makes of them (NaN for a NaN row; NaN
+// for a row whose visible scores were all -inf: -inf + inf). Rows with no visible key have every
+// entry masked, and every kernel sets a masked entry's P to 0 after the exponential.
+__device__ __forceinline__ float lse_to_log2(float lse) { return lse * kLog2e; }
 
 // ---- epilogue ---------------------------------------------------------------------------------
 // Stores the warp's 16 x 8*NT slice (times `mul`) to global rows [row0, row0+16) of a row-major
@@ -658,6 +715,29 @@ __device__ __forceinline__ void store_rows(float* base, int64_t ld, int row0, in
         if (col < cols) p[col] = x;
         if (col + 1 < cols) p[col + 1] = y;
       }
+    }
+  }
+}
+
+// Overwrites with exactly 0 what store_rows wrote of the lane's rows g and g + 8 (r = 0, 1) where
+// keep[r] is false. For the float32 dK/dV epilogue at 255 registers: zeroing the accumulators
+// before the store, beside both live accumulators, cost the 3xTF32 kernel at D = 256 300 more
+// spill bytes; after the store they are dead. (Rows that see nothing are rare: most lanes store
+// nothing here. The same thread's later stores land last.)
+template <int NT>
+__device__ __forceinline__ void zero_stored_rows(float* base, int64_t ld, int row0, int rows, int col0, int cols,
+                                                 const bool (&keep)[2]) {
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (keep[r] || row >= rows) continue;
+    float* p = base + static_cast<int64_t>(row) * ld;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int col = col0 + 8 * j + 2 * t;
+      if (col < cols) p[col] = 0.0f;
+      if (col + 1 < cols) p[col + 1] = 0.0f;
     }
   }
 }

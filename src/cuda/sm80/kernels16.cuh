@@ -113,17 +113,15 @@ __global__ void __launch_bounds__(tile_config16(Pass::Forward, DP, kDeviceBig).t
   pipeline_drain();
 
   // Epilogue: O /= l, staged through shared memory (the Q tile is free) for 16-byte stores;
-  // LSE = (m + log2 l) * ln 2. A row with no visible key has l = 0: O = 0 and LSE = -inf.
+  // LSE = (m + log2 l) * ln 2. A row with no visible key (by the band): O = 0 and LSE = -inf.
   const int lane = lane_id();
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
+    bool sees[2];
+    rows_in(row_w + 16 * m + (lane >> 2), rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
     float inv[2], lse[2];
-    finish_rows(st[m], inv, lse);
-#pragma unroll
-    for (int j = 0; j < NO; ++j) {
-      o[m][j][0] *= inv[0]; o[m][j][1] *= inv[0];
-      o[m][j][2] *= inv[1]; o[m][j][3] *= inv[1];
-    }
+    finish_rows(st[m], sees, inv, lse);
+    normalize_rows(o[m], inv, sees);
     if ((lane & 3) == 0) {
       float* l = p.lse.ptr + b * p.lse.sb + h * p.lse.sh;
 #pragma unroll
@@ -229,6 +227,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dq, DP, kDeviceBig).thread
     pipeline_release<2>(t, t_end, load_kv);
   }
   pipeline_drain();
+  bool sees[2];  // rows that see no key: dQ = 0 exactly
+  rows_in(row_w + (lane >> 2), rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
+  zero_rows_unless(dq[0], sees);
   stage_acc<H, BM, DP, 1, NO>(sQ, dq, warp * 16, 0, a.score.grad_scale());
   __syncthreads();
   store_tile16<BM, DP, T>(out16(p.dq, b, h, m0), p.dq.ss, sQ, rows, D, a.vec16);
@@ -349,7 +350,9 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int qr = mq * 16 + g + 8 * r;
-        if (n0 + qr >= Sq) continue;
+        // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
+        // dQ must stay exactly 0.
+        if (n0 + qr < rule.live_rows_begin(Sq) || n0 + qr >= rule.live_rows_end(Sq, Skv)) continue;
 #pragma unroll
         for (int j = 0; j < DQW / 8; ++j) {
           float* dst = acc + static_cast<int64_t>(qr) * DP + ns * DQW + 8 * j + 2 * t;
@@ -361,6 +364,10 @@ __global__ void __launch_bounds__(tile_config16(Pass::Dkv, DP, kDeviceBig).threa
     pipeline_release<2>(it, ntiles, load_q);
   }
   pipeline_drain();
+  bool seen[2];  // keys no query row sees: dK = dV = 0 exactly
+  rows_in(row_w + (lane >> 2), rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
+  zero_rows_unless(dk[0], seen);
+  zero_rows_unless(dv[0], seen);
   stage_acc<H, BK, DP, 1, NO>(sK, dk, kw * 16, cw * DW, a.score.grad_scale());
   stage_acc<H, BK, DP, 1, NO>(sV, dv, kw * 16, cw * DW, 1.0f);
   __syncthreads();

@@ -97,15 +97,13 @@ __global__ void __launch_bounds__(tile_config(Pass::Forward, DP, kDeviceBig).thr
     pipeline_release<C.stages>(t, t_end, load_kv);
   }
   pipeline_drain();
-  // Epilogue: O /= l; LSE = ln(sum exp(S)) = (m + log2 l) * ln 2. A row with no visible key has
-  // l = 0: O = 0 and LSE = -inf.
+  // Epilogue: O /= l; LSE = ln(sum exp(S)) = (m + log2 l) * ln 2. A row with no visible key (by
+  // the band): O = 0 and LSE = -inf.
+  bool sees[2];
+  rows_in(row_w + lane_id() / 4, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
   float inv[2], lse[2];
-  finish_rows(st, inv, lse);
-#pragma unroll
-  for (int j = 0; j < NO; ++j) {
-    o[j][0] *= inv[0]; o[j][1] *= inv[0];
-    o[j][2] *= inv[1]; o[j][3] *= inv[1];
-  }
+  finish_rows(st, sees, inv, lse);
+  normalize_rows(o, inv, sees);
   float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
   store_rows<NO>(out, p.out.ss, warp * 16, rows, 0, D, o, 1.0f, a.vec16);
   store_lse(p.lse, b, h, row_w, Sq, lse);
@@ -205,6 +203,9 @@ __global__ void __launch_bounds__(tile_config(Pass::Dq, DP, kDeviceBig).threads(
     pipeline_release<C.stages>(t, t_end, load_kv);
   }
   pipeline_drain();
+  bool sees[2];  // rows that see no key: dQ = 0 exactly
+  rows_in(row_w + lane / 4, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
+  zero_rows_unless(dq, sees);
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
   store_rows<NO>(out, p.dq.ss, warp * 16, rows, 0, D, dq, a.score.grad_scale(), a.vec16);
 }
@@ -312,6 +313,10 @@ __global__ void __launch_bounds__(tile_config(Pass::Dkv, DP, kDeviceBig).threads
   float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss + cw * DW;
   store_rows<NO>(dkp, p.dk.ss, kw * 16, rows, 0, cols, dk, a.score.grad_scale(), a.vec16);
   store_rows<NO>(dvp, p.dv.ss, kw * 16, rows, 0, cols, dv, 1.0f, a.vec16);
+  bool seen[2];  // keys no query row sees: dK = dV = 0 exactly (zero_stored_rows: why after)
+  rows_in(row_w + lane_id() / 4, rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
+  zero_stored_rows<NO>(dkp, p.dk.ss, kw * 16, rows, 0, cols, seen);
+  zero_stored_rows<NO>(dvp, p.dv.ss, kw * 16, rows, 0, cols, seen);
 }
 
 }  // namespace dev

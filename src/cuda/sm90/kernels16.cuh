@@ -255,12 +255,14 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   }
   if (pp && wg == 0) named_barrier(2, TC);  // the last signal of warpgroup 1, unanswered
 
-  // Epilogue: O /= l, LSE = (m + log2 l) ln 2 (a row without visible keys: O = 0, LSE = -inf),
-  // staged as 16-bit values into this warpgroup's own 64 rows of the Q tile (which only its own
-  // products read) for 16-byte stores: the warpgroups never wait for each other here.
+  // Epilogue: O /= l, LSE = (m + log2 l) ln 2 (a row without visible keys by the band: O = 0,
+  // LSE = -inf), staged as 16-bit values into this warpgroup's own 64 rows of the Q tile (which
+  // only its own products read) for 16-byte stores: the warpgroups never wait for each other here.
+  bool sees[2];
+  rows_in(row_w + lane_id() / 4, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
   float inv[2], lse[2];
-  finish_rows(st, inv, lse);
-  rescale_rows(o[0], inv);
+  finish_rows(st, sees, inv, lse);
+  normalize_rows(o[0], inv, sees);
   store_lse(p.lse, b, h, row_w, Sq, lse);
   named_barrier(4 + wg, 128);  // every warp of this warpgroup is past its last product
   stage_acc_as<H, TQ, 1, NO>(sQ, o, 16 * warp, 0, 1.0f);
@@ -499,7 +501,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int qr = wq + g + 8 * r;
-        if (n0 + qr >= Sq) continue;
+        // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
+        // dQ must stay exactly 0.
+        if (n0 + qr < rule.live_rows_begin(Sq) || n0 + qr >= rule.live_rows_end(Sq, Skv)) continue;
 #pragma unroll
         for (int j = 0; j < QC / 8; ++j)
           red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],
@@ -523,6 +527,10 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   // Epilogue: dK (times grad_scale) and dV through the Q and dO stages' shared memory
   // (plain swizzled Tile layout, BK rows each) once every consumer is done with them.
   static_assert(BK * DP * 2 <= 2 * TQ::kBytes, "dK/dV staging reuses both Q (dO) stages");
+  bool seen[2];  // keys no query row sees: dK = dV = 0 exactly
+  rows_in(row_w + lane / 4, rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
+  zero_rows_unless(dk[0], seen);
+  zero_rows_unless(dv[0], seen);
   named_barrier(1, TC);
   stage_acc<H, BK, DP, 1, NO>(sQ, dk, krow, cg * DW, a.score.grad_scale());
   stage_acc<H, BK, DP, 1, NO>(sdO, dv, krow, cg * DW, 1.0f);

@@ -11,9 +11,14 @@
 namespace flashattn::cuda {
 namespace dev {
 
-// x rounded to tf32, and (the fp32-accurate kernels' small part) the rest x - tf32(x) rounded too.
+// x rounded to tf32, and (the fp32-accurate kernels' small part) the rest x - tf32(x) rounded too:
+// 0 for an infinite x (inf - inf would make every product with it NaN instead of infinite) and for
+// a NaN one (whose big part is NaN), as tf32_split (device.cuh).
 __device__ __forceinline__ float tf32_big(float x) { return __uint_as_float(to_tf32(x)); }
-__device__ __forceinline__ float tf32_small(float x) { return __uint_as_float(to_tf32(x - tf32_big(x))); }
+__device__ __forceinline__ float tf32_small(float x) {
+  const float rest = x - tf32_big(x);
+  return rest == rest ? __uint_as_float(to_tf32(rest)) : 0.0f;
+}
 __device__ __forceinline__ float4 tf32_big(float4 v) {
   return make_float4(tf32_big(v.x), tf32_big(v.y), tf32_big(v.z), tf32_big(v.w));
 }

@@ -376,6 +376,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, false).thread
     tile(ntiles - 1, std::false_type{});
   }
 
+  bool sees[2];  // rows that see no key: dQ = 0 exactly
+  rows_in(row_w + g, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
+  zero_rows_unless(dq, sees);
   float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
   store_rows(out, p.dq.ss, 16 * warp, qb.rows, 0, static_cast<int>(p.shape.head_dim), dq, a.score.grad_scale(),
              true);
@@ -509,6 +512,10 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, false).threa
     ring.release_g(it);
   }
 
+  bool seen[2];  // keys no query row sees: dK = dV = 0 exactly
+  rows_in(row_w + lane / 4, rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
+  zero_rows_unless(dk, seen);
+  zero_rows_unless(dv, seen);
   const int D = static_cast<int>(p.shape.head_dim);
   float* dkp = static_cast<float*>(p.dk.ptr) + b * p.dk.sb + hk * p.dk.sh + m0 * p.dk.ss;
   float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;

@@ -395,6 +395,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dq, true).threads
     }
     if constexpr (kSm) mbar_arrive(empty_q);  // the tensor cores' last read of Q's / dO's small part is done
 
+    bool sees[2];  // rows that see no key: dQ = 0 exactly
+    rows_in(row_w + g, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
+    zero_rows_unless(dq, sees);
     float* out = static_cast<float*>(p.dq.ptr) + b * p.dq.sb + h * p.dq.sh + m0 * p.dq.ss;
     store_rows(out, p.dq.ss, 16 * wq, qb.rows, (DP / 2) * wg, static_cast<int>(p.shape.head_dim), dq,
                a.score.grad_scale(), true);
@@ -592,6 +595,9 @@ __global__ void __launch_bounds__(tile_config90_tf32_bwd(Pass::Dkv, true).thread
     }
     if constexpr (kSm) mbar_arrive(empty_kv);  // the tensor cores' last read of K's / V's small part is done
 
+    bool seen[2];  // keys no query row sees: dK = dV = 0 exactly
+    rows_in(row_w + lane / 4, rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
+    zero_rows_unless(acc, seen);
     const int D = static_cast<int>(p.shape.head_dim);
     if (wg == 0) {
       float* dvp = static_cast<float*>(p.dv.ptr) + b * p.dv.sb + hk * p.dv.sh + m0 * p.dv.ss;

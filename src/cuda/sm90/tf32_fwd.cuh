@@ -282,9 +282,11 @@ __global__ void __launch_bounds__(tile_config90_tf32(DP).threads(), 1)
 
   // Epilogue: O /= l, LSE; O straight from the accumulators (each quad writes 32 contiguous
   // bytes of a row: whole sectors).
+  bool sees[2];  // rows that see no key by the band: O = 0, LSE = -inf
+  rows_in(row_w + g, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
   float inv[2], lse[2];
-  finish_rows(st, inv, lse);
-  rescale_rows(o[0], inv);
+  finish_rows(st, sees, inv, lse);
+  normalize_rows(o[0], inv, sees);
   store_lse(p.lse, b, h, row_w, Sq, lse);
   float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
   store_rows(out, p.out.ss, 16 * warp, qb.rows, 0, static_cast<int>(p.shape.head_dim), o[0], 1.0f, true);

@@ -219,13 +219,14 @@ __device__ __forceinline__ void load_afrag_split_tf32(uint32_t (&big)[KS][4], ui
 
 // An accumulator (P) as the big and small tf32 A fragments of the next product (the order of
 // acc_to_afrag_tf32: B stores its k positions in tf32_slot order). The small part is computed from
-// a second rounding of x on the conversion unit (cvt.rna: the same value as tf32_round for the
-// finite P) rather than from big's register: otherwise ptxas reads big's register again after
-// writing it in the loop, the pattern scripts/check-sass-wgmma.py flags (it cannot tell that
-// use from the register reuse it exists to catch).
+// a second rounding of x by other instructions (tf32_round_finite: the same value as tf32_round
+// for a finite P) rather than from big's register: otherwise ptxas reads big's register again
+// after writing it in the loop, the pattern scripts/check-sass-wgmma.py flags (it cannot tell
+// that use from the register reuse it exists to catch). (tf32_round now compiles as cvt.rna does,
+// so the two may not share a form.) A NaN P keeps big NaN (tf32_round); small is then 0 or NaN.
 __device__ __forceinline__ void split_p_tf32(float x, uint32_t& big, uint32_t& small) {
   big = tf32_round(x);
-  small = tf32_round(x - __uint_as_float(to_tf32(x)));
+  small = tf32_round_finite(x - __uint_as_float(tf32_round_finite(x)));
 }
 template <int NS>
 __device__ __forceinline__ void acc_to_afrag_split_tf32(uint32_t (&big)[NS][4], uint32_t (&small)[NS][4],

@@ -249,9 +249,11 @@ __global__ void __launch_bounds__(tile_config90_3xtf32(DP).threads(), 1)
     add_tile();
   }
 
+  bool sees[2];  // rows that see no key by the band: O = 0, LSE = -inf
+  rows_in(row_w + g, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
   float inv[2], lse[2];
-  finish_rows(st, inv, lse);
-  rescale_rows(o, inv);
+  finish_rows(st, sees, inv, lse);
+  normalize_rows(o, inv, sees);
   if (wg == 0) store_lse(p.lse, b, h, row_w, Sq, lse);
   float* out = static_cast<float*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + m0 * p.out.ss;
   store_rows(out, p.out.ss, 16 * wq, qb.rows, DH * wg, static_cast<int>(p.shape.head_dim), o, 1.0f, true);
