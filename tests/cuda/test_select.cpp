@@ -149,7 +149,10 @@ Sel sel(const Shape& s, const Numerics& n, int major, int minor) {
 // Packed batches run the mma.sync kernels on every device (the sm_90a kernels do not take them),
 // with the backward design an sm_80 device would get, and workspaces sized by the packed rows
 // (Hq * total_q), not by B * max_seqlen_q.
-TEST(CudaSelect, PackedBatchesRunTheMmaSyncKernels) {
+// Packed batches: 16-bit calls on a 9.0 device run the sm_90a kernels with per-sequence tensor
+// maps in the workspace (after D and the dQ accumulator, 128-byte aligned: Q, K, V forward; Q, dO,
+// K, V backward); float32 calls and every call before sm_90 the mma.sync kernels.
+TEST(CudaSelect, PackedBatchesRunTheSm90KernelsWithSequenceMaps) {
   static const int32_t cu[3] = {0, 100, 300};  // never read by selection
   for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
     for (int64_t d : {64, 128}) {
@@ -164,15 +167,37 @@ TEST(CudaSelect, PackedBatchesRunTheMmaSyncKernels) {
         const Selected<ForwardPlan> fp = select_forward(f, dev(major, 0), ov(scoped_vars()));
         const Selected<BackwardPlan> bp = select_backward(b, dev(major, 0), ov(scoped_vars()));
         ASSERT_TRUE(fp.ok && bp.ok) << fp.why << bp.why;
-        const bool half = dt != DType::Float32;
-        EXPECT_EQ(fp.plan.kernel, half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+        const bool half = dt != DType::Float32, sm90 = half && major == 9;
+        EXPECT_EQ(fp.plan.kernel, sm90 ? FwdKernel::Sm90Wgmma16 : half ? FwdKernel::Sm80Mma16 : FwdKernel::Sm80Mma32);
+        EXPECT_EQ(fp.plan.seq_maps, sm90 ? 0 : -1);
+        EXPECT_EQ(fp.plan.workspace, sm90 ? 2 * 3 * 128u : 0u);
         const BwdKernel want = !half ? BwdKernel::Sm80Mma32Split
+                               : sm90 ? BwdKernel::Sm90Wgmma16Atomic
                                : d <= 64 ? BwdKernel::Sm80Mma16Atomic : BwdKernel::Sm80Mma16Split;
         EXPECT_EQ(bp.plan.kernel, want);
         const size_t rows = 8 * 300, delta = (rows + 3) / 4 * 4;
-        EXPECT_EQ(bp.plan.workspace, (delta + (bp.plan.atomic_dq() ? rows * bp.plan.dp : 0)) * sizeof(float));
+        const size_t before = (delta + (bp.plan.atomic_dq() ? rows * bp.plan.dp : 0)) * sizeof(float);
+        const size_t maps_at = (before + 127) / 128 * 128;
+        EXPECT_EQ(bp.plan.seq_maps, sm90 ? static_cast<int64_t>(maps_at) : -1);
+        EXPECT_EQ(bp.plan.workspace, sm90 ? maps_at + 2 * 4 * 128 : before);
       }
     }
+}
+
+// A packed operand the copy engine cannot address (a row stride that is not a multiple of 16
+// bytes) keeps a packed 16-bit call on the mma.sync kernels (16-byte vectors need the same).
+TEST(CudaSelect, PackedBatchesNeedAddressableRowsForTheSm90Kernels) {
+  static const int32_t cu[3] = {0, 100, 300};
+  Shape s{2, 8, 8, 4096, 4096, 64};
+  ForwardParams f = fparams(s, num(DType::BFloat16));
+  for (auto* x : {&f.q, &f.k, &f.v}) x->sb = 0;
+  f.out.sb = 0;
+  f.packing = Packing{cu, cu, nullptr, 300, 300};
+  f.k.sh = 8 * 64 + 4;  // 8-byte head stride
+  const Selected<ForwardPlan> fp = select_forward(f, dev(9, 0), ov(scoped_vars()));
+  ASSERT_TRUE(fp.ok) << fp.why;
+  EXPECT_EQ(fp.plan.kernel, FwdKernel::Sm80Mma16);
+  EXPECT_EQ(fp.plan.seq_maps, -1);
 }
 
 TEST(CudaSelect, Hopper16BitUsesTheSm90KernelsAndTheAtomicBackward) {

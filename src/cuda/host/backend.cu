@@ -252,6 +252,7 @@ void forward(const ForwardParams& p) {
   a.pingpong = plan.pingpong;
   a.tf32_copies = plan.tf32_copies;
   a.workspace = ws.get();
+  a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   switch (plan.kernel) {
     case FwdKernel::Sm80Mma32:
       return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
@@ -309,6 +310,7 @@ void backward(const BackwardParams& p) {
   a.f32_pair = plan.pair;
   a.persistent_cap = plan.persistent_cap;
   a.convert_ctas = plan.convert_ctas;
+  a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   a.ws_sb = packed ? 0 : s.heads_q * s.seq_q;
   a.ws_sh = packed ? p.packing.total_q : s.seq_q;
   // The row passes (D, dQ conversion) see a packed batch as one sequence of total_q rows: its

@@ -24,6 +24,7 @@ struct FwdArgs {
   bool pingpong;  // sm_90a forward: the consumer warpgroups take turns issuing products
   int tf32_copies;  // tf32 sm_90a forward: operands copied by the pre-pass (ForwardPlan::tf32_copies)
   float* workspace;  // ForwardPlan::workspace bytes: the sm_90a float32 forwards' operand copies
+  void* seq_maps;    // a packed batch on the sm_90a kernels: the per-sequence tensor maps (workspace)
 };
 struct BwdArgs {
   BackwardParams p;
@@ -44,6 +45,7 @@ struct BwdArgs {
   bool f32_pair;  // float32 backward on sm_90a: the pair kernels (a choice at D = 64 in tf32 mode)
   long persistent_cap;  // pair kernels: at most this many CTAs walk the blocks (0: one per block)
   int convert_ctas;  // CTAs writing the Q/dO copies on a side stream (0: in order on the stream)
+  void* seq_maps;    // as FwdArgs::seq_maps
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 

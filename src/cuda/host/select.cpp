@@ -89,6 +89,15 @@ bool float32_math(const Numerics& n, const DeviceCaps& dev, const Overrides& ov,
   return true;
 }
 
+// The rows and batch the tensor maps see: a packed operand is one sequence of all its rows (each
+// sequence's own map is derived from it on the device, sm90/seq_maps.hpp).
+struct MapRows {
+  int64_t batch, q, k;
+  MapRows(const Shape& s, const Packing& pk)
+      : batch(pk.on() ? 1 : s.batch), q(pk.on() ? std::max<int64_t>(1, pk.total_q) : s.seq_q),
+        k(pk.on() ? std::max<int64_t>(1, pk.total_k) : s.seq_kv) {}
+};
+
 bool sm90_allowed(const DeviceCaps& dev, const Overrides& ov) { return dev.sm90a() && ov.arch != 0; }
 
 // What both passes' plans start from: the dtype's and the grid's limits, the padded head dim, the
@@ -162,18 +171,25 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
   const bool half = n.dtype != DType::Float32;
   const int64_t per16 = 16 / dtype_size(n.dtype);
   f.vec16 = vec_ok(p.q, per16) && vec_ok(p.k, per16) && vec_ok(p.v, per16) && vec_ok(p.out, per16);
-  // Packed batches run the mma.sync kernels (each CTA's sequence through at_sequence); the sm_90a
-  // kernels' tensor maps and persistent schedules do not take per-sequence rows yet.
-  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && f.vec16 && !p.packing.on();
+  // A packed batch: every kernel takes each CTA's sequence through at_sequence; the 16-bit sm_90a
+  // kernels also through per-sequence tensor maps (sm90/seq_maps.hpp). The float32 sm_90a kernels'
+  // operand copies are laid out per dense batch: packed float32 calls run the mma.sync kernels.
+  const bool packed = p.packing.on();
+  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && f.vec16;
   const int eb = dtype_size(n.dtype);
-  auto maps_q = [&] { return tma_ok(p.q, eb, s.batch, s.heads_q, s.seq_q); };
-  auto maps_k = [&] { return tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv); };
-  auto maps_v = [&] { return tma_ok(p.v, eb, s.batch, s.heads_kv, s.seq_kv); };
+  const MapRows mr(s, p.packing);
+  auto maps_q = [&] { return tma_ok(p.q, eb, mr.batch, s.heads_q, mr.q); };
+  auto maps_k = [&] { return tma_ok(p.k, eb, mr.batch, s.heads_kv, mr.k); };
+  auto maps_v = [&] { return tma_ok(p.v, eb, mr.batch, s.heads_kv, mr.k); };
   if (half) {
     if (sm90 && has_sm90(Pass::Forward, f.dp) && maps_q() && maps_k() && maps_v()) {
       f.kernel = FwdKernel::Sm90Wgmma16;
       f.pingpong = ov.pingpong >= 0 ? ov.pingpong == 1 : pingpong_default(s, f.dp);
       f.smem = smem_bytes90(Pass::Forward, f.dp);
+      if (packed) {
+        f.seq_maps = 0;
+        f.workspace = seq_maps_bytes(s.batch, 3);  // Q, K, V
+      }
     } else {
       f.kernel = FwdKernel::Sm80Mma16;
       f.smem = smem_bytes16(Pass::Forward, f.dp, f.big);
@@ -182,7 +198,7 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
     if (!float32_math(n, dev, ov, &f.math, &r.why)) return r;
     f.kernel = FwdKernel::Sm80Mma32;
     f.smem = smem_bytes(Pass::Forward, f.dp, f.big);
-    const bool sm90_32 = sm90 && !f.xf;  // (no per-entry step in the sm_90a float32 forwards: start())
+    const bool sm90_32 = sm90 && !f.xf && !packed;  // (no per-entry step in the sm_90a float32 forwards: start())
     if (sm90_32 && f.math == Math::Tf32 && has_sm90_tf32(f.dp) && maps_q()) {
       // tf32 on Hopper: the wgmma forward; the operands it streams as stored need maps.
       const int copies = ov.tf32_fwd_copies >= 0 ? ov.tf32_fwd_copies : tf32_fwd_copies_default(s, n.mask);
@@ -219,18 +235,18 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   const int64_t per16 = 16 / dtype_size(n.dtype);
   b.vec16 = vec_ok(p.q, per16) && vec_ok(p.k, per16) && vec_ok(p.v, per16) && vec_ok(p.out, per16) &&
             vec_ok(p.dout, per16) && vec_ok(p.dq, per16) && vec_ok(p.dk, per16) && vec_ok(p.dv, per16);
-  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && b.vec16 && !p.packing.on();  // (as the forward)
+  const bool packed = p.packing.on();  // (as the forward)
+  const bool sm90 = sm90_allowed(dev, ov) && dev.tma && b.vec16;
   const int eb = dtype_size(n.dtype);
   // Every sm_90a backward maps Q and dO (streamed by the dK/dV pass, or the dQ pass's stationary
   // operands) and K and V as stored.
-  const bool maps = sm90 && tma_ok(p.q, eb, s.batch, s.heads_q, s.seq_q) &&
-                    tma_ok(p.dout, eb, s.batch, s.heads_q, s.seq_q) && tma_ok(p.k, eb, s.batch, s.heads_kv, s.seq_kv) &&
-                    tma_ok(p.v, eb, s.batch, s.heads_kv, s.seq_kv);
+  const MapRows mr(s, p.packing);
+  const bool maps = sm90 && tma_ok(p.q, eb, mr.batch, s.heads_q, mr.q) && tma_ok(p.dout, eb, mr.batch, s.heads_q, mr.q) &&
+                    tma_ok(p.k, eb, mr.batch, s.heads_kv, mr.k) && tma_ok(p.v, eb, mr.batch, s.heads_kv, mr.k);
   const size_t rows = query_rows(s, p.packing);
   const size_t delta = delta_floats(s, p.packing);
   if (half) {
-    // (A packed batch: the mma.sync kernels' choice, as on an sm_80 device.)
-    bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov) && !p.packing.on());
+    bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov));
     if (ov.bwd >= 0) atomic = ov.bwd == 1;
     if (n.deterministic) atomic = false;  // the split passes: every sum in a fixed order
     if (!atomic) {
@@ -247,6 +263,10 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     }
     // The float32 dQ accumulator (DP floats per query row) of the atomic design, zeroed before the pass.
     b.workspace = (delta + (b.atomic_dq() ? rows * b.dp : 0)) * sizeof(float);
+    if (packed && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
+      b.seq_maps = static_cast<int64_t>(seq_maps_at(b.workspace));
+      b.workspace = b.seq_maps + seq_maps_bytes(s.batch, 4);  // Q, dO, K, V
+    }
   } else {
     if (!float32_math(n, dev, ov, &b.math, &r.why)) return r;
     b.kernel = BwdKernel::Sm80Mma32Split;
@@ -260,7 +280,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     // FLASHATTN_CUDA_TF32_BWD: mma (the mma.sync kernels), wgmma-dq (D = 64: the dK/dV pass on
     // mma.sync), wgmma (default), pair (the pair kernels at D = 64 too).
     // (None of them has the per-entry step: a softcap or ALiBi keeps the mma.sync passes, start().)
-    const bool maps32 = maps && !b.xf;
+    const bool maps32 = maps && !b.xf && !packed;  // (packed: as the forward)
     const int tf32_bwd = ov.tf32_bwd >= 0 ? ov.tf32_bwd : 2;
     bool wgmma = false;
     if (maps32 && b.math == Math::Tf32 && has_sm90_tf32_bwd(b.dp) && tf32_bwd >= 1) {

@@ -49,6 +49,7 @@ struct ForwardPlan {
   bool xf = false;            // the kernel with the per-entry score step (softcap, ALiBi; launchers' XF)
   int smem = 0;               // dynamic shared memory of the kernel, bytes
   size_t workspace = 0;       // device scratch, bytes (the pre-pass copies)
+  int64_t seq_maps = -1;      // a packed batch on Sm90Wgmma16: the per-sequence maps' offset in the workspace, bytes
 };
 
 // ---- the backward --------------------------------------------------------------------------------
@@ -75,6 +76,7 @@ struct BackwardPlan {
   int smem_dq = 0;          // dynamic shared memory of the dQ pass (0: none)
   int smem_dkv = 0;         // of the dK/dV pass
   size_t workspace = 0;     // device scratch, bytes (D, the dQ accumulator; Sm90Wgmma32 adds its copies)
+  int64_t seq_maps = -1;    // a packed batch on Sm90Wgmma16Atomic: the per-sequence maps' offset, bytes
   bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
 };
 
@@ -135,6 +137,12 @@ inline size_t query_rows(const Shape& s, const Packing& pk) {
   return static_cast<size_t>(s.heads_q * (pk.on() ? pk.total_q : s.batch * s.seq_q));
 }
 inline size_t delta_floats(const Shape& s, const Packing& pk) { return (query_rows(s, pk) + 3) / 4 * 4; }
+
+// A packed batch on the 16-bit sm_90a kernels: one tensor map (128 bytes) per sequence and
+// streamed operand (sm90/seq_maps.hpp), in the workspace after everything else, 128-byte aligned.
+constexpr size_t kSeqMapBytes = 128;
+inline size_t seq_maps_at(size_t bytes_before) { return (bytes_before + kSeqMapBytes - 1) / kSeqMapBytes * kSeqMapBytes; }
+inline size_t seq_maps_bytes(int64_t batch, int operands) { return static_cast<size_t>(batch) * operands * kSeqMapBytes; }
 
 // The pair kernels' CTAs for `items` blocks: one per block unless `cap` > 0 (at most cap CTAs,
 // each taking its next block from a counter).

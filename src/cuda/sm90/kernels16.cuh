@@ -18,6 +18,7 @@
 #include "cuda/common/device.cuh"
 #include "cuda/sm80/kernels16.cuh"
 #include "cuda/host/launch.hpp"
+#include "cuda/sm90/seq_maps.hpp"
 #include "cuda/sm90/wgmma.cuh"
 
 namespace flashattn::cuda::dev {
@@ -27,6 +28,25 @@ namespace flashattn::cuda::dev {
 struct Sm90FwdArgs {
   FwdArgs f;
   CUtensorMap tq, tk, tv;
+  // A packed batch: per sequence b, maps Q, K, V at seq_maps[3 b ..] instead (sm90/seq_maps.hpp);
+  // nullptr for a dense call.
+  const CUtensorMap* seq_maps;
+};
+
+// The maps a CTA of sequence b copies its N streamed operands through and the batch coordinate
+// they take: the kernel argument's maps (dense[i]) and b, or sequence b's own maps and 0 (packed:
+// acquired from the pre-pass first, by the one thread that issues the copies).
+template <int N>
+struct CtaMaps {
+  const void* m[N];
+  int batch;
+  __device__ __forceinline__ CtaMaps(const CUtensorMap* const (&dense)[N], const CUtensorMap* seq_maps, int64_t b) {
+    const CUtensorMap* own = seq_maps != nullptr ? seq_maps + N * b : nullptr;
+    if (own != nullptr) acquire_seq_maps(own, N);
+#pragma unroll
+    for (int i = 0; i < N; ++i) m[i] = own != nullptr ? static_cast<const void*>(own + i) : dense[i];
+    batch = own != nullptr ? 0 : static_cast<int>(b);
+  }
 };
 
 // ---- the per-entry score step (XF: softcap, ALiBi) ---------------------------------------------
@@ -116,10 +136,13 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   uint64_t* empty_k = bars + 5;  // [2]
   uint64_t* empty_v = bars + 7;  // [2]
 
-  const FwdArgs& a = A.f;
+  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence); CTAs past its
+  // rows have no work.
+  const FwdArgs a = at_sequence(A.f, blockIdx.z);
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const QueryBlock qb = query_block<BM, BN>(p.shape, p.num);
+  if (qb.rows <= 0) return;
   const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
   const int ntiles = qb.ntiles;
   const MaskRule& rule = qb.rule;
@@ -140,10 +163,12 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
-    if (threadIdx.x == TC)
-      copy_forward_tiles<TQ, TK, DP, BN>(&A.tq, &A.tk, &A.tv, sQ, sK, sV, full_q, full_k, empty_k, full_v, empty_v,
-                                         static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
-                                         static_cast<int>(b), qb.t_begin, ntiles);
+    if (threadIdx.x == TC) {
+      const CtaMaps<3> mp({&A.tq, &A.tk, &A.tv}, A.seq_maps, b);
+      copy_forward_tiles<TQ, TK, DP, BN>(mp.m[0], mp.m[1], mp.m[2], sQ, sK, sV, full_q, full_k, empty_k, full_v,
+                                         empty_v, static_cast<int>(m0), static_cast<int>(h), static_cast<int>(qb.hk),
+                                         mp.batch, qb.t_begin, ntiles);
+    }
     return;
   }
 
@@ -290,6 +315,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
 struct Sm90BwdArgs {
   BwdArgs f;
   CUtensorMap tq, tk, tv, tdo;
+  const CUtensorMap* seq_maps;  // as Sm90FwdArgs::seq_maps: Q, dO, K, V per sequence
 };
 
 template <int DP, Half16 H, int V, bool XF>
@@ -323,10 +349,12 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   uint64_t* full = bars + 1;   // [2]: Q, dO (copy engine) and LSE, D (32 producer lanes)
   uint64_t* empty = bars + 3;  // [2]
 
-  const BwdArgs& a = A.f;
+  // As the forward's: sequence blockIdx.z of a packed batch; CTAs past its keys have no work.
+  const BwdArgs a = at_sequence(A.f, blockIdx.z, DP);
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num);
+  if (kb.rows <= 0) return;
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
@@ -342,13 +370,14 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
     const int pw = (threadIdx.x - TC) / 32, lane = lane_id();
-    const int bb = static_cast<int>(b);
     if (pw == 0 && lane == 0) {
+      const CtaMaps<4> mp({&A.tq, &A.tdo, &A.tk, &A.tv}, A.seq_maps, b);
+      const int bb = mp.batch;
       mbar_expect_tx(full_kv, 2 * TK::kBytes);
 #pragma unroll
       for (int blk = 0; blk < DP / 64; ++blk) {
-        tma_load_4d(sK + blk * TK::kBlockBytes, &A.tk, full_kv, 64 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
-        tma_load_4d(sV + blk * TK::kBlockBytes, &A.tv, full_kv, 64 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+        tma_load_4d(sK + blk * TK::kBlockBytes, mp.m[2], full_kv, 64 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
+        tma_load_4d(sV + blk * TK::kBlockBytes, mp.m[3], full_kv, 64 * blk, static_cast<int>(m0), static_cast<int>(hk), bb);
       }
       for (int it = 0; it < ntiles; ++it) {
         const int st = it & 1;
@@ -357,8 +386,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         mbar_expect_tx(full + st, 2 * TQ::kBytes);
 #pragma unroll
         for (int blk = 0; blk < DP / 64; ++blk) {
-          tma_load_4d(sQ + st * TQ::kBytes + blk * TQ::kBlockBytes, &A.tq, full + st, 64 * blk, n0, h, bb);
-          tma_load_4d(sdO + st * TQ::kBytes + blk * TQ::kBlockBytes, &A.tdo, full + st, 64 * blk, n0, h, bb);
+          tma_load_4d(sQ + st * TQ::kBytes + blk * TQ::kBlockBytes, mp.m[0], full + st, 64 * blk, n0, h, bb);
+          tma_load_4d(sdO + st * TQ::kBytes + blk * TQ::kBlockBytes, mp.m[1], full + st, 64 * blk, n0, h, bb);
         }
       }
     } else if (pw == 1) {

@@ -14,6 +14,7 @@
 #include "cuda/sm90/tf32_bwd_pair.cuh"
 #include "cuda/host/launch.hpp"
 #include "cuda/host/select.hpp"
+#include "cuda/sm90/seq_maps.hpp"
 #include "cuda/sm90/tma.hpp"
 
 namespace flashattn::cuda {
@@ -38,16 +39,56 @@ inline void require_maps(bool ok, const char* what) {
 
 // XF: the kernel with the per-entry score step (softcap, ALiBi); selection picks it when
 // a.score.elementwise().
+// The maps of a 16-bit sm_90a kernel's streamed operands: of the operands as stored (dense), or
+// (a packed batch) one per sequence, written by the seq_maps pre-pass into a.seq_maps from the
+// packed operands' maps (batch 1, all rows): ops[i] with its box rows and whether its rows are keys.
+struct MapOperand {
+  const In4* op;
+  int64_t heads;
+  bool keys;
+  int box_rows;
+  CUtensorMap* dense;  // the kernel argument's map (dense calls)
+};
+template <int N>
+const CUtensorMap* make_maps16(const MapOperand (&ops)[N], Half16 h, const Shape& s, const Packing& pk, void* seq_maps,
+                               cudaStream_t stream, const char* what) {
+  static_assert(N <= kMaxSeqMapOperands, "SeqMapsJob holds kMaxSeqMapOperands maps");
+  bool ok = true;
+  if (!pk.on()) {
+    for (const MapOperand& o : ops)
+      ok = ok && make_tensor_map16(o.dense, *o.op, h, s.batch, o.heads, o.keys ? s.seq_kv : s.seq_q, s.head_dim,
+                                   o.box_rows);
+    require_maps(ok, what);
+    return nullptr;
+  }
+  SeqMapsJob j{};
+  for (int i = 0; i < N; ++i) {
+    const MapOperand& o = ops[i];
+    const int64_t rows = std::max<int64_t>(1, o.keys ? pk.total_k : pk.total_q);
+    ok = ok && make_tensor_map16(&j.tmpl[i], *o.op, h, 1, o.heads, rows, s.head_dim, o.box_rows);
+    j.base[i] = static_cast<const char*>(o.op->ptr);
+    j.row_bytes[i] = o.op->ss * 2;
+    j.keys[i] = o.keys;
+  }
+  require_maps(ok, what);
+  j.n = N;
+  j.shape = s;
+  j.packing = pk;
+  j.out = static_cast<CUtensorMap*>(seq_maps);
+  launch_seq_maps(j, stream);
+  return j.out;
+}
+
 template <int DP, Half16 H, bool XF>
 void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
   dev::Sm90FwdArgs args;
   args.f = a;
-  require_maps(make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_m) &&
-                   make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n) &&
-                   make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_n),
-               "cuda 16-bit sm_90a forward");
+  const MapOperand ops[3] = {{&a.p.q, s.heads_q, false, c.block_m, &args.tq},
+                             {&a.p.k, s.heads_kv, true, c.block_n, &args.tk},
+                             {&a.p.v, s.heads_kv, true, c.block_n, &args.tv}};
+  args.seq_maps = make_maps16(ops, H, s, a.p.packing, a.seq_maps, stream, "cuda 16-bit sm_90a forward");
   const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
                   static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_sm90_kernel<DP, H, XF>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
@@ -287,11 +328,12 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP, V);
   dev::Sm90BwdArgs args;
   args.f = a;
-  require_maps(make_tensor_map16(&args.tq, a.p.q, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) &&
-                   make_tensor_map16(&args.tdo, a.p.dout, H, s.batch, s.heads_q, s.seq_q, s.head_dim, c.block_n) &&
-                   make_tensor_map16(&args.tk, a.p.k, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m) &&
-                   make_tensor_map16(&args.tv, a.p.v, H, s.batch, s.heads_kv, s.seq_kv, s.head_dim, c.block_m),
-               "cuda 16-bit sm_90a backward");
+  // (The order of dev::Sm90BwdArgs::seq_maps: Q, dO, K, V.)
+  const MapOperand ops[4] = {{&a.p.q, s.heads_q, false, c.block_n, &args.tq},
+                             {&a.p.dout, s.heads_q, false, c.block_n, &args.tdo},
+                             {&a.p.k, s.heads_kv, true, c.block_m, &args.tk},
+                             {&a.p.v, s.heads_kv, true, c.block_m, &args.tv}};
+  args.seq_maps = make_maps16(ops, H, s, a.p.packing, a.seq_maps, stream, "cuda 16-bit sm_90a backward");
   const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
                   static_cast<unsigned>(s.batch));
   launch_checked(dev::dkv_sm90_kernel<DP, H, V, XF>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
