@@ -45,14 +45,15 @@ struct MaskRule {
   // The same as ranges (the band's edges are monotone): rows [i, i + 1) with lo <= hi,
   // i + hi >= 0 and i + lo < seq_kv see a key, i.e. rows [live_rows_begin, live_rows_end); keys
   // j >= lo with j - hi < seq_q are seen, i.e. keys [live_keys_begin, live_keys_end). Both empty
-  // when lo > hi. One compare per row against values uniform over a kernel (the CUDA epilogues).
+  // when lo > hi, and when the other side has no entries (a packed batch's sequence without keys:
+  // lo is unbounded without a window, so seq_kv - lo alone would call every row live). One compare per row against values uniform over a kernel (the CUDA epilogues).
   FLASHATTN_HD int64_t live_rows_begin(int64_t seq_q) const { return clamp(-hi, 0, seq_q); }
   FLASHATTN_HD int64_t live_rows_end(int64_t seq_q, int64_t seq_kv) const {
-    return lo > hi ? 0 : clamp(seq_kv - lo, 0, seq_q);
+    return lo > hi || seq_kv <= 0 ? 0 : clamp(seq_kv - lo, 0, seq_q);
   }
   FLASHATTN_HD int64_t live_keys_begin(int64_t seq_kv) const { return clamp(lo, 0, seq_kv); }
   FLASHATTN_HD int64_t live_keys_end(int64_t seq_q, int64_t seq_kv) const {
-    return lo > hi ? 0 : clamp(seq_q + hi, 0, seq_kv);
+    return lo > hi || seq_q <= 0 ? 0 : clamp(seq_q + hi, 0, seq_kv);
   }
 
   // The union over a block of rows [r0, r1) is one range (the band's edges are monotone in i):

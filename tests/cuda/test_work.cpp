@@ -255,6 +255,21 @@ TEST(CudaWork, RowsWithoutKeysAndKeysWithoutRows) {
   });
 }
 
+// A packed batch's sequence may have queries and no keys (or keys and no queries): then no row is
+// live (O = 0, LSE = -inf) and no key is seen, under every mask and window.
+TEST(CudaWork, NoLiveRowsWithoutKeys) {
+  for (int mask : {0, 1, 2})
+    for (int64_t wl : {-1, 0, 5})
+      for (int64_t wr : {-1, 0, 5}) {
+        const MaskRule none_k = make_mask_rule(mask, 17, 0, wl, wr), none_q = make_mask_rule(mask, 0, 17, wl, wr);
+        const std::string w = "mask " + std::to_string(mask) + " window (" + std::to_string(wl) + ", " + std::to_string(wr) + ")";
+        EXPECT_LE(none_k.live_rows_end(17, 0), none_k.live_rows_begin(17)) << w;
+        for (int64_t i = 0; i < 17; ++i) EXPECT_FALSE(none_k.row_sees_keys(i, 0)) << w;
+        EXPECT_LE(none_q.live_keys_end(0, 17), none_q.live_keys_begin(17)) << w;
+        for (int64_t j = 0; j < 17; ++j) EXPECT_FALSE(none_q.key_seen(j, 0)) << w;
+      }
+}
+
 // A window narrows both ends of the range: the tiles before the band's lower edge are skipped
 // (the forward and dQ start at t_begin > 0; dK/dV stop before the end of Sq).
 TEST(CudaWork, WindowsSkipTilesOnBothSides) {
