@@ -392,7 +392,8 @@ std::string describe() {
         "(sm_80+) kernels; on sm_90 the wgmma + TMA kernels (16-bit forward and atomic-dQ backward at "
         "D = 64/128/256, float32 forward and backward at D = 64/128); deterministic = 1 takes the split "
         "backward; softcap / ALiBi on the mma.sync kernels and the 16-bit sm_90 kernels (float32 on "
-        "mma.sync only); packed variable-length batches on the mma.sync kernels";
+        "mma.sync only); packed variable-length batches on the mma.sync kernels and the 16-bit sm_90 kernels "
+        "(per-sequence tensor maps; float32 on mma.sync only)";
   if (overrides_enabled()) os << "; kernel-selection overrides FLASHATTN_CUDA_* enabled (developer build)";
   return os.str();
 }
