@@ -14,7 +14,12 @@ flashattn.torch.attention, and SDPA (each backend that takes the inputs: flash, 
 math on CUDA; the default on the CPU). On the CPU the device work is not negligible; compare
 entries with each other there, not with CUDA figures. Prints a table and writes OUT/host.csv.
 
-usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR]
+With --profile NAME, also runs NAME's forward+backward under cProfile and prints the functions
+with the most time of their own: the extension's calls (_call_fwd, _call_bwd: the library's host
+path, launches included), autograd's engine (run_backward: on CUDA it hands the backward to the
+device's thread and back), Python glue.
+
+usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR] [--profile ENTRY]
 """
 
 import argparse
@@ -35,6 +40,7 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--profile", default=None, help="an entry to run under cProfile, e.g. flash_attn_func")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -121,6 +127,22 @@ def main():
         rf = r["fwd_us"] / ref["fwd_us"] if ref else float("nan")
         rb = r["fwd_bwd_us"] / ref["fwd_bwd_us"] if ref else float("nan")
         print(f"| {r['entry']} | {r['fwd_us']:.1f} | {r['fwd_bwd_us']:.1f} | {rf:.2f} | {rb:.2f} |")
+    if args.profile:
+        import cProfile
+        import pstats
+        train = next(t for n, _, t in entries if n == args.profile)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.calls):
+            train()
+        sync()
+        pr.disable()
+        print(f"# cProfile of {args.profile} forward+backward, {args.calls} calls (tottime / call in us below)")
+        st = pstats.Stats(pr)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:15]
+        for (file, line, fn), (_, ncalls, tot, cum, _) in top:
+            print(f"{tot / args.calls * 1e6:8.1f} us own {cum / args.calls * 1e6:8.1f} us cum  {ncalls:6d}x  "
+                  f"{os.path.basename(file)}:{line}({fn})")
     if args.out:
         import csv
         os.makedirs(args.out, exist_ok=True)
