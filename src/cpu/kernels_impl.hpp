@@ -874,6 +874,8 @@ struct Carve {
     return p;
   }
   size_t bytes() const { return static_cast<size_t>(off) * sizeof(C); }
+  // n doubles (64-byte aligned like every slice) from a scratch of C.
+  double* take_doubles(int64_t n) { return reinterpret_cast<double*>(take(n * static_cast<int64_t>(sizeof(double) / sizeof(C)))); }
 };
 
 // ---- forward ----------------------------------------------------------------------------------
@@ -888,8 +890,13 @@ struct Forward {
   static constexpr int W = Simd<C>::W;
   static constexpr int64_t BQ = FLASHATTN_CPU_FWD_BQ, BK = FLASHATTN_CPU_FWD_BK;
 
+  // o: one key tile's P V (C); od, l: the running O and row sum in double. Summed key by key in
+  // float32 across a whole row, O and l lose digits as they outgrow their terms (n equal terms:
+  // ~n * 2^-24 relative, 1e-2 at 1M keys); here each tile's BK-term sums stay in C and the sums
+  // over tiles in double, so the error is that of BK terms at any length (~1e-6 relative).
   struct Tiles {
-    C *qt, *krows, *vp, *st, *o, *m, *l;
+    C *qt, *krows, *vp, *st, *o, *m;
+    double *l, *od;
   };
   static Tiles carve(Carve<C>& cv, int64_t D) {
     const int64_t Dp = round_up(D, W);
@@ -900,7 +907,8 @@ struct Forward {
     t.st = cv.take(BK * BQ);
     t.o = cv.take(BQ * Dp);
     t.m = cv.take(BQ);
-    t.l = cv.take(BQ);
+    t.l = cv.take_doubles(BQ);
+    t.od = cv.take_doubles(BQ * Dp);
     return t;
   }
 
@@ -938,14 +946,15 @@ struct Forward {
     const int64_t nqv = nq <= W ? W : BQ;
     Carve<C> cv{static_cast<C*>(scratch)};
     const Tiles t = carve(cv, D);
-    C *ST = t.st, *O = t.o, *mrow = t.m, *lrow = t.l;
+    C *ST = t.st, *T = t.o, *mrow = t.m;
+    double *O = t.od, *lrow = t.l;
 
     const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
     const C slope2 = mods.slope2(b, h);
-    for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = C(0);
+    for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = 0.0;
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
-      lrow[c] = C(0);
+      lrow[c] = 0.0;
     }
 
     // An empty range (every row of the block sees no key) runs no step: the epilogue writes
@@ -960,7 +969,8 @@ struct Forward {
       if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
         mask_key_rows(ST, BQ, rule, i0, nqv, j0, nk);
       online_softmax(ST, nk, mrow, lrow, O, Dp, nqv / W);
-      gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Vp, O, Dp);  // O += P V, P^T read in place
+      gemm<C, false>(nq, Dp / W, nk, ST, 1, BQ, Vp, T, Dp);  // T = P V, P^T read in place
+      for (int64_t i = 0; i < nq * Dp; ++i) O[i] += static_cast<double>(T[i]);  // O += T
     }
 
     // Epilogue: O / l and LSE = (m + log2 l) * ln 2, in IEEE arithmetic: a NaN score leaves l NaN
@@ -971,12 +981,11 @@ struct Forward {
     float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh + seq.sp.q0 * p.lse.ss;
     for (int64_t c = 0; c < nq; ++c) {
       S* out = row_ptr<S>(outv, b, h, i0 + c);
-      const C l = lrow[c];
+      const double l = lrow[c];
       if (rule.row_sees_keys(i0 + c, Skv)) {
-        const C inv = C(1) / l;
-        for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, O[c * Dp + d] * inv);
-        const double v =
-            (static_cast<double>(mrow[c]) + __builtin_log2(static_cast<double>(l))) * kLn2;
+        const double inv = 1.0 / l;
+        for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, static_cast<C>(O[c * Dp + d] * inv));
+        const double v = (static_cast<double>(mrow[c]) + __builtin_log2(l)) * kLn2;
         lse[(i0 + c) * p.lse.ss] = static_cast<float>(v);
       } else {
         for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, C(0));
@@ -986,17 +995,18 @@ struct Forward {
   }
 
   // ST [nk x BQ] holds scores (log2 units) on entry and P^T = exp2(S - m_new) on exit; the
-  // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new).
+  // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new) (l and O
+  // in double: see Tiles).
   // Only the first ns column strips are read and updated: BQ / W (the full tile) or 1 (a block of
   // at most W rows); each a compile-time count, so the strips' chains stay in registers.
-  static void online_softmax(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp, int64_t ns = BQ / W) {
+  static void online_softmax(C* ST, int64_t nk, C* mrow, double* lrow, double* O, int64_t Dp, int64_t ns = BQ / W) {
     if (ns == 1)
       softmax_strips<1>(ST, nk, mrow, lrow, O, Dp);
     else
       softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);
   }
   template <int64_t NS>
-  static void softmax_strips(C* ST, int64_t nk, C* mrow, C* lrow, C* O, int64_t Dp) {
+  static void softmax_strips(C* ST, int64_t nk, C* mrow, double* lrow, double* O, int64_t Dp) {
     // Rows outer, the BQ / W column strips inner: the strips' running maxima and sums are
     // independent chains (a single vmaxps chain down 128 rows was latency-bound: 4 cycles a row),
     // and each row of ST is read contiguously. Per column the operations and their order are
@@ -1021,16 +1031,19 @@ struct Forward {
         vstore(ST + r * BQ + s * W, e);
         sum[s] += e;
       }
+    alignas(64) C tsum[BQ];
     for (int64_t s = 0; s < ns; ++s) {
-      vstore(lrow + s * W, vload<V>(lrow + s * W) * vload<V>(alpha + s * W) + sum[s]);
+      vstore(tsum + s * W, sum[s]);
       vstore(mrow + s * W, mnew[s]);
     }
+    for (int64_t c = 0; c < ns * W; ++c)
+      lrow[c] = lrow[c] * static_cast<double>(alpha[c]) + static_cast<double>(tsum[c]);
     if (O == nullptr) return;  // row statistics only (float64 backward's LSE pass)
     for (int64_t c = 0; c < ns * W; ++c) {
       // Once the running maximum settles most rows keep alpha = 1: skipping them is exact.
       if (alpha[c] == C(1)) continue;
-      const V a = vbroadcast<V>(alpha[c]);
-      for (int64_t d = 0; d < Dp; d += W) vstore(O + c * Dp + d, vload<V>(O + c * Dp + d) * a);
+      const double a = alpha[c];
+      for (int64_t d = 0; d < Dp; ++d) O[c * Dp + d] *= a;
     }
   }
 
@@ -1092,7 +1105,7 @@ struct Backward {
     const C slope2 = mods.slope2(b, h);
     for (int64_t c = 0; c < BQ; ++c) {
       t.m[c] = neg_inf<C>();
-      t.l[c] = C(0);
+      t.l[c] = 0.0;
     }
     // The forward's key sweep and masking, without the PV product.
     const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
@@ -1109,7 +1122,7 @@ struct Backward {
     // value is never used (its every entry is masked after the exponential).
     C* out = lc.out + lc.ctx->stat(b, h, seq.sp.q0);
     for (int64_t c = 0; c < nq; ++c)
-      out[i0 + c] = t.m[c] + static_cast<C>(__builtin_log2(static_cast<double>(t.l[c])));
+      out[i0 + c] = t.m[c] + static_cast<C>(__builtin_log2(t.l[c]));
   }
 
   // D preprocess: one task per (batch or sequence, query head).
