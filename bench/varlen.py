@@ -10,10 +10,12 @@ the same top-left and bottom-right). FLOPs count only real pairs: 4 D H sum(L^2)
 (halved when causal), the backward 2.5x that.
 Rows (TFLOP/s of the forward and of the backward alone):
   packed        flashattn_forward_varlen / _backward_varlen over the C ABI (--lib)
+  packed-compact  the forward on the compact grid (FLASHATTN_CUDA_PACKED_GRID=compact: one CTA
+                per real row block instead of the dense grid over max_seqlen_q)
   dense         the same tokens as uniform dense batches: B = tokens / S at S = the mean length
                 (rounded), flashattn's default kernels; ratio packed / dense is the issue's figure
-  dense-sm80    the same dense batches on the mma.sync kernels that packed calls run today
-                (FLASHATTN_CUDA_ARCH=sm80: the packing's own cost, apart from the kernel family)
+  dense-sm80    the same dense batches on the mma.sync kernels (FLASHATTN_CUDA_ARCH=sm80: the
+                kernel family's share of a difference; packed float32 calls run these)
   sdpa-<name>   torch SDPA on nested tensors, each backend that accepts them
 Each is timed in two views (bench/attn_harness.time_views): kernel (a GPU spin hides host time)
 and host-inclusive (each call from an idle GPU). Medians of --reps after --warmup.
@@ -104,6 +106,9 @@ def main():
                 fwd()
                 record(case, "packed", "fwd", ff, timed(fwd))
                 record(case, "packed", "bwd", 2.5 * ff, timed(bwd))
+                with EnvSettings({"FLASHATTN_CUDA_PACKED_GRID": "compact"}):
+                    fwd()
+                    record(case, "packed-compact", "fwd", ff, timed(fwd))
 
                 # The same tokens as uniform dense batches ([B, S, H, D] views: FlashAttention's layout).
                 s = max(1, round(T / len(lens)))

@@ -184,6 +184,40 @@ TEST(CudaSelect, PackedBatchesRunTheSm90KernelsWithSequenceMaps) {
     }
 }
 
+// FLASHATTN_CUDA_PACKED_GRID=compact: the packed sm_90a forward's table of real row blocks (8
+// bytes per CTA, at most total_q / 128 + batch of them) after the maps; the backward and dense
+// calls keep their grids.
+TEST(CudaSelect, PackedCompactGridTableFollowsTheMaps) {
+  static const int32_t cu[4] = {0, 100, 300, 1001};  // never read by selection
+  Shape s{3, 8, 8, 4096, 4096, 128};
+  ForwardParams f = fparams(s, num(DType::BFloat16));
+  for (auto* x : {&f.q, &f.k, &f.v}) x->sb = 0;
+  f.out.sb = 0;
+  f.packing = Packing{cu, cu, nullptr, 1001, 1001};
+  {
+    OverrideScope e("FLASHATTN_CUDA_PACKED_GRID", "compact");
+    const Selected<ForwardPlan> fp = select_forward(f, dev(9, 0), ov(scoped_vars()));
+    ASSERT_TRUE(fp.ok) << fp.why;
+    EXPECT_EQ(fp.plan.kernel, FwdKernel::Sm90Wgmma16);
+    EXPECT_EQ(fp.plan.grid_blocks, 1001 / 128 + 3);
+    EXPECT_EQ(fp.plan.block_table, static_cast<int64_t>(3 * 3 * 128));
+    EXPECT_EQ(fp.plan.workspace, 3 * 3 * 128u + (1001 / 128 + 3) * 8u);
+    f.packing = Packing{};  // a dense call: no table
+    for (auto* x : {&f.q, &f.k, &f.v}) x->sb = 8 * 4096 * 128;
+    f.out.sb = 8 * 4096 * 128;
+    const Selected<ForwardPlan> dp = select_forward(f, dev(9, 0), ov(scoped_vars()));
+    ASSERT_TRUE(dp.ok) << dp.why;
+    EXPECT_EQ(dp.plan.block_table, -1);
+    EXPECT_EQ(dp.plan.workspace, 0u);
+  }
+  f.packing = Packing{cu, cu, nullptr, 1001, 1001};
+  for (auto* x : {&f.q, &f.k, &f.v}) x->sb = 0;
+  f.out.sb = 0;
+  const Selected<ForwardPlan> def = select_forward(f, dev(9, 0), ov(scoped_vars()));
+  ASSERT_TRUE(def.ok) << def.why;
+  EXPECT_EQ(def.plan.block_table, -1) << "the dense grid stays the default until measured";
+}
+
 // A packed operand the copy engine cannot address (a row stride that is not a multiple of 16
 // bytes) keeps a packed 16-bit call on the mma.sync kernels (16-byte vectors need the same).
 TEST(CudaSelect, PackedBatchesNeedAddressableRowsForTheSm90Kernels) {

@@ -124,10 +124,18 @@ class VarlenCuda : public ::testing::TestWithParam<VarCase> {};
 // The kernel families a packed call of this dtype can run on this GPU: 16-bit calls on the sm_90a
 // kernels (per-sequence tensor maps) and on the mma.sync ones (FLASHATTN_CUDA_ARCH = sm80); float32
 // calls on the mma.sync ones only ("sm80" is also their default on a 9.0 device).
+// "sm90-compact": the sm_90a kernels with the forward's compact grid (FLASHATTN_CUDA_PACKED_GRID).
 std::vector<const char*> arches(DType t) {
   if (t == DType::Float32) return {"sm80"};
-  return {"sm90", "sm80"};
+  return {"sm90", "sm90-compact", "sm80"};
 }
+// The overrides of one entry of arches().
+struct ArchScope {
+  EnvScope arch, grid;
+  explicit ArchScope(const std::string& name)
+      : arch("FLASHATTN_CUDA_ARCH", name == "sm80" ? "sm80" : "sm90"),
+        grid("FLASHATTN_CUDA_PACKED_GRID", name == "sm90-compact" ? "compact" : "dense") {}
+};
 
 // The default backward (the atomic design for 16-bit types: the sm_90a dK/dV kernel where it
 // exists) and the deterministic one, each against the float64 reference per sequence, on every
@@ -138,7 +146,7 @@ TEST_P(VarlenCuda, MatchesReferencePerSequence) {
   DeviceVarRun d(r);
   ASSERT_TRUE(d.ok) << "cudaMalloc / cudaMemcpy failed";
   for (const char* arch : arches(GetParam().dtype)) {
-    EnvScope env("FLASHATTN_CUDA_ARCH", arch);
+    ArchScope env(arch);
     for (bool det : {false, true}) {
       SCOPED_TRACE(std::string(arch) + (det ? " deterministic" : " default"));
       d.run(det);
@@ -166,7 +174,7 @@ TEST_P(VarlenCudaDense, PackedEqualsDensePerSequenceBitwise) {
   for (bool det : {true, false})
   for (Precision prec : precs) {
     SCOPED_TRACE(std::string(arch_name) + (det ? " deterministic " : " default ") + (prec == Precision::Tf32 ? "tf32" : "fp32"));
-    EnvScope arch("FLASHATTN_CUDA_ARCH", arch_name);
+    ArchScope arch(arch_name);
     VarRun r(c);
     DeviceVarRun d(r);
     ASSERT_TRUE(d.ok) << "cudaMalloc / cudaMemcpy failed";

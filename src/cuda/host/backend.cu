@@ -253,6 +253,8 @@ void forward(const ForwardParams& p) {
   a.tf32_copies = plan.tf32_copies;
   a.workspace = ws.get();
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
+  a.block_table = plan.block_table >= 0 ? reinterpret_cast<int2*>(reinterpret_cast<char*>(ws.get()) + plan.block_table) : nullptr;
+  a.grid_blocks = plan.grid_blocks;
   switch (plan.kernel) {
     case FwdKernel::Sm80Mma32:
       return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {

@@ -25,6 +25,10 @@ struct FwdArgs {
   int tf32_copies;  // tf32 sm_90a forward: operands copied by the pre-pass (ForwardPlan::tf32_copies)
   float* workspace;  // ForwardPlan::workspace bytes: the sm_90a float32 forwards' operand copies
   void* seq_maps;    // a packed batch on the sm_90a kernels: the per-sequence tensor maps (workspace)
+  // A packed batch on the sm_90a forward with a compact grid: (sequence, row block) of each of
+  // grid_blocks CTAs, written by the maps' pre-pass ({-1, 0} past the real blocks); else nullptr.
+  int2* block_table;
+  int64_t grid_blocks;
 };
 struct BwdArgs {
   BackwardParams p;

@@ -51,6 +51,7 @@ bool apply(Overrides& o, const char* var, const char* v) {
   else if (is("FLASHATTN_CUDA_PERSISTENT_CTAS"))
     o.persistent_ctas = count(var, v, 1000000, true, "a count or 'sms' (0: one CTA per block)");
   else if (is("FLASHATTN_CUDA_CONVERT_CTAS")) o.convert_ctas = count(var, v, 100000, false, "a count (0: no side stream)");
+  else if (is("FLASHATTN_CUDA_PACKED_GRID")) o.packed_grid = choice(var, v, {"dense", "compact"});
   else return false;
   return true;
 }
@@ -59,7 +60,7 @@ constexpr const char* kVars[] = {
     "FLASHATTN_CUDA_ARCH",    "FLASHATTN_CUDA_MATH",     "FLASHATTN_CUDA_BWD",
     "FLASHATTN_CUDA_SM90_VARIANT", "FLASHATTN_CUDA_PINGPONG", "FLASHATTN_CUDA_TF32_FWD_COPIES",
     "FLASHATTN_CUDA_FP32_FWD", "FLASHATTN_CUDA_TF32_BWD", "FLASHATTN_CUDA_FP32_BWD",
-    "FLASHATTN_CUDA_PERSISTENT_CTAS", "FLASHATTN_CUDA_CONVERT_CTAS"};
+    "FLASHATTN_CUDA_PERSISTENT_CTAS", "FLASHATTN_CUDA_CONVERT_CTAS", "FLASHATTN_CUDA_PACKED_GRID"};
 
 #if defined(FLASHATTN_DEV_OVERRIDES)
 std::mutex& mutex() {

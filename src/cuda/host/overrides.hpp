@@ -18,6 +18,7 @@
 // | FLASHATTN_CUDA_FP32_BWD         | mma, wgmma                   | fp32 (3xTF32) backward family on 9.0                |
 // | FLASHATTN_CUDA_PERSISTENT_CTAS  | N, sms (0: one per block)    | CTAs of the sm_90a float32 pair kernels             |
 // | FLASHATTN_CUDA_CONVERT_CTAS     | N (0: no side stream)        | CTAs copying Q/dO beside the float32 dQ pass        |
+// | FLASHATTN_CUDA_PACKED_GRID      | dense, compact               | packed 16-bit sm_90a forward: CTAs per real block   |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -43,6 +44,7 @@ struct Overrides {
   int fp32_bwd = -1;
   long persistent_ctas = -1;  // -2: "sms" (one per multiprocessor)
   long convert_ctas = -1;
+  int packed_grid = -1;  // 1: compact (the packed sm_90a forward's grid of real row blocks)
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

@@ -189,6 +189,13 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
       if (packed) {
         f.seq_maps = 0;
         f.workspace = seq_maps_bytes(s.batch, 3);  // Q, K, V
+        // The compact grid (a developer's choice until measured against the dense one): a table
+        // of (sequence, row block) per CTA, 8 bytes each, after the maps.
+        if (ov.packed_grid == 1) {
+          f.grid_blocks = seq_blocks_bound(p.packing.total_q, s.batch, tile_config90(Pass::Forward, f.dp).block_m);
+          f.block_table = static_cast<int64_t>(f.workspace);
+          f.workspace += static_cast<size_t>(f.grid_blocks) * 8;
+        }
       }
     } else {
       f.kernel = FwdKernel::Sm80Mma16;

@@ -50,6 +50,11 @@ struct ForwardPlan {
   int smem = 0;               // dynamic shared memory of the kernel, bytes
   size_t workspace = 0;       // device scratch, bytes (the pre-pass copies)
   int64_t seq_maps = -1;      // a packed batch on Sm90Wgmma16: the per-sequence maps' offset in the workspace, bytes
+  // A packed batch on Sm90Wgmma16 with a compact grid: one CTA per real row block (of at most
+  // grid_blocks, seq_blocks_bound()), found in a table after the maps (-1: the dense grid over
+  // max_seqlen_q, CTAs past a sequence's rows return).
+  int64_t block_table = -1;
+  int64_t grid_blocks = 0;
 };
 
 // ---- the backward --------------------------------------------------------------------------------
@@ -143,6 +148,9 @@ inline size_t delta_floats(const Shape& s, const Packing& pk) { return (query_ro
 constexpr size_t kSeqMapBytes = 128;
 inline size_t seq_maps_at(size_t bytes_before) { return (bytes_before + kSeqMapBytes - 1) / kSeqMapBytes * kSeqMapBytes; }
 inline size_t seq_maps_bytes(int64_t batch, int operands) { return static_cast<size_t>(batch) * operands * kSeqMapBytes; }
+// The row blocks of bm rows a packed batch of `batch` sequences and total_q query rows has at most:
+// sum_b ceil(len_b / bm) <= total_q / bm + batch (each sequence adds at most one partial block).
+inline int64_t seq_blocks_bound(int64_t total_q, int64_t batch, int bm) { return total_q / bm + batch; }
 
 // The pair kernels' CTAs for `items` blocks: one per block unless `cap` > 0 (at most cap CTAs,
 // each taking its next block from a counter).

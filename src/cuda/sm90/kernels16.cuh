@@ -31,6 +31,9 @@ struct Sm90FwdArgs {
   // A packed batch: per sequence b, maps Q, K, V at seq_maps[3 b ..] instead (sm90/seq_maps.hpp);
   // nullptr for a dense call.
   const CUtensorMap* seq_maps;
+  // A packed batch on the compact grid: CTA (x, h) works on row block blocks[x].y of sequence
+  // blocks[x].x (x < 0: none); nullptr: the dense grid (x, h, sequence).
+  const int2* blocks;
 };
 
 // The maps a CTA of sequence b copies its N streamed operands through and the batch coordinate
@@ -136,12 +139,19 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   uint64_t* empty_k = bars + 5;  // [2]
   uint64_t* empty_v = bars + 7;  // [2]
 
-  // A packed batch's sequence blockIdx.z as a dense call of its own (at_sequence); CTAs past its
-  // rows have no work.
-  const FwdArgs a = at_sequence(A.f, blockIdx.z);
+  // A packed batch's sequence (blockIdx.z, or the compact grid's table entry) as a dense call of
+  // its own (at_sequence); CTAs past its rows have no work.
+  int64_t seq = blockIdx.z, xb = blockIdx.x;
+  if (A.blocks != nullptr) {
+    const int2 e = A.blocks[blockIdx.x];
+    if (e.x < 0) return;
+    seq = e.x;
+    xb = e.y;
+  }
+  const FwdArgs a = at_sequence(A.f, seq);
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num);
+  const QueryBlock qb = query_block<BM, BN>(p.shape, p.num, seq, blockIdx.y, xb);
   if (qb.rows <= 0) return;
   const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
   const int ntiles = qb.ntiles;

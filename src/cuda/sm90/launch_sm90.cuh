@@ -49,9 +49,11 @@ struct MapOperand {
   int box_rows;
   CUtensorMap* dense;  // the kernel argument's map (dense calls)
 };
+// With `blocks` (the forward's compact grid) the pre-pass also writes that table of nblocks entries.
 template <int N>
 const CUtensorMap* make_maps16(const MapOperand (&ops)[N], Half16 h, const Shape& s, const Packing& pk, void* seq_maps,
-                               cudaStream_t stream, const char* what) {
+                               cudaStream_t stream, const char* what, int2* blocks = nullptr, int64_t nblocks = 0,
+                               int bm = 0) {
   static_assert(N <= kMaxSeqMapOperands, "SeqMapsJob holds kMaxSeqMapOperands maps");
   bool ok = true;
   if (!pk.on()) {
@@ -75,6 +77,9 @@ const CUtensorMap* make_maps16(const MapOperand (&ops)[N], Half16 h, const Shape
   j.shape = s;
   j.packing = pk;
   j.out = static_cast<CUtensorMap*>(seq_maps);
+  j.blocks = blocks;
+  j.nblocks = nblocks;
+  j.bm = bm;
   launch_seq_maps(j, stream);
   return j.out;
 }
@@ -88,9 +93,15 @@ void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const MapOperand ops[3] = {{&a.p.q, s.heads_q, false, c.block_m, &args.tq},
                              {&a.p.k, s.heads_kv, true, c.block_n, &args.tk},
                              {&a.p.v, s.heads_kv, true, c.block_n, &args.tv}};
-  args.seq_maps = make_maps16(ops, H, s, a.p.packing, a.seq_maps, stream, "cuda 16-bit sm_90a forward");
-  const dim3 grid(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
-                  static_cast<unsigned>(s.batch));
+  args.seq_maps = make_maps16(ops, H, s, a.p.packing, a.seq_maps, stream, "cuda 16-bit sm_90a forward",
+                              a.block_table, a.grid_blocks, c.block_m);
+  args.blocks = a.block_table;
+  // The dense grid (row blocks of max_seqlen_q x heads x sequences), or the compact one: one CTA
+  // per entry of the block table x heads.
+  const dim3 grid = a.block_table != nullptr
+                        ? dim3(static_cast<unsigned>(a.grid_blocks), static_cast<unsigned>(s.heads_q), 1)
+                        : dim3(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
+                               static_cast<unsigned>(s.batch));
   launch_checked(dev::forward_sm90_kernel<DP, H, XF>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
 }

@@ -10,6 +10,9 @@
 // reading the sequence arrays back (a synchronisation), so a pre-pass kernel does it on the
 // stream (tensormap.replace, CUTLASS's grouped-GEMM technique); the kernel then reads map
 // (b, operand) at maps[b * n + operand] in the workspace, with batch coordinate 0.
+// The same pre-pass can write the compact grid's block table: the dense grid over max_seqlen
+// launches max_blocks x heads x batch CTAs of which those past their sequence's rows only return
+// (about half of them at 28 sequences of 1..1024), each still taking a multiprocessor's slot.
 #pragma once
 
 #include <cuda.h>
@@ -31,6 +34,11 @@ struct SeqMapsJob {
   Shape shape;                              // batch = sequences
   Packing packing;
   CUtensorMap* out;                         // [batch][n], 64-byte aligned (workspace)
+  // Optional (nullptr: none): the compact grid's table, nblocks entries: (b, x) for row block x
+  // of sequence b (bm query rows each), sequences in order, then {-1, 0} up to nblocks.
+  int2* blocks;
+  int64_t nblocks;
+  int bm;
 };
 // Writes job.out on `stream` (sm_90a devices only).
 void launch_seq_maps(const SeqMapsJob& job, cudaStream_t stream);
