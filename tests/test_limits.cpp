@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -179,6 +180,127 @@ TEST(ThreadLimits, CallsSucceedWhenThreadsCannotStart) {
         return msg;
       },
       60));
+}
+
+// ---- max_flops and cancel: bounds on a call's running time --------------------------------------
+
+// small(): B 2, Hq 4, Sq 9, Skv 11, D 16: forward 4 * 2 * 4 * 9 * 11 * 16 = 50688 FLOPs.
+TEST(WorkBounds, MaxFlopsRefusesLargerCallsBeforeWriting) {
+  Options o;
+  o.max_flops = 50687.0;
+  Problem p(small());
+  const Snapshot before = snapshot(p);
+  EXPECT_TRUE(throws_error([&] { run_forward(p, o); }, Status::InvalidArgument,
+                           {"50688 FLOPs", "4 * B 2 * Hq 4 * Sq 9 * Skv 11 * D 16", "options.max_flops = 50687"}));
+  o.max_flops = 50688.0;  // the forward fits; the backward (2.5x) does not
+  EXPECT_TRUE(throws_error([&] { run_backward(p, o); }, Status::InvalidArgument,
+                           {"126720 FLOPs", "2.5 x", "options.max_flops = 50688"}));
+  EXPECT_TRUE(snapshot(p) == before) << "written before the error";
+  ASSERT_NO_THROW(run_forward(p, o));
+  o.max_flops = 126720.0;
+  ASSERT_NO_THROW(run_backward(p, o));
+}
+
+TEST(WorkBounds, MaxFlopsMustBeFiniteAndNonNegative) {
+  for (double m : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    SCOPED_TRACE(m);
+    Options o;
+    o.max_flops = m;
+    expect_rejected(o, {"options.max_flops", "is invalid"});
+  }
+}
+
+// A cancel callback: counts its polls, asks to stop from poll `stop_at` on (0: never).
+struct Canceller {
+  std::atomic<int64_t> polls{0};
+  int64_t stop_at = 0;
+  static int poll(void* arg) {
+    auto& c = *static_cast<Canceller*>(arg);
+    const int64_t n = c.polls.fetch_add(1) + 1;
+    return c.stop_at > 0 && n >= c.stop_at ? 1 : 0;
+  }
+};
+
+// Asked before the call starts: nothing is written.
+TEST(WorkBounds, CancelBeforeTheCallWritesNothing) {
+  Canceller c;
+  c.stop_at = 1;
+  Options o;
+  o.cancel = &Canceller::poll;
+  o.cancel_arg = &c;
+  Problem p(small());
+  const Snapshot before = snapshot(p);
+  EXPECT_TRUE(throws_error([&] { run_forward(p, o); }, Status::Cancelled, {"cancelled by options.cancel before"}));
+  EXPECT_TRUE(throws_error([&] { run_backward(p, o); }, Status::Cancelled, {"cancelled by options.cancel before"}));
+  EXPECT_TRUE(snapshot(p) == before);
+}
+
+// Asked during the call (forward and backward of many tasks, several threads): the call stops
+// with Cancelled and runs no task after the answer; a callback that never asks changes nothing.
+TEST(WorkBounds, CancelDuringTheCallStopsIt) {
+  const ProblemConfig cfg = make_config(2, 4, 2, 700, 700, 32, Mask::CausalBottomRight);
+  Problem plain(cfg);
+  run_forward(plain, options_for(plain.cfg, 2));
+  run_backward(plain, options_for(plain.cfg, 2));
+  for (bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward" : "forward");
+    Canceller never;
+    Problem p(cfg);
+    Options o = options_for(p.cfg, 2);
+    o.cancel = &Canceller::poll;
+    o.cancel_arg = &never;
+    ASSERT_NO_THROW(run_forward(p, o));
+    ASSERT_NO_THROW(run_backward(p, o));
+    EXPECT_TRUE(snapshot(p) == snapshot(plain)) << "a callback that never cancels changed the results";
+    EXPECT_GT(never.polls.load(), 16) << "polled before every task";
+
+    Canceller c;
+    c.stop_at = 5;  // after the call's own check, a few tasks run, then the rest are skipped
+    Problem q(cfg);
+    Options oc = options_for(q.cfg, 2);
+    oc.cancel = &Canceller::poll;
+    oc.cancel_arg = &c;
+    if (backward) ASSERT_NO_THROW(run_forward(q, options_for(q.cfg, 2)));
+    EXPECT_TRUE(throws_error([&] { backward ? run_backward(q, oc) : run_forward(q, oc); }, Status::Cancelled,
+                             {"cancelled by options.cancel during the call"}));
+    // Each task polls once; after the answer every remaining task polls at most once more (the
+    // skip test comes first), so the total stays far below a full call's.
+    EXPECT_LT(c.polls.load(), never.polls.load());
+  }
+}
+
+// Through the C ABI: the new fields are read only from callers whose struct has them, and the
+// status has its code and name.
+TEST(WorkBounds, ThroughTheCAbi) {
+  EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_CANCELLED), "cancelled");
+  Problem p(small());
+  auto ct = [](const Tensor& t) {
+    flashattn_tensor c{};
+    c.data = t.data;
+    c.dtype = static_cast<int32_t>(t.dtype);
+    c.device = t.device;
+    c.ndim = t.ndim;
+    for (int i = 0; i < t.ndim; ++i) {
+      c.shape[i] = t.shape[i];
+      c.stride[i] = t.stride[i];
+    }
+    return c;
+  };
+  const flashattn_tensor q = ct(p.q.view), k = ct(p.k.view), v = ct(p.v.view), out = ct(p.out.view), lse = ct(p.lse.view);
+  flashattn_options o;
+  flashattn_options_init(&o);
+  o.max_flops = 1.0;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  Canceller c;
+  c.stop_at = 1;
+  o.max_flops = 0.0;
+  o.cancel = &Canceller::poll;
+  o.cancel_arg = &c;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_ERROR_CANCELLED);
+  EXPECT_NE(std::string(flashattn_last_error()).find("cancelled"), std::string::npos);
+  o.struct_size = FLASHATTN_OPTIONS_V3_SIZE;  // a version-3 caller: neither field exists
+  o.max_flops = 1.0;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_OK) << flashattn_last_error();
 }
 
 }  // namespace

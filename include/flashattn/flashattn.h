@@ -104,6 +104,7 @@ extern "C" {
 #define FLASHATTN_ERROR_BACKEND 3          /* a CUDA call or launch failed */
 #define FLASHATTN_ERROR_OUT_OF_MEMORY 4    /* workspace allocation failed */
 #define FLASHATTN_ERROR_INTERNAL 5         /* a bug: please report the message */
+#define FLASHATTN_ERROR_CANCELLED 6        /* options.cancel asked the call to stop */
 
 typedef struct {
   void* data;
@@ -149,10 +150,30 @@ typedef struct {
    * device, that adds -slope[b, h] * |i + Skv - Sq - j| to score (i, j) of query head h (after the
    * softcap). Read-only; outputs must not overlap it. */
   const flashattn_tensor* alibi_slopes;
+  /* ---- end of version 3 (FLASHATTN_OPTIONS_V3_SIZE) ---- */
+  /* Bounds on a call's running time, for absurd-but-valid sizes (a call that is running cannot
+   * otherwise be stopped from outside):
+   * max_flops: 0 = no bound; else (finite, > 0) a call whose FLOP count exceeds it fails with
+   *   FLASHATTN_ERROR_INVALID_ARGUMENT, naming both, before anything is written. The count is the
+   *   dense one: 4 * B * Hq * Sq * Skv * D for a forward, 2.5x that for a backward (masks and
+   *   windows not subtracted; packed batches: B * max_seqlen_q * max_seqlen_k; KV cache: Skv =
+   *   the most keys a sequence attends after the append). For scale: a 2-core CPU does ~3e11 FLOP/s, an H200
+   *   ~5e14.
+   * cancel: NULL = none; else the CPU backend calls cancel(cancel_arg) before the call starts
+   *   and, from its worker threads (concurrently: it must be thread-safe), before every task (a
+   *   block of query or key rows of one head: microseconds to milliseconds of work). Once it
+   *   returns nonzero no further task starts and the call fails with FLASHATTN_ERROR_CANCELLED;
+   *   outputs are then partly written (unspecified), inputs untouched (a KV-cache append may be
+   *   done already). The CUDA backend calls it once, before its first launch (kernels cannot be
+   *   interrupted). */
+  double max_flops;
+  int (*cancel)(void* cancel_arg);
+  void* cancel_arg;
 } flashattn_options;
 
 #define FLASHATTN_OPTIONS_V1_SIZE 24u
 #define FLASHATTN_OPTIONS_V2_SIZE 40u
+#define FLASHATTN_OPTIONS_V3_SIZE 72u /* through alibi_slopes (64-bit pointers) */
 
 /* Fills *opts with defaults (struct_size = sizeof, everything else 0 / NULL). */
 FLASHATTN_API void flashattn_options_init(flashattn_options* opts);

@@ -40,6 +40,7 @@ enum class Status : int {
   Backend = FLASHATTN_ERROR_BACKEND,
   OutOfMemory = FLASHATTN_ERROR_OUT_OF_MEMORY,
   Internal = FLASHATTN_ERROR_INTERNAL,
+  Cancelled = FLASHATTN_ERROR_CANCELLED,
 };
 
 constexpr int32_t kCpu = FLASHATTN_CPU;
@@ -90,6 +91,12 @@ struct Options {
   // ALiBi slopes, float32 [Hq] or [B, Hq] on q's device (nullptr = none): score (i, j) of head h
   // gets -slope * |i + Skv - Sq - j| after the softcap. The view must outlive the call.
   const Tensor* alibi_slopes = nullptr;
+  // Bounds on a call's running time (flashattn_options): refuse calls of more than max_flops
+  // FLOPs (dense count; 0 = no bound), and cancel(cancel_arg) polled before the call and before
+  // every CPU task (nonzero: the call throws Error(Status::Cancelled), outputs partly written).
+  double max_flops = 0.0;
+  int (*cancel)(void* cancel_arg) = nullptr;
+  void* cancel_arg = nullptr;
 };
 
 // out [B,Hq,Sq,D], lse [B,Hq,Sq] float32.

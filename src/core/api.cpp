@@ -83,9 +83,33 @@ Tensor Tensor::bshd(void* data, DType dtype, int64_t b, int64_t h, int64_t s, in
   return t;
 }
 
+namespace {
+
+// options.max_flops against the call's dense FLOP count (flashattn_options), after validation and
+// before anything is written; then options.cancel, once (the CPU backend polls it per task too).
+void check_bounds(const Shape& s, bool backward, const Options& o, const Exec& e) {
+  if (o.max_flops > 0.0) {
+    const double f = 4.0 * static_cast<double>(s.batch) * static_cast<double>(s.heads_q) *
+                     static_cast<double>(s.seq_q) * static_cast<double>(s.seq_kv) *
+                     static_cast<double>(s.head_dim) * (backward ? 2.5 : 1.0);
+    if (f > o.max_flops) {
+      std::ostringstream os;
+      os << "the call's work, " << f << " FLOPs (" << (backward ? "2.5 x " : "") << "4 * B " << s.batch << " * Hq "
+         << s.heads_q << " * Sq " << s.seq_q << " * Skv " << s.seq_kv << " * D " << s.head_dim
+         << "), exceeds options.max_flops = " << o.max_flops;
+      throw Error(Status::InvalidArgument, os.str());
+    }
+  }
+  if (e.cancel != nullptr && e.cancel(e.cancel_arg) != 0)
+    throw Error(Status::Cancelled, "cancelled by options.cancel before the call started");
+}
+
+}  // namespace
+
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
              const Tensor& lse, const Options& options) {
   ForwardParams p = make_forward_params(q, k, v, out, lse, options);
+  check_bounds(p.shape, false, options, p.exec);
   if (p.exec.device < 0)
     cpu::forward(p);
   else
@@ -96,6 +120,7 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
               const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
               const Tensor& dv, const Options& options) {
   BackwardParams p = make_backward_params(q, k, v, out, dout, lse, dq, dk, dv, options);
+  check_bounds(p.shape, true, options, p.exec);
   if (p.exec.device < 0)
     cpu::backward(p);
   else
@@ -105,6 +130,7 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
 void forward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                     const Varlen& varlen, const Options& options) {
   ForwardParams p = make_forward_params_varlen(q, k, v, out, lse, varlen, options);
+  check_bounds(p.shape, false, options, p.exec);
   if (p.exec.device < 0)
     cpu::forward(p);
   else
@@ -115,6 +141,7 @@ void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Varlen& varlen,
                      const Options& options) {
   BackwardParams p = make_backward_params_varlen(q, k, v, out, dout, lse, dq, dk, dv, varlen, options);
+  check_bounds(p.shape, true, options, p.exec);
   if (p.exec.device < 0)
     cpu::backward(p);
   else
@@ -125,6 +152,7 @@ void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
                      const Tensor& lse, const KvCache& kv, const Options& options) {
   KvcacheCall call;
   make_kvcache_params(q, k_cache, v_cache, out, lse, kv, options, call);
+  check_bounds(call.params.fwd.shape, false, options, call.params.fwd.exec);
   if (call.params.fwd.exec.device >= 0)
     throw Error(Status::Unsupported,
                 "forward_kvcache (KV-cache attention) is not implemented by the CUDA backend yet: q.device = " +

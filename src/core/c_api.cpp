@@ -193,6 +193,7 @@ const char* flashattn_status_string(int status) {
     case FLASHATTN_ERROR_BACKEND: return "backend error";
     case FLASHATTN_ERROR_OUT_OF_MEMORY: return "out of memory";
     case FLASHATTN_ERROR_INTERNAL: return "internal error";
+    case FLASHATTN_ERROR_CANCELLED: return "cancelled";
     default: return "unknown status";
   }
 }

@@ -12,6 +12,9 @@
 
 namespace flashattn::detail {
 
+static_assert(offsetof(flashattn_options, max_flops) == FLASHATTN_OPTIONS_V3_SIZE,
+              "version 3 of flashattn_options ends where max_flops starts");
+
 // nullptr means all defaults. Throws Error(InvalidArgument) when struct_size is below version 1.
 // The ALiBi slopes' view is copied into *alibi_storage (which must outlive the Options).
 inline Options options_from_c(const flashattn_options* o, Tensor* alibi_storage = nullptr) {
@@ -38,6 +41,11 @@ inline Options options_from_c(const flashattn_options* o, Tensor* alibi_storage 
     r.window_right = o->window_right;
   }
   if (has(offsetof(flashattn_options, softcap), sizeof(float))) r.softcap = o->softcap;
+  if (has(offsetof(flashattn_options, max_flops), sizeof(double))) r.max_flops = o->max_flops;
+  if (has(offsetof(flashattn_options, cancel_arg), sizeof(void*))) {
+    r.cancel = o->cancel;
+    r.cancel_arg = o->cancel_arg;
+  }
   if (has(offsetof(flashattn_options, alibi_slopes), sizeof(void*)) && o->alibi_slopes != nullptr)
   {
     const flashattn_tensor* t = o->alibi_slopes;

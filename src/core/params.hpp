@@ -52,6 +52,8 @@ struct Exec {
   int32_t device;       // -1 CPU, n >= 0 CUDA device n
   void* stream;         // cudaStream_t
   int32_t num_threads;  // CPU threads, resolved (>= 1)
+  int (*cancel)(void*);  // options.cancel (nullptr: none): polled before each CPU task
+  void* cancel_arg;
 };
 
 // A [B, H, S, D] operand with unit head_dim stride; element (b,h,s,d) is at

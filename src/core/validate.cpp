@@ -332,6 +332,11 @@ void check_options(const Options& o) {
     os << "options.softcap = " << o.softcap << " is invalid (0 for none, or a finite value > 0)";
     fail(os.str());
   }
+  if (!std::isfinite(o.max_flops) || o.max_flops < 0.0) {
+    std::ostringstream os;
+    os << "options.max_flops = " << o.max_flops << " is invalid (0 for no bound, or a finite value > 0)";
+    fail(os.str());
+  }
 }
 
 struct Common {
@@ -360,7 +365,7 @@ Common make_common(const Named& q, const Shape& shape, const Options& o) {
   if (threads == 0)
     threads = static_cast<int32_t>(std::min<unsigned>(
         std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
-  c.exec = Exec{q.t->device, o.stream, threads};
+  c.exec = Exec{q.t->device, o.stream, threads, o.cancel, o.cancel_arg};
   return c;
 }
 

@@ -98,32 +98,63 @@ struct ScratchCache {
   }
 };
 
-// What both ways of running a call share: memory that lives until the call returns.
+// What both ways of running a call share: memory that lives until the call returns, and
+// options.cancel: with it set, every task first polls it, and once it returned nonzero the
+// remaining tasks are skipped and run() throws Cancelled (so a multi-pass call stops at the pass
+// it was in). run_tasks() is the way of running tasks.
 class CallParallel : public Parallel {
  public:
   void* alloc(size_t bytes) override {
     owned_.push_back(allocate(bytes));
     return owned_.back().get();
   }
+  void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) final {
+    if (cancel_ == nullptr) return run_tasks(num_tasks, scratch_bytes, fn, ctx);
+    const Polled pl{fn, ctx, this};
+    run_tasks(num_tasks, scratch_bytes, &polled, &pl);
+    if (stopped_.load()) throw Error(Status::Cancelled, "cancelled by options.cancel during the call");
+  }
 
  protected:
+  explicit CallParallel(const Exec& e) : cancel_(e.cancel), cancel_arg_(e.cancel_arg) {}
   ~CallParallel() = default;
+  virtual void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) = 0;
 
  private:
+  struct Polled {
+    TaskFn fn;
+    const void* ctx;
+    CallParallel* self;
+  };
+  static void polled(const void* c, int64_t task, void* scratch) {
+    const Polled& pl = *static_cast<const Polled*>(c);
+    CallParallel& s = *pl.self;
+    if (s.stopped_.load(std::memory_order_relaxed)) return;
+    if (s.cancel_(s.cancel_arg_) != 0) {
+      s.stopped_.store(true);
+      return;
+    }
+    pl.fn(pl.ctx, task, scratch);
+  }
+
   std::vector<Buffer> owned_;
+  int (*cancel_)(void*);
+  void* cancel_arg_;
+  std::atomic<bool> stopped_{false};
 };
 
 class PoolParallel final : public CallParallel {
  public:
-  explicit PoolParallel(PoolLease& lease) : pool_(lease.pool()), scratch_(lease.attached<ScratchCache>()) {}
+  PoolParallel(const Exec& e, PoolLease& lease)
+      : CallParallel(e), pool_(lease.pool()), scratch_(lease.attached<ScratchCache>()) {}
 
-  void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
+ private:
+  void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
     scratch_.reserve(static_cast<size_t>(pool_.threads()));
     Job job{fn, ctx, scratch_bytes, &scratch_};
     pool_.run(num_tasks, &trampoline, &job);
   }
 
- private:
   struct Job {
     TaskFn fn;
     const void* ctx;
@@ -146,10 +177,11 @@ class PoolParallel final : public CallParallel {
 // runner returns (never thrown through the runner's frames).
 class TeamParallel final : public CallParallel {
  public:
-  TeamParallel(TeamRunner run, void* ctx, int threads, ScratchCache& sc)
-      : run_(run), ctx_(ctx), threads_(threads < 1 ? 1 : threads), scratch_(sc) {}
+  TeamParallel(const Exec& e, TeamRunner run, void* ctx, ScratchCache& sc)
+      : CallParallel(e), run_(run), ctx_(ctx), threads_(e.num_threads < 1 ? 1 : e.num_threads), scratch_(sc) {}
 
-  void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
+ private:
+  void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
     if (num_tasks <= 0) return;
     scratch_.reserve(static_cast<size_t>(threads_));
     Team team;
@@ -171,7 +203,6 @@ class TeamParallel final : public CallParallel {
     }
   }
 
- private:
   struct Team {
     TaskFn fn;
     const void* ctx;
@@ -222,15 +253,15 @@ Runner current_runner() {
 
 // Runs one backend call's kernels on the installed team, or on a leased pool.
 template <class Call>
-void with_parallel(int threads, Call&& call) {
+void with_parallel(const Exec& e, Call&& call) {
   const Runner r = current_runner();
   // (A lease of a one-thread pool starts no thread; it serves this call's scratch only.)
-  PoolLease lease(r.run != nullptr ? 1 : threads);
+  PoolLease lease(r.run != nullptr ? 1 : e.num_threads);
   if (r.run != nullptr) {
-    TeamParallel par(r.run, r.ctx, threads, lease.attached<ScratchCache>());
+    TeamParallel par(e, r.run, r.ctx, lease.attached<ScratchCache>());
     call(static_cast<Parallel&>(par));
   } else {
-    PoolParallel par(lease);
+    PoolParallel par(e, lease);
     call(static_cast<Parallel&>(par));
   }
 }
@@ -262,17 +293,17 @@ const KernelSet& select_kernel() {
 // (Concurrent calls lease pools, or scratch, of their own: with_parallel.)
 void forward(const ForwardParams& p) {
   const KernelSet& k = select_kernel();
-  with_parallel(p.exec.num_threads, [&](Parallel& par) { k.forward(p, rule_of(p.shape, p.num), par); });
+  with_parallel(p.exec, [&](Parallel& par) { k.forward(p, rule_of(p.shape, p.num), par); });
 }
 
 void forward_kvcache(const KvcacheParams& kp) {
   const KernelSet& k = select_kernel();
-  with_parallel(kp.fwd.exec.num_threads, [&](Parallel& par) { run_kvcache(k, kp, par); });
+  with_parallel(kp.fwd.exec, [&](Parallel& par) { run_kvcache(k, kp, par); });
 }
 
 void backward(const BackwardParams& p) {
   const KernelSet& k = select_kernel();
-  with_parallel(p.exec.num_threads, [&](Parallel& par) { k.backward(p, rule_of(p.shape, p.num), par); });
+  with_parallel(p.exec, [&](Parallel& par) { k.backward(p, rule_of(p.shape, p.num), par); });
 }
 
 void set_team_runner(TeamRunner run, void* ctx) {

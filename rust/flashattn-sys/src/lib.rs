@@ -48,6 +48,7 @@ pub const FLASHATTN_ERROR_UNSUPPORTED: c_int = 2;
 pub const FLASHATTN_ERROR_BACKEND: c_int = 3;
 pub const FLASHATTN_ERROR_OUT_OF_MEMORY: c_int = 4;
 pub const FLASHATTN_ERROR_INTERNAL: c_int = 5;
+pub const FLASHATTN_ERROR_CANCELLED: c_int = 6;
 
 /// A non-owning tensor view. Shapes and strides are in elements, one per logical dimension.
 #[repr(C)]
@@ -101,12 +102,23 @@ pub struct flashattn_options {
     /// device, adding -slope[b, h] * |i + Skv - Sq - j| to score (i, j) of query head h (after
     /// the softcap). Read-only; outputs must not overlap it.
     pub alibi_slopes: *const flashattn_tensor,
+    // ---- end of version 3 (FLASHATTN_OPTIONS_V3_SIZE) ----
+    /// 0 = no bound; else a call of more FLOPs (the dense count: 4 B Hq Sq Skv D forward, 2.5x
+    /// backward) fails with `FLASHATTN_ERROR_INVALID_ARGUMENT` before anything is written.
+    pub max_flops: f64,
+    /// None = no cancellation; else called with `cancel_arg` before the call and, from the CPU
+    /// backend's worker threads (thread-safe), before every task: nonzero stops the call with
+    /// `FLASHATTN_ERROR_CANCELLED` (outputs partly written).
+    pub cancel: Option<unsafe extern "C" fn(cancel_arg: *mut c_void) -> c_int>,
+    pub cancel_arg: *mut c_void,
 }
 
 /// Size of the version 1 `flashattn_options` (up to and including `stream`).
 pub const FLASHATTN_OPTIONS_V1_SIZE: u32 = 24;
 /// Size of the version 2 `flashattn_options` (up to and including `reserved0`).
 pub const FLASHATTN_OPTIONS_V2_SIZE: u32 = 40;
+/// Size of the version 3 `flashattn_options` (up to and including `alibi_slopes`).
+pub const FLASHATTN_OPTIONS_V3_SIZE: u32 = 72;
 
 /// Packed variable-length batches (`flashattn_forward_varlen`): see flashattn.h.
 #[repr(C)]

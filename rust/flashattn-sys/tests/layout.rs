@@ -89,8 +89,10 @@ fn rust_side() -> BTreeMap<String, i64> {
         ("FLASHATTN_ERROR_BACKEND", FLASHATTN_ERROR_BACKEND as i64),
         ("FLASHATTN_ERROR_OUT_OF_MEMORY", FLASHATTN_ERROR_OUT_OF_MEMORY as i64),
         ("FLASHATTN_ERROR_INTERNAL", FLASHATTN_ERROR_INTERNAL as i64),
+        ("FLASHATTN_ERROR_CANCELLED", FLASHATTN_ERROR_CANCELLED as i64),
         ("FLASHATTN_OPTIONS_V1_SIZE", FLASHATTN_OPTIONS_V1_SIZE as i64),
         ("FLASHATTN_OPTIONS_V2_SIZE", FLASHATTN_OPTIONS_V2_SIZE as i64),
+        ("FLASHATTN_OPTIONS_V3_SIZE", FLASHATTN_OPTIONS_V3_SIZE as i64),
         ("FLASHATTN_MAX_THREADS", FLASHATTN_MAX_THREADS as i64),
         ("FLASHATTN_MAX_SOFTMAX_SCALE", FLASHATTN_MAX_SOFTMAX_SCALE as i64),
     ];
@@ -113,6 +115,9 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_options, softcap));
     m.extend(field!(flashattn_options, sliding_window));
     m.extend(field!(flashattn_options, alibi_slopes));
+    m.extend(field!(flashattn_options, max_flops));
+    m.extend(field!(flashattn_options, cancel));
+    m.extend(field!(flashattn_options, cancel_arg));
     m.extend(field!(flashattn_varlen, struct_size));
     m.extend(field!(flashattn_varlen, cu_seqlens_q));
     m.extend(field!(flashattn_varlen, cu_seqlens_k));
@@ -201,6 +206,7 @@ fn options_init_fills_struct_size_and_defaults() {
 fn version_sizes_end_where_the_next_fields_begin() {
     assert_eq!(offset_of!(flashattn_options, num_threads), FLASHATTN_OPTIONS_V1_SIZE as usize);
     assert_eq!(offset_of!(flashattn_options, window_left), FLASHATTN_OPTIONS_V2_SIZE as usize);
+    assert_eq!(offset_of!(flashattn_options, max_flops), FLASHATTN_OPTIONS_V3_SIZE as usize);
     assert!(size_of::<flashattn_options>() > FLASHATTN_OPTIONS_V2_SIZE as usize);
 }
 

@@ -38,6 +38,9 @@ int main(void) {
   FIELD(flashattn_options, softcap);
   FIELD(flashattn_options, sliding_window);
   FIELD(flashattn_options, alibi_slopes);
+  FIELD(flashattn_options, max_flops);
+  FIELD(flashattn_options, cancel);
+  FIELD(flashattn_options, cancel_arg);
 
   SIZE(flashattn_varlen);
   FIELD(flashattn_varlen, struct_size);
@@ -69,8 +72,10 @@ int main(void) {
   DEF(FLASHATTN_ERROR_BACKEND);
   DEF(FLASHATTN_ERROR_OUT_OF_MEMORY);
   DEF(FLASHATTN_ERROR_INTERNAL);
+  DEF(FLASHATTN_ERROR_CANCELLED);
   DEF(FLASHATTN_OPTIONS_V1_SIZE);
   DEF(FLASHATTN_OPTIONS_V2_SIZE);
+  DEF(FLASHATTN_OPTIONS_V3_SIZE);
   DEF(FLASHATTN_MAX_THREADS);
   DEF(FLASHATTN_MAX_SOFTMAX_SCALE);
   return 0;

@@ -17,6 +17,8 @@ pub enum ErrorKind {
     OutOfMemory,
     /// A bug in flashattn (`FLASHATTN_ERROR_INTERNAL`).
     Internal,
+    /// The options' cancel callback stopped the call (`FLASHATTN_ERROR_CANCELLED`).
+    Cancelled,
     /// A status code this crate does not know (a newer library).
     Unknown(i32),
 }
@@ -29,6 +31,7 @@ impl ErrorKind {
             sys::FLASHATTN_ERROR_BACKEND => ErrorKind::Backend,
             sys::FLASHATTN_ERROR_OUT_OF_MEMORY => ErrorKind::OutOfMemory,
             sys::FLASHATTN_ERROR_INTERNAL => ErrorKind::Internal,
+            sys::FLASHATTN_ERROR_CANCELLED => ErrorKind::Cancelled,
             other => ErrorKind::Unknown(other),
         }
     }
@@ -41,6 +44,7 @@ impl ErrorKind {
             ErrorKind::Backend => sys::FLASHATTN_ERROR_BACKEND,
             ErrorKind::OutOfMemory => sys::FLASHATTN_ERROR_OUT_OF_MEMORY,
             ErrorKind::Internal => sys::FLASHATTN_ERROR_INTERNAL,
+            ErrorKind::Cancelled => sys::FLASHATTN_ERROR_CANCELLED,
             ErrorKind::Unknown(s) => s,
         }
     }

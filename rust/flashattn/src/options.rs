@@ -190,6 +190,9 @@ impl<'a> Options<'a> {
             softcap: self.softcap.unwrap_or(0.0),
             sliding_window: i32::from(window_left != -1 || window_right != -1),
             alibi_slopes: slopes.map_or(core::ptr::null(), |t| t as *const _),
+            max_flops: 0.0,
+            cancel: None,
+            cancel_arg: core::ptr::null_mut(),
         })
     }
 }
