@@ -208,6 +208,15 @@ bool available() {
 void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void* stream) {
   DeviceGuard guard(device);
   const auto st = static_cast<cudaStream_t>(stream);
+  // A copy to the host and a wait cannot be recorded into a CUDA graph (they would break the
+  // capture): say so instead. (A failed query leaves the copy to report its own error.)
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) (void)cudaGetLastError();
+  else if (cs != cudaStreamCaptureStatusNone)
+    throw Error(Status::Unsupported,
+                "the stream is being captured into a CUDA graph, and packed-batch and KV-cache calls read their "
+                "index tensors (cu_seqlens, seqused_k, cache_seqlens, block_table) on the host to validate them "
+                "before anything is written; capture dense calls only, or make these calls outside the capture");
   FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st));
   FLASHATTN_CUDA_CHECK(cudaStreamSynchronize(st));
 }
