@@ -12,7 +12,7 @@ PyTorch (imported on first use, so NumPy-only users need no torch):
 """
 
 from ._api import (MASKS, PRECISIONS, backward, backward_varlen, build_info, cuda_available,
-                   forward, forward_varlen)
+                   forward, forward_kvcache, forward_varlen)
 from ._ext import version as _lib_version
 
 __version__ = _lib_version()
@@ -22,6 +22,7 @@ __all__ = [
     "backward",
     "forward_varlen",
     "backward_varlen",
+    "forward_kvcache",
     "MASKS",
     "PRECISIONS",
     "cuda_available",
@@ -32,11 +33,12 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 _FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                      "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-                     "flash_attn_varlen_kvpacked_func")
+                     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")
 
 
 def __getattr__(name):
