@@ -9,6 +9,11 @@ PyTorch (imported on first use, so NumPy-only users need no torch):
 
     flashattn.torch.attention(q, k, v, mask=...)          # differentiable, torch.compile-able
     from flashattn import flash_attn_func                  # FlashAttention 2's API and layouts
+    from flashattn import flash_attn_with_kvcache          # its KV-cache call (CPU)
+
+KV-cache attention over any DLPack tensor (FlashAttention's [B, S, H, D] order, forward only):
+
+    out, lse = flashattn.forward_kvcache(q, k_cache, v_cache, k_new=k, v_new=v, cache_seqlens=n)
 """
 
 from ._api import (MASKS, PRECISIONS, backward, backward_varlen, build_info, cuda_available,
