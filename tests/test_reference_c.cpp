@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "flashattn/flashattn.h"
 #include "testing/reference.hpp"
 #include "testing/reference_c.h"
 
@@ -264,6 +265,58 @@ TEST(ReferenceCheckCAbi, BadArgumentsAreRefusedWithAMessage) {
   // A good call afterwards succeeds.
   EXPECT_EQ(fwd(&good, 2), FLASHATTN_REF_OK);
   EXPECT_NE(out[0], 7.0);
+}
+
+// flashattn_ref_kvcache: bitwise reference_kvcache for one sequence (rotary, GQA, mods), and refusals
+// that write nothing.
+TEST(ReferenceCheckCAbi, KvcacheBitwiseTheCppReference) {
+  std::mt19937_64 gen(11);
+  std::normal_distribution<double> nd;
+  auto randn = [&](size_t n) {
+    std::vector<double> x(n);
+    for (double& e : x) e = nd(gen);
+    return x;
+  };
+  const int64_t Hq = 4, Hkv = 2, Sq = 3, D = 8, L = 5, N = 3, pos0 = 7, rd = 6, rows = 12;
+  testing::RefKvcacheSeq rs;
+  rs.heads_q = Hq, rs.heads_kv = Hkv, rs.seq_q = Sq, rs.head_dim = D, rs.len_old = L, rs.seq_new = N;
+  rs.pos0 = pos0, rs.q_advances = true;
+  rs.q = randn(Hq * Sq * D), rs.k_old = randn(Hkv * L * D), rs.v_old = randn(Hkv * L * D);
+  rs.k_new = randn(Hkv * N * D), rs.v_new = randn(Hkv * N * D);
+  testing::RefRotary rot;
+  rot.cos = randn(rows * rd / 2), rot.sin = randn(rows * rd / 2);
+  rot.rotary_dim = rd, rot.interleaved = false, rot.round_to = DType::BFloat16;
+  testing::RefMods mods;
+  mods.window_left = 4, mods.softcap = 3.0, mods.alibi = {0.5, 0.25, 0.125, 0.0625};
+  const auto want = testing::reference_kvcache(rs, rot, 0.4, Mask::CausalBottomRight, mods);
+
+  const flashattn_ref_kvcache_seq s{Hq, Hkv, Sq, D, L, N, pos0, 1, 0, rd, rows, FLASHATTN_BFLOAT16};
+  const flashattn_ref_mods m{4, -1, 3.0, mods.alibi.data()};
+  std::vector<double> out(Hq * Sq * D, 7.0), lse(Hq * Sq, 7.0), k_app(Hkv * N * D, 7.0);
+  ASSERT_EQ(flashattn_ref_kvcache(&s, rs.q.data(), rs.k_old.data(), rs.v_old.data(), rs.k_new.data(),
+                                  rs.v_new.data(), rot.cos.data(), rot.sin.data(), 0.4, 2, &m, out.data(),
+                                  lse.data(), k_app.data()),
+            FLASHATTN_REF_OK)
+      << flashattn_ref_last_error();
+  expect_bitwise(out, want.fwd.out, "out");
+  expect_bitwise(lse, want.fwd.lse, "lse");
+  expect_bitwise(k_app, want.k_appended, "k_appended");
+
+  // Refused: rotary tables too short for the positions used, and a NULL table; nothing written.
+  std::vector<double> out2(out.size(), 7.0), lse2(lse.size(), 7.0), k2(k_app.size(), 7.0);
+  auto call = [&](const flashattn_ref_kvcache_seq& seq, const double* cos) {
+    return flashattn_ref_kvcache(&seq, rs.q.data(), rs.k_old.data(), rs.v_old.data(), rs.k_new.data(),
+                                 rs.v_new.data(), cos, rot.sin.data(), 0.4, 2, &m, out2.data(), lse2.data(),
+                                 k2.data());
+  };
+  flashattn_ref_kvcache_seq short_table = s;
+  short_table.rotary_rows = pos0 + N - 1;
+  EXPECT_EQ(call(short_table, rot.cos.data()), FLASHATTN_REF_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashattn_ref_last_error()).find("rotary_rows"), std::string::npos);
+  EXPECT_EQ(call(s, nullptr), FLASHATTN_REF_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashattn_ref_last_error()).find("rotary_cos is NULL"), std::string::npos);
+  for (const auto* v : {&out2, &lse2, &k2})
+    for (double e : *v) EXPECT_EQ(e, 7.0) << "a refused call wrote an output";
 }
 
 }  // namespace

@@ -9,10 +9,15 @@ PyTorch (imported on first use, so NumPy-only users need no torch):
 
     flashattn.torch.attention(q, k, v, mask=...)          # differentiable, torch.compile-able
     from flashattn import flash_attn_func                  # FlashAttention 2's API and layouts
+    from flashattn import flash_attn_with_kvcache          # its KV-cache call (CPU)
+
+KV-cache attention over any DLPack tensor (FlashAttention's [B, S, H, D] order, forward only):
+
+    out, lse = flashattn.forward_kvcache(q, k_cache, v_cache, k_new=k, v_new=v, cache_seqlens=n)
 """
 
 from ._api import (MASKS, PRECISIONS, backward, backward_varlen, build_info, cuda_available,
-                   forward, forward_varlen)
+                   forward, forward_kvcache, forward_varlen)
 from ._ext import version as _lib_version
 
 __version__ = _lib_version()
@@ -22,6 +27,7 @@ __all__ = [
     "backward",
     "forward_varlen",
     "backward_varlen",
+    "forward_kvcache",
     "MASKS",
     "PRECISIONS",
     "cuda_available",
@@ -32,11 +38,12 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 _FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                      "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-                     "flash_attn_varlen_kvpacked_func")
+                     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")
 
 
 def __getattr__(name):

@@ -1,4 +1,5 @@
-"""Low-level functions over any DLPack tensor, in the library's logical [B, H, S, D] order.
+"""Low-level functions over any DLPack tensor, in the library's logical [B, H, S, D] order
+(forward_kvcache: FlashAttention's [B, S, H, D] order, as the C ABI's KV-cache call).
 
 The extension (_ext) only converts DLPack tensors into views and calls the C ABI. This module
 decides everything that depends on the caller's framework: how outputs are allocated (with the
@@ -14,7 +15,8 @@ import numpy as np
 
 from . import _ext
 
-__all__ = ["forward", "backward", "forward_varlen", "backward_varlen", "MASKS", "PRECISIONS", "cuda_available", "build_info"]
+__all__ = ["forward", "backward", "forward_varlen", "backward_varlen", "forward_kvcache", "MASKS",
+           "PRECISIONS", "cuda_available", "build_info"]
 
 MASKS = {
     "none": _ext.MASK_NONE,
@@ -75,12 +77,12 @@ def scale_value(softmax_scale):
     return scale
 
 
-def flag_value(deterministic):
-    """deterministic as a bool. Only bools and integers are taken: the string "false" or a
-    tensor would otherwise read as True."""
-    if isinstance(deterministic, (bool, int, np.bool_, np.integer)):
-        return bool(deterministic)
-    raise TypeError(f"deterministic = {deterministic!r} is not a bool")
+def flag_value(value, name="deterministic"):
+    """A flag (deterministic, rotary_interleaved) as a bool. Only bools and integers are taken:
+    the string "false" or a tensor would otherwise read as True."""
+    if isinstance(value, (bool, int, np.bool_, np.integer)):
+        return bool(value)
+    raise TypeError(f"{name} = {value!r} is not a bool")
 
 
 def _is_int(x):
@@ -526,3 +528,67 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     _ext.backward_varlen(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv), *idx,
                          *opts)
     return tuple(launch.result(x, al) for x, al in zip((dq, dk, dv), allocated))
+
+
+# ---- KV cache (decoding, chunked prefill) -------------------------------------------------------
+
+
+def forward_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlens=None,
+                    cache_batch_idx=None, cache_leftpad=None, block_table=None, rotary_cos=None,
+                    rotary_sin=None, rotary_interleaved=True, softmax_scale=None, mask="none",
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, lse=None,
+                    precision="fp32", num_threads=None):
+    """Attention against a key/value cache (FlashAttention's flash_attn_with_kvcache), forward
+    only: returns (out, lse). Layouts are FlashAttention's [B, S, H, D] order (not forward()'s
+    [B, H, S, D]), any strides with a unit head_dim stride:
+
+    q: [B, Sq, Hq, D]; k_cache, v_cache: [B_cache, S_cache, Hkv, D] with B_cache >= B, or, with a
+    block_table, pages [num_blocks, block_size, Hkv, D] (block_size a multiple of 16);
+    k_new, v_new: None, or [B, S_new, Hkv, D], written into cache rows
+    [cache_seqlens[b], cache_seqlens[b] + S_new) of sequence b *in place* (k_new rotated when
+    the rotary tables are given) before attending; the caches must be writable then.
+    cache_seqlens: int32 [B], the valid rows of each sequence's cache before the append (None:
+    the whole cache is valid, and nothing can be appended). cache_batch_idx: int32 [B], the cache
+    row of each sequence (default b; without repeats when appending). cache_leftpad: int32 [B],
+    the first valid row (keys before it are not attended). block_table: int32 [B, max_blocks],
+    the pages of each sequence (row r in page block_table[b, r // block_size]); not with
+    cache_batch_idx or cache_leftpad. rotary_cos / rotary_sin: None, or [S_ro, rotary_dim / 2]
+    in q's dtype: the rotary embedding of q and k_new (GPT-J pairs when rotary_interleaved, else
+    GPT-NeoX halves); new key j sits at position cache_seqlens[b] + j, query row i at
+    cache_seqlens[b] + i under a causal mask or a window, else at cache_seqlens[b]. All on q's
+    device; the index arrays are read on the host before anything is written.
+
+    Sequence b attends Sk_b = cache_seqlens[b] + S_new - cache_leftpad[b] keys, with forward()'s
+    softmax_scale, mask (FlashAttention's causal is "causal_bottom_right"), window_size, softcap
+    and alibi_slopes relative to that Sk_b. out: [B, Sq, Hq, D] like q (allocated when None); lse:
+    float32 [B, Hq, Sq]. Errors as forward(); the CUDA backend does not serve this call yet
+    (NotImplementedError).
+    """
+    launch = _Launch(q)
+    nd = _ndim(launch.view(q))
+    if nd != 4:
+        raise ValueError(f"q.ndim = {nd}, expected 4 ([B, Sq, Hq, D])")
+    launch.check_output(out, "out")
+    launch.check_output(lse, "lse")
+    if k_new is not None:
+        # The append writes into the caches.
+        launch.check_output(k_cache, "k_cache")
+        launch.check_output(v_cache, "v_cache")
+    idx = [_index_arg(launch, x, name) for x, name in (
+        (cache_seqlens, "cache_seqlens"), (cache_batch_idx, "cache_batch_idx"),
+        (cache_leftpad, "cache_leftpad"), (block_table, "block_table"))]
+    interleaved = flag_value(rotary_interleaved, "rotary_interleaved")
+    opts = _call_options(launch, softmax_scale, mask, window_size, softcap, alibi_slopes,
+                         precision, num_threads, False)
+    out_alloc, lse_alloc = out is None, lse is None
+    if out_alloc:
+        out = launch.empty_like(q)
+    if lse_alloc:
+        qv = launch.view(q)
+        lse = launch.empty_lse(q, (qv.shape[0], qv.shape[2], qv.shape[1]))
+    a = launch.arg
+    k_new, v_new, rotary_cos, rotary_sin = (None if x is None else a(x)
+                                            for x in (k_new, v_new, rotary_cos, rotary_sin))
+    _ext.forward_kvcache(a(q), a(k_cache), a(v_cache), a(out), a(lse), k_new, v_new, *idx,
+                         rotary_cos, rotary_sin, interleaved, *opts)
+    return launch.result(out, out_alloc), launch.result(lse, lse_alloc)

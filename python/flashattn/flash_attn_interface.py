@@ -43,6 +43,18 @@ and ALiBi relative to its own lengths. softmax_lse is (nheads, total_q); the win
 normalised against max_seqlen_k, as flash_attn does, and the ALiBi softmax_lse shift above is
 applied per sequence with that sequence's lengths.
 
+KV cache (flash_attn_with_kvcache, forward only, for decoding and chunked prefill): q
+(batch, seqlen_q, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k,
+headdim), or pages (num_blocks, page_block_size, nheads_k, headdim) with block_table; k, v (batch,
+seqlen_new, nheads_k, headdim) are appended in place at cache_seqlens (rotated first when
+rotary_cos / rotary_sin are given), then q attends every valid cache row. causal is bottom-right
+against each sequence's own key count; the window sides are normalised against the cache
+capacity, as flash_attn does (which also decides whether the query rows advance in rotary
+position), and the ALiBi softmax_lse shift above applies per sequence. Unlike flash_attn, an int
+cache_seqlens is broadcast to (batch,) (the batch of q, so paged caches and cache_batch_idx work
+with it too), repeated rows in cache_batch_idx are an error when appending (flash_attn lets one
+of the writes win) and CUDA tensors raise NotImplementedError (the CPU serves the call).
+
 Not implemented: dropout_p != 0 raises NotImplementedError rather than being ignored; so does a
 block_table (paged KV cache) for flash_attn_varlen_func.
 """
@@ -56,7 +68,7 @@ from . import torch as _ops  # also registers torch.ops.flashattn.*
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
 def _check_unsupported(dropout_p):
@@ -146,13 +158,19 @@ def _alibi_shifts(alibi_slopes, causal, window_size, seqlen_k):
     return left == -1 and (causal or right == 0)
 
 
-def _alibi_lse_shift(alibi_slopes, causal, window_size, seqlen_q, seqlen_k, lse):
+def _alibi_lse_shift(alibi_slopes, causal, window_size, seqlen_q, seqlen_k, lse, keys=None):
     """flash_attn's causal kernels (left side unbounded, right side 0 after its normalisation)
     add slope * j to the scores instead of -slope * |i + seqlen_k - seqlen_q - j|: the returned
-    softmax_lse is larger by slope * (i + seqlen_k - seqlen_q). None where the two agree."""
+    softmax_lse is larger by slope * (i + seqlen_k - seqlen_q). None where the two agree.
+    keys: each sequence's own key count (a tensor (batch,)) where it is not seqlen_k (the KV
+    cache, whose seqlen_k is the capacity that normalises the window)."""
     if not _alibi_shifts(alibi_slopes, causal, window_size, seqlen_k):
         return None
-    rows = torch.arange(seqlen_q, device=lse.device, dtype=torch.float32) + (seqlen_k - seqlen_q)
+    rows = torch.arange(seqlen_q, device=lse.device, dtype=torch.float32) - seqlen_q
+    if keys is None:
+        rows = rows + seqlen_k
+    else:  # (batch, 1, seqlen_q), against slopes (batch or 1, nheads, 1)
+        rows = rows[None, None, :] + keys.to(device=lse.device, dtype=torch.float32)[:, None, None]
     slopes = alibi_slopes.to(device=lse.device, dtype=torch.float32)
     slopes = slopes[None, :, None] if slopes.dim() == 1 else slopes[:, :, None]
     return slopes * rows
@@ -291,3 +309,69 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs)
+
+
+# ---- KV cache -----------------------------------------------------------------------------------
+
+
+def _cache_seqlens(cache_seqlens, batch, device):
+    """cache_seqlens as the library takes it: None, or an int32 tensor (batch,); an int is the
+    same length for every sequence."""
+    if _api._is_int(cache_seqlens):
+        return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+    return _ops.index_value(cache_seqlens, "cache_seqlens", optional=True)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with block_table
+    (batch, max_num_blocks_per_seq) int32; k, v: None or (batch, seqlen_new, nheads_k, headdim),
+    written into the caches in place at rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new).
+    rotary_cos / rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype, applied to q and k
+    (GPT-J pairs when rotary_interleaved, else GPT-NeoX halves). cache_seqlens: int or int32
+    (batch,); cache_batch_idx, cache_leftpad: int32 (batch,). num_splits is accepted and ignored:
+    in flash_attn it only tunes how the CUDA kernel splits the keys, never the result.
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) with softmax_lse
+    (batch, nheads, seqlen_q) float32 when return_softmax_lse. Not differentiable."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_ndim(x, name, 4, "(batch, seqlen, nheads, headdim)")
+    if (k is None) != (v is None):
+        raise ValueError(f"k is {'None' if k is None else 'given'} but v is "
+                         f"{'None' if v is None else 'given'}: pass both new keys and values, "
+                         "or neither")
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _check_ndim(x, name, 4, "(batch, seqlen_new, nheads_k, headdim)")
+    if block_table is not None:
+        _check_ndim(block_table, "block_table", 2, "(batch, max_num_blocks_per_seq)")
+    # The capacity of each sequence's cache: flash_attn's seqlen_k for the window normalisation.
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    seqlens = _cache_seqlens(cache_seqlens, q.shape[0], q.device)
+    # flash_attn reads q, k, v and the rotary tables through a contiguous last dimension (copying
+    # others); the caches are written in place, so they must have one already (the library says so).
+    q, k, v, rotary_cos, rotary_sin = (None if x is None else _ops._unit_last(x)
+                                       for x in (q, k, v, rotary_cos, rotary_sin))
+    mask = "causal_bottom_right" if causal else "none"
+    out, lse = _api.forward_kvcache(
+        q, k_cache, v_cache, k_new=k, v_new=v, cache_seqlens=seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        softmax_scale=softmax_scale, mask=mask, window_size=_window(window_size, causal, capacity),
+        softcap=_softcap(softcap), alibi_slopes=_ops.slopes_value(alibi_slopes),
+        num_threads=_ops._threads(q, 0))
+    if not return_softmax_lse:
+        return out
+    if _alibi_shifts(alibi_slopes, causal, window_size, capacity):
+        # Each sequence's key count after the append, for its lse shift.
+        keys = (torch.full((q.shape[0],), capacity, device=lse.device) if seqlens is None
+                else seqlens.to(lse.device, torch.int64))
+        keys = keys + (0 if k is None else k.shape[1])
+        if cache_leftpad is not None:
+            keys = keys - cache_leftpad.to(lse.device, torch.int64)
+        lse = lse + _alibi_lse_shift(alibi_slopes, causal, window_size, q.shape[1], capacity,
+                                     lse, keys)
+    return out, lse

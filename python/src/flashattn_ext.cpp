@@ -89,6 +89,9 @@ struct Kind {
 const Kind kPacked{Kind{}.dtypes, "3", 0, 4};
 const Kind kPackedLse{Kind{}.dtypes, "2", 0, 4};
 const Kind kIndex{", expected int32", "1", 1, 1, true};
+// The KV-cache call's block_table (int32 [B, max_blocks]) and rotary tables ([S_ro, rotary_dim / 2]).
+const Kind kBlockTable{", expected int32", "2", 2, 2, true};
+const Kind kRotary{Kind{}.dtypes, "2", 2, 2};
 
 template <class Array>
 Arg<Array> convert(nb::handle obj, const char* name, bool is_output, const Kind& kind = {}) {
@@ -323,6 +326,64 @@ void backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, 
   if (status != FLASHATTN_OK) raise_status(status);
 }
 
+// An optional argument: held (its ndarray keeps the memory alive) while the library reads it.
+template <class Array>
+struct OptArg {
+  std::optional<Arg<Array>> arg;
+  OptArg(nb::handle obj, const char* name, bool is_output, const Kind& kind = {}) {
+    if (!obj.is_none()) arg = convert<Array>(obj, name, is_output, kind);
+  }
+  const flashattn_tensor* view() const { return arg ? &arg->view : nullptr; }
+};
+
+// KV-cache attention. The caches are outputs when new keys are appended (they must be writable
+// then), inputs otherwise, so that a read-only cache can still be attended.
+void forward_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
+                     nb::handle lse, nb::handle k_new, nb::handle v_new, nb::handle cache_seqlens,
+                     nb::handle cache_batch_idx, nb::handle cache_leftpad, nb::handle block_table,
+                     nb::handle rotary_cos, nb::handle rotary_sin, bool rotary_interleaved,
+                     double softmax_scale, int mask, int precision, int num_threads,
+                     uintptr_t stream, bool deterministic, int64_t window_left,
+                     int64_t window_right, double softcap, nb::handle alibi_slopes) {
+  const bool append = !k_new.is_none();
+  const nb::handle none(Py_None);
+  auto tq = convert<InArray>(q, "q", false);
+  const OptArg<OutArray> kc_out(append ? k_cache : none, "k_cache", true),
+      vc_out(append ? v_cache : none, "v_cache", true);
+  const OptArg<InArray> kc_in(append ? none : k_cache, "k_cache", false),
+      vc_in(append ? none : v_cache, "v_cache", false);
+  auto to = convert<OutArray>(out, "out", true), tl = convert<OutArray>(lse, "lse", true);
+  const OptArg<InArray> kn(k_new, "k_new", false), vn(v_new, "v_new", false),
+      sl(cache_seqlens, "cache_seqlens", false, kIndex),
+      bi(cache_batch_idx, "cache_batch_idx", false, kIndex),
+      lp(cache_leftpad, "cache_leftpad", false, kIndex),
+      bt(block_table, "block_table", false, kBlockTable),
+      cs(rotary_cos, "rotary_cos", false, kRotary), sn(rotary_sin, "rotary_sin", false, kRotary);
+  const Slopes slopes(alibi_slopes);
+  const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
+                                           deterministic, window_left, window_right, softcap,
+                                           slopes);
+  flashattn_kvcache kv;
+  flashattn_kvcache_init(&kv);
+  kv.k_new = kn.view();
+  kv.v_new = vn.view();
+  kv.cache_seqlens = sl.view();
+  kv.cache_batch_idx = bi.view();
+  kv.cache_leftpad = lp.view();
+  kv.block_table = bt.view();
+  kv.rotary_cos = cs.view();
+  kv.rotary_sin = sn.view();
+  kv.rotary_interleaved = rotary_interleaved ? 1 : 0;
+  const flashattn_tensor* tkc = append ? kc_out.view() : kc_in.view();
+  const flashattn_tensor* tvc = append ? vc_out.view() : vc_in.view();
+  int status;
+  {
+    nb::gil_scoped_release nogil;
+    status = flashattn_forward_kvcache(&tq.view, tkc, tvc, &to.view, &tl.view, &kv, &o);
+  }
+  if (status != FLASHATTN_OK) raise_status(status);
+}
+
 // ---- CPU calls on an OpenMP runtime's threads (flashattn_set_cpu_team_runner) --------------------
 // PyTorch's CPU operators run on an OpenMP team whose workers spin for a while after each
 // operator; a second set of threads (the library's pools) then competes with them for the cores.
@@ -410,6 +471,20 @@ NB_MODULE(_ext, m) {
         nb::arg("alibi_slopes").none() = nb::none(),
         "Runs flashattn_backward_varlen (layouts as forward_varlen); dq, dk and dv are written "
         "in place. Options and sequence arrays must be the forward's.");
+  m.def("forward_kvcache", &forward_kvcache, nb::arg("q"), nb::arg("k_cache"),
+        nb::arg("v_cache"), nb::arg("out"), nb::arg("lse"), nb::arg("k_new").none(),
+        nb::arg("v_new").none(), nb::arg("cache_seqlens").none(),
+        nb::arg("cache_batch_idx").none(), nb::arg("cache_leftpad").none(),
+        nb::arg("block_table").none(), nb::arg("rotary_cos").none(),
+        nb::arg("rotary_sin").none(), nb::arg("rotary_interleaved"), nb::arg("softmax_scale"),
+        nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("deterministic") = false, nb::arg("window_left") = -1,
+        nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
+        nb::arg("alibi_slopes").none() = nb::none(),
+        "Runs flashattn_forward_kvcache in FlashAttention's [B, S, H, D] order: q, out "
+        "[B, Sq, Hq, D], caches [B_cache, S_cache, Hkv, D] (paged: [num_blocks, block_size, Hkv, "
+        "D]), k_new / v_new [B, S_new, Hkv, D], lse float32 [B, Hq, Sq]; int32 index arrays. out "
+        "and lse are written in place, and k_new / v_new appended into the caches.");
   m.def("version", [] { return std::string(flashattn_version()); },
         "Version of the libflashattn that is loaded.");
   m.def("cuda_available", [] { return flashattn_cuda_available() != 0; },

@@ -15,6 +15,9 @@ Arrays are logical [B, H, S, D] (any strides, any float dtype: converted to floa
 16-bit inputs are used exactly as stored); GQA when Hkv divides Hq; the library's three masks;
 a row that sees no key gives out = 0, lse = -inf and no gradient.
 
+kvcache() is one sequence of the KV-cache call (flashattn_ref_kvcache): the caller gathers that
+sequence's cache rows, the reference appends and rotates from the definitions.
+
 The sliding window, softcap and ALiBi slopes (flashattn_ref_forward_ex / _backward_ex) are
 keyword arguments with the library's meanings: window=(left, right) with -1 for an unbounded
 side, softcap 0 for none, alibi None or slopes [Hq] / [B, Hq]. The softcap and slopes are used
@@ -184,6 +187,62 @@ def backward(dout, q, k, v, scale=None, mask="none", *, window=(-1, -1), softcap
                                               MASK_NAMES.index(mask), ctypes.byref(mods),
                                               *dqa, *dka, *dva))
     return dq, dk, dv
+
+
+class _KvcacheSeq(ctypes.Structure):
+    _fields_ = [("heads_q", ctypes.c_int64), ("heads_kv", ctypes.c_int64),
+                ("seq_q", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("len_old", ctypes.c_int64), ("seq_new", ctypes.c_int64),
+                ("pos0", ctypes.c_int64), ("q_advances", ctypes.c_int32),
+                ("rotary_interleaved", ctypes.c_int32), ("rotary_dim", ctypes.c_int64),
+                ("rotary_rows", ctypes.c_int64), ("round_to", ctypes.c_int32)]
+
+
+ROUND_TO = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}  # flashattn.h's dtype codes
+
+
+def kvcache(q, k_old, v_old, k_new, v_new, pos0, scale=None, mask="none", *, q_advances=False,
+            rotary=None, window=(-1, -1), softcap=0.0, alibi=None):
+    """KV-cache attention of one sequence (flashattn_ref_kvcache): float64 (out [Hq, Sq, D],
+    lse [Hq, Sq], k_appended [Hkv, S_new, D]).
+
+    q [Hq, Sq, D]; k_old, v_old [Hkv, L, D]: the attended cache rows before the append; k_new,
+    v_new [Hkv, S_new, D] or None; pos0: cache_seqlens of the sequence (position of the first new
+    key). rotary: None or (cos, sin, interleaved, dtype name the rotated values are rounded to),
+    cos / sin [rows, rotary_dim / 2]. alibi: None or this sequence's Hq slopes."""
+    lib = library()
+    try:
+        fn = lib.flashattn_ref_kvcache
+    except AttributeError as e:
+        raise RuntimeError(f"the reference library has no flashattn_ref_kvcache ({e}): rebuild "
+                           "it (target flashattn_reference)") from e
+    f64 = lambda x: np.ascontiguousarray(x, dtype=np.float64)  # noqa: E731
+    q, k_old, v_old = f64(q), f64(k_old), f64(v_old)
+    hq, sq, d = q.shape
+    hkv, length = k_old.shape[:2]
+    s_new = 0 if k_new is None else k_new.shape[1]
+    if s_new:
+        k_new, v_new = f64(k_new), f64(v_new)
+    cos = sin = None
+    seq = _KvcacheSeq(hq, hkv, sq, d, length, s_new, pos0, int(q_advances), 1, 0, 0, 3)
+    if rotary is not None:
+        cos, sin, interleaved, round_to = rotary
+        cos, sin = f64(cos), f64(sin)
+        seq.rotary_interleaved, seq.rotary_dim = int(interleaved), 2 * cos.shape[1]
+        seq.rotary_rows, seq.round_to = cos.shape[0], ROUND_TO[round_to]
+    slopes = None if alibi is None else f64(np.asarray(alibi).astype(np.float32))
+    mods = _Mods(int(window[0]), int(window[1]), float(np.float32(softcap)),
+                 None if slopes is None else slopes.ctypes.data)
+    out, lse, k_app = np.empty((hq, sq, d)), np.empty((hq, sq)), np.empty((hkv, s_new, d))
+    ptr = lambda x: None if x is None or x.size == 0 else x.ctypes.data  # noqa: E731
+    fn.argtypes = ([ctypes.POINTER(_KvcacheSeq)] + [ctypes.c_void_p] * 7 +
+                   [ctypes.c_double, ctypes.c_int32, ctypes.POINTER(_Mods)] +
+                   [ctypes.c_void_p] * 3)
+    fn.restype = ctypes.c_int
+    _check(lib, fn(ctypes.byref(seq), ptr(q), ptr(k_old), ptr(v_old), ptr(k_new), ptr(v_new),
+                   ptr(cos), ptr(sin), abi_scale(scale, d), MASK_NAMES.index(mask),
+                   ctypes.byref(mods), ptr(out), ptr(lse), ptr(k_app)))
+    return out, lse, k_app
 
 
 def visible(sq, skv, mask="none", window=(-1, -1)):

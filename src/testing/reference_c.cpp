@@ -3,6 +3,7 @@
 // results scattered back.
 #include "testing/reference_c.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <new>
@@ -199,6 +200,58 @@ extern "C" int flashattn_ref_backward_ex(const flashattn_ref_shape* shape, const
     scatter(r.dq, dq, dqv);
     scatter(r.dk, dk, dkv);
     scatter(r.dv, dv, dvv);
+  });
+}
+
+extern "C" int flashattn_ref_kvcache(const flashattn_ref_kvcache_seq* seq, const double* q,
+                                     const double* k_old, const double* v_old, const double* k_new,
+                                     const double* v_new, const double* rotary_cos,
+                                     const double* rotary_sin, double softmax_scale, int32_t mask,
+                                     const flashattn_ref_mods* mods, double* out, double* lse,
+                                     double* k_appended) {
+  return guarded([&] {
+    if (seq == nullptr) throw Invalid{"seq is NULL"};
+    const flashattn_ref_kvcache_seq& s = *seq;
+    const int64_t Sk = s.len_old + s.seq_new;
+    // The shape check of the dense calls (Skv at least 1 for it; an empty sequence is allowed).
+    const flashattn_ref_shape shape{1, s.heads_q, s.heads_kv, s.seq_q, Sk > 0 ? Sk : 1, s.head_dim};
+    const RefShape rs = check_shape(&shape, mask);
+    if (s.len_old < 0 || s.seq_new < 0 || s.pos0 < 0) throw Invalid{"len_old, seq_new and pos0 must be >= 0"};
+    const int64_t half = s.rotary_dim / 2;
+    if (s.rotary_dim < 0 || s.rotary_dim % 2 != 0 || s.rotary_dim > s.head_dim)
+      throw Invalid{"rotary_dim must be even and in [0, head_dim]"};
+    if (s.rotary_dim > 0 && s.pos0 + std::max(s.seq_new, s.q_advances ? s.seq_q : 1) > s.rotary_rows)
+      throw Invalid{"rotary_rows is too short for the positions used"};
+    if (s.round_to < 0 || s.round_to > 3)  // FLASHATTN_FLOAT32 .. FLASHATTN_FLOAT64
+      throw Invalid{"round_to must be a float dtype code of flashattn.h (0..3)"};
+    auto arr = [](const char* name, const double* p, int64_t n) {
+      if (n == 0) return std::vector<double>();
+      if (p == nullptr) throw Invalid{std::string(name) + " is NULL"};
+      return std::vector<double>(p, p + n);
+    };
+    const int64_t D = s.head_dim, kv_old = s.heads_kv * s.len_old * D, kv_new = s.heads_kv * s.seq_new * D;
+    RefKvcacheSeq r;
+    r.heads_q = s.heads_q, r.heads_kv = s.heads_kv, r.seq_q = s.seq_q, r.head_dim = D;
+    r.q = arr("q", q, s.heads_q * s.seq_q * D);
+    r.len_old = s.len_old, r.k_old = arr("k_old", k_old, kv_old), r.v_old = arr("v_old", v_old, kv_old);
+    r.seq_new = s.seq_new, r.k_new = arr("k_new", k_new, kv_new), r.v_new = arr("v_new", v_new, kv_new);
+    r.pos0 = s.pos0;
+    r.q_advances = s.q_advances != 0;
+    RefRotary rot;
+    if (s.rotary_dim > 0) {
+      rot.cos = arr("rotary_cos", rotary_cos, s.rotary_rows * half);
+      rot.sin = arr("rotary_sin", rotary_sin, s.rotary_rows * half);
+      rot.rotary_dim = s.rotary_dim;
+      rot.interleaved = s.rotary_interleaved != 0;
+      rot.round_to = static_cast<flashattn::DType>(s.round_to);
+    }
+    if (out == nullptr || lse == nullptr || (s.seq_new > 0 && k_appended == nullptr))
+      throw Invalid{"out, lse and (when seq_new > 0) k_appended must not be NULL"};
+    const RefKvcache res = reference_kvcache(r, rot, softmax_scale, static_cast<flashattn::Mask>(mask),
+                                             mods_of(mods, rs));
+    std::copy(res.fwd.out.begin(), res.fwd.out.end(), out);
+    std::copy(res.fwd.lse.begin(), res.fwd.lse.end(), lse);
+    std::copy(res.k_appended.begin(), res.k_appended.end(), k_appended);
   });
 }
 

@@ -104,6 +104,37 @@ FLASHATTN_REF_API int flashattn_ref_backward_ex(const flashattn_ref_shape* shape
                                                 double* dk, const int64_t* dk_strides,
                                                 double* dv, const int64_t* dv_strides);
 
+/* KV-cache attention of one sequence (flashattn_forward_kvcache; the C++ reference_kvcache): the
+ * caller gathers the sequence's rows from its cache layout (contiguous, cache_batch_idx,
+ * cache_leftpad, block_table) and passes contiguous arrays:
+ *   q [Hq, Sq, D]; k_old, v_old [Hkv, len_old, D]: the attended rows before the append
+ *   (leftpad .. cache_seqlens); k_new, v_new [Hkv, seq_new, D] (NULL when seq_new = 0);
+ *   rotary_cos, rotary_sin [rotary_rows, rotary_dim / 2] (NULL when rotary_dim = 0).
+ * The rotary embedding rotates q (row i at position pos0 + i when q_advances, else pos0) and the
+ * new keys (key j at pos0 + j); rotated values are rounded to round_to (a FLASHATTN_* dtype code:
+ * what the library stores). Outputs: out [Hq, Sq, D], lse [Hq, Sq] over len_old + seq_new keys,
+ * and k_appended [Hkv, seq_new, D], the new keys as the cache must hold them (NULL when
+ * seq_new = 0). mods as the _ex functions with batch 1 (alibi: Hq slopes). */
+typedef struct flashattn_ref_kvcache_seq {
+  int64_t heads_q, heads_kv, seq_q, head_dim; /* all >= 1 */
+  int64_t len_old, seq_new;                   /* >= 0 each */
+  int64_t pos0;                               /* cache_seqlens[b]: position of the first new key */
+  int32_t q_advances;
+  int32_t rotary_interleaved; /* nonzero: pairs (2i, 2i + 1); else (i, i + rotary_dim / 2) */
+  int64_t rotary_dim;         /* 0: no rotary; else even, <= head_dim */
+  int64_t rotary_rows;
+  int32_t round_to;           /* flashattn.h's dtype code: 0 float32, 1 float16, 2 bfloat16,
+                                 3 float64 (no rounding) */
+} flashattn_ref_kvcache_seq;
+
+FLASHATTN_REF_API int flashattn_ref_kvcache(const flashattn_ref_kvcache_seq* seq, const double* q,
+                                            const double* k_old, const double* v_old,
+                                            const double* k_new, const double* v_new,
+                                            const double* rotary_cos, const double* rotary_sin,
+                                            double softmax_scale, int32_t mask,
+                                            const flashattn_ref_mods* mods, double* out,
+                                            double* lse, double* k_appended);
+
 /* What the last failed call on this thread objected to ("" before any failure). Owned by the
  * library, valid until the next call on this thread. */
 FLASHATTN_REF_API const char* flashattn_ref_last_error(void);
