@@ -157,12 +157,13 @@ typedef struct {
    *   FLASHATTN_ERROR_INVALID_ARGUMENT, naming both, before anything is written. The count is the
    *   dense one: 4 * B * Hq * Sq * Skv * D for a forward, 2.5x that for a backward (masks and
    *   windows not subtracted; packed batches: B * max_seqlen_q * max_seqlen_k; KV cache: Skv =
-   *   the most keys a sequence attends after the append). For scale: a 2-core CPU does ~3e11 FLOP/s, an H200
-   *   ~5e14.
+   *   the most keys a sequence attends after the append). For scale: a 2-core CPU does ~3e11
+   *   FLOP/s, an H200 ~5e14.
    * cancel: NULL = none; else the CPU backend calls cancel(cancel_arg) before the call starts
-   *   and, from its worker threads (concurrently: it must be thread-safe), before every task (a
-   *   block of query or key rows of one head: microseconds to milliseconds of work). Once it
-   *   returns nonzero no further task starts and the call fails with FLASHATTN_ERROR_CANCELLED;
+   *   and, from its worker threads (concurrently: it must be thread-safe, and must not throw or
+   *   longjmp), before every task (a block of query or key rows of one head: microseconds to
+   *   milliseconds of work). Once it returns nonzero no further task starts and the call fails
+   *   with FLASHATTN_ERROR_CANCELLED;
    *   outputs are then partly written (unspecified), inputs untouched (a KV-cache append may be
    *   done already). The CUDA backend calls it once, before its first launch (kernels cannot be
    *   interrupted). */

@@ -12,8 +12,8 @@
 
 namespace flashattn::detail {
 
-static_assert(offsetof(flashattn_options, max_flops) == FLASHATTN_OPTIONS_V3_SIZE,
-              "version 3 of flashattn_options ends where max_flops starts");
+static_assert(sizeof(void*) != 8 || offsetof(flashattn_options, max_flops) == FLASHATTN_OPTIONS_V3_SIZE,
+              "version 3 of flashattn_options ends where max_flops starts (64-bit pointers)");
 
 // nullptr means all defaults. Throws Error(InvalidArgument) when struct_size is below version 1.
 // The ALiBi slopes' view is copied into *alibi_storage (which must outlive the Options).

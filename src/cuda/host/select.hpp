@@ -48,7 +48,7 @@ struct ForwardPlan {
   int tf32_copies = 0;        // Sm90Tf32: operands the pre-pass copies (0 none, 1 V transposed, 2 K and V)
   bool xf = false;            // the kernel with the per-entry score step (softcap, ALiBi; launchers' XF)
   int smem = 0;               // dynamic shared memory of the kernel, bytes
-  size_t workspace = 0;       // device scratch, bytes (the pre-pass copies)
+  size_t workspace = 0;       // device scratch, bytes (the pre-pass copies; packed: maps and block table)
   int64_t seq_maps = -1;      // a packed batch on Sm90Wgmma16: the per-sequence maps' offset in the workspace, bytes
   // A packed batch on Sm90Wgmma16 with a compact grid: one CTA per real row block (of at most
   // grid_blocks, seq_blocks_bound()), found in a table after the maps (-1: the dense grid over
@@ -144,7 +144,8 @@ inline size_t query_rows(const Shape& s, const Packing& pk) {
 inline size_t delta_floats(const Shape& s, const Packing& pk) { return (query_rows(s, pk) + 3) / 4 * 4; }
 
 // A packed batch on the 16-bit sm_90a kernels: one tensor map (128 bytes) per sequence and
-// streamed operand (sm90/seq_maps.hpp), in the workspace after everything else, 128-byte aligned.
+// streamed operand (sm90/seq_maps.hpp), in the workspace after D and the dQ accumulator (the
+// forward: at its start, the compact grid's block table after them), 128-byte aligned.
 constexpr size_t kSeqMapBytes = 128;
 inline size_t seq_maps_at(size_t bytes_before) { return (bytes_before + kSeqMapBytes - 1) / kSeqMapBytes * kSeqMapBytes; }
 inline size_t seq_maps_bytes(int64_t batch, int operands) { return static_cast<size_t>(batch) * operands * kSeqMapBytes; }

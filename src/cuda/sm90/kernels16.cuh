@@ -31,8 +31,9 @@ struct Sm90FwdArgs {
   // A packed batch: per sequence b, maps Q, K, V at seq_maps[3 b ..] instead (sm90/seq_maps.hpp);
   // nullptr for a dense call.
   const CUtensorMap* seq_maps;
-  // A packed batch on the compact grid: CTA (x, h) works on row block blocks[x].y of sequence
-  // blocks[x].x (x < 0: none); nullptr: the dense grid (x, h, sequence).
+  // A packed batch on the compact grid: CTA (x, h) works on row block blocks[x].y (in launch
+  // order, QueryBlock) of sequence blocks[x].x (blocks[x].x < 0: no work); nullptr: the dense
+  // grid (x, h, sequence).
   const int2* blocks;
 };
 

@@ -37,8 +37,6 @@ inline void require_maps(bool ok, const char* what) {
   if (!ok) throw Error(Status::Internal, std::string(what) + ": a tensor map failed to encode for operands selection accepted");
 }
 
-// XF: the kernel with the per-entry score step (softcap, ALiBi); selection picks it when
-// a.score.elementwise().
 // The maps of a 16-bit sm_90a kernel's streamed operands: of the operands as stored (dense), or
 // (a packed batch) one per sequence, written by the seq_maps pre-pass into a.seq_maps from the
 // packed operands' maps (batch 1, all rows): ops[i] with its box rows and whether its rows are keys.
@@ -69,10 +67,12 @@ const CUtensorMap* make_maps16(const MapOperand (&ops)[N], Half16 h, const Shape
     const int64_t rows = std::max<int64_t>(1, o.keys ? pk.total_k : pk.total_q);
     ok = ok && make_tensor_map16(&j.tmpl[i], *o.op, h, 1, o.heads, rows, s.head_dim, o.box_rows);
     j.base[i] = static_cast<const char*>(o.op->ptr);
-    j.row_bytes[i] = o.op->ss * 2;
+    j.row_bytes[i] = o.op->ss * 2;  // (16-bit elements)
     j.keys[i] = o.keys;
   }
   require_maps(ok, what);
+  if (seq_maps == nullptr || reinterpret_cast<uintptr_t>(seq_maps) % kSeqMapBytes != 0)
+    throw Error(Status::Internal, std::string(what) + ": the per-sequence maps' workspace is missing or not 128-byte aligned");
   j.n = N;
   j.shape = s;
   j.packing = pk;
@@ -84,11 +84,13 @@ const CUtensorMap* make_maps16(const MapOperand (&ops)[N], Half16 h, const Shape
   return j.out;
 }
 
+// XF: the kernel with the per-entry score step (softcap, ALiBi); selection picks it when
+// a.score.elementwise().
 template <int DP, Half16 H, bool XF>
 void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Forward, DP);
-  dev::Sm90FwdArgs args;
+  dev::Sm90FwdArgs args{};  // (a packed call leaves the dense maps unused: zeros, not stack bytes)
   args.f = a;
   const MapOperand ops[3] = {{&a.p.q, s.heads_q, false, c.block_m, &args.tq},
                              {&a.p.k, s.heads_kv, true, c.block_n, &args.tk},
@@ -337,7 +339,7 @@ template <int DP, Half16 H, int V, bool XF>
 void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   constexpr TileConfig90 c = tile_config90(Pass::Dkv, DP, V);
-  dev::Sm90BwdArgs args;
+  dev::Sm90BwdArgs args{};
   args.f = a;
   // (The order of dev::Sm90BwdArgs::seq_maps: Q, dO, K, V.)
   const MapOperand ops[4] = {{&a.p.q, s.heads_q, false, c.block_n, &args.tq},

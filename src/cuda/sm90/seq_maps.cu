@@ -59,12 +59,14 @@ __device__ __forceinline__ int64_t cta_inclusive_sum(int64_t v, int64_t* warp_su
   return r;
 }
 
-// One CTA: the maps (strided over the threads), then the block table in chunks of one sequence
-// per thread: the chunk's block counts scanned, each thread writing its sequence's entries, the
+// One thread per map over as many CTAs as the maps need (thousands of sequences must not queue on
+// one multiprocessor); CTA 0 then also writes the block table, in chunks of one sequence per
+// thread: the chunk's block counts scanned, each thread writing its sequence's entries, the
 // running total carried from chunk to chunk; {-1, 0} after the last real block.
 __global__ void __launch_bounds__(kSeqMapsThreads) seq_maps_kernel(const __grid_constant__ SeqMapsJob j) {
-  for (int64_t i = threadIdx.x; i < j.shape.batch * j.n; i += kSeqMapsThreads) write_seq_map(j, i);
-  if (j.blocks == nullptr) return;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kSeqMapsThreads + threadIdx.x;
+  if (i < j.shape.batch * j.n) write_seq_map(j, i);
+  if (j.blocks == nullptr || blockIdx.x != 0) return;
   __shared__ int64_t warp_sums[32];
   int64_t carry = 0;
   for (int64_t b0 = 0; b0 < j.shape.batch; b0 += kSeqMapsThreads) {
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(kSeqMapsThreads) seq_maps_kernel(const __grid_
 
 void launch_seq_maps(const SeqMapsJob& job, cudaStream_t stream) {
   if (job.shape.batch <= 0) return;
-  launch_checked(dev::seq_maps_kernel, dim3(1), dev::kSeqMapsThreads, 0, stream, job, "seq_maps kernel launch");
+  launch_checked(dev::seq_maps_kernel, dim3(grid_blocks(job.shape.batch * job.n, dev::kSeqMapsThreads)),
+                 dev::kSeqMapsThreads, 0, stream, job, "seq_maps kernel launch");
 }
 
 }  // namespace flashattn::cuda

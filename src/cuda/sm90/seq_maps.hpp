@@ -33,9 +33,10 @@ struct SeqMapsJob {
   int n;                                    // operands
   Shape shape;                              // batch = sequences
   Packing packing;
-  CUtensorMap* out;                         // [batch][n], 64-byte aligned (workspace)
+  CUtensorMap* out;                         // [batch][n], 128-byte aligned (workspace)
   // Optional (nullptr: none): the compact grid's table, nblocks entries: (b, x) for row block x
-  // of sequence b (bm query rows each), sequences in order, then {-1, 0} up to nblocks.
+  // (launch index, as QueryBlock takes it) of sequence b (bm query rows each), sequences in
+  // order, then {-1, 0} up to nblocks.
   int2* blocks;
   int64_t nblocks;
   int bm;
