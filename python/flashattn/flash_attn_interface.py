@@ -356,13 +356,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q, k, v, rotary_cos, rotary_sin = (None if x is None else _ops._unit_last(x)
                                        for x in (q, k, v, rotary_cos, rotary_sin))
     mask = "causal_bottom_right" if causal else "none"
-    out, lse = _api.forward_kvcache(
-        q, k_cache, v_cache, k_new=k, v_new=v, cache_seqlens=seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        softmax_scale=softmax_scale, mask=mask, window_size=_window(window_size, causal, capacity),
-        softcap=_softcap(softcap), alibi_slopes=_ops.slopes_value(alibi_slopes),
-        num_threads=_ops._threads(q, 0))
+    wl, wr = _window(window_size, causal, capacity)
+    # (torch.ops.flashattn.kvcache under torch.compile: _ops.kvcache_op.)
+    out, lse = _ops.kvcache_op(
+        q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table,
+        rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, mask, wl, wr, _softcap(softcap),
+        _ops.slopes_value(alibi_slopes), 0)
     if not return_softmax_lse:
         return out
     if _alibi_shifts(alibi_slopes, causal, window_size, capacity):

@@ -430,6 +430,44 @@ def _varlen_backward(ctx, dout, dlse):
 _varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
+# ---- KV cache (flash_attn_with_kvcache): forward only, appends into the caches in place -----------
+
+
+def _kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
+                  v_new: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                  cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                  block_table: Optional[Tensor], rotary_cos: Optional[Tensor],
+                  rotary_sin: Optional[Tensor], rotary_interleaved: bool,
+                  softmax_scale: Optional[float], mask: str, window_left: int, window_right: int,
+                  softcap: float, alibi_slopes: Optional[Tensor],
+                  num_threads: int) -> Tuple[Tensor, Tensor]:
+    return _api.forward_kvcache(
+        q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        softmax_scale=softmax_scale, mask=mask, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, num_threads=_threads(q, num_threads))
+
+
+# (The caches are declared mutated whether or not the call appends: a conservative schema.)
+_kvcache = torch.library.custom_op("flashattn::kvcache", _kvcache_impl, mutates_args=("k_cache", "v_cache"))
+
+
+@_kvcache.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+      rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, mask, window_left, window_right,
+      softcap, alibi_slopes, num_threads):
+    return torch.empty_like(q), _lse_like(q, (q.shape[0], q.shape[2], q.shape[1]))
+
+
+def kvcache_op(*args):
+    """torch.ops.flashattn.kvcache(*args) under torch.compile (traceable, the caches marked as
+    mutated); eagerly the implementation itself (no dispatcher, no autograd: not differentiable)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flashattn.kvcache(*args)
+    return _kvcache_impl(*args)
+
+
 # ---- eager calls without the dispatcher ---------------------------------------------------------
 # The custom ops above are what torch.compile traces. Eagerly, call_op runs the same
 # implementation and the same autograd formula through one torch.autograd.Function (or, with no

@@ -315,6 +315,22 @@ def test_return_values_and_num_splits():
         assert isinstance(lse, torch.Tensor)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_torch_compile_traces_the_append(paged):
+    """Under torch.compile (fullgraph: no graph break) the call is the custom op
+    torch.ops.flashattn.kvcache with the caches marked as mutated: the same out, lse and cache
+    contents as the eager call."""
+    c = (Case(Sq=4, s_new=4, seqlens=(14, 30, 0), B=3, block_size=16, max_blocks=3, causal=True) if paged
+         else Case(seqlens=(17, 40), causal=True, rotary_dim=32))
+    eager, compiled = Setup(c), Setup(c)
+    fn = torch.compile(lambda **kw: compiled.call(**kw), backend="aot_eager", fullgraph=True)
+    out_e, lse_e = eager.call()
+    out_c, lse_c = fn()
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+    assert torch.equal(compiled.k_cache, eager.k_cache) and torch.equal(compiled.v_cache, eager.v_cache)
+    assert not torch.equal(compiled.k_cache, compiled.k0), "the append did not reach the cache"
+
+
 def test_softmax_scale_and_strided_q():
     """An explicit softmax_scale, and q read in place through a non-contiguous view."""
     c = Case(Sq=3, s_new=0, seqlens=(5, 9))
