@@ -20,7 +20,7 @@ pub const FLASHATTN_FLOAT16: i32 = 1;
 pub const FLASHATTN_BFLOAT16: i32 = 2;
 /// CPU only: for gradient checking in double precision.
 pub const FLASHATTN_FLOAT64: i32 = 3;
-/// Index tensors only (the varlen `cu_seqlens` / `seqused_k`).
+/// Index tensors only (the varlen `cu_seqlens` / `seqused_k`, the KV-cache index tensors).
 pub const FLASHATTN_INT32: i32 = 4;
 
 /// Device code of the CPU; n >= 0 is CUDA device n.
@@ -136,6 +136,36 @@ pub struct flashattn_varlen {
     pub max_seqlen_k: i64,
 }
 
+/// KV-cache attention (`flashattn_forward_kvcache`, FlashAttention 2's
+/// `flash_attn_with_kvcache`): see flashattn.h for the layouts ([B, S, H, D] order) and the
+/// rules. Fill it with `flashattn_kvcache_init` (which sets `rotary_interleaved = 1`) or set
+/// every field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct flashattn_kvcache {
+    /// `sizeof(flashattn_kvcache)` as the caller knows it.
+    pub struct_size: u32,
+    /// `[B, S_new, Hkv, D]`, appended in place at `cache_seqlens[b]`; null: no append (then
+    /// `v_new` null too).
+    pub k_new: *const flashattn_tensor,
+    pub v_new: *const flashattn_tensor,
+    /// int32 `[B]`: valid cache rows before the append; null: the whole cache (no append).
+    pub cache_seqlens: *const flashattn_tensor,
+    /// int32 `[B]`: the cache batch row of each sequence; null: row b.
+    pub cache_batch_idx: *const flashattn_tensor,
+    /// int32 `[B]`: the first valid cache row of each sequence; null: 0.
+    pub cache_leftpad: *const flashattn_tensor,
+    /// int32 `[B, max_blocks]` (unit last stride): the pages of a paged cache; null: contiguous.
+    pub block_table: *const flashattn_tensor,
+    /// `[S_ro, rotary_dim / 2]` in q's dtype (with `rotary_sin`); null: no rotary embedding.
+    pub rotary_cos: *const flashattn_tensor,
+    pub rotary_sin: *const flashattn_tensor,
+    /// Nonzero: GPT-J pairs (2i, 2i + 1); 0: GPT-NeoX halves (i, i + rotary_dim / 2).
+    pub rotary_interleaved: i32,
+    /// Unused, must be 0.
+    pub reserved0: i32,
+}
+
 extern "C" {
     /// Packed forward: q/out [total_q, Hq, D], k/v [total_k, Hkv, D], lse [Hq, total_q].
     pub fn flashattn_forward_varlen(
@@ -160,6 +190,22 @@ extern "C" {
         dk: *const flashattn_tensor,
         dv: *const flashattn_tensor,
         varlen: *const flashattn_varlen,
+        opts: *const flashattn_options,
+    ) -> c_int;
+
+    /// Fills `*kv` with defaults: struct_size = sizeof, every tensor null, rotary_interleaved = 1.
+    pub fn flashattn_kvcache_init(kv: *mut flashattn_kvcache);
+
+    /// KV-cache forward: q/out `[B, Sq, Hq, D]`, caches `[B_cache, S_cache, Hkv, D]` or paged
+    /// `[num_blocks, block_size, Hkv, D]`, lse `[B, Hq, Sq]`. Writes `k_new` / `v_new` into the
+    /// caches when given (the one call that writes an input). CPU only for now.
+    pub fn flashattn_forward_kvcache(
+        q: *const flashattn_tensor,
+        k_cache: *const flashattn_tensor,
+        v_cache: *const flashattn_tensor,
+        out: *const flashattn_tensor,
+        lse: *const flashattn_tensor,
+        kv: *const flashattn_kvcache,
         opts: *const flashattn_options,
     ) -> c_int;
 

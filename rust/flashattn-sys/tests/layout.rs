@@ -77,6 +77,8 @@ fn rust_side() -> BTreeMap<String, i64> {
         ("FLASHATTN_FLOAT64", FLASHATTN_FLOAT64 as i64),
         ("FLASHATTN_INT32", FLASHATTN_INT32 as i64),
         ("sizeof(flashattn_varlen)", size_of::<flashattn_varlen>() as i64),
+        ("sizeof(flashattn_kvcache)", size_of::<flashattn_kvcache>() as i64),
+        ("alignof(flashattn_kvcache)", align_of::<flashattn_kvcache>() as i64),
         ("FLASHATTN_CPU", FLASHATTN_CPU as i64),
         ("FLASHATTN_MASK_NONE", FLASHATTN_MASK_NONE as i64),
         ("FLASHATTN_MASK_CAUSAL_TOP_LEFT", FLASHATTN_MASK_CAUSAL_TOP_LEFT as i64),
@@ -124,6 +126,17 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_varlen, seqused_k));
     m.extend(field!(flashattn_varlen, max_seqlen_q));
     m.extend(field!(flashattn_varlen, max_seqlen_k));
+    m.extend(field!(flashattn_kvcache, struct_size));
+    m.extend(field!(flashattn_kvcache, k_new));
+    m.extend(field!(flashattn_kvcache, v_new));
+    m.extend(field!(flashattn_kvcache, cache_seqlens));
+    m.extend(field!(flashattn_kvcache, cache_batch_idx));
+    m.extend(field!(flashattn_kvcache, cache_leftpad));
+    m.extend(field!(flashattn_kvcache, block_table));
+    m.extend(field!(flashattn_kvcache, rotary_cos));
+    m.extend(field!(flashattn_kvcache, rotary_sin));
+    m.extend(field!(flashattn_kvcache, rotary_interleaved));
+    m.extend(field!(flashattn_kvcache, reserved0));
     m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
@@ -198,6 +211,55 @@ fn options_init_fills_struct_size_and_defaults() {
     assert_eq!((o.window_left, o.window_right, o.sliding_window), (0, 0, 0));
     assert_eq!(o.softcap, 0.0);
     assert!(o.alibi_slopes.is_null());
+}
+
+#[test]
+fn kvcache_init_fills_struct_size_and_defaults() {
+    let mut kv: flashattn_kvcache = unsafe { std::mem::zeroed() };
+    kv.struct_size = 3;
+    kv.k_new = 16 as *const _;
+    kv.v_new = 16 as *const _;
+    kv.cache_seqlens = 16 as *const _;
+    kv.cache_batch_idx = 16 as *const _;
+    kv.cache_leftpad = 16 as *const _;
+    kv.block_table = 16 as *const _;
+    kv.rotary_cos = 16 as *const _;
+    kv.rotary_sin = 16 as *const _;
+    kv.rotary_interleaved = 0;
+    kv.reserved0 = 5;
+    unsafe { flashattn_kvcache_init(&mut kv) };
+    assert_eq!(kv.struct_size as usize, size_of::<flashattn_kvcache>());
+    for p in [
+        kv.k_new,
+        kv.v_new,
+        kv.cache_seqlens,
+        kv.cache_batch_idx,
+        kv.cache_leftpad,
+        kv.block_table,
+        kv.rotary_cos,
+        kv.rotary_sin,
+    ] {
+        assert!(p.is_null());
+    }
+    assert_eq!((kv.rotary_interleaved, kv.reserved0), (1, 0));
+}
+
+#[test]
+fn null_kvcache_arguments_are_errors_with_a_message() {
+    let rc = unsafe {
+        flashattn_forward_kvcache(
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, FLASHATTN_ERROR_INVALID_ARGUMENT);
+    let msg = unsafe { CStr::from_ptr(flashattn_last_error()) }.to_str().unwrap();
+    assert!(msg.contains("NULL"), "message: {msg}");
 }
 
 /// The version sizes are the offsets at which the next version's fields start: an older

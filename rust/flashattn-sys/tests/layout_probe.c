@@ -50,6 +50,20 @@ int main(void) {
   FIELD(flashattn_varlen, max_seqlen_q);
   FIELD(flashattn_varlen, max_seqlen_k);
 
+  SIZE(flashattn_kvcache);
+  ALIGN(flashattn_kvcache);
+  FIELD(flashattn_kvcache, struct_size);
+  FIELD(flashattn_kvcache, k_new);
+  FIELD(flashattn_kvcache, v_new);
+  FIELD(flashattn_kvcache, cache_seqlens);
+  FIELD(flashattn_kvcache, cache_batch_idx);
+  FIELD(flashattn_kvcache, cache_leftpad);
+  FIELD(flashattn_kvcache, block_table);
+  FIELD(flashattn_kvcache, rotary_cos);
+  FIELD(flashattn_kvcache, rotary_sin);
+  FIELD(flashattn_kvcache, rotary_interleaved);
+  FIELD(flashattn_kvcache, reserved0);
+
   SIZE(int);
 
   DEF(FLASHATTN_VERSION_MAJOR);

@@ -46,6 +46,7 @@
 
 mod error;
 mod half;
+mod kvcache;
 mod options;
 mod tensor;
 mod varlen;
@@ -55,6 +56,7 @@ use core::ffi::CStr;
 pub use error::{status_string, Error, ErrorKind};
 pub use flashattn_sys as sys;
 pub use half::{Bf16, F16};
+pub use kvcache::KvCache;
 pub use options::{CudaStream, Mask, Options, Precision, Window};
 pub use tensor::{DType, Device, Element, Tensor, TensorMut};
 pub use varlen::Varlen;
@@ -179,6 +181,48 @@ pub fn backward_varlen<T: Element>(
     let status = unsafe {
         sys::flashattn_backward_varlen(&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, &vl, &opts)
     };
+    Error::check(status)
+}
+
+/// Attention against a key/value cache (FlashAttention 2's `flash_attn_with_kvcache`; Python's
+/// `flashattn.forward_kvcache`), forward only: decoding (`Sq = 1`) and chunked prefill.
+///
+/// Layouts are FlashAttention's `[B, S, H, D]` order as the logical shape: q and out
+/// `[B, Sq, Hq, D]` (view contiguous memory with `Tensor::contiguous(&q, &[b, sq, hq, d])`, not
+/// `Tensor::bshd`), lse f32 `[B, Hq, Sq]`. `cache` ([`KvCache`]) holds the caches, the optional
+/// new keys and values, the index vectors (`cache_seqlens`, `cache_batch_idx`, `cache_leftpad`,
+/// `block_table`) and the rotary tables; see it for what each means.
+///
+/// **In-place append**: when `cache` was made with [`KvCache::append`], the call writes k_new
+/// and v_new (k_new rotated when rotary tables are given) into the caches at rows
+/// `cache_seqlens[b]..cache_seqlens[b] + S_new`, then attends; this is the one call of the
+/// library that writes into an input. The caller advances its own `cache_seqlens` by S_new
+/// afterwards.
+///
+/// Sequence b attends `Sk_b = cache_seqlens[b] + S_new - cache_leftpad[b]` keys, with the
+/// options' mask, window, softcap and ALiBi applied relative to `Sk_b`
+/// ([`Mask::CausalBottomRight`] is FlashAttention's `causal=True`); a query row that sees no key
+/// gets out = 0 and lse = -inf. Outputs are overwritten; on error nothing is written, the caches
+/// included. The CPU backend implements it; CUDA answers [`ErrorKind::Unsupported`] for now.
+pub fn forward_kvcache<T: Element>(
+    q: &Tensor<'_, T>,
+    cache: &mut KvCache<'_, T>,
+    out: &mut TensorMut<'_, T>,
+    lse: &mut TensorMut<'_, f32>,
+    options: &Options<'_>,
+) -> Result<(), Error> {
+    let slopes = options.alibi_slopes.map(|t| t.raw());
+    let opts = options.raw(slopes.as_ref())?;
+    let parts = cache.raw_parts()?;
+    let kv = parts.raw();
+    let (k_cache, v_cache) = cache.caches();
+    let (q, out, lse) = (q.raw(), out.raw(), lse.raw());
+    // SAFETY: as in forward; the caches are exclusive borrows when the call appends (KvCache::
+    // append takes them from TensorMut views held mutably for the KvCache's lifetime, and `cache`
+    // is borrowed mutably here), shared ones otherwise (the library then only reads them);
+    // `parts`, which kv points into, outlives the call.
+    let status =
+        unsafe { sys::flashattn_forward_kvcache(&q, &k_cache, &v_cache, &out, &lse, &kv, &opts) };
     Error::check(status)
 }
 
