@@ -188,7 +188,9 @@ struct Design {
   bool deterministic;
   const char* env;  // FLASHATTN_CUDA_BWD
 };
-constexpr Design kDesigns[] = {{"split", true, nullptr}, {"atomic", false, "atomic"}};
+// "ordered": deterministic on the sm_90a single pass, dQ added in key-block order (FLASHATTN_CUDA_BWD
+// = ordered; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step).
+constexpr Design kDesigns[] = {{"split", true, nullptr}, {"atomic", false, "atomic"}, {"ordered", true, "ordered"}};
 
 Options options16(const ProblemConfig& c, const Design& d) {
   Options o = options_for(c);
@@ -439,6 +441,48 @@ TEST(Cuda16Determinism, SplitBackwardBitwiseAcrossRuns) {
   }
 }
 
+// The ordered single pass (FLASHATTN_CUDA_BWD=ordered, deterministic = 1): bitwise identical run
+// to run on problems with many key blocks per query tile (GQA, causal, a window, Sq != Skv, every
+// sm_90a head dim), where the unordered atomic design's dQ differs between runs.
+TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
+  REQUIRE_GPU();
+  struct Shape16 {
+    int64_t hq, hkv, sq, skv, d;
+    Mask mask;
+    int64_t wl, wr;
+  };
+  const Shape16 shapes[] = {{4, 2, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
+                            {2, 1, 700, 1500, 64, Mask::None, -1, -1},
+                            {2, 2, 900, 600, 256, Mask::CausalTopLeft, -1, -1},
+                            {4, 1, 1100, 1100, 64, Mask::None, 200, 10}};
+  for (const DType dt : kDtypes16)
+    for (const Shape16& sh : shapes) {
+      ProblemConfig c = make_config(1, sh.hq, sh.hkv, sh.sq, sh.skv, sh.d, sh.mask, dt, testing::Layout::BSHD, 0, 37);
+      c.window_left = sh.wl;
+      c.window_right = sh.wr;
+      SCOPED_TRACE(c.describe());
+      Problem p(c);
+      DeviceProblem d(p);
+      ASSERT_TRUE(d.ok());
+      const Options o = options16(c, kDesigns[2]);
+      EnvScope scope("FLASHATTN_CUDA_BWD", "ordered");
+      std::vector<Snapshot> runs;
+      for (int r = 0; r < 3; ++r) {
+        d.poison();
+        if (!call("forward", c.describe(), [&] { d.forward(o); })) return;
+        if (!call("backward", c.describe(), [&] { d.backward(o); })) return;
+        p.poison_outputs();
+        d.download();
+        runs.push_back(snapshot(p));
+      }
+      const std::vector<double> dq = p.to_double(p.dq);
+      EXPECT_TRUE(std::all_of(dq.begin(), dq.end(), [](double y) { return std::isfinite(y); })) << "non-finite dq";
+      for (size_t r = 1; r < runs.size(); ++r)
+        for (int t = 4; t < 9; ++t)
+          EXPECT_TRUE(runs[0].bytes[t] == runs[r].bytes[t]) << "run " << r << ": " << kNames[t - 4] << " differs";
+    }
+}
+
 // ---- unaligned base pointers, odd strides ----------------------------------------------------
 // Device copies whose 4-d tensors have padded strides: each head-dim row D + row_pad elements
 // after the previous one (row_pad odd: rows start at every 2-byte alignment, never a multiple of
@@ -645,7 +689,7 @@ TEST(Cuda16Stream, CallsAreQueuedOnTheOptionsStream) {
 }
 
 // ---- the backward design override ------------------------------------------------------------
-// FLASHATTN_CUDA_BWD (a developer override): a value other than split / atomic is an error rather
+// FLASHATTN_CUDA_BWD (a developer override): a value other than split / atomic / ordered is an error rather
 // than a silent default (the atomic checks above would otherwise test the default design).
 TEST(Cuda16BadInput, UnknownBackwardDesign) {
   REQUIRE_GPU();

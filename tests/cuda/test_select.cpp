@@ -218,6 +218,36 @@ TEST(CudaSelect, PackedCompactGridTableFollowsTheMaps) {
   EXPECT_EQ(def.plan.block_table, -1) << "the dense grid stays the default until measured";
 }
 
+// FLASHATTN_CUDA_BWD=ordered: deterministic calls on the sm_90a single pass with its counters
+// (one per sequence, query head, query tile, warpgroup) after the dQ accumulator; the split
+// passes where that kernel does not run (sm_80, the per-entry step, D = 96).
+TEST(CudaSelect, OrderedBackwardIsTheDeterministicSm90SinglePass) {
+  OverrideScope e("FLASHATTN_CUDA_BWD", "ordered");
+  Numerics n = num(DType::BFloat16);
+  n.deterministic = true;
+  for (int64_t d : {64, 128, 256}) {
+    SCOPED_TRACE(d);
+    const Shape s = shape(1000, d);
+    const Selected<BackwardPlan> bp = select_backward(bparams(s, n), dev(9, 0), ov(scoped_vars()));
+    ASSERT_TRUE(bp.ok) << bp.why;
+    EXPECT_EQ(bp.plan.kernel, BwdKernel::Sm90Wgmma16Atomic);
+    const TileConfig90 c = tile_config90(Pass::Dkv, bp.plan.dp, bp.plan.sm90_variant);
+    const size_t rows = static_cast<size_t>(s.batch * s.heads_q * s.seq_q), delta = (rows + 3) / 4 * 4;
+    EXPECT_EQ(bp.plan.dq_locks, static_cast<int64_t>((delta + rows * bp.plan.dp) * sizeof(float)));
+    EXPECT_EQ(bp.plan.dq_lock_count, s.batch * s.heads_q * ((s.seq_q + c.block_n - 1) / c.block_n) * c.warpgroups);
+    EXPECT_EQ(bp.plan.workspace, static_cast<size_t>(bp.plan.dq_locks) + bp.plan.dq_lock_count * sizeof(int));
+    const Selected<BackwardPlan> b80 = select_backward(bparams(s, n), dev(8, 0), ov(scoped_vars()));
+    ASSERT_TRUE(b80.ok);
+    EXPECT_EQ(b80.plan.kernel, BwdKernel::Sm80Mma16Split);
+    EXPECT_EQ(b80.plan.dq_locks, -1);
+  }
+  Numerics nx = n;
+  nx.softcap = 30.0f;
+  const Selected<BackwardPlan> bx = select_backward(bparams(shape(1000, 128), nx), dev(9, 0), ov(scoped_vars()));
+  ASSERT_TRUE(bx.ok);
+  EXPECT_EQ(bx.plan.kernel, BwdKernel::Sm80Mma16Split) << "the ordered kernel has no per-entry step";
+}
+
 // A packed operand the copy engine cannot address (a row stride that is not a multiple of 16
 // bytes) keeps a packed 16-bit call on the mma.sync kernels (16-byte vectors need the same).
 TEST(CudaSelect, PackedBatchesNeedAddressableRowsForTheSm90Kernels) {

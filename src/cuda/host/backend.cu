@@ -322,6 +322,7 @@ void backward(const BackwardParams& p) {
   a.persistent_cap = plan.persistent_cap;
   a.convert_ctas = plan.convert_ctas;
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
+  a.dq_locks = plan.dq_locks >= 0 ? reinterpret_cast<int*>(reinterpret_cast<char*>(ws.get()) + plan.dq_locks) : nullptr;
   a.ws_sb = packed ? 0 : s.heads_q * s.seq_q;
   a.ws_sh = packed ? p.packing.total_q : s.seq_q;
   // The row passes (D, dQ conversion) see a packed batch as one sequence of total_q rows: its
@@ -335,6 +336,8 @@ void backward(const BackwardParams& p) {
   }
   if (a.dq_accum != nullptr)
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, rows * plan.dp * sizeof(float), stream));
+  if (a.dq_locks != nullptr)
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_locks, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
   switch (plan.kernel) {
     case BwdKernel::Sm80Mma32Split:
       launch_preprocess(rows_args, stream);

@@ -50,6 +50,9 @@ struct BwdArgs {
   long persistent_cap;  // pair kernels: at most this many CTAs walk the blocks (0: one per block)
   int convert_ctas;  // CTAs writing the Q/dO copies on a side stream (0: in order on the stream)
   void* seq_maps;    // as FwdArgs::seq_maps
+  // The sm_90a dK/dV kernel's ordered (deterministic) dQ reduction: its counters, zeroed
+  // (BackwardPlan::dq_locks); nullptr: reductions in any order.
+  int* dq_locks;
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 

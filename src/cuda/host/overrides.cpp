@@ -41,7 +41,7 @@ bool apply(Overrides& o, const char* var, const char* v) {
   auto is = [&](const char* n) { return std::strcmp(var, n) == 0; };
   if (is("FLASHATTN_CUDA_ARCH")) o.arch = choice(var, v, {"sm80", "sm90"});
   else if (is("FLASHATTN_CUDA_MATH")) o.math = choice(var, v, {"fma", "tf32", "3xtf32"});
-  else if (is("FLASHATTN_CUDA_BWD")) o.bwd = choice(var, v, {"split", "atomic"});
+  else if (is("FLASHATTN_CUDA_BWD")) o.bwd = choice(var, v, {"split", "atomic", "ordered"});
   else if (is("FLASHATTN_CUDA_SM90_VARIANT")) o.sm90_variant = choice(var, v, {"0", "1"});
   else if (is("FLASHATTN_CUDA_PINGPONG")) o.pingpong = choice(var, v, {"0", "1"});
   else if (is("FLASHATTN_CUDA_TF32_FWD_COPIES")) o.tf32_fwd_copies = choice(var, v, {"none", "v", "kv"});

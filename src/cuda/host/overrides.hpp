@@ -9,7 +9,8 @@
 // | ------------------------------- | ---------------------------- | --------------------------------------------------- |
 // | FLASHATTN_CUDA_ARCH             | sm80, sm90                   | sm80: a 9.0 device runs the mma.sync kernels        |
 // | FLASHATTN_CUDA_MATH             | fma, tf32, 3xtf32            | float32 arithmetic instead of the precision's       |
-// | FLASHATTN_CUDA_BWD              | split, atomic                | 16-bit backward design (deterministic forces split) |
+// | FLASHATTN_CUDA_BWD              | split, atomic, ordered       | 16-bit backward design (deterministic forces split  |
+// |                                 |                              | unless ordered: sm_90a atomic, dQ in key order)     |
 // | FLASHATTN_CUDA_SM90_VARIANT     | 0, 1                         | 16-bit sm_90a dK/dV CTA shape (1: D = 64 only)      |
 // | FLASHATTN_CUDA_PINGPONG         | 0, 1                         | 16-bit sm_90a forward warpgroup ping-pong           |
 // | FLASHATTN_CUDA_TF32_FWD_COPIES  | none, v, kv                  | tf32 sm_90a forward: operands the pre-pass copies   |

@@ -254,8 +254,12 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   const size_t delta = delta_floats(s, p.packing);
   if (half) {
     bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov));
-    if (ov.bwd >= 0) atomic = ov.bwd == 1;
-    if (n.deterministic) atomic = false;  // the split passes: every sum in a fixed order
+    if (ov.bwd >= 0) atomic = ov.bwd >= 1;
+    // FLASHATTN_CUDA_BWD = ordered: the sm_90a single pass with dQ added in key-block order, which
+    // is deterministic too (not with the per-entry score step; elsewhere the split passes).
+    const bool ordered = ov.bwd == 2 && maps && has_sm90(Pass::Dkv, b.dp) && !b.xf;
+    if (n.deterministic && !ordered) atomic = false;  // the split passes: every sum in a fixed order
+    if (ov.bwd == 2 && !ordered) atomic = false;
     if (!atomic) {
       b.kernel = BwdKernel::Sm80Mma16Split;
       b.smem_dq = smem_bytes16(Pass::Dq, b.dp, b.big);
@@ -270,6 +274,13 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     }
     // The float32 dQ accumulator (DP floats per query row) of the atomic design, zeroed before the pass.
     b.workspace = (delta + (b.atomic_dq() ? rows * b.dp : 0)) * sizeof(float);
+    if (ordered && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
+      // One counter per (sequence, query head, query tile, warpgroup), after the accumulator.
+      const TileConfig90 c = tile_config90(Pass::Dkv, b.dp, b.sm90_variant);
+      b.dq_locks = static_cast<int64_t>(b.workspace);
+      b.dq_lock_count = s.batch * s.heads_q * ((s.seq_q + c.block_n - 1) / c.block_n) * c.warpgroups;
+      b.workspace += static_cast<size_t>(b.dq_lock_count) * sizeof(int);
+    }
     if (packed && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       b.seq_maps = static_cast<int64_t>(seq_maps_at(b.workspace));
       b.workspace = b.seq_maps + seq_maps_bytes(s.batch, 4);  // Q, dO, K, V

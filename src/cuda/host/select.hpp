@@ -82,6 +82,10 @@ struct BackwardPlan {
   int smem_dkv = 0;         // of the dK/dV pass
   size_t workspace = 0;     // device scratch, bytes (D, the dQ accumulator; Sm90Wgmma32 adds its copies)
   int64_t seq_maps = -1;    // a packed batch on Sm90Wgmma16Atomic: the per-sequence maps' offset, bytes
+  // Sm90Wgmma16Atomic with the dQ sums in key-block order (deterministic; FLASHATTN_CUDA_BWD =
+  // ordered until measured): the counters' offset in the workspace (bytes) and size (ints); -1: none.
+  int64_t dq_locks = -1;
+  int64_t dq_lock_count = 0;
   bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
 };
 

@@ -327,9 +327,35 @@ struct Sm90BwdArgs {
   BwdArgs f;
   CUtensorMap tq, tk, tv, tdo;
   const CUtensorMap* seq_maps;  // as Sm90FwdArgs::seq_maps: Q, dO, K, V per sequence
+  // ORD kernels: one counter per (sequence, query head, query tile of BQ rows, warpgroup), zeroed,
+  // lock_tiles query tiles per head (of the call's Sq, or max_seqlen_q when packed).
+  int* locks;
+  int64_t lock_tiles;
 };
 
-template <int DP, Half16 H, int V, bool XF>
+// The ordered dQ reduction (ORD, deterministic): the key blocks that see a query tile add their
+// dQ into its accumulator rows one after another in key-block order, so every float sum has one
+// order (bitwise reproducible); the counter of (tile, warpgroup) holds how many have added. A key
+// block only waits for lower key blocks of its head, which the grid launches (x fastest) before
+// it, so a waiting CTA never holds a multiprocessor one it waits for needs.
+__device__ __forceinline__ void wait_turn(const int* lock, int order) {
+#if defined(__CUDA_ARCH__)
+  for (;;) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(lock) : "memory");
+    if (v >= order) return;
+    __nanosleep(64);
+  }
+#endif
+}
+__device__ __forceinline__ void pass_turn(int* lock) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(lock) : "memory");
+#endif
+}
+
+// ORD: the ordered dQ reduction above (deterministic); otherwise reductions in any order.
+template <int DP, Half16 H, int V, bool XF, bool ORD = false>
 __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), tile_config90(Pass::Dkv, DP, V).min_ctas)
     dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -370,8 +396,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
   // Every key block of a head adds into the same dQ rows; starting each CTA at a different query
-  // tile spreads those reductions over different addresses at any moment.
-  const int rot = ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0;
+  // tile spreads those reductions over different addresses at any moment. (ORD: every CTA in the
+  // same order, each a tile behind the key block before it.)
+  const int rot = !ORD && ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0;
   auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
 
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);  // empty: every consumer thread (see below)
@@ -516,6 +543,15 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     }
     float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + DQN * wg;
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
+    // ORD: this warpgroup's turn at the tile's columns: after the key blocks below this one that
+    // see the tile (their count: this block's index minus the tile's first key block).
+    [[maybe_unused]] int* lock = nullptr;
+    [[maybe_unused]] int order = 0;
+    if constexpr (ORD) {
+      lock = A.locks + ((b * p.shape.heads_q + h) * A.lock_tiles + n0 / BQ) * NWG + wg;
+      const int qrows = static_cast<int>(Sq - n0 < BQ ? Sq - n0 : BQ);
+      order = static_cast<int>(blockIdx.x) - key_tiles(rule, n0, qrows, Skv, BK).begin;
+    }
 #pragma unroll
     for (int c = 0; c < DQN / QC; ++c) {
       const bool last = c + 1 == DQN / QC;
@@ -531,6 +567,12 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         wgmma_wait<0>();
       }
       fence_regs(dq[0]);
+      if constexpr (ORD) {
+        if (c == 0) {
+          if (threadIdx.x % 128 == 0) wait_turn(lock, order);
+          named_barrier(2 + wg, 128);
+        }
+      }
       if (last) {
         fence_regs(dv[0]);
         fence_regs(dk[0]);
@@ -548,6 +590,15 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         for (int j = 0; j < QC / 8; ++j)
           red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],
                    dq[0][j][2 * r + 1]);
+      }
+      if constexpr (ORD) {
+        if (last) {
+          // Every thread's reductions before the count: each orders its own, the barrier
+          // gathers them, one thread releases.
+          __threadfence();
+          named_barrier(2 + wg, 128);
+          if (threadIdx.x % 128 == 0) pass_turn(lock);
+        }
       }
     }
   };

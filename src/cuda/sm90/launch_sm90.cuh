@@ -349,6 +349,17 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
   args.seq_maps = make_maps16(ops, H, s, a.p.packing, a.seq_maps, stream, "cuda 16-bit sm_90a backward");
   const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(s.heads_kv),
                   static_cast<unsigned>(s.batch));
+  if (a.dq_locks != nullptr) {
+    // The ordered (deterministic) reduction: kernels without the per-entry step only (selection).
+    if constexpr (!XF) {
+      args.locks = a.dq_locks;
+      args.lock_tiles = grid_blocks(s.seq_q, c.block_n);
+      launch_checked(dev::dkv_sm90_kernel<DP, H, V, false, true>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V),
+                     stream, args, "dkv_sm90 (ordered dQ) kernel launch");
+      return;
+    }
+    throw Error(Status::Internal, "dkv_sm90: the ordered dQ reduction has no kernel with the per-entry score step");
+  }
   launch_checked(dev::dkv_sm90_kernel<DP, H, V, XF>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
 }
