@@ -23,6 +23,8 @@ Backends of --suite training (--backends auto picks per dtype):
   bfloat16/float16  flashattn (library default backward: deterministic=0, FLASHATTN_CUDA_BWD
                     unset), flashattn-atomic (deterministic=0, FLASHATTN_CUDA_BWD=atomic:
                     one pass over key blocks, dQ accumulated with float32 atomics),
+                    flashattn-ordered (deterministic=1, FLASHATTN_CUDA_BWD=ordered: the same
+                    pass with dQ added in key-block order, bitwise reproducible),
                     flashattn-split (deterministic=1: dQ pass + dK/dV pass, bitwise
                     reproducible); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode).
   The two designs differ only in the backward, so their rows time the backward (and fwd+bwd in
@@ -75,8 +77,8 @@ from cabi import CtypesLib, EnvSettings  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
-OURS = ("flashattn", "flashattn-tf32", "flashattn-atomic", "flashattn-split")
-DESIGNS = ("flashattn-atomic", "flashattn-split")
+OURS = ("flashattn", "flashattn-tf32", "flashattn-atomic", "flashattn-split", "flashattn-ordered")
+DESIGNS = ("flashattn-atomic", "flashattn-split", "flashattn-ordered")
 SDPA_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 # Head dims the CUDA kernels are compiled for; others run padded to the next one.
 COMPILED_HEAD_DIMS = (64, 96, 128, 256)
@@ -101,11 +103,11 @@ class Impl:
         self.ours = name in OURS
         self.passes = passes
         self.precision = "tf32" if name == "flashattn-tf32" else "fp32"
-        self.deterministic = name == "flashattn-split"
+        self.deterministic = name in ("flashattn-split", "flashattn-ordered")
         # The default row runs with the variable removed, so it shows the library's own choice.
-        self.env = {"flashattn-atomic": "atomic"}.get(name)
-        self.design = {"flashattn": "default", "flashattn-tf32": "tf32",
-                       "flashattn-atomic": "atomic", "flashattn-split": "split"}.get(name, "")
+        self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered"}.get(name)
+        self.design = {"flashattn": "default", "flashattn-tf32": "tf32", "flashattn-atomic": "atomic",
+                       "flashattn-split": "split", "flashattn-ordered": "ordered"}.get(name, "")
 
 
 def backend_names(dname, args):
@@ -115,7 +117,7 @@ def backend_names(dname, args):
             names += ["flashattn", "flashattn-tf32"]
         else:
             names = ["sdpa-flash", "sdpa-cudnn"] + ([] if args.quick else ["sdpa-efficient"])
-            names += ["flashattn", "flashattn-atomic", "flashattn-split"]
+            names += ["flashattn", "flashattn-atomic", "flashattn-split", "flashattn-ordered"]
     else:
         names = args.backends.split(",")
     keep = []
@@ -164,7 +166,7 @@ def scratch_bytes(impl_name, dname, b, hq, sq, d):
     float32 for every design; the atomic design adds its float32 dQ accumulator at the padded
     head dim. None for the default row (whichever design the library picks) and for peers."""
     d_ws = b * hq * sq * 4
-    if impl_name == "flashattn-atomic":
+    if impl_name in ("flashattn-atomic", "flashattn-ordered"):  # (ordered: + one int per 64-row tile)
         return d_ws + b * hq * sq * padded_head_dim(d) * 4
     if impl_name == "flashattn-split" or (dname == "float32" and impl_name in OURS):
         return d_ws
@@ -420,6 +422,7 @@ def supported(torch, fn, ctx, dtype, d, device):
 # ---- report --------------------------------------------------------------------------------------
 
 SHORT = {"flashattn": "flashattn", "flashattn-atomic": "atomic", "flashattn-split": "split",
+         "flashattn-ordered": "ordered",
          "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "sdpa-efficient": "efficient",
          "sdpa-math": "math"}
 RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
