@@ -35,6 +35,14 @@ class Varlen(ctypes.Structure):
                 ("max_seqlen_q", ctypes.c_int64), ("max_seqlen_k", ctypes.c_int64)]
 
 
+class KvCache(ctypes.Structure):
+    # flashattn_kvcache (include/flashattn/flashattn.h)
+    _fields_ = [("struct_size", ctypes.c_uint32)] + [
+        (n, ctypes.POINTER(Tensor)) for n in ("k_new", "v_new", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                                              "block_table", "rotary_cos", "rotary_sin")] + [
+        ("rotary_interleaved", ctypes.c_int32), ("num_splits", ctypes.c_int32)]
+
+
 class CtypesLib:
     """The C ABI of one libflashattn, on torch tensors (device pointers, torch's stream)."""
 
@@ -54,6 +62,7 @@ class CtypesLib:
         vp = ctypes.POINTER(Varlen)
         self.lib.flashattn_forward_varlen.argtypes = [p] * 5 + [vp, ctypes.POINTER(Options)]
         self.lib.flashattn_backward_varlen.argtypes = [p] * 9 + [vp, ctypes.POINTER(Options)]
+        self.lib.flashattn_forward_kvcache.argtypes = [p] * 5 + [ctypes.POINTER(KvCache), ctypes.POINTER(Options)]
         _LOADED.append(self.lib)
 
     def version(self):
@@ -148,6 +157,24 @@ class CtypesLib:
             self._varlen(cu_q, cu_k, max_q, max_k), self._options(q, *opts)]
         refs = [ctypes.byref(x) for x in args]
         fn = self.lib.flashattn_backward_varlen
+        return lambda: self._check(fn(*refs))
+
+    # KV-cache attention (flashattn_forward_kvcache): q/out [B, Sq, Hq, D], caches [B, S, Hkv, D]
+    # (or pages with block_table), lse [B, Hq, Sq]; kv: a dict of the optional tensors (k_new,
+    # v_new, cache_seqlens, block_table, rotary_cos, rotary_sin) and num_splits.
+    def bind_forward_kvcache(self, q, k_cache, v_cache, out, lse, kv, opts):
+        c = KvCache()
+        c.struct_size = ctypes.sizeof(KvCache)
+        c.rotary_interleaved = 1
+        c.num_splits = int(kv.get("num_splits", 0))
+        c.keep = {}
+        for name in ("k_new", "v_new", "cache_seqlens", "block_table", "rotary_cos", "rotary_sin"):
+            if kv.get(name) is not None:
+                c.keep[name] = self._view(kv[name])
+                setattr(c, name, ctypes.pointer(c.keep[name]))
+        args = [self._view(x) for x in (q, k_cache, v_cache, out, lse)] + [c, self._options(q, *opts)]
+        refs = [ctypes.byref(x) for x in args]
+        fn = self.lib.flashattn_forward_kvcache
         return lambda: self._check(fn(*refs))
 
 

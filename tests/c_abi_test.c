@@ -236,24 +236,28 @@ static void kvcache_checks(void) {
 
   memset(&kv, 0x5a, sizeof kv);
   flashattn_kvcache_init(&kv);
-  CHECK(kv.struct_size == sizeof(flashattn_kvcache) && kv.rotary_interleaved == 1 && kv.reserved0 == 0 &&
+  CHECK(kv.struct_size == sizeof(flashattn_kvcache) && kv.rotary_interleaved == 1 && kv.num_splits == 0 &&
             kv.k_new == NULL && kv.block_table == NULL && kv.rotary_cos == NULL,
         "kvcache_init left a non-default field");
   kv.k_new = &tkn;
   kv.v_new = &tvn;
   kv.cache_seqlens = &tsl;
 
-  /* a struct smaller than this header's, NULL, or reserved0 set: refused, nothing written */
+  /* a struct smaller than this header's, NULL, or num_splits out of range: refused, nothing written */
   kv.struct_size = (uint32_t)offsetof(flashattn_kvcache, rotary_interleaved);
   st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, &kv, NULL);
   CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT, "kv struct_size too small: status %d", st);
   CHECK(strstr(flashattn_last_error(), "kv->struct_size") != NULL, "message: '%s'", flashattn_last_error());
   kv.struct_size = sizeof(flashattn_kvcache);
-  kv.reserved0 = 1;
+  kv.num_splits = 129;
   st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, &kv, NULL);
-  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT && strstr(flashattn_last_error(), "reserved0") != NULL,
-        "reserved0 = 1: status %d, '%s'", st, flashattn_last_error());
-  kv.reserved0 = 0;
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT && strstr(flashattn_last_error(), "num_splits = 129") != NULL,
+        "num_splits = 129: status %d, '%s'", st, flashattn_last_error());
+  kv.num_splits = -1;
+  st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, &kv, NULL);
+  CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT && strstr(flashattn_last_error(), "num_splits = -1") != NULL,
+        "num_splits = -1: status %d, '%s'", st, flashattn_last_error());
+  kv.num_splits = 0;
   st = flashattn_forward_kvcache(&tq, &tkc, &tvc, &to, &tl, NULL, NULL);
   CHECK(st == FLASHATTN_ERROR_INVALID_ARGUMENT && strstr(flashattn_last_error(), "kv is NULL") != NULL,
         "NULL kv: status %d, '%s'", st, flashattn_last_error());

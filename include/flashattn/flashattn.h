@@ -280,13 +280,17 @@ typedef struct {
   const flashattn_tensor* rotary_sin;
   int32_t rotary_interleaved; /* nonzero: GPT-J pairs (FlashAttention's default, and what
                                  flashattn_kvcache_init sets); 0: GPT-NeoX halves */
-  int32_t reserved0;          /* unused, must be 0 */
+  int32_t num_splits;         /* split-KV: CTAs per (sequence, kv head) along the cache on CUDA, as
+                                 FlashAttention's num_splits: 0 = the library's choice (from the
+                                 device's size), 1 = none, n > 1 = n (bounded by the cache's 64-key
+                                 tiles); 0..128. The CPU backend ignores it. (Was reserved0, which
+                                 had to be 0: older callers get the default.) */
 } flashattn_kvcache;
 
 /* Fills *kv with defaults: struct_size = sizeof, every tensor NULL, rotary_interleaved = 1. */
 FLASHATTN_API void flashattn_kvcache_init(flashattn_kvcache* kv);
 
-/* The CUDA backend does not serve this call yet (FLASHATTN_ERROR_UNSUPPORTED); the CPU does. */
+/* CPU: every dtype. CUDA: float16/bfloat16 (a float32 call is FLASHATTN_ERROR_UNSUPPORTED). */
 FLASHATTN_API int flashattn_forward_kvcache(const flashattn_tensor* q, const flashattn_tensor* k_cache,
                                             const flashattn_tensor* v_cache, const flashattn_tensor* out,
                                             const flashattn_tensor* lse, const flashattn_kvcache* kv,

@@ -138,6 +138,7 @@ struct KvCache {
   const Tensor* rotary_cos = nullptr;       // [S_ro, rotary_dim / 2], dtype of q
   const Tensor* rotary_sin = nullptr;
   bool rotary_interleaved = true;           // GPT-J pairs (FlashAttention's default); false: GPT-NeoX
+  int32_t num_splits = 0;                   // CUDA split-KV CTAs along the cache (0: auto, 1: none; <= 128)
 };
 
 FLASHATTN_API void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,

@@ -537,7 +537,7 @@ def forward_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlen
                     cache_batch_idx=None, cache_leftpad=None, block_table=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved=True, softmax_scale=None, mask="none",
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, lse=None,
-                    precision="fp32", num_threads=None):
+                    precision="fp32", num_threads=None, num_splits=0):
     """Attention against a key/value cache (FlashAttention's flash_attn_with_kvcache), forward
     only: returns (out, lse). Layouts are FlashAttention's [B, S, H, D] order (not forward()'s
     [B, H, S, D]), any strides with a unit head_dim stride:
@@ -561,8 +561,9 @@ def forward_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlen
     Sequence b attends Sk_b = cache_seqlens[b] + S_new - cache_leftpad[b] keys, with forward()'s
     softmax_scale, mask (FlashAttention's causal is "causal_bottom_right"), window_size, softcap
     and alibi_slopes relative to that Sk_b. out: [B, Sq, Hq, D] like q (allocated when None); lse:
-    float32 [B, Hq, Sq]. Errors as forward(); the CUDA backend does not serve this call yet
-    (NotImplementedError).
+    float32 [B, Hq, Sq]. num_splits: on CUDA, CTAs per (sequence, kv head) along the cache
+    (split-KV: 0 the library's choice, 1 none, up to 128); the CPU ignores it. Errors as
+    forward(); CUDA serves float16/bfloat16 (float32 raises NotImplementedError there).
     """
     launch = _Launch(q)
     nd = _ndim(launch.view(q))
@@ -590,5 +591,5 @@ def forward_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlen
     k_new, v_new, rotary_cos, rotary_sin = (None if x is None else a(x)
                                             for x in (k_new, v_new, rotary_cos, rotary_sin))
     _ext.forward_kvcache(a(q), a(k_cache), a(v_cache), a(out), a(lse), k_new, v_new, *idx,
-                         rotary_cos, rotary_sin, interleaved, *opts)
+                         rotary_cos, rotary_sin, interleaved, *opts, num_splits=int(num_splits))
     return launch.result(out, out_alloc), launch.result(lse, lse_alloc)

@@ -333,8 +333,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     written into the caches in place at rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new).
     rotary_cos / rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype, applied to q and k
     (GPT-J pairs when rotary_interleaved, else GPT-NeoX halves). cache_seqlens: int or int32
-    (batch,); cache_batch_idx, cache_leftpad: int32 (batch,). num_splits is accepted and ignored:
-    in flash_attn it only tunes how the CUDA kernel splits the keys, never the result.
+    (batch,); cache_batch_idx, cache_leftpad: int32 (batch,). num_splits: on CUDA, how many CTAs
+    split each sequence's keys (0 or less: chosen from the GPU's size, 1: none, at most 128);
+    it changes rounding only. The CPU ignores it.
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) with softmax_lse
     (batch, nheads, seqlen_q) float32 when return_softmax_lse. Not differentiable."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -361,7 +362,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = _ops.kvcache_op(
         q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, cache_leftpad, block_table,
         rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, mask, wl, wr, _softcap(softcap),
-        _ops.slopes_value(alibi_slopes), 0)
+        _ops.slopes_value(alibi_slopes), 0, max(0, int(num_splits)))
     if not return_softmax_lse:
         return out
     if _alibi_shifts(alibi_slopes, causal, window_size, capacity):

@@ -440,13 +440,14 @@ def _kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[T
                   rotary_sin: Optional[Tensor], rotary_interleaved: bool,
                   softmax_scale: Optional[float], mask: str, window_left: int, window_right: int,
                   softcap: float, alibi_slopes: Optional[Tensor],
-                  num_threads: int) -> Tuple[Tensor, Tensor]:
+                  num_threads: int, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
     return _api.forward_kvcache(
         q, k_cache, v_cache, k_new=k_new, v_new=v_new, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         softmax_scale=softmax_scale, mask=mask, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes, num_threads=_threads(q, num_threads))
+        softcap=softcap, alibi_slopes=alibi_slopes, num_threads=_threads(q, num_threads),
+        num_splits=num_splits)
 
 
 # (The caches are declared mutated whether or not the call appends: a conservative schema.)
@@ -456,7 +457,7 @@ _kvcache = torch.library.custom_op("flashattn::kvcache", _kvcache_impl, mutates_
 @_kvcache.register_fake
 def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
       rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, mask, window_left, window_right,
-      softcap, alibi_slopes, num_threads):
+      softcap, alibi_slopes, num_threads, num_splits=0):
     return torch.empty_like(q), _lse_like(q, (q.shape[0], q.shape[2], q.shape[1]))
 
 

@@ -344,7 +344,7 @@ void forward_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::h
                      nb::handle rotary_cos, nb::handle rotary_sin, bool rotary_interleaved,
                      double softmax_scale, int mask, int precision, int num_threads,
                      uintptr_t stream, bool deterministic, int64_t window_left,
-                     int64_t window_right, double softcap, nb::handle alibi_slopes) {
+                     int64_t window_right, double softcap, nb::handle alibi_slopes, int num_splits) {
   const bool append = !k_new.is_none();
   const nb::handle none(Py_None);
   auto tq = convert<InArray>(q, "q", false);
@@ -374,6 +374,7 @@ void forward_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::h
   kv.rotary_cos = cs.view();
   kv.rotary_sin = sn.view();
   kv.rotary_interleaved = rotary_interleaved ? 1 : 0;
+  kv.num_splits = num_splits;
   const flashattn_tensor* tkc = append ? kc_out.view() : kc_in.view();
   const flashattn_tensor* tvc = append ? vc_out.view() : vc_in.view();
   int status;
@@ -480,7 +481,7 @@ NB_MODULE(_ext, m) {
         nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"), nb::arg("stream"),
         nb::arg("deterministic") = false, nb::arg("window_left") = -1,
         nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
-        nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("num_splits") = 0,
         "Runs flashattn_forward_kvcache in FlashAttention's [B, S, H, D] order: q, out "
         "[B, Sq, Hq, D], caches [B_cache, S_cache, Hkv, D] (paged: [num_blocks, block_size, Hkv, "
         "D]), k_new / v_new [B, S_new, Hkv, D], lse float32 [B, Hq, Sq]; int32 index arrays. out "

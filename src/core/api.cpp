@@ -154,10 +154,9 @@ void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   make_kvcache_params(q, k_cache, v_cache, out, lse, kv, options, call);
   check_bounds(call.params.fwd.shape, false, options, call.params.fwd.exec);
   if (call.params.fwd.exec.device >= 0)
-    throw Error(Status::Unsupported,
-                "forward_kvcache (KV-cache attention) is not implemented by the CUDA backend yet: q.device = " +
-                    std::to_string(call.params.fwd.exec.device) + "; use CPU tensors");
-  cpu::forward_kvcache(call.params);
+    cuda::forward_kvcache(call.params);
+  else
+    cpu::forward_kvcache(call.params);
 }
 
 bool cuda_available() { return cuda::available(); }

@@ -26,6 +26,8 @@ bool built();      // false when the library was built without CUDA
 bool available();  // built() and a device is usable
 void forward(const ForwardParams& p);
 void backward(const BackwardParams& p);
+// KV-cache forward (float16/bfloat16): the append (and rotary), then the attention over the caches.
+void forward_kvcache(const KvcacheParams& p);
 std::string describe();
 // Checks that ptr is memory of CUDA device `device` (cudaPointerGetAttributes); throws
 // Error(InvalidArgument) naming `what` otherwise.

@@ -88,8 +88,6 @@ flashattn::KvCache kvcache_from_c(const flashattn_kvcache* kv, flashattn::Tensor
                                              " is too small (set it to sizeof(flashattn_kvcache) = " +
                                              std::to_string(sizeof(flashattn_kvcache)) +
                                              " or call flashattn_kvcache_init)");
-  if (kv->reserved0 != 0)
-    throw Error(Status::InvalidArgument, "kv->reserved0 = " + std::to_string(kv->reserved0) + ", must be 0");
   flashattn::KvCache r;
   const std::pair<const flashattn_tensor*, const char*> in[8] = {
       {kv->k_new, "k_new"},         {kv->v_new, "v_new"},         {kv->cache_seqlens, "cache_seqlens"},
@@ -100,6 +98,7 @@ flashattn::KvCache kvcache_from_c(const flashattn_kvcache* kv, flashattn::Tensor
   for (int i = 0; i < 8; ++i)
     if (in[i].first != nullptr) store[i] = to_tensor(in[i].first, in[i].second), *out[i] = &store[i];
   r.rotary_interleaved = kv->rotary_interleaved != 0;
+  r.num_splits = kv->num_splits;
   return r;
 }
 

@@ -170,6 +170,7 @@ struct KvcacheParams {
   const int32_t* first_new;  // [B] host
   const int32_t* pos0;       // [B] host: cache_seqlens
   KvRotary rotary;
+  int32_t num_splits;        // the caller's split-KV count (0: the backend's choice; the CPU has none)
 };
 
 struct BackwardParams {

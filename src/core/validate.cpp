@@ -801,6 +801,8 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   if (paged && kv.cache_batch_idx != nullptr)
     fail("cache_batch_idx cannot be combined with block_table (a paged cache names its pages per sequence)");
   if (paged && kv.cache_leftpad != nullptr) fail("cache_leftpad cannot be combined with block_table");
+  if (kv.num_splits < 0 || kv.num_splits > 128)
+    fail("num_splits = " + std::to_string(kv.num_splits) + " is outside [0, 128] (0: the library's choice)");
 
   // The tensors' own facts, then shapes (the [B, S, H, D] order of FlashAttention).
   std::vector<Named> data = {nq, nkc, nvc, no};
@@ -982,6 +984,7 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
     kp.v_new = in4<In4>(bshd_as_bhsd(*kv.v_new));
   }
   kp.first_new = call.first_new.data();
+  kp.num_splits = kv.num_splits;
   kp.pos0 = call.pos0.data();
   if (rotary)
     kp.rotary = KvRotary{kv.rotary_cos->data, kv.rotary_sin->data, kv.rotary_cos->stride[0], kv.rotary_sin->stride[0],

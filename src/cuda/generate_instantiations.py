@@ -34,6 +34,9 @@ TABLE = {
     "forward16_xf": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_forward_xf({d})", False),
     "dq16_xf": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_dq_xf({d})", False),
     "dkv16_xf": ([64, 96, 128, 256], "sm80/launch16.cuh", "FLASHATTN_INSTANTIATE16_dkv_xf({d})", False),
+    # the KV-cache attention (sm80/decode16.cuh), float16/bfloat16, both CTA shapes per file
+    "decode16": ([64, 96, 128, 256], "sm80/launch_decode16.cuh", "FLASHATTN_INSTANTIATE_decode16({d})", False),
+    "decode16_xf": ([64, 96, 128, 256], "sm80/launch_decode16.cuh", "FLASHATTN_INSTANTIATE_decode16_xf({d})", False),
     # sm_90a wgmma + TMA kernels (sm90/); the float32 ones (tf32, 3xTF32) have no per-entry step
     "forward_sm90": ([64, 128, 256], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_forward({d})", True),
     "dkv_sm90": ([64, 128, 256], "sm90/launch_sm90.cuh", "FLASHATTN_INSTANTIATE_SM90_dkv({d})", True),
@@ -48,6 +51,7 @@ TABLE = {
 ARRAYS = {
     "kHeadDims": "forward",  # float32 sm_80 kernels (all three passes share it)
     "kHeadDims16": "forward16",
+    "kDecodeHeadDims16": "decode16",
     "kSm90Forward16": "forward_sm90",
     "kSm90Dkv16": "dkv_sm90",
     "kSm90Tf32Forward": "forward_tf32_sm90",

@@ -827,5 +827,95 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
   }
 }
 
+
+// ---- KV-cache calls ----------------------------------------------------------------------------
+// A decode-like call: B sequences of at most skv keys, Sq query rows, Hq/Hkv heads, head dim d.
+KvcacheParams kv_call(DType t, int64_t B, int64_t sq, int64_t hq, int64_t hkv, int64_t skv, int64_t d) {
+  static char dummy[64] alignas(16);
+  KvcacheParams k{};
+  k.fwd.shape = Shape{B, hq, hkv, sq, skv, d};
+  k.fwd.num = num(t);
+  const In4 in{dummy, hkv * skv * d, d, hkv * d};
+  k.fwd.q = In4{dummy, sq * hq * d, d, hq * d};
+  k.fwd.k = k.fwd.v = in;
+  k.fwd.out = Out4{dummy, sq * hq * d, d, hq * d};
+  static const int32_t lens[1] = {1};
+  k.fwd.kv.seqlen_k = lens;
+  return k;
+}
+
+TEST(KvcacheSelect, SplitCount) {
+  // Requested counts are honoured up to the key tiles and the bound.
+  EXPECT_EQ(kv_splits(8, 64, 396, 1), 1);
+  EXPECT_EQ(kv_splits(8, 64, 396, 5), 5);
+  EXPECT_EQ(kv_splits(8, 3, 396, 5), 3);
+  EXPECT_EQ(kv_splits(8, 1000, 396, 500), kMaxKvSplits);
+  // Automatic: none once the blocks fill 80% of the slots; else enough to fill them, each split at
+  // least kMinKvTilesPerSplit tiles.
+  EXPECT_EQ(kv_splits(320, 2048, 396, 0), 1);
+  EXPECT_EQ(kv_splits(8, 2048, 396, 0), 50);
+  EXPECT_EQ(kv_splits(8, 64, 396, 0), 32);
+  EXPECT_EQ(kv_splits(8, 1, 396, 0), 1);
+  EXPECT_EQ(kv_splits(1, 100000, 396, 0), kMaxKvSplits);
+}
+
+TEST(KvcacheSelect, PlanShapesAndWorkspace) {
+  const DeviceCaps h200 = dev(9, 0);
+  // Decoding, GQA 32/8: 4 (row, head) pairs per kv head: the 16-row CTA; B = 1 at 8k keys: split.
+  auto r = select_kvcache(kv_call(DType::BFloat16, 1, 1, 32, 8, 8192, 128), h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.kw, 4);
+  EXPECT_EQ(r.plan.dp, 128);
+  EXPECT_EQ(r.plan.h, Half16::BF16);
+  EXPECT_GT(r.plan.splits, 8);
+  EXPECT_GE(r.plan.o_part, 0);
+  EXPECT_GT(r.plan.lse_part, r.plan.o_part);
+  EXPECT_EQ(r.plan.q_rot, -1);
+  EXPECT_GE(r.plan.workspace, static_cast<size_t>(r.plan.splits) * 32 * (128 * 4 + 4));
+  // Batch 64: the blocks fill the device, no split, no partials.
+  r = select_kvcache(kv_call(DType::Float16, 64, 1, 32, 8, 8192, 128), h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.splits, 1);
+  EXPECT_EQ(r.plan.o_part, -1);
+  // 17 or more (row, head) pairs per kv head: 64-row CTAs.
+  r = select_kvcache(kv_call(DType::BFloat16, 2, 5, 8, 2, 500, 64), h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.kw, 1);
+  // The caller's num_splits.
+  KvcacheParams k = kv_call(DType::BFloat16, 1, 1, 32, 8, 8192, 128);
+  k.num_splits = 1;
+  EXPECT_EQ(select_kvcache(k, h200).plan.splits, 1);
+  k.num_splits = 7;
+  EXPECT_EQ(select_kvcache(k, h200).plan.splits, 7);
+  // A rotary embedding: the rotated q in the workspace, 16-byte rows.
+  k.rotary.cos = k.rotary.sin = k.fwd.q.ptr;
+  k.rotary.rotary_dim = 64;
+  r = select_kvcache(k, h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_GE(r.plan.q_rot, 0);
+  EXPECT_EQ(r.plan.q_rot % 16, 0);
+  EXPECT_EQ(r.plan.q_rot_ld, 128);
+  // Head dim 40 pads to 64; a misaligned row stride loses the vectors.
+  k = kv_call(DType::BFloat16, 2, 1, 4, 4, 300, 40);
+  r = select_kvcache(k, h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.dp, 64);
+  EXPECT_TRUE(r.plan.vec16);
+  k.fwd.k.ss = 4 * 40 + 2;
+  EXPECT_FALSE(select_kvcache(k, h200).plan.vec16);
+}
+
+TEST(KvcacheSelect, Refusals) {
+  auto r = select_kvcache(kv_call(DType::Float32, 1, 1, 8, 8, 100, 64), dev(9, 0));
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.why.find("float32"), std::string::npos) << r.why;
+  r = select_kvcache(kv_call(DType::BFloat16, 1, 1, 8, 8, 100, 64), dev(7, 5));
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.why.find("sm_80"), std::string::npos) << r.why;
+  r = select_kvcache(kv_call(DType::BFloat16, 1, 1, 8, 8, 100, 300), dev(9, 0));
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.why.find("head_dim"), std::string::npos) << r.why;
+}
+
 }  // namespace
 }  // namespace flashattn::cuda

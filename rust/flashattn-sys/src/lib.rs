@@ -162,8 +162,9 @@ pub struct flashattn_kvcache {
     pub rotary_sin: *const flashattn_tensor,
     /// Nonzero: GPT-J pairs (2i, 2i + 1); 0: GPT-NeoX halves (i, i + rotary_dim / 2).
     pub rotary_interleaved: i32,
-    /// Unused, must be 0.
-    pub reserved0: i32,
+    /// Split-KV CTAs along the cache on CUDA (0: the library's choice, 1: none, up to 128);
+    /// ignored by the CPU backend. (Was `reserved0`, which had to be 0.)
+    pub num_splits: i32,
 }
 
 extern "C" {

@@ -136,7 +136,7 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_kvcache, rotary_cos));
     m.extend(field!(flashattn_kvcache, rotary_sin));
     m.extend(field!(flashattn_kvcache, rotary_interleaved));
-    m.extend(field!(flashattn_kvcache, reserved0));
+    m.extend(field!(flashattn_kvcache, num_splits));
     m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 

@@ -62,7 +62,7 @@ int main(void) {
   FIELD(flashattn_kvcache, rotary_cos);
   FIELD(flashattn_kvcache, rotary_sin);
   FIELD(flashattn_kvcache, rotary_interleaved);
-  FIELD(flashattn_kvcache, reserved0);
+  FIELD(flashattn_kvcache, num_splits);
 
   SIZE(int);
 

@@ -298,7 +298,8 @@ impl RawKvCache {
             rotary_sin: ptr(self.rotary.as_ref().map(|r| &r.sin)),
             // flashattn_kvcache_init's default is 1 (interleaved); without tables it is unread.
             rotary_interleaved: i32::from(self.rotary.map_or(true, |r| r.interleaved)),
-            reserved0: 0,
+            // The library's split-KV choice (the CPU backend, this crate's, has none).
+            num_splits: 0,
         }
     }
 }
@@ -331,7 +332,7 @@ mod tests {
         ] {
             assert!(p.is_null());
         }
-        assert_eq!((r.rotary_interleaved, r.reserved0), (1, 0));
+        assert_eq!((r.rotary_interleaved, r.num_splits), (1, 0));
         let (ck, cv) = c.caches();
         assert_eq!(ck.data as *const f32, kc.as_ptr());
         assert_eq!(cv.data as *const f32, vc.as_ptr());

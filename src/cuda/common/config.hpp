@@ -195,6 +195,17 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes16(Pass pass, int dp, bool big, bool a
   return 0;
 }
 
+// The KV-cache attention kernel (sm80/decode16.cuh): 128 threads, 64-key tiles in two cp.async
+// stages; KW warps share each key tile (KW = 4: 16 (row, head) pairs per CTA; KW = 1: 64).
+struct DecodeShape {
+  static constexpr int kThreads = 128, kWarps = 4, kBlockN = 64;
+  FLASHATTN_CUDA_HD static constexpr int block_m(int kw) { return 16 * (kWarps / kw); }
+};
+// Its dynamic shared memory: the Q tile, two stages of K and V tiles, the warps' row statistics.
+FLASHATTN_CUDA_HD constexpr int decode_smem_bytes(int dp, int kw) {
+  return DecodeShape::block_m(kw) * dp * 2 + 4 * DecodeShape::kBlockN * dp * 2 + 2 * DecodeShape::kWarps * 16 * 4;
+}
+
 constexpr bool tiles16_fit() {
   for (Pass p : {Pass::Forward, Pass::Dq, Pass::Dkv})
     for (int d : kHeadDims16)

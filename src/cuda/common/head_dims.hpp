@@ -6,6 +6,7 @@ namespace flashattn::cuda {
 
 inline constexpr int kHeadDims[] = {64, 128, 256};  // forward
 inline constexpr int kHeadDims16[] = {64, 96, 128, 256};  // forward16
+inline constexpr int kDecodeHeadDims16[] = {64, 96, 128, 256};  // decode16
 inline constexpr int kSm90Forward16[] = {64, 128, 256};  // forward_sm90
 inline constexpr int kSm90Dkv16[] = {64, 128, 256};  // dkv_sm90
 inline constexpr int kSm90Tf32Forward[] = {64, 128};  // forward_tf32_sm90

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "core/backend.hpp"
 #include "cuda/common/config.hpp"
@@ -388,6 +389,69 @@ void backward(const BackwardParams& p) {
 }
 
 
+// A KV-cache call: the index arrays to the device (one copy), the append and rotated q, the
+// attention over the caches, the merge of its splits.
+void forward_kvcache(const KvcacheParams& kp) {
+  const ForwardParams& p = kp.fwd;
+  DeviceGuard guard(p.exec.device);
+  const KvcachePlan plan = unwrap(select_kvcache(kp, device_caps(p.exec.device)));
+  auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  const Shape& s = p.shape;
+  const KvMap& m = p.kv;
+  std::vector<int32_t> idx;
+  idx.reserve(plan.idx_ints);
+  auto put = [&](const int32_t* a, int64_t n) -> size_t {
+    const size_t at = idx.size();
+    idx.insert(idx.end(), a, a + n);
+    return at;
+  };
+  const size_t at_sk = put(m.seqlen_k, s.batch), at_first = put(kp.first_new, s.batch), at_pos = put(kp.pos0, s.batch);
+  const size_t at_row = m.batch_row ? put(m.batch_row, s.batch) : 0, at_start = m.start ? put(m.start, s.batch) : 0;
+  const size_t at_table = m.block_table ? put(m.block_table, s.batch * m.bt_stride) : 0;
+  Workspace ws(plan.workspace, stream);
+  char* base = reinterpret_cast<char*>(ws.get());
+  auto* dev_idx = reinterpret_cast<int32_t*>(base);
+  FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dev_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  KvMap dm = m;
+  dm.seqlen_k = dev_idx + at_sk;
+  dm.batch_row = m.batch_row ? dev_idx + at_row : nullptr;
+  dm.start = m.start ? dev_idx + at_start : nullptr;
+  dm.block_table = m.block_table ? dev_idx + at_table : nullptr;
+
+  KvPrepArgs prep{};
+  prep.kp = kp;
+  prep.kv = dm;
+  prep.first_new = dev_idx + at_first;
+  prep.pos0 = dev_idx + at_pos;
+  prep.q_rot = plan.q_rot >= 0 ? reinterpret_cast<uint16_t*>(base + plan.q_rot) : nullptr;
+  prep.q_rot_ld = plan.q_rot_ld;
+  launch_kv_prepare(prep, stream);
+
+  DecodeArgs a{};
+  a.p = p;
+  a.p.kv = dm;
+  if (prep.q_rot != nullptr)
+    a.p.q = In4{prep.q_rot, s.heads_q * s.seq_q * plan.q_rot_ld, s.seq_q * plan.q_rot_ld, plan.q_rot_ld};
+  a.score = ScoreTransform::make(s, p.num);
+  a.vec16 = plan.vec16;
+  a.splits = plan.splits;
+  a.o_part = plan.o_part >= 0 ? reinterpret_cast<float*>(base + plan.o_part) : nullptr;
+  a.lse_part = plan.lse_part >= 0 ? reinterpret_cast<float*>(base + plan.lse_part) : nullptr;
+  a.part_rows = s.batch * s.heads_q * s.seq_q;
+  a.dp = plan.dp;
+  dispatch_dim<kDecodeHeadDims16>(plan.dp, [&](auto dp) {
+    dispatch_half(plan.h, [&](auto h) {
+      dispatch_xf(plan.xf, [&](auto xf) {
+        if (plan.kw == 4)
+          launch_decode16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value, 4>(a, stream);
+        else
+          launch_decode16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value, 1>(a, stream);
+      });
+    });
+  });
+  if (plan.splits > 1) launch_kv_combine(a, stream);
+}
+
 std::string describe() {
   std::ostringstream os;
   int n = 0;
@@ -407,7 +471,8 @@ std::string describe() {
         "D = 64/128/256, float32 forward and backward at D = 64/128); deterministic = 1 takes the split "
         "backward; softcap / ALiBi on the mma.sync kernels and the 16-bit sm_90 kernels (float32 on "
         "mma.sync only); packed variable-length batches on the mma.sync kernels and the 16-bit sm_90 kernels "
-        "(per-sequence tensor maps; float32 on mma.sync only)";
+        "(per-sequence tensor maps; float32 on mma.sync only); KV-cache attention (append, rotary, paged "
+        "caches, split-KV) in float16/bfloat16";
   if (overrides_enabled()) os << "; kernel-selection overrides FLASHATTN_CUDA_* enabled (developer build)";
   return os.str();
 }

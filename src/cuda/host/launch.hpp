@@ -56,6 +56,33 @@ struct BwdArgs {
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 
+// The KV-cache attention kernel (sm80/decode16.cuh): p.kv's arrays and p.q (the rotated copy
+// when there is a rotary embedding) are device memory of the call. splits > 1: CTA (row block,
+// split) writes its rows' normalised partial O (float32, dp columns) and LSE at row
+// split * part_rows + (b Hq + h) Sq + i of o_part / lse_part, and launch_kv_combine merges them.
+struct DecodeArgs {
+  ForwardParams p;
+  ScoreTransform score;  // diag is set per sequence (seqlen_k[b] - Sq)
+  bool vec16;            // q, out and both caches: 16-byte rows
+  int splits;
+  float* o_part;
+  float* lse_part;
+  int64_t part_rows;     // B Hq Sq
+  int dp;                // the kernel's padded head dim (o_part's row length)
+};
+// What precedes a KV-cache attention on CUDA (common/kvcache.cu): the append of k_new / v_new into
+// the caches at relative rows first_new[b] + j (keys rotated at position pos0[b] + j), and the
+// rotated copy of q into q_rot ([B, Hq, Sq, q_rot_ld] contiguous; nullptr: no rotary). The arrays
+// are device copies of KvcacheParams' host ones; kv is the call's map with device arrays.
+struct KvPrepArgs {
+  KvcacheParams kp;
+  KvMap kv;
+  const int32_t* first_new;
+  const int32_t* pos0;
+  uint16_t* q_rot;
+  int64_t q_rot_ld;
+};
+
 // The arguments of sequence b of a packed call (at_sequence, core/params.hpp): also ALiBi's
 // diagonal (Skv - Sq of the sequence) and, in the backward, the per-row workspaces from its
 // first row (dp floats per dQ accumulator row). A dense call's arguments are returned as they are.
@@ -153,5 +180,15 @@ struct OperandJobs {
   int head_dim;
 };
 void launch_tf32_operands_narrow(const OperandJobs& jobs, int dp, int ctas, cudaStream_t stream);
+
+// KV-cache calls (float16/bfloat16): the attention over the caches (sm80/decode16.cuh; KW = 4:
+// 16 (row, head) pairs per CTA, the warps splitting each key tile; KW = 1: 64 per CTA), instantiated
+// per DP in inst/decode16_d*.cu and, with XF, inst/decode16_xf_d*.cu.
+template <int DP, Half16 H, bool XF, int KW>
+void launch_decode16(const DecodeArgs& a, cudaStream_t stream);
+// The append and the rotated q (KvPrepArgs); the split-KV merge of DecodeArgs' partials into out and
+// lse (common/kvcache.cu).
+void launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream);
+void launch_kv_combine(const DecodeArgs& a, cudaStream_t stream);
 
 }  // namespace flashattn::cuda

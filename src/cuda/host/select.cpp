@@ -328,4 +328,76 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   return r;
 }
 
+
+int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested) {
+  const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(tiles, kMaxKvSplits));
+  if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
+  if (blocks * 5 >= slots * 4) return 1;
+  const int64_t want = (slots + blocks - 1) / std::max<int64_t>(1, blocks);
+  return static_cast<int>(std::min({want, std::max<int64_t>(1, tiles / kMinKvTilesPerSplit), cap}));
+}
+
+// KV-cache calls: float16/bfloat16 only (a float32 cache runs on the CPU backend), every head dim
+// the 16-bit kernels pad to. Decoding (at most 16 (query row, head) pairs per kv head) takes the
+// CTA shape whose warps split each key tile; more rows take 64 per CTA.
+Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& dev) {
+  Selected<KvcachePlan> r;
+  KvcachePlan& k = r.plan;
+  const ForwardParams& p = kp.fwd;
+  const Shape& s = p.shape;
+  if (p.num.dtype != DType::Float16 && p.num.dtype != DType::BFloat16) {
+    r.why = std::string("q.dtype = ") + dtype_name(p.num.dtype) +
+            ": KV-cache attention on CUDA takes float16 or bfloat16 (a float32 cache runs on the CPU)";
+    return r;
+  }
+  if (!(r.why = dtype_limits(p.num.dtype, dev)).empty()) return r;
+  k.dp = padded_head_dim16(s.head_dim);
+  if (!(r.why = common_limits(s, k.dp)).empty()) return r;
+  if (s.heads_kv > 65535) {
+    r.why = "heads_kv = " + std::to_string(s.heads_kv) + ": the CUDA grid allows at most 65535";
+    return r;
+  }
+  k.h = p.num.dtype == DType::BFloat16 ? Half16::BF16 : Half16::F16;
+  k.xf = p.num.elementwise_scores();
+  const int64_t rows = s.seq_q * s.group();
+  k.kw = rows <= DecodeShape::block_m(4) ? 4 : 1;
+  k.smem = decode_smem_bytes(k.dp, k.kw);
+  if (!(r.why = smem_limit(s, k.smem, dev)).empty()) return r;
+  const bool rotary = kp.rotary.cos != nullptr;
+  k.q_rot_ld = round8(s.head_dim);
+  // 16-byte rows: the rotated q's ld is a multiple of 8 elements; a paged cache's page stride is
+  // its sb.
+  k.vec16 = (rotary || vec_ok(p.q, 8)) && vec_ok(p.out, 8) && vec_ok(p.k, 8) && vec_ok(p.v, 8);
+  const int64_t blocks = s.batch * s.heads_kv * ((rows + DecodeShape::block_m(k.kw) - 1) / DecodeShape::block_m(k.kw));
+  const int64_t tiles = (s.seq_kv + DecodeShape::kBlockN - 1) / DecodeShape::kBlockN;
+  // CTA slots: by shared memory (the per-SM pool is 1 KB larger than a block's opt-in limit and
+  // each block reserves 1 KB), at most 16 CTAs of 128 threads.
+  const int64_t per_sm = std::max(1, std::min(16, (dev.smem_optin + 1024) / (k.smem + 1024)));
+  k.splits = kv_splits(blocks, tiles, per_sm * std::max(1, dev.sms), kp.num_splits);
+  if ((blocks * k.splits + s.batch * s.heads_kv - 1) / (s.batch * s.heads_kv) > 0x7fffffff) {
+    r.why = "too many query rows for the CUDA grid";
+    return r;
+  }
+  // Workspace: the index arrays, then (16-byte aligned) the rotated q, then the partials.
+  const KvMap& m = p.kv;
+  k.idx_ints = static_cast<size_t>(s.batch) * (3 + (m.batch_row ? 1 : 0) + (m.start ? 1 : 0)) +
+               (m.block_table ? static_cast<size_t>(s.batch * m.bt_stride) : 0);
+  auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };
+  size_t at = align16(k.idx_ints * 4);
+  if (rotary) {
+    k.q_rot = static_cast<int64_t>(at);
+    at = align16(at + static_cast<size_t>(s.batch * s.heads_q * s.seq_q * k.q_rot_ld) * 2);
+  }
+  if (k.splits > 1) {
+    const size_t prow = static_cast<size_t>(s.batch * s.heads_q * s.seq_q) * k.splits;
+    k.o_part = static_cast<int64_t>(at);
+    at = align16(at + prow * k.dp * 4);
+    k.lse_part = static_cast<int64_t>(at);
+    at = align16(at + prow * 4);
+  }
+  k.workspace = at;
+  r.ok = true;
+  return r;
+}
+
 }  // namespace flashattn::cuda

@@ -89,6 +89,35 @@ struct BackwardPlan {
   bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
 };
 
+// ---- KV-cache calls ---------------------------------------------------------------------------------
+// The decode kernel (sm80/decode16.cuh) for a flashattn_forward_kvcache call, and its workspace:
+// the device copies of the call's index arrays (idx_ints int32: seqlen_k, first_new, pos0, then
+// batch_row, start and the dense block table where the call has them), the rotated q, the
+// split-KV partials.
+struct KvcachePlan {
+  int dp = 0;
+  Half16 h = Half16::BF16;
+  bool xf = false;
+  int kw = 4;          // DecodeShape: 4 (16 rows per CTA, warps split the keys) or 1 (64 rows)
+  int splits = 1;      // CTAs per row block along the keys (> 1: partials and a combine pass)
+  bool vec16 = false;
+  int smem = 0;
+  size_t workspace = 0;
+  size_t idx_ints = 0;        // at offset 0
+  int64_t q_rot = -1;         // byte offset of the rotated q ([B, Hq, Sq, q_rot_ld] 16-bit), -1: none
+  int64_t q_rot_ld = 0;
+  int64_t o_part = -1;        // byte offsets of the partials (splits > 1)
+  int64_t lse_part = -1;
+};
+// At most this many splits (FlashAttention's bound too), and at least this many key tiles per
+// split when the library chooses.
+constexpr int kMaxKvSplits = 128;
+constexpr int kMinKvTilesPerSplit = 2;
+// The split count: `requested` (the caller's num_splits) when > 0, bounded by the key tiles;
+// otherwise one split while the row blocks fill 80% of the device's CTA slots, else enough splits
+// to fill them, each of at least kMinKvTilesPerSplit tiles.
+int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested);
+
 template <class Plan>
 struct Selected {
   bool ok = false;
@@ -100,6 +129,8 @@ struct Selected {
 // eligibility only (no memory is touched).
 Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& dev, const Overrides& ov);
 Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps& dev, const Overrides& ov);
+
+Selected<KvcachePlan> select_kvcache(const KvcacheParams& p, const DeviceCaps& dev);
 
 // Short names for messages and tests ("sm90-tf32", ...).
 const char* kernel_name(FwdKernel k);

@@ -42,6 +42,14 @@ set(flashattn_cuda_inst
   inst/dkv16_xf_d96.cu
   inst/dkv16_xf_d128.cu
   inst/dkv16_xf_d256.cu
+  inst/decode16_d64.cu
+  inst/decode16_d96.cu
+  inst/decode16_d128.cu
+  inst/decode16_d256.cu
+  inst/decode16_xf_d64.cu
+  inst/decode16_xf_d96.cu
+  inst/decode16_xf_d128.cu
+  inst/decode16_xf_d256.cu
 )
 set(flashattn_cuda_sm90_inst
   inst/forward_sm90_d64.cu

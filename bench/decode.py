@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""KV-cache decoding on a CUDA GPU: flashattn_forward_kvcache against the device's memory
+bandwidth and PyTorch SDPA (every backend that takes the call; the best is the bar) on the same
+contiguous cache, in the same process.
+
+Shapes: one new query token per sequence (Sq = 1), GQA --heads (32/8), head dim --head-dim (128),
+--dtype (bfloat16), cache lengths --cache-lens (4k..128k, every row valid), batch --batches
+(1..64). A decoding step reads the whole cache once: bytes = B * S * Hkv * D * 2 (K and V) *
+element size (q and out are negligible), so its bandwidth is bytes / time.
+The bar is the device copy measured in the same run: torch's copy of a --copy-gib buffer into
+another (read + write: 2 * size / time), the GPU's attainable bandwidth; the issue's target is
+flashattn >= 80% of it. flashattn rows:
+  flashattn        the library's split-KV choice (num_splits = 0)
+  flashattn-nosplit  num_splits = 1 (one CTA per (sequence, kv head)): what the split buys
+  flashattn-append   with a one-token append and rotary embedding (the full decoding step: the
+                   prepare pass, then the attention)
+SDPA gets the same cache as [B, Hkv, S, D] views (no copy) with enable_gqa; sdpa-<backend> rows for
+flash, cuDNN, efficient and math where they run. Each timed in two views (bench/attn_harness):
+kernel (host hidden behind a GPU spin) and host-inclusive (from an idle GPU; flashattn's
+includes reading cache_seqlens on the host for validation). Medians of --reps.
+Outputs: OUT/decode.csv, OUT/decode.md (also printed).
+
+usage: python bench/decode.py --lib build/src/libflashattn.so --out DIR [--quick]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attn_harness as H  # noqa: E402
+from cabi import MASK_NONE, CtypesLib  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--heads", default="32,8", help="Hq,Hkv")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache-lens", default="4096,16384,65536,131072")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose caches exceed this")
+    ap.add_argument("--copy-gib", type=float, default=2.0)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="--reps 10, --warmup 3, fewer shapes")
+    ap.add_argument("--no-sdpa", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.warmup = 10, 3
+        args.cache_lens, args.batches = "4096,32768,131072", "1,16,64"
+    import torch
+    import torch.nn.functional as F
+
+    H.ensure_dir(args.out)
+    lib = CtypesLib(os.path.abspath(args.lib), torch)
+    dtype = getattr(torch, args.dtype)
+    hq, hkv = (int(x) for x in args.heads.split(","))
+    d = args.head_dim
+    es = torch.tensor([], dtype=dtype).element_size()
+    timer = H.Timer(cuda=True)
+    rows = []
+
+    def timed(fn):
+        return H.time_views(fn, args.warmup, args.reps, timer)
+
+    # The bar: a device-to-device copy.
+    n = int(args.copy_gib * 2**30) // 4
+    src, dst = torch.empty(n, device="cuda", dtype=torch.float32), torch.empty(n, device="cuda", dtype=torch.float32)
+    src.fill_(1.0)
+    t = timed(lambda: dst.copy_(src))
+    copy_gbs = 2 * n * 4 / t["kernel"] / 1e6
+    del src, dst
+    print(f"device copy: {copy_gbs:.0f} GB/s ({args.copy_gib} GiB, read + write)", flush=True)
+    rows.append(dict(case=f"copy {args.copy_gib} GiB", impl="device-copy", kernel_ms=t["kernel"], host_ms=t["host"],
+                     gbs_kernel=copy_gbs, gbs_host=2 * n * 4 / t["host"] / 1e6))
+
+    for s in [int(x) for x in args.cache_lens.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            nbytes = 2 * b * s * hkv * d * es
+            if nbytes > args.max_gib * 2**30:
+                continue
+            case = f"B{b} S{s // 1024}k"
+            print(f"== {case} ({nbytes / 2**30:.2f} GiB of cache)", flush=True)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            kc = torch.randn(b, s, hkv, d, device="cuda", dtype=dtype, generator=g)
+            vc = torch.randn(b, s, hkv, d, device="cuda", dtype=dtype, generator=g)
+            q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype, generator=g)
+            out = torch.empty_like(q)
+            lse = torch.empty(b, hq, 1, device="cuda")
+            seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+
+            def record(name, t):
+                rows.append(dict(case=case, impl=name, kernel_ms=t["kernel"], host_ms=t["host"],
+                                 gbs_kernel=nbytes / t["kernel"] / 1e6, gbs_host=nbytes / t["host"] / 1e6))
+
+            opts = (MASK_NONE, 0, False)
+            for name, splits in (("flashattn", 0), ("flashattn-nosplit", 1)):
+                fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": splits}, opts)
+                fn()
+                record(name, timed(fn))
+            ref = out.clone()
+            # The full step: append one token (rotated) at row s - 1, the last, then attend.
+            kn, vn = (torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+            ang = torch.arange(s, device="cuda", dtype=torch.float32)[:, None] * torch.pow(
+                10000.0, -torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)[None]
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+            before = seqlens - 1
+            fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"k_new": kn, "v_new": vn, "cache_seqlens": before,
+                                                                "rotary_cos": cos, "rotary_sin": sin}, opts)
+            fn()
+            record("flashattn-append", timed(fn))
+
+            if not args.no_sdpa:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                sq, sk, sv = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+                for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                                 ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa-math", SDPBackend.MATH)):
+                    if name == "sdpa-math" and nbytes > 2**30:
+                        continue  # (materialises the scores: slow and memory-hungry at long caches)
+                    try:
+                        with sdpa_kernel([be]):
+                            o = F.scaled_dot_product_attention(sq, sk, sv, enable_gqa=True)
+                            torch.cuda.synchronize()
+
+                            def sfwd():
+                                F.scaled_dot_product_attention(sq, sk, sv, enable_gqa=True)
+
+                            record(name, timed(sfwd))
+                        err = (o.transpose(1, 2).float() - ref.float()).abs().max().item()
+                        if err > 0.05:
+                            print(f"   {name}: differs from flashattn by {err:.3g}")
+                    except Exception as e:
+                        print(f"   {name}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                    torch.cuda.synchronize()
+            del kc, vc
+            torch.cuda.empty_cache()
+
+    H.write_csv(os.path.join(args.out, "decode.csv"), rows)
+    lines = [f"# KV-cache decoding, {args.dtype}, Hq/Hkv {hq}/{hkv}, D {d}, Sq 1; GB/s of cache read "
+             f"(device copy {copy_gbs:.0f} GB/s)", "",
+             "| case | impl | kernel us | GB/s kernel | % of copy | GB/s host | best SDPA / this (kernel) |",
+             "|---|---|---|---|---|---|---|"]
+    best = {}
+    for r in rows:
+        if r["impl"].startswith("sdpa"):
+            best[r["case"]] = min(best.get(r["case"], float("inf")), r["kernel_ms"])
+    for r in rows:
+        ratio = best[r["case"]] / r["kernel_ms"] if r["case"] in best else float("nan")
+        lines.append(f"| {r['case']} | {r['impl']} | {1e3 * r['kernel_ms']:.1f} | {r['gbs_kernel']:.0f} | "
+                     f"{100 * r['gbs_kernel'] / copy_gbs:.0f}% | {r['gbs_host']:.0f} | {ratio:.2f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "decode.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

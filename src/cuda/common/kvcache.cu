@@ -1,0 +1,144 @@
+// The small memory-bound passes around the KV-cache attention on CUDA (float16/bfloat16):
+// before it, the append of the new keys and values into the caches (keys rotated) and the rotated
+// copy of q; after it, when the key range was split over several CTAs, the merge of their partial
+// results by their LSEs. One warp per row throughout: rows are head_dim elements, a few hundred
+// bytes, and there are few of them (B * S_new * Hkv, B * Sq * Hq).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/host/check.hpp"
+#include "cuda/host/launch.hpp"
+
+namespace flashattn::cuda {
+namespace dev {
+
+template <Half16 H>
+__device__ __forceinline__ float half_to_float(uint16_t x) {
+  if constexpr (H == Half16::BF16) return __bfloat162float(__ushort_as_bfloat16(x));
+  else return __half2float(__ushort_as_half(x));
+}
+template <Half16 H>
+__device__ __forceinline__ uint16_t float_to_half(float x) {
+  if constexpr (H == Half16::BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  else return __half_as_ushort(__float2half_rn(x));
+}
+
+// dst[0, D) = src[0, D) rotated at position pos (dims >= rotary_dim copied bit for bit), by the
+// warp's lanes. The products round as the CPU's do (no fused multiply-add): the same cache bits.
+template <Half16 H>
+__device__ void rotate_row(const KvRotary& r, int64_t pos, const uint16_t* src, uint16_t* dst, int64_t D) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t rd = r.cos != nullptr ? r.rotary_dim : 0, half = r.rotary_dim / 2;
+  const auto* cs = static_cast<const uint16_t*>(r.cos);
+  const auto* sn = static_cast<const uint16_t*>(r.sin);
+  for (int64_t i = lane; i < rd / 2; i += 32) {
+    const float c = half_to_float<H>(cs[pos * r.cos_ss + i]), s = half_to_float<H>(sn[pos * r.sin_ss + i]);
+    const int64_t i0 = r.interleaved ? 2 * i : i, i1 = r.interleaved ? 2 * i + 1 : i + half;
+    const float x0 = half_to_float<H>(src[i0]), x1 = half_to_float<H>(src[i1]);
+    dst[i0] = float_to_half<H>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+    dst[i1] = float_to_half<H>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+  }
+  for (int64_t d = rd + lane; d < D; d += 32) dst[d] = src[d];
+}
+
+// Warp w of the grid: rows [0, B S_new Hkv) append (key and value row), then [.., + B Sq Hq) the
+// rotated q rows (q_rot only).
+template <Half16 H>
+__global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
+  const KvcacheParams& kp = a.kp;
+  const Shape& sh = kp.fwd.shape;
+  const int64_t D = sh.head_dim;
+  int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t appends = sh.batch * kp.s_new * sh.heads_kv;
+  if (w < appends) {
+    const int64_t hk = w % sh.heads_kv, j = w / sh.heads_kv % kp.s_new, b = w / (sh.heads_kv * kp.s_new);
+    const int64_t row = a.first_new[b] + j;
+    const auto* kn = static_cast<const uint16_t*>(kp.k_new.ptr) + b * kp.k_new.sb + hk * kp.k_new.sh + j * kp.k_new.ss;
+    const auto* vn = static_cast<const uint16_t*>(kp.v_new.ptr) + b * kp.v_new.sb + hk * kp.v_new.sh + j * kp.v_new.ss;
+    auto* kc = static_cast<uint16_t*>(kp.k_cache.ptr) + kv_offset(a.kv, kp.k_cache, b, hk, row);
+    auto* vc = static_cast<uint16_t*>(kp.v_cache.ptr) + kv_offset(a.kv, kp.v_cache, b, hk, row);
+    rotate_row<H>(kp.rotary, a.pos0[b] + j, kn, kc, D);
+    KvRotary none = kp.rotary;
+    none.cos = nullptr;
+    rotate_row<H>(none, 0, vn, vc, D);
+    return;
+  }
+  w -= appends;
+  if (a.q_rot == nullptr || w >= sh.batch * sh.seq_q * sh.heads_q) return;
+  const int64_t h = w % sh.heads_q, i = w / sh.heads_q % sh.seq_q, b = w / (sh.heads_q * sh.seq_q);
+  const In4& q = kp.fwd.q;
+  const auto* src = static_cast<const uint16_t*>(q.ptr) + b * q.sb + h * q.sh + i * q.ss;
+  rotate_row<H>(kp.rotary, a.pos0[b] + (kp.rotary.q_advances ? i : 0), src,
+                a.q_rot + ((b * sh.heads_q + h) * sh.seq_q + i) * a.q_rot_ld, D);
+}
+
+// One warp per output row (b, h, i): LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s,
+// the splits in order (deterministic). NaN in any split's LSE makes the row's LSE and O NaN; a row
+// the band gives no key gets O = 0, LSE = -inf (as the single-pass kernel).
+template <Half16 H>
+__global__ void kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
+  const int dp = a.dp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= a.part_rows) return;
+  const ForwardParams& p = a.p;
+  const int64_t Sq = p.shape.seq_q, Hq = p.shape.heads_q, D = p.shape.head_dim;
+  const int64_t i = row % Sq, h = row / Sq % Hq, b = row / (Sq * Hq);
+  const int64_t Skv = p.kv.seqlen_k[b];
+  const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
+  const bool sees = i >= rule.live_rows_begin(Sq) && i < rule.live_rows_end(Sq, Skv);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  float m = -INFINITY;
+  for (int s = 0; s < a.splits; ++s) m = fmaxf(m, a.lse_part[s * a.part_rows + row]);
+  const float m_use = m == -INFINITY ? 0.0f : m;
+  float sum = 0.0f;
+  for (int s = 0; s < a.splits; ++s) sum += expf(a.lse_part[s * a.part_rows + row] - m_use);
+  const float lse = sees ? m_use + logf(sum) : -INFINITY;
+  constexpr int kMaxPerLane = 8;  // head dims up to 256
+  float acc[kMaxPerLane] = {};
+  if (sees) {
+    for (int s = 0; s < a.splits; ++s) {
+      const float wgt = expf(a.lse_part[s * a.part_rows + row] - lse);
+      const float* o = a.o_part + (s * a.part_rows + row) * dp;
+#pragma unroll
+      for (int k = 0; k < kMaxPerLane; ++k)
+        if (lane + 32 * k < D) acc[k] += wgt * o[lane + 32 * k];
+    }
+  }
+  auto* out = static_cast<uint16_t*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.ss;
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k)
+    if (lane + 32 * k < D) out[lane + 32 * k] = float_to_half<H>(acc[k]);
+  if (lane == 0) p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss] = lse;
+}
+
+}  // namespace dev
+
+namespace {
+constexpr int kRowsPerBlock = 4;  // warps of 32 threads, a row each
+template <class F>
+void with_half(DType t, F&& f) {
+  if (t == DType::BFloat16) f(std::integral_constant<Half16, Half16::BF16>{});
+  else f(std::integral_constant<Half16, Half16::F16>{});
+}
+}  // namespace
+
+void launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream) {
+  const Shape& s = a.kp.fwd.shape;
+  const int64_t rows = s.batch * a.kp.s_new * s.heads_kv + (a.q_rot != nullptr ? s.batch * s.seq_q * s.heads_q : 0);
+  if (rows == 0) return;
+  with_half(a.kp.fwd.num.dtype, [&](auto h) {
+    launch_checked(dev::kv_prepare_kernel<decltype(h)::value>, dim3(grid_blocks(rows, kRowsPerBlock)),
+                   32 * kRowsPerBlock, 0, stream, a, "KV-cache append / rotary kernel launch");
+  });
+}
+
+void launch_kv_combine(const DecodeArgs& a, cudaStream_t stream) {
+  with_half(a.p.num.dtype, [&](auto h) {
+    launch_checked(dev::kv_combine_kernel<decltype(h)::value>, dim3(grid_blocks(a.part_rows, kRowsPerBlock)),
+                   32 * kRowsPerBlock, 0, stream, a, "KV-cache split combine kernel launch");
+  });
+}
+
+}  // namespace flashattn::cuda

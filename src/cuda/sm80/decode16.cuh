@@ -1,0 +1,268 @@
+// The KV-cache attention kernel (flashattn_forward_kvcache on CUDA, float16/bfloat16): a forward
+// over each sequence's cached keys, read through the call's row map (KvMap, core/params.hpp:
+// contiguous caches with a batch row and a left pad, or pages of a block table), with the key
+// range optionally split over several CTAs ("flash-decoding": split-KV, combined by their LSEs in
+// common/kvcache.cu). docs/ALGORITHM.md ("CUDA KV-cache attention") has the pseudocode.
+//
+// Decoding has few query rows (Sq = 1 or a few draft tokens) per kv head, so the CTA's rows are
+// the (query row, query head) pairs of one kv head: row R of the CTA's kv head is query row R / G
+// of query head hk * G + R % G (G = Hq / Hkv), which makes the G heads of a GQA group share every
+// K/V tile they read. Built from the 16-bit kernels' pieces (mma16.cuh: swizzled tiles, cp.async,
+// ldmatrix, mma.sync products; device.cuh: online softmax, masks; work.hpp: the band's tiles).
+// Two shapes of the same template:
+//   KW = 4: 16 rows per CTA, the four warps split each 64-key tile (16 keys each) and merge their
+//           softmax states at the end - decoding, where one m16 tile holds every row;
+//   KW = 1: 64 rows per CTA, each warp 16 of them over the whole tile - more query rows
+//           (speculative decoding, chunked prefill against a cache).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/common/config.hpp"
+#include "cuda/common/device.cuh"
+#include "cuda/common/mma16.cuh"
+#include "cuda/host/launch.hpp"
+
+namespace flashattn::cuda::dev {
+
+// Loads ROWS x COLS of 16-bit rows whose addresses row_ptr(r) gives (r < rows; any order in
+// memory: gathered query heads, the pages of a cache) into a swizzled tile, zero-filling rows
+// >= rows and columns >= cols. vec16: every row 16-byte aligned, asynchronous 16-byte copies;
+// otherwise 2-byte loads and shared stores. (The dense loader, load_tile16_as, keeps its
+// straight-line address arithmetic: the sm_80 kernels sit at the register limit.)
+// `any` is some valid global address (the operand's base): the source of the zero-byte copies.
+template <class L, int THREADS, class RowPtr>
+__device__ __forceinline__ void load_rows16(unsigned char* smem, RowPtr&& row_ptr, const void* any, int rows, int cols,
+                                            bool vec16) {
+  constexpr int N = L::kRows * L::kChunks;
+  const uint32_t base = smem_addr(smem);
+  for (int idx = static_cast<int>(threadIdx.x); idx < N; idx += THREADS) {
+    const int r = idx / L::kChunks, c = idx % L::kChunks, col = c * 8;
+    if (vec16) {
+      int bytes = r < rows ? (cols - col) * 2 : 0;
+      bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+      cp_async16_s(base + L::offset(r, c), bytes ? static_cast<const void*>(row_ptr(r) + col) : any, bytes);
+    } else {
+      uint16_t v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (r < rows) {
+        const uint16_t* g = row_ptr(r);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (col + e < cols) v[e] = g[col + e];
+      }
+      uint4 w;
+      w.x = v[0] | (uint32_t(v[1]) << 16);
+      w.y = v[2] | (uint32_t(v[3]) << 16);
+      w.z = v[4] | (uint32_t(v[5]) << 16);
+      w.w = v[6] | (uint32_t(v[7]) << 16);
+      *reinterpret_cast<uint4*>(smem + L::offset(r, c)) = w;
+    }
+  }
+}
+
+// Row s (relative to the sequence's first valid row) of one kv head's cache, K or V.
+struct CacheRows {
+  const uint16_t* base;  // contiguous: the sequence's row 0; paged: the head's offset in page 0
+  int64_t ss;            // row stride (elements)
+  const int32_t* table;  // the sequence's block-table row (nullptr: contiguous)
+  int64_t page;          // page stride (elements)
+  int32_t block;         // rows per page
+  __device__ __forceinline__ const uint16_t* row(int64_t s) const {
+    if (table == nullptr) return base + s * ss;
+    const int32_t si = static_cast<int32_t>(s);  // < 2^31: cache positions are int32
+    return base + table[si / block] * page + (si % block) * ss;
+  }
+};
+__device__ __forceinline__ CacheRows cache_rows(const KvMap& m, const In4& t, int64_t b, int64_t hk) {
+  CacheRows c;
+  c.ss = t.ss;
+  c.page = t.sb;
+  c.block = static_cast<int32_t>(m.block_size);
+  if (m.block_table != nullptr) {
+    c.base = static_cast<const uint16_t*>(t.ptr) + hk * t.sh;
+    c.table = m.block_table + b * m.bt_stride;
+  } else {
+    const int64_t brow = m.batch_row != nullptr ? m.batch_row[b] : b;
+    const int64_t s0 = m.start != nullptr ? m.start[b] : 0;
+    c.base = static_cast<const uint16_t*>(t.ptr) + brow * t.sb + hk * t.sh + s0 * t.ss;
+    c.table = nullptr;
+  }
+  return c;
+}
+
+template <int DP, Half16 H, bool XF, int KW>
+__global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const __grid_constant__ DecodeArgs a) {
+  constexpr int T = DecodeShape::kThreads, W = DecodeShape::kWarps, BN = DecodeShape::kBlockN;
+  constexpr int BM = DecodeShape::block_m(KW), KN = BN / KW, NSW = KN / 8, NO = DP / 8;
+  static_assert(NSW % 2 == 0, "each warp's key slice is a whole number of k16 steps");
+  using TQ = Tile<BM, DP>;
+  using TK = Tile<BN, DP>;
+  extern __shared__ float4 smem4[];
+  unsigned char* sQ = reinterpret_cast<unsigned char*>(smem4);
+  unsigned char* sK = sQ + TQ::kBytes;      // [2][BN x DP]
+  unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
+  float* s_m = reinterpret_cast<float*>(sV + 2 * TK::kBytes);  // [KW][BM] row max (log2 units)
+  float* s_l = s_m + W * 16;                                    // [KW][BM] row sum
+
+  const ForwardParams& p = a.p;
+  const int64_t b = blockIdx.z, hk = blockIdx.y;
+  const int split = static_cast<int>(blockIdx.x % a.splits);
+  const int64_t R0 = static_cast<int64_t>(blockIdx.x / a.splits) * BM;
+  const int64_t G = p.shape.heads_q / p.shape.heads_kv, Sq = p.shape.seq_q, Skv = p.kv.seqlen_k[b];
+  const int D = static_cast<int>(p.shape.head_dim);
+  const int rows = static_cast<int>(Sq * G - R0 < BM ? Sq * G - R0 : BM);
+  const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
+  // The query rows of this CTA and the key tiles they see, then this split's share of them.
+  const int64_t i_first = R0 / G, i_last = (R0 + rows - 1) / G;
+  const TileRange all = key_tiles(rule, i_first, static_cast<int>(i_last - i_first + 1), Skv, BN);
+  const int per = (all.count + a.splits - 1) / a.splits;
+  const int t_begin = all.begin + split * per;
+  const int t_end = t_begin + per < all.begin + all.count ? t_begin + per : all.begin + all.count;
+
+  const CacheRows kr = cache_rows(p.kv, p.k, b, hk), vr = cache_rows(p.kv, p.v, b, hk);
+  auto load_kv = [&](int tile, int stage) {
+    const int64_t n0 = static_cast<int64_t>(tile) * BN;
+    const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);
+    load_rows16<TK, T>(sK + stage * TK::kBytes, [&](int r) { return kr.row(n0 + r); }, p.k.ptr, n, D, a.vec16);
+    load_rows16<TK, T>(sV + stage * TK::kBytes, [&](int r) { return vr.row(n0 + r); }, p.v.ptr, n, D, a.vec16);
+  };
+  load_rows16<TQ, T>(
+      sQ,
+      [&](int r) {
+        const int64_t R = R0 + r;
+        return static_cast<const uint16_t*>(p.q.ptr) + b * p.q.sb + (hk * G + R % G) * p.q.sh + (R / G) * p.q.ss;
+      },
+      p.q.ptr, rows, D, a.vec16);
+  cp_async_commit();
+  if (t_begin < t_end) load_kv(t_begin, t_begin & 1);
+  cp_async_commit();
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+  const int kw = warp % KW, rw = warp / KW;
+  // The lane's two rows (g and g + 8 of the warp's m16 tile): query row and head; rows past the
+  // CTA's get query row Sq, which keep() hides everything from.
+  int64_t qi[2];
+  ScoreTransform sc = a.score;
+  sc.diag = Skv - Sq;
+  ScoreTransform::Head hd[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t R = R0 + rw * 16 + (lane >> 2) + 8 * r;
+    const bool in = R < R0 + rows;
+    qi[r] = in ? R / G : Sq;
+    if constexpr (XF) hd[r] = sc.head(b, hk * G + (in ? R % G : 0));
+  }
+  float o[1][NO][4];
+  zero(o);
+  SoftmaxState st;
+
+  for (int t = t_begin; t < t_end; ++t) {
+    pipeline_acquire<2>(t, t_end, load_kv);
+    const int stage = t & 1;
+    const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
+    float s[1][NSW][4];
+    zero(s);
+    gemm_ss<H, 1, NSW, DP, TQ, TK>(s, smem_addr(sQ), rw * 16, kst, kw * KN);
+    const int64_t n0 = static_cast<int64_t>(t) * BN, c0 = n0 + kw * KN;
+    if constexpr (XF) {
+      for_each_entry<NSW>([&](int j, int e, int r, int c) {
+        s[0][j][e] = hd[r >> 3].template logit2_at<true>(s[0][j][e], qi[r >> 3], c0 + c);
+      });
+    } else {
+      scale_scores(s[0], sc);
+    }
+    if (n0 + BN > Skv || !rule.tile_inside(i_first, i_last + 1, n0, n0 + BN)) {
+      for_each_entry<NSW>([&](int j, int e, int r, int c) {
+        if (!keep(rule, qi[r >> 3], c0 + c, Sq, Skv)) s[0][j][e] = -INFINITY;
+      });
+    }
+    online_softmax<NSW, NO, true>(st, s[0], o[0]);
+    uint32_t pa[1][NSW / 2][4];
+    to_afrag<H, 1, NSW / 2>(pa, s);
+    gemm_rs<H, 1, NO, NSW / 2, TK>(o, pa, vst, kw * KN, 0);
+    pipeline_release<2>(t, t_end, load_kv);
+  }
+  pipeline_drain();
+
+  // Merge: every warp's unnormalised O slice (float32, over the K/V buffers, now free) and its
+  // rows' (m, l); then each output element sums the KW slices in a fixed order (deterministic).
+  constexpr int LDO = DP + 4;  // floats per staged row (+4: the fragment stores spread over banks)
+  static_assert(KW * BM * LDO * 4 <= 4 * TK::kBytes, "staging fits the K/V buffers");
+  float* sO = reinterpret_cast<float*>(sK);
+  {
+    const int g = lane >> 2, tq = lane & 3;
+    float* mine = sO + (kw * BM + rw * 16) * LDO;
+#pragma unroll
+    for (int j = 0; j < NO; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<float2*>(mine + (g + 8 * r) * LDO + 8 * j + 2 * tq) =
+            make_float2(o[0][j][2 * r], o[0][j][2 * r + 1]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(st.l[r]);
+      if (tq == 0) {
+        s_m[kw * BM + rw * 16 + g + 8 * r] = st.m[r];
+        s_l[kw * BM + rw * 16 + g + 8 * r] = l;
+      }
+    }
+  }
+  __syncthreads();
+
+  const int64_t live0 = rule.live_rows_begin(Sq), live1 = rule.live_rows_end(Sq, Skv);
+  const bool partial = a.splits > 1;
+  constexpr int CH = DP / 8;  // 8-column chunks per row
+  for (int idx = static_cast<int>(threadIdx.x); idx < BM * CH; idx += T) {
+    const int r = idx / CH, col = (idx % CH) * 8;
+    if (r >= rows || col >= D) continue;
+    // The row's statistics over the KW slices: m = max, l = sum l_k 2^(m_k - m).
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < KW; ++k) m = fmaxf(m, s_m[k * BM + r]);
+    const float m_use = m == -INFINITY ? 0.0f : m;
+    float f[KW], l = 0.0f;
+#pragma unroll
+    for (int k = 0; k < KW; ++k) {
+      f[k] = exp2f(s_m[k * BM + r] - m_use);
+      l += s_l[k * BM + r] * f[k];
+    }
+    const int64_t R = R0 + r, i = R / G, h = hk * G + R % G;
+    // A row no key is visible to by the band: O = 0, LSE = -inf (never decided from l). A split's
+    // partial O of a row that saw none of its keys is 0 too (l = 0: its weight in the combine is
+    // 0, and 0 * NaN would be NaN).
+    const bool sees = i >= live0 && i < live1 && !(partial && l == 0.0f);
+    const float inv = sees ? 1.0f / l : 0.0f;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int k = 0; k < KW; ++k) acc += sO[(k * BM + r) * LDO + col + e] * f[k];
+      v[e] = sees ? acc * inv : 0.0f;
+    }
+    const float lse = sees ? (m + log2f(l)) * kLn2 : -INFINITY;
+    if (partial) {
+      const int64_t row = (b * p.shape.heads_q + h) * Sq + i;
+      const int64_t prow = static_cast<int64_t>(split) * a.part_rows + row;
+      float4* dst = reinterpret_cast<float4*>(a.o_part + prow * DP + col);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      if (col == 0) a.lse_part[prow] = lse;
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.ss + col;
+      const uint32_t w[4] = {pack2<H>(v[0], v[1]), pack2<H>(v[2], v[3]), pack2<H>(v[4], v[5]), pack2<H>(v[6], v[7])};
+      if (a.vec16 && col + 8 <= D) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (col + e < D) dst[e] = static_cast<uint16_t>(w[e / 2] >> (16 * (e & 1)));
+      }
+      if (col == 0) p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss] = lse;
+    }
+  }
+}
+
+}  // namespace flashattn::cuda::dev

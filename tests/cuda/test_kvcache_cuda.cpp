@@ -1,0 +1,305 @@
+// KV-cache attention on the CUDA backend (flashattn_forward_kvcache, float16/bfloat16): the CPU
+// suite's cases (tests/kvcache_cases.hpp) run on device copies of every buffer and are checked the
+// same way - out and lse per sequence against the float64 reference, the appended rows (rotated
+// keys), every other cache byte untouched - plus what is the GPU's own: both CTA shapes of the
+// decode kernel (<= 16 and > 16 (query row, head) pairs per kv head), split-KV (forced and
+// automatic, equal to the unsplit result within rounding, bitwise run to run), paged caches bitwise
+// equal to contiguous ones, head dims 1..256, strided and unaligned views, NaN propagation, and
+// the calls CUDA refuses. Outputs are NaN-poisoned before every call.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.hpp"
+#include "kvcache_cases.hpp"
+
+namespace flashattn::test {
+namespace {
+
+// Runs a Harness's call on device 0: every buffer copied there (`offset` bytes past a 16-byte
+// aligned base: 2 breaks the 16-byte vectors), the call, then out, lse and both caches copied back
+// into the host buffers that check_case reads.
+struct DeviceRun {
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  int offset = 0;
+  bool ok = true;
+
+  Tensor upload(const Tensor& host, const void* bytes, size_t n) {
+    bufs.push_back(std::make_unique<DeviceBuffer>(n + 32));
+    Tensor t = host;
+    char* base = static_cast<char*>(bufs.back()->ptr);
+    if (base == nullptr || cudaMemcpy(base + offset, bytes, n, cudaMemcpyHostToDevice) != cudaSuccess) ok = false;
+    t.data = base + offset;
+    t.device = 0;
+    return t;
+  }
+  template <class V>
+  Tensor upload_vec(const Tensor& host, const V& v) {
+    return upload(host, v.data(), v.size() * sizeof(v[0]));
+  }
+  bool download(void* dst, const Tensor& t, size_t n) {
+    return cudaMemcpy(dst, t.data, n, cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+
+  void operator()(Harness& h) {
+    const Tensor q = upload_vec(h.tq, h.q), kc = upload_vec(h.tkc, h.kc), vc = upload_vec(h.tvc, h.vc);
+    const Tensor out = upload_vec(h.tout, h.out), lse = upload_vec(h.tlse, h.lse);
+    Tensor kn, vn, sl, bi, lp, bt, cs, sn, al;
+    KvCache kv = h.kv;
+    if (kv.k_new) kn = upload_vec(h.tkn, h.kn), vn = upload_vec(h.tvn, h.vn), kv.k_new = &kn, kv.v_new = &vn;
+    // (Index arrays keep 4-byte alignment: the offset applies to the data tensors only.)
+    const int keep = offset;
+    offset = 0;
+    if (kv.cache_seqlens) sl = upload_vec(h.tsl, h.seqlens), kv.cache_seqlens = &sl;
+    if (kv.cache_batch_idx) bi = upload_vec(h.tbi, h.bidx), kv.cache_batch_idx = &bi;
+    if (kv.cache_leftpad) lp = upload_vec(h.tlp, h.leftpad), kv.cache_leftpad = &lp;
+    if (kv.block_table) bt = upload_vec(h.tbt, h.table), kv.block_table = &bt;
+    Options o = h.opts;
+    if (o.alibi_slopes) al = upload_vec(h.talibi, h.slopes), o.alibi_slopes = &al;
+    offset = keep;
+    if (kv.rotary_cos) cs = upload_vec(h.tcos, h.cos), sn = upload_vec(h.tsin, h.sin), kv.rotary_cos = &cs, kv.rotary_sin = &sn;
+    ASSERT_TRUE(ok) << "device buffers";
+    forward_kvcache(q, kc, vc, out, lse, kv, o);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    ASSERT_TRUE(download(h.out.data(), out, h.out.size()));
+    ASSERT_TRUE(download(h.lse.data(), lse, h.lse.size() * sizeof(float)));
+    ASSERT_TRUE(download(h.kc.data(), kc, h.kc.size()));
+    ASSERT_TRUE(download(h.vc.data(), vc, h.vc.size()));
+  }
+};
+
+KvRunner on_gpu(int offset = 0) {
+  return [offset](Harness& h) {
+    DeviceRun r;
+    r.offset = offset;
+    r(h);
+  };
+}
+
+void check_gpu(KvCase c, int offset = 0) {
+  for (DType t : {DType::BFloat16, DType::Float16}) {
+    SCOPED_TRACE(dtype_name(t));
+    c.dtype = t;
+    check_case(c, on_gpu(offset));
+  }
+}
+
+// ---- the CPU suite's cases -----------------------------------------------------------------------
+
+TEST(KvCacheCuda, DecodeContiguous) {
+  REQUIRE_GPU();
+  KvCase c;
+  c.seqlens = {17, 40};
+  check_gpu(c);
+}
+
+TEST(KvCacheCuda, DecodeNoAppendAndWholeCache) {
+  REQUIRE_GPU();
+  KvCase c;
+  c.s_new = 0;
+  c.seqlens = {1, 64};
+  check_gpu(c);
+  KvCase w;
+  w.s_new = 0, w.S_cache = 33, w.Sq = 3, w.mask = Mask::CausalBottomRight;
+  check_gpu(w);
+}
+
+TEST(KvCacheCuda, PrefillChunkEveryMask) {
+  REQUIRE_GPU();
+  for (Mask m : {Mask::None, Mask::CausalBottomRight, Mask::CausalTopLeft}) {
+    SCOPED_TRACE(mask_name(m));
+    KvCase c;
+    c.Sq = 5, c.s_new = 5, c.seqlens = {0, 23}, c.S_cache = 40, c.mask = m;
+    check_gpu(c);
+    // Sq > S_new: some rows see no key under the causal masks.
+    KvCase d;
+    d.Sq = 7, d.s_new = 2, d.seqlens = {3, 1}, d.S_cache = 16, d.mask = m;
+    check_gpu(d);
+  }
+}
+
+TEST(KvCacheCuda, LongCachesOddHeadDim) {
+  REQUIRE_GPU();
+  KvCase c;
+  c.seqlens = {1, 1000, 1234};
+  c.B = 3, c.S_cache = 1300, c.Hq = 4, c.Hkv = 4, c.D = 40, c.s_new = 3, c.Sq = 3, c.mask = Mask::CausalBottomRight;
+  check_gpu(c);
+}
+
+TEST(KvCacheCuda, GqaMqaAndBothCtaShapes) {
+  REQUIRE_GPU();
+  // (Sq, Hq / Hkv): 16 or fewer (row, head) pairs per kv head take the 16-row CTA whose warps split
+  // the keys; more take 64-row CTAs (1 or 2 row blocks here).
+  const int64_t shapes[][3] = {{1, 8, 2}, {2, 8, 1}, {4, 4, 1}, {7, 8, 2}, {33, 4, 2}, {97, 2, 2}};
+  for (const auto& s : shapes) {
+    SCOPED_TRACE("Sq " + std::to_string(s[0]) + " Hq " + std::to_string(s[1]) + " Hkv " + std::to_string(s[2]));
+    KvCase c;
+    c.Sq = s[0], c.Hq = s[1], c.Hkv = s[2], c.s_new = s[0] > 7 ? 4 : s[0], c.seqlens = {5, 130}, c.S_cache = 240;
+    c.mask = Mask::CausalBottomRight;
+    check_gpu(c);
+  }
+}
+
+TEST(KvCacheCuda, HeadDims) {
+  REQUIRE_GPU();
+  for (int64_t d : {int64_t{1}, int64_t{17}, int64_t{64}, int64_t{80}, int64_t{96}, int64_t{128}, int64_t{200},
+                    int64_t{256}}) {
+    SCOPED_TRACE("D " + std::to_string(d));
+    KvCase c;
+    c.D = d, c.seqlens = {70, 3}, c.S_cache = 100, c.Sq = 2, c.s_new = 2, c.mask = Mask::CausalBottomRight;
+    check_gpu(c);
+  }
+}
+
+TEST(KvCacheCuda, Paged) {
+  REQUIRE_GPU();
+  for (int64_t bs : {int64_t{16}, int64_t{48}, int64_t{256}}) {
+    SCOPED_TRACE("block_size " + std::to_string(bs));
+    KvCase c;
+    c.block_size = bs, c.max_blocks = (320 + bs - 1) / bs, c.seqlens = {17, 300}, c.s_new = 4, c.Sq = 4;
+    c.mask = Mask::CausalBottomRight;
+    check_gpu(c);
+  }
+  KvCase u;  // entries past the used pages are -1: never read
+  u.block_size = 16, u.max_blocks = 6, u.seqlens = {15, 31}, u.s_new = 1, u.unused_pages_invalid = true;
+  check_gpu(u);
+}
+
+TEST(KvCacheCuda, BatchIdxLeftpadRotary) {
+  REQUIRE_GPU();
+  for (bool inter : {true, false}) {
+    SCOPED_TRACE(inter ? "interleaved" : "halves");
+    KvCase c;
+    c.B = 3, c.batch_idx = true, c.seqlens = {10, 20, 33}, c.leftpad = {0, 7, 33}, c.S_cache = 40, c.Sq = 2,
+    c.s_new = 2, c.mask = Mask::CausalBottomRight, c.rotary_dim = 32, c.interleaved = inter;
+    check_gpu(c);
+    KvCase d;  // rotary on part of the head, no mask (q at cache_seqlens), paged
+    d.rotary_dim = 16, d.interleaved = inter, d.seqlens = {5, 60}, d.block_size = 16, d.max_blocks = 4, d.Sq = 3,
+    d.s_new = 3;
+    check_gpu(d);
+  }
+}
+
+TEST(KvCacheCuda, WindowSoftcapAlibi) {
+  REQUIRE_GPU();
+  KvCase base;
+  base.seqlens = {90, 200}, base.S_cache = 256, base.Sq = 3, base.s_new = 3, base.mask = Mask::CausalBottomRight;
+  KvCase w = base;
+  w.window_left = 50, w.window_right = 0;
+  check_gpu(w);
+  KvCase w2 = base;
+  w2.mask = Mask::None, w2.window_left = 20, w2.window_right = 5;
+  check_gpu(w2);
+  KvCase s = base;
+  s.softcap = 5.0f;
+  check_gpu(s);
+  KvCase a = base;
+  a.alibi = true;
+  check_gpu(a);
+  KvCase all = base;
+  all.window_left = 64, all.softcap = 10.0f, all.alibi = true, all.num_splits = 3;
+  check_gpu(all);
+}
+
+TEST(KvCacheCuda, StridedAndUnalignedViews) {
+  REQUIRE_GPU();
+  KvCase c;
+  c.q_pad = 8, c.seqlens = {33, 100}, c.S_cache = 128, c.Sq = 2, c.s_new = 2, c.D = 64;
+  check_gpu(c);
+  // 2 bytes past an aligned base: no 16-byte vectors anywhere.
+  check_gpu(c, 2);
+}
+
+// ---- split-KV --------------------------------------------------------------------------------------
+
+TEST(KvCacheCuda, SplitsAgainstReference) {
+  REQUIRE_GPU();
+  for (int32_t splits : {1, 2, 7, 128, 0}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    KvCase c;
+    c.B = 2, c.Hq = 8, c.Hkv = 2, c.D = 128, c.seqlens = {3000, 70}, c.S_cache = 3100, c.s_new = 1;
+    c.num_splits = splits;
+    check_gpu(c);
+    KvCase p = c;  // paged, causal, more query rows
+    p.block_size = 64, p.max_blocks = 50, p.Sq = 4, p.s_new = 4, p.mask = Mask::CausalBottomRight;
+    check_gpu(p);
+  }
+}
+
+// The same logical call several ways: splits 1 against the automatic choice (close), each bitwise
+// equal run to run, and paged caches bitwise equal to contiguous ones.
+TEST(KvCacheCuda, DeterministicAndPagedBitwise) {
+  REQUIRE_GPU();
+  for (DType t : {DType::BFloat16, DType::Float16}) {
+    SCOPED_TRACE(dtype_name(t));
+    KvCase c;
+    c.dtype = t, c.B = 1, c.Hq = 32, c.Hkv = 8, c.D = 128, c.Sq = 1, c.s_new = 1, c.seqlens = {8000}, c.S_cache = 8192;
+    c.rotary_dim = 64;
+    KvCase p = c;
+    p.block_size = 256, p.max_blocks = 32;
+    auto run = [](const KvCase& k) {
+      Harness h(k);
+      h.runner = on_gpu();
+      h.run();
+      return std::make_pair(h.out, h.lse);
+    };
+    const auto a1 = run(c), a2 = run(c), pg = run(p);
+    EXPECT_EQ(a1.first, a2.first) << "out differs run to run";
+    EXPECT_EQ(0, std::memcmp(a1.second.data(), a2.second.data(), a1.second.size() * 4));
+    EXPECT_EQ(a1.first, pg.first) << "paged out differs from contiguous";
+    EXPECT_EQ(0, std::memcmp(a1.second.data(), pg.second.data(), a1.second.size() * 4));
+    KvCase one = c;
+    one.num_splits = 1;
+    const auto o = run(one);
+    double worst = 0;
+    for (size_t i = 0; i < a1.second.size(); ++i) worst = std::max(worst, std::fabs(double(a1.second[i]) - o.second[i]));
+    EXPECT_LE(worst, 1e-4) << "lse: auto splits against none";
+  }
+}
+
+// ---- NaN, refusals ----------------------------------------------------------------------------------
+
+TEST(KvCacheCuda, NanPropagates) {
+  REQUIRE_GPU();
+  for (int32_t splits : {1, 4}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    KvCase c;
+    c.dtype = DType::BFloat16, c.B = 1, c.Hq = 4, c.Hkv = 1, c.D = 64, c.Sq = 1, c.s_new = 0, c.seqlens = {1000};
+    c.S_cache = 1024, c.num_splits = splits;
+    Harness h(c);
+    // q of head 2 NaN: that head's row is NaN, the others finite.
+    testing::store_element(h.q.data(), c.dtype, 2 * c.D + 5, std::nan(""));
+    h.runner = on_gpu();
+    h.run();
+    for (int64_t hh = 0; hh < c.Hq; ++hh) {
+      const double o = testing::load_element(h.out.data(), c.dtype, hh * c.D + 7);
+      EXPECT_EQ(std::isnan(o), hh == 2) << "head " << hh << " out " << o;
+      EXPECT_EQ(std::isnan(h.lse[hh]), hh == 2) << "head " << hh << " lse " << h.lse[hh];
+    }
+  }
+}
+
+TEST(KvCacheCuda, Float32Refused) {
+  REQUIRE_GPU();
+  KvCase c;
+  c.dtype = DType::Float32, c.seqlens = {3, 4};
+  Harness h(c);
+  const std::vector<unsigned char> kc0 = h.kc, out0 = h.out;
+  h.runner = on_gpu();
+  try {
+    h.run();
+    FAIL() << "a float32 KV-cache call on CUDA was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Unsupported);
+    EXPECT_NE(std::string(e.what()).find("float32"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test
