@@ -424,17 +424,55 @@ def test_bad_block_table():
     assert torch.equal(s.k_cache, s.k0) and torch.equal(s.v_cache, s.v0)
 
 
-# ---- CUDA: not served yet -----------------------------------------------------------------------
+# ---- CUDA: float16 / bfloat16 ---------------------------------------------------------------------
+
+
+def _to_cuda(s):
+    """A Setup's tensors moved to the GPU (the CPU ones kept for the CPU call)."""
+    g = Setup.__new__(Setup)
+    g.__dict__.update({k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s.__dict__.items()})
+    return g
+
+
+CUDA_CASES = {
+    "decode": Case(dtype=torch.bfloat16, seqlens=(17, 300), S_cache=320),
+    "decode-fp16-gqa8": Case(dtype=torch.float16, Hq=16, Hkv=2, seqlens=(100, 3), S_cache=128),
+    "prefill-causal-rotary": Case(dtype=torch.bfloat16, Sq=9, s_new=9, seqlens=(0, 50), S_cache=64, causal=True,
+                                  rotary_dim=32),
+    "paged-halves": Case(dtype=torch.bfloat16, Sq=3, s_new=3, seqlens=(14, 60), block_size=16, max_blocks=5,
+                         causal=True, rotary_dim=64, interleaved=False),
+    "leftpad-batchidx": Case(dtype=torch.bfloat16, B=3, seqlens=(10, 20, 33), leftpad=(0, 7, 33), batch_idx=True,
+                             S_cache=40, Sq=2, s_new=2, causal=True),
+    "window-softcap-alibi": Case(dtype=torch.float16, seqlens=(90, 200), S_cache=256, Sq=3, s_new=3, causal=True,
+                                 window=(40, 0), softcap=8.0, alibi="bh"),
+    "split-7": Case(dtype=torch.bfloat16, seqlens=(2000, 70), S_cache=2048, kwargs=dict(num_splits=7)),
+}
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-def test_cuda_unsupported():
-    """The CUDA backend does not implement the KV-cache call: NotImplementedError (as every
-    valid call a build or device cannot serve), with the caches untouched."""
+@pytest.mark.parametrize("name", list(CUDA_CASES))
+def test_cuda_matches_cpu(name):
+    """The CUDA call (decode kernel, append + rotary pass, split-KV) against the CPU backend's on
+    the same 16-bit inputs: out, lse and the caches after the append."""
+    s = Setup(CUDA_CASES[name])
+    g = _to_cuda(s)
+    out_c, lse_c = s.call()
+    out_g, lse_g = g.call()
+    assert out_g.device.type == "cuda" and lse_g.dtype == torch.float32
+    tol = 2e-2 if s.c.dtype == torch.bfloat16 else 4e-3
+    assert rel_err(out_g.cpu(), out_c) <= tol
+    finite = torch.isfinite(lse_c)
+    assert torch.equal(finite, torch.isfinite(lse_g.cpu()))
+    assert (lse_g.cpu()[finite] - lse_c[finite]).abs().max().item() <= 1e-3
+    for cpu, gpu in ((s.k_cache, g.k_cache), (s.v_cache, g.v_cache)):
+        assert (gpu.cpu().float() - cpu.float()).abs().max().item() <= 2 * tol
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_cuda_float32_unsupported():
+    """float32 KV caches run on the CPU only: NotImplementedError on CUDA, the caches untouched."""
     s = Setup(Case())
-    dev = lambda x: None if x is None else x.cuda()  # noqa: E731
-    k_cache, v_cache = dev(s.k_cache), dev(s.v_cache)
-    with pytest.raises(NotImplementedError):
-        flash_attn_with_kvcache(dev(s.q), k_cache, v_cache, dev(s.k), dev(s.v),
-                                cache_seqlens=dev(s.seqlens_arg))
-    assert torch.equal(k_cache.cpu(), s.k0) and torch.equal(v_cache.cpu(), s.v0)
+    g = _to_cuda(s)
+    with pytest.raises(NotImplementedError, match="float32"):
+        g.call()
+    assert torch.equal(g.k_cache.cpu(), s.k0) and torch.equal(g.v_cache.cpu(), s.v0)

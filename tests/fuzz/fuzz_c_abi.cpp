@@ -1,4 +1,5 @@
-// Coverage-guided fuzzer of the C ABI (flashattn_forward / flashattn_backward).
+// Coverage-guided fuzzer of the C ABI (flashattn_forward / flashattn_backward, and the packed
+// flashattn_forward_varlen / _backward_varlen: run_varlen below).
 //
 // Each input decodes into one call: a problem (B, Hq, Hkv, Sq, Skv, D, dtype), a layout per tensor
 // (bhsd, bshd, padded, head ranges of a fused buffer, broadcast), a placement of the tensors in a
@@ -526,12 +527,14 @@ bool model_valid(const Case& c, const std::vector<unsigned char*>& base, std::st
 // Counts for the summary printed at exit: how often a call was valid, and how often a valid
 // call that aliases nothing was refused as a (conservatively assumed) overlap.
 struct Stats {
-  long calls = 0, ok = 0, valid_refused_as_overlap = 0;
+  long calls = 0, ok = 0, valid_refused_as_overlap = 0, varlen_calls = 0, varlen_ok = 0;
   Stats() {
     std::atexit([] {
       const Stats& s = get();
-      std::fprintf(stderr, "fuzz_c_abi: %ld calls, %ld succeeded, %ld valid calls refused as overlap\n",
-                   s.calls, s.ok, s.valid_refused_as_overlap);
+      std::fprintf(stderr,
+                   "fuzz_c_abi: %ld calls, %ld succeeded, %ld valid calls refused as overlap; %ld packed (varlen) "
+                   "calls, %ld succeeded\n",
+                   s.calls, s.ok, s.valid_refused_as_overlap, s.varlen_calls, s.varlen_ok);
     });
   }
   static Stats& get() {
@@ -598,6 +601,185 @@ double load_value(const unsigned char* p, int32_t dt) {
   }
 }
 
+// ---- packed (varlen) calls ----------------------------------------------------------------------
+// One in eight inputs (by the byte after the modifications: earlier inputs decode as before) makes
+// a packed call instead (flashattn_forward_varlen / _backward_varlen): 1..5 sequences of 0..8
+// queries and keys, GQA, any dtype code, contiguous [total, H, D] tensors in buffers of their own,
+// cu_seqlens_q / cu_seqlens_k / seqused_k drawn valid, then perhaps one mutation (a prefix sum
+// moved, cu[0] != 0, max_seqlen too small or 0, seqused_k out of its sequence, an index tensor of
+// another dtype, length, stride or device, NULL, a packed total off by one, lse transposed).
+// Invariants: a known status with a message; a failed call writes nothing (index arrays included);
+// a call that succeeds had sequence arrays that satisfy flashattn.h's rules, changed only its
+// outputs, and gave finite outputs for small finite inputs (lse -inf only for rows of a sequence
+// with no key). (No claim that a valid call succeeds: a packed call has further rules, e.g. on the
+// options, that this mode does not model.)
+struct VarBuf {
+  std::vector<unsigned char> bytes;
+  flashattn_tensor t{};
+};
+
+void run_varlen(Reader& r, const Case& dense) {
+  const bool bwd = dense.backward;
+  static const int32_t kDtypes[] = {FLASHATTN_FLOAT32, FLASHATTN_FLOAT16, FLASHATTN_BFLOAT16, FLASHATTN_FLOAT64, 99};
+  const int32_t dt = kDtypes[r.u8() % 5];
+  const int64_t es = std::max<int64_t>(1, dtype_bytes(dt));
+  const int64_t hkv = 1 + r.u8() % 2, hq = hkv * (1 + r.u8() % 3), d = 1 + r.u8() % 20;
+  const int nb = 1 + r.u8() % 5;
+  std::vector<int32_t> cq(static_cast<size_t>(2 * (nb + 3)), 0), ck(cq.size(), 0), used(cq.size(), 0);
+  int64_t max_q = 1, max_k = 1;
+  for (int b = 0; b < nb; ++b) {
+    const int32_t lq = r.u8() % 9, lk = r.u8() % 9;
+    cq[b + 1] = cq[b] + lq;
+    ck[b + 1] = ck[b] + lk;
+    max_q = std::max<int64_t>(max_q, lq);
+    max_k = std::max<int64_t>(max_k, lk);
+    used[b] = static_cast<int32_t>(r.u8() % (lk + 1));
+  }
+  const bool with_used = r.u8() % 3 == 0;
+  int64_t total_q = cq[nb], total_k = ck[nb];
+  // Index tensors: entries in the first nb + 1 (nb) elements, room for the mutations.
+  auto index = [](std::vector<int32_t>& x, int64_t n) {
+    flashattn_tensor t{};
+    t.data = x.data();
+    t.dtype = FLASHATTN_INT32;
+    t.device = FLASHATTN_CPU;
+    t.ndim = 1;
+    t.shape[0] = n;
+    t.stride[0] = 1;
+    return t;
+  };
+  flashattn_tensor tcq = index(cq, nb + 1), tck = index(ck, nb + 1), tus = index(used, nb);
+  flashattn_varlen vl;
+  std::memset(&vl, 0, sizeof vl);
+  vl.struct_size = sizeof vl;
+  vl.cu_seqlens_q = &tcq;
+  vl.cu_seqlens_k = &tck;
+  vl.seqused_k = with_used ? &tus : nullptr;
+  int64_t shape_q0 = total_q, lse_swap = 0;
+  const int mutation = r.u8() % 16;
+  const int at = r.u8() % (nb + 1);
+  const int32_t delta = static_cast<int32_t>(r.u8() % 7) - 3;
+  switch (mutation) {
+    case 0: cq[at] += delta; break;
+    case 1: ck[at] += delta; break;
+    case 2: max_q -= 1; break;
+    case 3: max_k = 0; break;
+    case 4: used[at % nb] = (at & 1) ? -1 : (ck[at % nb + 1] - ck[at % nb] + 1); break;
+    case 5: tcq.dtype = FLASHATTN_FLOAT32; break;
+    case 6: tck.shape[0] = nb + 2; break;
+    case 7: tcq.stride[0] = 2; break;
+    case 8: vl.cu_seqlens_q = nullptr; break;
+    case 9: shape_q0 += 1; break;
+    case 10: lse_swap = 1; break;
+    case 11: tck.device = 0; break;
+    case 12: cq[0] = 1; break;
+    case 13: tus.shape[0] = nb + 1; break;
+    default: break;
+  }
+  vl.max_seqlen_q = max_q;
+  vl.max_seqlen_k = max_k;
+
+  // Tensors: q, k, v, out, lse (forward) + dout, dq, dk, dv (backward), each in its own buffer.
+  const char* names[] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
+  const bool out_of[] = {false, false, false, !bwd, !bwd, false, true, true, true};
+  const int n = bwd ? 9 : 5;
+  VarBuf buf[9];
+  uint32_t h = 2166136261u ^ static_cast<uint32_t>(nb * 131 + d);
+  for (int i = 0; i < n; ++i) {
+    flashattn_tensor& t = buf[i].t;
+    const bool is_k = i == 1 || i == 2 || i == 7 || i == 8;
+    t.dtype = i == 4 ? FLASHATTN_FLOAT32 : dt;
+    t.device = FLASHATTN_CPU;
+    if (i == 4) {  // lse [Hq, total_q]
+      t.ndim = 2;
+      t.shape[0] = lse_swap ? total_q : hq;
+      t.shape[1] = lse_swap ? hq : total_q;
+      t.stride[0] = t.shape[1];
+      t.stride[1] = 1;
+    } else {
+      t.ndim = 3;
+      t.shape[0] = is_k ? total_k : (i == 0 ? shape_q0 : total_q);
+      t.shape[1] = is_k ? hkv : hq;
+      t.shape[2] = d;
+      t.stride[0] = t.shape[1] * d;
+      t.stride[1] = d;
+      t.stride[2] = 1;
+    }
+    const int64_t elems = t.ndim == 2 ? t.shape[0] * t.shape[1] : t.shape[0] * t.shape[1] * t.shape[2];
+    const int64_t eb = i == 4 ? 4 : es;
+    buf[i].bytes.assign(static_cast<size_t>(std::max<int64_t>(1, elems * eb)), 0xA5);
+    t.data = buf[i].bytes.data();
+    if (!out_of[i] && dtype_bytes(t.dtype) > 0)
+      for (int64_t e = 0; e < elems; ++e) {
+        h = h * 1103515245u + 12345u;
+        store_value(buf[i].bytes.data() + e * eb, t.dtype, static_cast<double>(static_cast<int>((h >> 16) % 17) - 8) / 4);
+      }
+  }
+  flashattn_options o;
+  flashattn_options_init(&o);
+  o.mask = static_cast<int32_t>(r.u8() % 3);
+  o.deterministic = r.u8() & 1;
+  o.num_threads = 1 + r.u8() % 2;
+
+  std::vector<std::vector<unsigned char>> before;
+  for (int i = 0; i < n; ++i) before.push_back(buf[i].bytes);
+  const std::vector<int32_t> cq0 = cq, ck0 = ck, used0 = used;
+  const flashattn_tensor* p[9];
+  for (int i = 0; i < n; ++i) p[i] = &buf[i].t;
+  const int status = bwd ? flashattn_backward_varlen(p[0], p[1], p[2], p[3], p[5], p[4], p[6], p[7], p[8], &vl, &o)
+                         : flashattn_forward_varlen(p[0], p[1], p[2], p[3], p[4], &vl, &o);
+  const std::string msg = flashattn_last_error();
+  const std::string dir = std::string(bwd ? "backward_varlen" : "forward_varlen") + " (mutation " +
+                          std::to_string(mutation) + ")";
+  Stats& stats = Stats::get();
+  ++stats.calls;
+  ++stats.varlen_calls;
+  stats.ok += status == FLASHATTN_OK;
+  if (cq != cq0 || ck != ck0 || used != used0) violation("a varlen call wrote its sequence arrays", dir);
+  if (status != FLASHATTN_OK) {
+    if (status != FLASHATTN_ERROR_INVALID_ARGUMENT && status != FLASHATTN_ERROR_UNSUPPORTED)
+      violation("unexpected status", dir + ": status " + std::to_string(status) + ": " + msg);
+    if (msg.empty()) violation("error without a message", dir);
+    for (int i = 0; i < n; ++i)
+      if (buf[i].bytes != before[static_cast<size_t>(i)]) violation("a failed call wrote memory", dir + ": " + msg);
+    return;
+  }
+  ++stats.varlen_ok;
+  if (!msg.empty()) violation("success with a message", msg);
+  // The rules a successful call's sequence arrays satisfy.
+  std::string bad;
+  if (vl.cu_seqlens_q != &tcq || tcq.dtype != FLASHATTN_INT32 || tcq.stride[0] != 1 || tck.shape[0] != nb + 1 ||
+      tck.device != FLASHATTN_CPU || (with_used && tus.shape[0] != nb))
+    bad = "a malformed index tensor";
+  if (shape_q0 != total_q || lse_swap) bad = "packed shapes that do not match";
+  if (max_q < 1 || max_k < 1) bad = "max_seqlen < 1";
+  for (const auto* c : {&cq, &ck}) {
+    if ((*c)[0] != 0) bad = "cu_seqlens[0] != 0";
+    for (int b = 0; b < nb; ++b)
+      if ((*c)[b + 1] < (*c)[b] || (*c)[b + 1] - (*c)[b] > (c == &cq ? max_q : max_k)) bad = "a bad prefix sum";
+  }
+  if (cq[nb] != total_q || ck[nb] != total_k) bad = "cu_seqlens not ending at the totals";
+  if (with_used)
+    for (int b = 0; b < nb; ++b)
+      if (used[b] < 0 || used[b] > ck[b + 1] - ck[b]) bad = "seqused_k outside its sequence";
+  if (!bad.empty()) violation("an invalid varlen call succeeded", dir + ": " + bad);
+  for (int i = 0; i < n; ++i)
+    if (!out_of[i] && buf[i].bytes != before[static_cast<size_t>(i)]) violation("a varlen call wrote an input", dir + ": " + names[i]);
+  // Finite outputs from small finite inputs (as the dense mode's rule; float16 gradients excepted).
+  if (bwd && dt == FLASHATTN_FLOAT16) return;
+  for (int i = 0; i < n; ++i) {
+    if (!out_of[i]) continue;
+    const flashattn_tensor& t = buf[i].t;
+    const int64_t elems = t.ndim == 2 ? t.shape[0] * t.shape[1] : t.shape[0] * t.shape[1] * t.shape[2];
+    const int64_t eb = i == 4 ? 4 : es;
+    for (int64_t e = 0; e < elems; ++e) {
+      const double x = load_value(buf[i].bytes.data() + e * eb, t.dtype);
+      if (std::isnan(x) || (std::isinf(x) && !(i == 4 && x < 0)))
+        violation("a non-finite output from small finite inputs", dir + ": " + names[i] + " = " + std::to_string(x));
+    }
+  }
+}
+
 void run_case(const uint8_t* data, size_t size) {
   Reader r(data, size);
   Case c;
@@ -607,6 +789,7 @@ void run_case(const uint8_t* data, size_t size) {
   const int n = c.backward ? kTensors : kLse + 1;
   const uint8_t slack = r.u8() % 4 == 0 ? r.u8() % 16 : 0;
   decode_mods(r, c);
+  if (r.u8() % 8 == 7) return run_varlen(r, c);
 
   // Buffers sized to the views they hold (exactly, plus optional slack), so ASan sees a read one
   // element past a view that ends its buffer.
