@@ -751,7 +751,7 @@ void run_varlen(Reader& r, const Case& dense) {
   if (vl.cu_seqlens_q != &tcq || tcq.dtype != FLASHATTN_INT32 || tcq.stride[0] != 1 || tck.shape[0] != nb + 1 ||
       tck.device != FLASHATTN_CPU || (with_used && tus.shape[0] != nb))
     bad = "a malformed index tensor";
-  if (shape_q0 != total_q || lse_swap) bad = "packed shapes that do not match";
+  if (shape_q0 != total_q || (lse_swap && hq != total_q)) bad = "packed shapes that do not match";
   if (max_q < 1 || max_k < 1) bad = "max_seqlen < 1";
   for (const auto* c : {&cq, &ck}) {
     if ((*c)[0] != 0) bad = "cu_seqlens[0] != 0";
