@@ -850,11 +850,12 @@ TEST(KvcacheSelect, SplitCount) {
   EXPECT_EQ(kv_splits(8, 64, 396, 5), 5);
   EXPECT_EQ(kv_splits(8, 3, 396, 5), 3);
   EXPECT_EQ(kv_splits(8, 1000, 396, 500), kMaxKvSplits);
-  // Automatic: none once the blocks fill 80% of the slots; else enough to fill them, each split at
-  // least kMinKvTilesPerSplit tiles.
-  EXPECT_EQ(kv_splits(320, 2048, 396, 0), 1);
-  EXPECT_EQ(kv_splits(8, 2048, 396, 0), 50);
-  EXPECT_EQ(kv_splits(8, 64, 396, 0), 32);
+  // Automatic: none from 4 waves; else the fewest splits filling >= 90% of their waves, each split
+  // at least kMinKvTilesPerSplit tiles (or the fullest such count).
+  EXPECT_EQ(kv_splits(1600, 2048, 396, 0), 1);
+  EXPECT_EQ(kv_splits(8, 2048, 396, 0), 45);   // 360 of 396 slots
+  EXPECT_EQ(kv_splits(512, 64, 396, 0), 3);    // B 64, Hkv 8: 1536 CTAs, 3.9 waves
+  EXPECT_EQ(kv_splits(8, 64, 396, 0), 32);     // at most 64 / 2 splits: 256 CTAs
   EXPECT_EQ(kv_splits(8, 1, 396, 0), 1);
   EXPECT_EQ(kv_splits(1, 100000, 396, 0), kMaxKvSplits);
 }
@@ -872,8 +873,12 @@ TEST(KvcacheSelect, PlanShapesAndWorkspace) {
   EXPECT_GT(r.plan.lse_part, r.plan.o_part);
   EXPECT_EQ(r.plan.q_rot, -1);
   EXPECT_GE(r.plan.workspace, static_cast<size_t>(r.plan.splits) * 32 * (128 * 4 + 4));
-  // Batch 64: the blocks fill the device, no split, no partials.
+  // Batch 64: 512 blocks, 1.3 waves of the 396 slots; 3 splits fill 3.9 waves.
   r = select_kvcache(kv_call(DType::Float16, 64, 1, 32, 8, 8192, 128), h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.splits, 3);
+  // Batch 256: 2048 blocks, over 4 waves: no split, no partials.
+  r = select_kvcache(kv_call(DType::Float16, 256, 1, 32, 8, 8192, 128), h200);
   ASSERT_TRUE(r.ok) << r.why;
   EXPECT_EQ(r.plan.splits, 1);
   EXPECT_EQ(r.plan.o_part, -1);

@@ -332,9 +332,22 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
 int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested) {
   const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(tiles, kMaxKvSplits));
   if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
-  if (blocks * 5 >= slots * 4) return 1;
-  const int64_t want = (slots + blocks - 1) / std::max<int64_t>(1, blocks);
-  return static_cast<int>(std::min({want, std::max<int64_t>(1, tiles / kMinKvTilesPerSplit), cap}));
+  // Memory-bound CTAs of equal work: a last partial wave leaves slots idle. From 4 waves on the
+  // tail costs at most a fifth; below, the fewest splits whose waves are at least 90% full (the
+  // fullest when none is), at least kMinKvTilesPerSplit tiles each.
+  blocks = std::max<int64_t>(1, blocks);
+  slots = std::max<int64_t>(1, slots);
+  if (blocks >= 4 * slots) return 1;
+  const int64_t most = std::min(cap, std::max<int64_t>(1, tiles / kMinKvTilesPerSplit));
+  int64_t best = 1;
+  double best_eff = 0;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t ctas = blocks * s, waves = (ctas + slots - 1) / slots;
+    const double eff = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+    if (eff >= 0.9) return static_cast<int>(s);
+    if (eff > best_eff) best = s, best_eff = eff;
+  }
+  return static_cast<int>(best);
 }
 
 // KV-cache calls: float16/bfloat16 only (a float32 cache runs on the CPU backend), every head dim

@@ -114,8 +114,8 @@ struct KvcachePlan {
 constexpr int kMaxKvSplits = 128;
 constexpr int kMinKvTilesPerSplit = 2;
 // The split count: `requested` (the caller's num_splits) when > 0, bounded by the key tiles;
-// otherwise one split while the row blocks fill 80% of the device's CTA slots, else enough splits
-// to fill them, each of at least kMinKvTilesPerSplit tiles.
+// otherwise one split from 4 waves of row blocks on the device's CTA slots, else the fewest splits
+// (each of at least kMinKvTilesPerSplit tiles) whose waves are at least 90% full, or the fullest.
 int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested);
 
 template <class Plan>
