@@ -303,5 +303,73 @@ TEST(WorkBounds, ThroughTheCAbi) {
   EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_OK) << flashattn_last_error();
 }
 
+
+// ---- caller-owned workspace (options.workspace, workspace_query) ------------------------------
+
+// A query validates as a call does, stores 0 on the CPU (no device scratch) and writes nothing.
+TEST(CallerWorkspace, QueryOnTheCpuIsZeroAndWritesNothing) {
+  Problem p(small());
+  const Snapshot before = snapshot(p);
+  uint64_t need = 12345;
+  Options o;
+  o.workspace_query = &need;
+  ASSERT_NO_THROW(run_forward(p, o));
+  EXPECT_EQ(need, 0u);
+  need = 777;
+  ASSERT_NO_THROW(run_backward(p, o));
+  EXPECT_EQ(need, 0u);
+  EXPECT_TRUE(snapshot(p) == before) << "a query wrote a tensor";
+  // An invalid call is an error as always (the query is not stored).
+  Options bad = o;
+  bad.mask = static_cast<Mask>(9);
+  need = 5;
+  EXPECT_TRUE(throws_error([&] { run_forward(p, bad); }, Status::InvalidArgument, {"mask"}));
+  EXPECT_EQ(need, 5u);
+}
+
+// CPU calls ignore a workspace (results unchanged), whatever it is.
+TEST(CallerWorkspace, IgnoredByCpuCalls) {
+  Problem a(small()), b(small());
+  run_forward(a, options_for(a.cfg, 1));
+  Options o = options_for(b.cfg, 1);
+  alignas(256) static unsigned char scratch[512];
+  o.workspace = scratch + 3;  // (misaligned, small: not looked at on the CPU)
+  o.workspace_bytes = 1;
+  ASSERT_NO_THROW(run_forward(b, o));
+  EXPECT_TRUE(snapshot(a) == snapshot(b));
+}
+
+// Through the C ABI: the fields are read only from version-4 structs.
+TEST(CallerWorkspace, ThroughTheCAbi) {
+  Problem p(small());
+  auto ct = [](const Tensor& t) {
+    flashattn_tensor c{};
+    c.data = t.data;
+    c.dtype = static_cast<int32_t>(t.dtype);
+    c.device = t.device;
+    c.ndim = t.ndim;
+    for (int i = 0; i < t.ndim; ++i) c.shape[i] = t.shape[i], c.stride[i] = t.stride[i];
+    return c;
+  };
+  const flashattn_tensor q = ct(p.q.view), k = ct(p.k.view), v = ct(p.v.view), out = ct(p.out.view), lse = ct(p.lse.view);
+  const Snapshot before = snapshot(p);
+  flashattn_options o;
+  flashattn_options_init(&o);
+  EXPECT_EQ(o.workspace, nullptr);
+  EXPECT_EQ(o.workspace_bytes, 0u);
+  EXPECT_EQ(o.workspace_query, nullptr);
+  uint64_t need = 99;
+  o.workspace_query = &need;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_OK);
+  EXPECT_EQ(need, 0u);
+  EXPECT_TRUE(snapshot(p) == before);
+  // A version-3 caller's struct ends before the fields: a real call, the pointer never read.
+  need = 99;
+  o.struct_size = FLASHATTN_OPTIONS_V4_SIZE;
+  EXPECT_EQ(flashattn_forward(&q, &k, &v, &out, &lse, &o), FLASHATTN_OK);
+  EXPECT_EQ(need, 99u);
+  EXPECT_FALSE(snapshot(p) == before);
+}
+
 }  // namespace
 }  // namespace flashattn::test

@@ -170,11 +170,27 @@ typedef struct {
   double max_flops;
   int (*cancel)(void* cancel_arg);
   void* cancel_arg;
+  /* ---- end of version 4 (FLASHATTN_OPTIONS_V4_SIZE) ---- */
+  /* Scratch memory from the caller (a framework's allocator), for CUDA calls:
+   * workspace_query: non-NULL: the call validates everything as usual (errors as always), then
+   *   stores the bytes of device scratch it would take in *workspace_query and returns
+   *   FLASHATTN_OK without running anything or writing any tensor. The size depends on the call's
+   *   shapes, dtype, options and device (not on data, except a KV-cache call's index arrays);
+   *   CPU calls need none (0: their scratch is the library's own host memory).
+   * workspace: NULL: a CUDA call takes its scratch from the library's own stream-ordered pool.
+   *   Else it uses [workspace, workspace + workspace_bytes) instead and allocates nothing: memory
+   *   of the call's device, 256-byte aligned, at least the queried size, overlapping no tensor of
+   *   the call; the call reads and writes it in the order of options.stream, so it may be reused
+   *   by later work on that stream. Ignored by CPU calls. */
+  void* workspace;
+  uint64_t workspace_bytes;
+  uint64_t* workspace_query;
 } flashattn_options;
 
 #define FLASHATTN_OPTIONS_V1_SIZE 24u
 #define FLASHATTN_OPTIONS_V2_SIZE 40u
 #define FLASHATTN_OPTIONS_V3_SIZE 72u /* through alibi_slopes (64-bit pointers) */
+#define FLASHATTN_OPTIONS_V4_SIZE 96u /* through cancel_arg (64-bit pointers) */
 
 /* Fills *opts with defaults (struct_size = sizeof, everything else 0 / NULL). */
 FLASHATTN_API void flashattn_options_init(flashattn_options* opts);

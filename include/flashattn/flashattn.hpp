@@ -97,6 +97,12 @@ struct Options {
   double max_flops = 0.0;
   int (*cancel)(void* cancel_arg) = nullptr;
   void* cancel_arg = nullptr;
+  // Scratch from the caller (flashattn_options): workspace_query != nullptr makes the call only
+  // validate and store the device scratch bytes it needs; workspace (256-byte aligned device
+  // memory of workspace_bytes, overlapping no tensor) replaces the library's pool in CUDA calls.
+  void* workspace = nullptr;
+  uint64_t workspace_bytes = 0;
+  uint64_t* workspace_query = nullptr;
 };
 
 // out [B,Hq,Sq,D], lse [B,Hq,Sq] float32.

@@ -104,12 +104,25 @@ void check_bounds(const Shape& s, bool backward, const Options& o, const Exec& e
     throw Error(Status::Cancelled, "cancelled by options.cancel before the call started");
 }
 
+
+// options.workspace checked against the call's tensors; with options.workspace_query the call
+// ends here: true after storing the scratch bytes `need()` gives (CUDA) or 0 (CPU).
+template <class Need>
+bool workspace_step(const Options& o, const Exec& e, std::vector<const Tensor*> tensors, Need&& need) {
+  tensors.push_back(o.alibi_slopes);
+  check_workspace(o, e.device, tensors);
+  if (o.workspace_query == nullptr) return false;
+  *o.workspace_query = e.device < 0 ? 0 : need();
+  return true;
+}
+
 }  // namespace
 
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
              const Tensor& lse, const Options& options) {
   ForwardParams p = make_forward_params(q, k, v, out, lse, options);
   check_bounds(p.shape, false, options, p.exec);
+  if (workspace_step(options, p.exec, {&q, &k, &v, &out, &lse}, [&] { return cuda::forward_workspace(p); })) return;
   if (p.exec.device < 0)
     cpu::forward(p);
   else
@@ -121,6 +134,9 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
               const Tensor& dv, const Options& options) {
   BackwardParams p = make_backward_params(q, k, v, out, dout, lse, dq, dk, dv, options);
   check_bounds(p.shape, true, options, p.exec);
+  if (workspace_step(options, p.exec, {&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv},
+                     [&] { return cuda::backward_workspace(p); }))
+    return;
   if (p.exec.device < 0)
     cpu::backward(p);
   else
@@ -131,6 +147,10 @@ void forward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                     const Varlen& varlen, const Options& options) {
   ForwardParams p = make_forward_params_varlen(q, k, v, out, lse, varlen, options);
   check_bounds(p.shape, false, options, p.exec);
+  if (workspace_step(options, p.exec,
+                     {&q, &k, &v, &out, &lse, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k},
+                     [&] { return cuda::forward_workspace(p); }))
+    return;
   if (p.exec.device < 0)
     cpu::forward(p);
   else
@@ -142,6 +162,11 @@ void backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Options& options) {
   BackwardParams p = make_backward_params_varlen(q, k, v, out, dout, lse, dq, dk, dv, varlen, options);
   check_bounds(p.shape, true, options, p.exec);
+  if (workspace_step(options, p.exec,
+                     {&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv, varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+                      varlen.seqused_k},
+                     [&] { return cuda::backward_workspace(p); }))
+    return;
   if (p.exec.device < 0)
     cpu::backward(p);
   else
@@ -153,6 +178,11 @@ void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   KvcacheCall call;
   make_kvcache_params(q, k_cache, v_cache, out, lse, kv, options, call);
   check_bounds(call.params.fwd.shape, false, options, call.params.fwd.exec);
+  if (workspace_step(options, call.params.fwd.exec,
+                     {&q, &k_cache, &v_cache, &out, &lse, kv.k_new, kv.v_new, kv.cache_seqlens, kv.cache_batch_idx,
+                      kv.cache_leftpad, kv.block_table, kv.rotary_cos, kv.rotary_sin},
+                     [&] { return cuda::kvcache_workspace(call.params); }))
+    return;
   if (call.params.fwd.exec.device >= 0)
     cuda::forward_kvcache(call.params);
   else

@@ -28,6 +28,10 @@ void forward(const ForwardParams& p);
 void backward(const BackwardParams& p);
 // KV-cache forward (float16/bfloat16): the append (and rotary), then the attention over the caches.
 void forward_kvcache(const KvcacheParams& p);
+// The device scratch bytes each call would take (options.workspace_query): its plan's workspace.
+uint64_t forward_workspace(const ForwardParams& p);
+uint64_t backward_workspace(const BackwardParams& p);
+uint64_t kvcache_workspace(const KvcacheParams& p);
 std::string describe();
 // Checks that ptr is memory of CUDA device `device` (cudaPointerGetAttributes); throws
 // Error(InvalidArgument) naming `what` otherwise.

@@ -14,6 +14,8 @@ namespace flashattn::detail {
 
 static_assert(sizeof(void*) != 8 || offsetof(flashattn_options, max_flops) == FLASHATTN_OPTIONS_V3_SIZE,
               "version 3 of flashattn_options ends where max_flops starts (64-bit pointers)");
+static_assert(sizeof(void*) != 8 || offsetof(flashattn_options, workspace) == FLASHATTN_OPTIONS_V4_SIZE,
+              "version 4 of flashattn_options ends where workspace starts (64-bit pointers)");
 
 // nullptr means all defaults. Throws Error(InvalidArgument) when struct_size is below version 1.
 // The ALiBi slopes' view is copied into *alibi_storage (which must outlive the Options).
@@ -45,6 +47,11 @@ inline Options options_from_c(const flashattn_options* o, Tensor* alibi_storage 
   if (has(offsetof(flashattn_options, cancel_arg), sizeof(void*))) {
     r.cancel = o->cancel;
     r.cancel_arg = o->cancel_arg;
+  }
+  if (has(offsetof(flashattn_options, workspace_query), sizeof(void*))) {
+    r.workspace = o->workspace;
+    r.workspace_bytes = o->workspace_bytes;
+    r.workspace_query = o->workspace_query;
   }
   if (has(offsetof(flashattn_options, alibi_slopes), sizeof(void*)) && o->alibi_slopes != nullptr)
   {

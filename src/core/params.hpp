@@ -54,6 +54,8 @@ struct Exec {
   int32_t num_threads;  // CPU threads, resolved (>= 1)
   int (*cancel)(void*);  // options.cancel (nullptr: none): polled before each CPU task
   void* cancel_arg;
+  void* workspace;           // options.workspace: the caller's CUDA scratch (nullptr: the pool)
+  uint64_t workspace_bytes;  // (checked against the plan's need by the backend)
 };
 
 // A [B, H, S, D] operand with unit head_dim stride; element (b,h,s,d) is at

@@ -365,7 +365,8 @@ Common make_common(const Named& q, const Shape& shape, const Options& o) {
   if (threads == 0)
     threads = static_cast<int32_t>(std::min<unsigned>(
         std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
-  c.exec = Exec{q.t->device, o.stream, threads, o.cancel, o.cancel_arg};
+  c.exec = Exec{q.t->device, o.stream, threads, o.cancel, o.cancel_arg,
+                q.t->device >= 0 ? o.workspace : nullptr, o.workspace_bytes};
   return c;
 }
 
@@ -989,6 +990,28 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   if (rotary)
     kp.rotary = KvRotary{kv.rotary_cos->data, kv.rotary_sin->data, kv.rotary_cos->stride[0], kv.rotary_sin->stride[0],
                          2 * kv.rotary_cos->shape[1], kv.rotary_interleaved, q_advances};
+}
+
+void check_workspace(const Options& o, int32_t device, const std::vector<const Tensor*>& tensors) {
+  if (o.workspace == nullptr || device < 0) return;
+  std::ostringstream os;
+  os << "options.workspace = " << o.workspace;
+  const std::string what = os.str();
+  if (reinterpret_cast<uintptr_t>(o.workspace) % 256 != 0) fail(what + " is not aligned to 256 bytes");
+  cuda::check_device_pointer(o.workspace, device, "options.workspace");
+  const auto lo = reinterpret_cast<uintptr_t>(o.workspace);
+  const uintptr_t hi = lo + o.workspace_bytes;
+  if (hi < lo) fail(what + " + options.workspace_bytes = " + std::to_string(o.workspace_bytes) + " wraps around");
+  for (const Tensor* t : tensors) {
+    if (t == nullptr || t->data == nullptr) continue;
+    const Span s = span_of(*t);
+    if (s.lo < hi && lo < s.hi) {
+      std::ostringstream m;
+      m << what << " (" << o.workspace_bytes << " bytes) overlaps a tensor of the call at " << t->data
+        << " (shape " << format_dims(t->shape, t->ndim) << "): the scratch must be memory of its own";
+      fail(m.str());
+    }
+  }
 }
 
 }  // namespace flashattn

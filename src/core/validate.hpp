@@ -40,6 +40,11 @@ struct KvcacheCall {
 void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,
                          const Tensor& lse, const KvCache& kv, const Options& options, KvcacheCall& call);
 
+// options.workspace of a CUDA call (device `device` >= 0): memory of that device, 256-byte aligned,
+// overlapping none of `tensors` (nullptr entries skipped). Nothing is checked for CPU calls, which
+// ignore it, or without a workspace. (Its size is the backend's check: it knows the plan's need.)
+void check_workspace(const Options& o, int32_t device, const std::vector<const Tensor*>& tensors);
+
 // "[2, 8, 128, 64]"
 std::string format_dims(const int64_t* dims, int32_t ndim);
 

@@ -705,5 +705,104 @@ TEST(Cuda16BadInput, UnknownBackwardDesign) {
   EXPECT_TRUE(call("backward", c.describe(), [&] { d.backward(options_for(c)); }));
 }
 
+
+// ---- caller-owned workspace (options.workspace / workspace_query) ----------------------------
+
+// The query gives the plan's scratch (the deterministic backward's D rows at least) and writes
+// nothing; a call given that much of the caller's memory allocates none of its own and returns
+// the pool's results bit for bit; a smaller, misaligned, host or overlapping workspace is refused
+// before anything is written.
+TEST(Cuda16Workspace, QueryThenCallerMemory) {
+  REQUIRE_GPU();
+  const ProblemConfig c = make_config(2, 4, 2, 300, 300, 128, Mask::CausalBottomRight, DType::BFloat16,
+                                      testing::Layout::BSHD, 0, 55);
+  Problem p(c);
+  DeviceProblem d(p);
+  ASSERT_TRUE(d.ok());
+  Options o = options16(c, kDesigns[0]);
+  o.deterministic = true;
+  d.forward(o);
+  d.backward(o);
+  p.poison_outputs();
+  d.download();
+  const Snapshot pool = snapshot(p);
+
+  uint64_t need = 0;
+  Options q = o;
+  q.workspace_query = &need;
+  d.poison_grads();
+  ASSERT_NO_THROW(d.backward(q));
+  EXPECT_GE(need, static_cast<uint64_t>(2 * 4 * 300 * 4)) << "D: one float per query row";
+  p.poison_outputs();
+  d.download();
+  for (const testing::HostTensor* t : {&p.dq, &p.dk, &p.dv}) {
+    const std::vector<double> x = p.to_double(*t);
+    EXPECT_TRUE(std::all_of(x.begin(), x.end(), [](double y) { return std::isnan(y); })) << "a query wrote gradients";
+  }
+
+  DeviceBuffer ws(need + 512);
+  ASSERT_NE(ws.ptr, nullptr);
+  Options w = o;
+  w.workspace = ws.ptr;
+  w.workspace_bytes = need;
+  d.poison_grads();
+  ASSERT_NO_THROW(d.backward(w));
+  p.poison_outputs();
+  d.download();
+  EXPECT_TRUE(snapshot(p) == pool) << "the caller's workspace changed the results";
+
+  auto refused = [&](Options bad, const char* needle) {
+    d.poison_grads();
+    EXPECT_TRUE(throws_error([&] { d.backward(bad); }, Status::InvalidArgument, {needle})) << needle;
+    p.poison_outputs();
+    d.download();
+    const std::vector<double> x = p.to_double(p.dq);
+    EXPECT_TRUE(std::all_of(x.begin(), x.end(), [](double y) { return std::isnan(y); })) << needle << ": written";
+  };
+  Options small = w;
+  small.workspace_bytes = need - 4;
+  refused(small, "options.workspace_bytes");
+  Options misaligned = w;
+  misaligned.workspace = static_cast<char*>(ws.ptr) + 16;
+  refused(misaligned, "aligned to 256");
+  std::vector<unsigned char> host(need + 512);
+  Options on_host = w;
+  on_host.workspace = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(host.data()) + 255) / 256 * 256);
+  refused(on_host, "host memory");
+  Options overlap = w;
+  overlap.workspace = d.dq.data;  // (cudaMalloc'd: 256-byte aligned)
+  refused(overlap, "overlaps");
+}
+
+// KV-cache and packed calls query too (the KV-cache split partials, the packed maps).
+TEST(Cuda16Workspace, KvcacheQuery) {
+  REQUIRE_GPU();
+  const int64_t B = 1, S = 8192, Hq = 32, Hkv = 8, D = 128;
+  DeviceBuffer q(B * Hq * D * 2), kc(B * S * Hkv * D * 2), vc(B * S * Hkv * D * 2), out(B * Hq * D * 2), lse(B * Hq * 4);
+  ASSERT_TRUE(q.ptr && kc.ptr && vc.ptr && out.ptr && lse.ptr);
+  const Tensor tq = Tensor::bshd(q.ptr, DType::BFloat16, B, Hq, 1, D, 0);
+  const Tensor tk = Tensor::bshd(kc.ptr, DType::BFloat16, B, Hkv, S, D, 0);
+  const Tensor tv = Tensor::bshd(vc.ptr, DType::BFloat16, B, Hkv, S, D, 0);
+  const Tensor to = Tensor::bshd(out.ptr, DType::BFloat16, B, Hq, 1, D, 0);
+  const Tensor tl = Tensor::lse(static_cast<float*>(lse.ptr), B, Hq, 1, 0);
+  // (bshd views are [B, H, S, D] logically; the KV-cache call takes [B, S, H, D] tensors.)
+  auto as_bshd = [](Tensor t) {
+    std::swap(t.shape[1], t.shape[2]);
+    std::swap(t.stride[1], t.stride[2]);
+    return t;
+  };
+  uint64_t need = 0;
+  Options o;
+  o.workspace_query = &need;
+  KvCache kv;
+  ASSERT_NO_THROW(forward_kvcache(as_bshd(tq), as_bshd(tk), as_bshd(tv), as_bshd(to), tl, kv, o));
+  EXPECT_GT(need, static_cast<uint64_t>(Hq * D * 4)) << "split partials";
+  kv.num_splits = 1;
+  uint64_t one = 0;
+  o.workspace_query = &one;
+  ASSERT_NO_THROW(forward_kvcache(as_bshd(tq), as_bshd(tk), as_bshd(tv), as_bshd(to), tl, kv, o));
+  EXPECT_LT(one, need) << "no partials without splits";
+}
+
 }  // namespace
 }  // namespace flashattn::test

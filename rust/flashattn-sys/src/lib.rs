@@ -111,6 +111,13 @@ pub struct flashattn_options {
     /// `FLASHATTN_ERROR_CANCELLED` (outputs partly written).
     pub cancel: Option<unsafe extern "C" fn(cancel_arg: *mut c_void) -> c_int>,
     pub cancel_arg: *mut c_void,
+    // ---- end of version 4 (FLASHATTN_OPTIONS_V4_SIZE) ----
+    /// The caller's CUDA scratch: null = the library's pool; else `workspace_bytes` bytes of the
+    /// call's device, 256-byte aligned, overlapping no tensor. Ignored by CPU calls.
+    pub workspace: *mut c_void,
+    pub workspace_bytes: u64,
+    /// Non-null: the call only validates and stores the scratch bytes it needs (0 on the CPU).
+    pub workspace_query: *mut u64,
 }
 
 /// Size of the version 1 `flashattn_options` (up to and including `stream`).
@@ -119,6 +126,8 @@ pub const FLASHATTN_OPTIONS_V1_SIZE: u32 = 24;
 pub const FLASHATTN_OPTIONS_V2_SIZE: u32 = 40;
 /// Size of the version 3 `flashattn_options` (up to and including `alibi_slopes`).
 pub const FLASHATTN_OPTIONS_V3_SIZE: u32 = 72;
+/// Size of the version 4 `flashattn_options` (up to and including `cancel_arg`).
+pub const FLASHATTN_OPTIONS_V4_SIZE: u32 = 96;
 
 /// Packed variable-length batches (`flashattn_forward_varlen`): see flashattn.h.
 #[repr(C)]

@@ -95,6 +95,7 @@ fn rust_side() -> BTreeMap<String, i64> {
         ("FLASHATTN_OPTIONS_V1_SIZE", FLASHATTN_OPTIONS_V1_SIZE as i64),
         ("FLASHATTN_OPTIONS_V2_SIZE", FLASHATTN_OPTIONS_V2_SIZE as i64),
         ("FLASHATTN_OPTIONS_V3_SIZE", FLASHATTN_OPTIONS_V3_SIZE as i64),
+        ("FLASHATTN_OPTIONS_V4_SIZE", FLASHATTN_OPTIONS_V4_SIZE as i64),
         ("FLASHATTN_MAX_THREADS", FLASHATTN_MAX_THREADS as i64),
         ("FLASHATTN_MAX_SOFTMAX_SCALE", FLASHATTN_MAX_SOFTMAX_SCALE as i64),
     ];
@@ -120,6 +121,9 @@ fn rust_side() -> BTreeMap<String, i64> {
     m.extend(field!(flashattn_options, max_flops));
     m.extend(field!(flashattn_options, cancel));
     m.extend(field!(flashattn_options, cancel_arg));
+    m.extend(field!(flashattn_options, workspace));
+    m.extend(field!(flashattn_options, workspace_bytes));
+    m.extend(field!(flashattn_options, workspace_query));
     m.extend(field!(flashattn_varlen, struct_size));
     m.extend(field!(flashattn_varlen, cu_seqlens_q));
     m.extend(field!(flashattn_varlen, cu_seqlens_k));
@@ -226,7 +230,7 @@ fn kvcache_init_fills_struct_size_and_defaults() {
     kv.rotary_cos = 16 as *const _;
     kv.rotary_sin = 16 as *const _;
     kv.rotary_interleaved = 0;
-    kv.reserved0 = 5;
+    kv.num_splits = 5;
     unsafe { flashattn_kvcache_init(&mut kv) };
     assert_eq!(kv.struct_size as usize, size_of::<flashattn_kvcache>());
     for p in [
@@ -241,7 +245,7 @@ fn kvcache_init_fills_struct_size_and_defaults() {
     ] {
         assert!(p.is_null());
     }
-    assert_eq!((kv.rotary_interleaved, kv.reserved0), (1, 0));
+    assert_eq!((kv.rotary_interleaved, kv.num_splits), (1, 0));
 }
 
 #[test]
@@ -269,6 +273,7 @@ fn version_sizes_end_where_the_next_fields_begin() {
     assert_eq!(offset_of!(flashattn_options, num_threads), FLASHATTN_OPTIONS_V1_SIZE as usize);
     assert_eq!(offset_of!(flashattn_options, window_left), FLASHATTN_OPTIONS_V2_SIZE as usize);
     assert_eq!(offset_of!(flashattn_options, max_flops), FLASHATTN_OPTIONS_V3_SIZE as usize);
+    assert_eq!(offset_of!(flashattn_options, workspace), FLASHATTN_OPTIONS_V4_SIZE as usize);
     assert!(size_of::<flashattn_options>() > FLASHATTN_OPTIONS_V2_SIZE as usize);
 }
 

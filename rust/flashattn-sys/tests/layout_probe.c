@@ -41,6 +41,9 @@ int main(void) {
   FIELD(flashattn_options, max_flops);
   FIELD(flashattn_options, cancel);
   FIELD(flashattn_options, cancel_arg);
+  FIELD(flashattn_options, workspace);
+  FIELD(flashattn_options, workspace_bytes);
+  FIELD(flashattn_options, workspace_query);
 
   SIZE(flashattn_varlen);
   FIELD(flashattn_varlen, struct_size);
@@ -90,6 +93,7 @@ int main(void) {
   DEF(FLASHATTN_OPTIONS_V1_SIZE);
   DEF(FLASHATTN_OPTIONS_V2_SIZE);
   DEF(FLASHATTN_OPTIONS_V3_SIZE);
+  DEF(FLASHATTN_OPTIONS_V4_SIZE);
   DEF(FLASHATTN_MAX_THREADS);
   DEF(FLASHATTN_MAX_SOFTMAX_SCALE);
   return 0;

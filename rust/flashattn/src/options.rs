@@ -193,6 +193,10 @@ impl<'a> Options<'a> {
             max_flops: 0.0,
             cancel: None,
             cancel_arg: core::ptr::null_mut(),
+            // (The library's own CUDA scratch pool: this crate serves host memory.)
+            workspace: core::ptr::null_mut(),
+            workspace_bytes: 0,
+            workspace_query: core::ptr::null_mut(),
         })
     }
 }

@@ -253,7 +253,7 @@ void forward(const ForwardParams& p) {
   DeviceGuard guard(p.exec.device);
   const ForwardPlan plan = unwrap(select_forward(p, device_caps(p.exec.device), overrides()));
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
-  Workspace ws(plan.workspace, stream);
+  Workspace ws(plan.workspace, stream, p.exec);
   FwdArgs a{};
   a.p = p;
   a.score = ScoreTransform::make(p.shape, p.num);
@@ -305,7 +305,7 @@ void backward(const BackwardParams& p) {
   // Workspace (BackwardPlan::workspace): D [B*Hq*Sq] floats, then, 16-byte aligned, the float32 dQ
   // accumulator [B*Hq*Sq, DP] of the atomic design (zeroed on the stream) or the float32 sm_90a
   // backward's operand copies.
-  Workspace ws(plan.workspace, stream);
+  Workspace ws(plan.workspace, stream, p.exec);
   const bool packed = p.packing.on();
   const size_t rows = query_rows(s, p.packing);
   const size_t after_delta = delta_floats(s, p.packing);
@@ -408,7 +408,7 @@ void forward_kvcache(const KvcacheParams& kp) {
   const size_t at_sk = put(m.seqlen_k, s.batch), at_first = put(kp.first_new, s.batch), at_pos = put(kp.pos0, s.batch);
   const size_t at_row = m.batch_row ? put(m.batch_row, s.batch) : 0, at_start = m.start ? put(m.start, s.batch) : 0;
   const size_t at_table = m.block_table ? put(m.block_table, s.batch * m.bt_stride) : 0;
-  Workspace ws(plan.workspace, stream);
+  Workspace ws(plan.workspace, stream, p.exec);
   char* base = reinterpret_cast<char*>(ws.get());
   auto* dev_idx = reinterpret_cast<int32_t*>(base);
   FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dev_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
@@ -450,6 +450,19 @@ void forward_kvcache(const KvcacheParams& kp) {
     });
   });
   if (plan.splits > 1) launch_kv_combine(a, stream);
+}
+
+uint64_t forward_workspace(const ForwardParams& p) {
+  DeviceGuard guard(p.exec.device);
+  return unwrap(select_forward(p, device_caps(p.exec.device), overrides())).workspace;
+}
+uint64_t backward_workspace(const BackwardParams& p) {
+  DeviceGuard guard(p.exec.device);
+  return unwrap(select_backward(p, device_caps(p.exec.device), overrides())).workspace;
+}
+uint64_t kvcache_workspace(const KvcacheParams& p) {
+  DeviceGuard guard(p.fwd.exec.device);
+  return unwrap(select_kvcache(p, device_caps(p.fwd.exec.device))).workspace;
 }
 
 std::string describe() {

@@ -14,6 +14,9 @@ bool available() { return false; }
 void forward(const ForwardParams&) { not_built(); }
 void backward(const BackwardParams&) { not_built(); }
 void forward_kvcache(const KvcacheParams&) { not_built(); }
+uint64_t forward_workspace(const ForwardParams&) { not_built(); }
+uint64_t backward_workspace(const BackwardParams&) { not_built(); }
+uint64_t kvcache_workspace(const KvcacheParams&) { not_built(); }
 std::string describe() { return "not built"; }
 void set_override(const char*, const char*) { not_built(); }
 void check_device_pointer(const void*, int32_t device, const char* what) {

@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <string>
 
+#include "core/params.hpp"
 #include "cuda/host/check.hpp"
 
 namespace flashattn::cuda {
@@ -23,13 +25,25 @@ cudaMemPool_t workspace_pool();
 // Device scratch of a call (a plan's workspace: D, the dQ accumulator, operand copies): stream-ordered
 // memory from workspace_pool(), freed on the stream on every path out (also when a later step
 // throws).
+// With a caller's workspace (options.workspace, validated: device memory, aligned, no overlap) the
+// plan's bytes come from it instead, nothing is allocated, and a workspace smaller than the plan's
+// need is an InvalidArgument before anything runs.
 class Workspace {
  public:
-  Workspace(size_t bytes, cudaStream_t stream) : stream_(stream) {
+  Workspace(size_t bytes, cudaStream_t stream, const Exec& e) : stream_(stream) {
+    if (e.workspace != nullptr) {
+      if (e.workspace_bytes < bytes)
+        throw Error(Status::InvalidArgument,
+                    "options.workspace_bytes = " + std::to_string(e.workspace_bytes) + " is less than the " +
+                        std::to_string(bytes) + " bytes of scratch this call needs (options.workspace_query gives it)");
+      ptr_ = bytes > 0 ? e.workspace : nullptr;
+      owned_ = false;
+      return;
+    }
     if (bytes > 0) FLASHATTN_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes, workspace_pool(), stream));
   }
   ~Workspace() {
-    if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
+    if (ptr_ != nullptr && owned_) (void)cudaFreeAsync(ptr_, stream_);
   }
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
@@ -37,6 +51,7 @@ class Workspace {
 
  private:
   void* ptr_ = nullptr;
+  bool owned_ = true;
   cudaStream_t stream_;
 };
 
