@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import _api, _ext
 
-__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads"]
+__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads", "use_torch_allocator"]
 
 
 _stream = _api.torch_stream
@@ -104,18 +104,65 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
 
 
+# ---- CUDA scratch from PyTorch's caching allocator --------------------------------------------
+# A CUDA call's scratch (the backward's D rows and dQ accumulator, packed calls' tensor maps, ...)
+# comes from torch's caching allocator, so torch.cuda.memory_allocated / max_memory_allocated and
+# set_per_process_memory_fraction see it: the library is asked for the size once per call
+# signature (its query validates only; the size depends on shapes, strides, alignment, dtype and
+# options, never on data) and given a uint8 tensor of that many bytes on the call's stream, freed
+# back to the cache after the call in stream order. use_torch_allocator(False) leaves the scratch
+# to the library's own pool.
+_WS_SIZES = {}
+_WS_TORCH = os.environ.get("FLASHATTN_TORCH_ALLOCATOR", "1") != "0"
+
+
+def use_torch_allocator(enable: bool = True) -> bool:
+    """CUDA scratch from PyTorch's caching allocator (the default), or (False) from the library's
+    own stream-ordered pool, outside torch's memory statistics. Returns the previous setting."""
+    global _WS_TORCH
+    prev, _WS_TORCH = _WS_TORCH, bool(enable)
+    return prev
+
+
+def _ws_key(tensors, scalars):
+    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 256) for t in tensors if t is not None) + scalars
+
+
+def _with_scratch(kind, call, tensors, scalars):
+    """call() on the CPU; on CUDA with its scratch from torch (see above). call(**kw) makes the
+    extension call (fresh DLPack capsules each time: a capsule is consumed by one call)."""
+    q = tensors[0]
+    if not (_WS_TORCH and q.is_cuda):
+        return call()
+    key = (kind,) + _ws_key(tensors, scalars)
+    need = _WS_SIZES.get(key)
+    if need is None:
+        need = call(query=True)
+        if len(_WS_SIZES) > 4096:
+            _WS_SIZES.clear()
+        _WS_SIZES[key] = need
+    if need == 0:
+        return call()
+    buf = torch.empty(need + 255, dtype=torch.uint8, device=q.device)
+    return call(workspace=(buf.data_ptr() + 255) // 256 * 256, workspace_bytes=need)
+
+
 def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads, deterministic,
               window_left, window_right, softcap, alibi_slopes):
-    _ext.forward(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), scale, mask, precision,
-                 _threads(q, num_threads), _stream(q), deterministic, window_left, window_right,
-                 softcap, _dl_opt(alibi_slopes))
+    _with_scratch("fwd", lambda **kw: _ext.forward(
+        _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), scale, mask, precision, _threads(q, num_threads), _stream(q),
+        deterministic, window_left, window_right, softcap, _dl_opt(alibi_slopes), **kw),
+        (q, k, v, out, lse, alibi_slopes), (scale, mask, precision, deterministic, window_left, window_right, softcap))
 
 
 def _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, mask, precision, num_threads,
               deterministic, window_left, window_right, softcap, alibi_slopes):
-    _ext.backward(_dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk),
-                  _dl(dv), scale, mask, precision, _threads(q, num_threads), _stream(q),
-                  deterministic, window_left, window_right, softcap, _dl_opt(alibi_slopes))
+    _with_scratch("bwd", lambda **kw: _ext.backward(
+        _dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk), _dl(dv), scale, mask, precision,
+        _threads(q, num_threads), _stream(q), deterministic, window_left, window_right, softcap,
+        _dl_opt(alibi_slopes), **kw),
+        (q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes),
+        (scale, mask, precision, deterministic, window_left, window_right, softcap))
 
 
 def _lse_like(q: Tensor, bhs) -> Tensor:
@@ -342,19 +389,23 @@ _VARLEN_ARG_COUNT = 5
 def _call_fwd_varlen(q, k, v, out, lse, cu_q, cu_k, used_k, max_q, max_k, scale, mask, precision,
                      num_threads, deterministic, window_left, window_right, softcap,
                      alibi_slopes):
-    _ext.forward_varlen(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(cu_q), _dl(cu_k),
-                        _dl_opt(used_k), max_q, max_k, scale, mask, precision,
-                        _threads(q, num_threads), _stream(q), deterministic, window_left,
-                        window_right, softcap, _dl_opt(alibi_slopes))
+    _with_scratch("fwd_varlen", lambda **kw: _ext.forward_varlen(
+        _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(cu_q), _dl(cu_k), _dl_opt(used_k), max_q, max_k, scale, mask,
+        precision, _threads(q, num_threads), _stream(q), deterministic, window_left, window_right, softcap,
+        _dl_opt(alibi_slopes), **kw),
+        (q, k, v, out, lse, cu_q, cu_k, used_k, alibi_slopes),
+        (max_q, max_k, scale, mask, precision, deterministic, window_left, window_right, softcap))
 
 
 def _call_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, used_k, max_q, max_k, scale,
                      mask, precision, num_threads, deterministic, window_left, window_right,
                      softcap, alibi_slopes):
-    _ext.backward_varlen(_dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk),
-                         _dl(dv), _dl(cu_q), _dl(cu_k), _dl_opt(used_k), max_q, max_k, scale, mask,
-                         precision, _threads(q, num_threads), _stream(q), deterministic,
-                         window_left, window_right, softcap, _dl_opt(alibi_slopes))
+    _with_scratch("bwd_varlen", lambda **kw: _ext.backward_varlen(
+        _dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk), _dl(dv), _dl(cu_q), _dl(cu_k),
+        _dl_opt(used_k), max_q, max_k, scale, mask, precision, _threads(q, num_threads), _stream(q),
+        deterministic, window_left, window_right, softcap, _dl_opt(alibi_slopes), **kw),
+        (q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, used_k, alibi_slopes),
+        (max_q, max_k, scale, mask, precision, deterministic, window_left, window_right, softcap))
 
 
 def _packed_lse_like(q: Tensor) -> Tensor:

@@ -166,9 +166,19 @@ float to_float32(double value, const char* name, const char* zero_means) {
   return f;
 }
 
+// The caller's CUDA scratch (options.workspace, from the torch layer's caching allocator) or a
+// query of its size (options.workspace_query: the call then only validates).
+struct Scratch {
+  uintptr_t workspace = 0;
+  uint64_t bytes = 0;
+  bool query = false;
+  uint64_t need = 0;
+};
+
 flashattn_options make_options(double softmax_scale, int mask, int precision, int num_threads,
                                uintptr_t stream, bool deterministic, int64_t window_left,
-                               int64_t window_right, double softcap, const Slopes& slopes) {
+                               int64_t window_right, double softcap, const Slopes& slopes,
+                               Scratch* scratch = nullptr) {
   flashattn_options o;
   flashattn_options_init(&o);
   o.softmax_scale = to_float32(softmax_scale, "softmax_scale", "1/sqrt(head_dim)");
@@ -183,6 +193,11 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
   o.window_right = window_right;
   o.softcap = to_float32(softcap, "softcap", "no softcap");
   o.alibi_slopes = slopes.view();
+  if (scratch != nullptr) {
+    o.workspace = reinterpret_cast<void*>(scratch->workspace);
+    o.workspace_bytes = scratch->bytes;
+    o.workspace_query = scratch->query ? &scratch->need : nullptr;
+  }
   return o;
 }
 
@@ -211,30 +226,35 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
   }
 }
 
-void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+uint64_t forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              double softmax_scale, int mask, int precision, int num_threads, uintptr_t stream,
              bool deterministic, int64_t window_left, int64_t window_right, double softcap,
-             nb::handle alibi_slopes) {
+             nb::handle alibi_slopes, uintptr_t workspace,
+    uint64_t workspace_bytes, bool query) {
+  Scratch scratch{workspace, workspace_bytes, query, 0};
   auto tq = convert<InArray>(q, "q", false), tk = convert<InArray>(k, "k", false),
        tv = convert<InArray>(v, "v", false);
   auto to = convert<OutArray>(out, "out", true), tl = convert<OutArray>(lse, "lse", true);
   const Slopes slopes(alibi_slopes);
   const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
                                            deterministic, window_left, window_right, softcap,
-                                           slopes);
+                                           slopes, &scratch);
   int status;
   {
     nb::gil_scoped_release nogil;
     status = flashattn_forward(&tq.view, &tk.view, &tv.view, &to.view, &tl.view, &o);
   }
   if (status != FLASHATTN_OK) raise_status(status);
+  return scratch.need;
 }
 
-void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+uint64_t backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
               nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv, double softmax_scale,
               int mask, int precision, int num_threads, uintptr_t stream, bool deterministic,
               int64_t window_left, int64_t window_right, double softcap,
-              nb::handle alibi_slopes) {
+              nb::handle alibi_slopes, uintptr_t workspace,
+    uint64_t workspace_bytes, bool query) {
+  Scratch scratch{workspace, workspace_bytes, query, 0};
   auto tdo = convert<InArray>(dout, "dout", false), tq = convert<InArray>(q, "q", false),
        tk = convert<InArray>(k, "k", false), tv = convert<InArray>(v, "v", false),
        to = convert<InArray>(out, "out", false), tl = convert<InArray>(lse, "lse", false);
@@ -243,7 +263,7 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
   const Slopes slopes(alibi_slopes);
   const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
                                            deterministic, window_left, window_right, softcap,
-                                           slopes);
+                                           slopes, &scratch);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -251,6 +271,7 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
                                 &tdq.view, &tdk.view, &tdv.view, &o);
   }
   if (status != FLASHATTN_OK) raise_status(status);
+  return scratch.need;
 }
 
 // The varlen arrays: cu_seqlens_q / _k and the optional seqused_k stay referenced (their ndarray
@@ -273,12 +294,14 @@ struct VarlenArgs {
   }
 };
 
-void forward_varlen(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+uint64_t forward_varlen(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
                     nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle seqused_k,
                     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int mask,
                     int precision, int num_threads, uintptr_t stream, bool deterministic,
                     int64_t window_left, int64_t window_right, double softcap,
-                    nb::handle alibi_slopes) {
+                    nb::handle alibi_slopes, uintptr_t workspace,
+    uint64_t workspace_bytes, bool query) {
+  Scratch scratch{workspace, workspace_bytes, query, 0};
   auto tq = convert<InArray>(q, "q", false, kPacked), tk = convert<InArray>(k, "k", false, kPacked),
        tv = convert<InArray>(v, "v", false, kPacked);
   auto to = convert<OutArray>(out, "out", true, kPacked),
@@ -287,7 +310,7 @@ void forward_varlen(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb
   const Slopes slopes(alibi_slopes);
   const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
                                            deterministic, window_left, window_right, softcap,
-                                           slopes);
+                                           slopes, &scratch);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -295,15 +318,18 @@ void forward_varlen(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb
                                       &o);
   }
   if (status != FLASHATTN_OK) raise_status(status);
+  return scratch.need;
 }
 
-void backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+uint64_t backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                      nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv,
                      nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle seqused_k,
                      int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int mask,
                      int precision, int num_threads, uintptr_t stream, bool deterministic,
                      int64_t window_left, int64_t window_right, double softcap,
-                     nb::handle alibi_slopes) {
+                     nb::handle alibi_slopes, uintptr_t workspace,
+    uint64_t workspace_bytes, bool query) {
+  Scratch scratch{workspace, workspace_bytes, query, 0};
   auto tdo = convert<InArray>(dout, "dout", false, kPacked),
        tq = convert<InArray>(q, "q", false, kPacked), tk = convert<InArray>(k, "k", false, kPacked),
        tv = convert<InArray>(v, "v", false, kPacked),
@@ -316,7 +342,7 @@ void backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, 
   const Slopes slopes(alibi_slopes);
   const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
                                            deterministic, window_left, window_right, softcap,
-                                           slopes);
+                                           slopes, &scratch);
   int status;
   {
     nb::gil_scoped_release nogil;
@@ -324,6 +350,7 @@ void backward_varlen(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, 
                                        &tl.view, &tdq.view, &tdk.view, &tdv.view, &va.vl, &o);
   }
   if (status != FLASHATTN_OK) raise_status(status);
+  return scratch.need;
 }
 
 // An optional argument: held (its ndarray keeps the memory alive) while the library reads it.
@@ -439,7 +466,8 @@ NB_MODULE(_ext, m) {
         nb::arg("lse"), nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"),
         nb::arg("num_threads"), nb::arg("stream"), nb::arg("deterministic") = false,
         nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
-        nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+        nb::arg("query") = false,
         "Runs flashattn_forward on DLPack tensors in the library's logical [B, H, S, D] order; "
         "out and lse are written in place. softmax_scale 0 means 1/sqrt(D); window (-1, -1) "
         "means none, softcap 0 none, alibi_slopes None none.");
@@ -448,7 +476,8 @@ NB_MODULE(_ext, m) {
         nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"),
         nb::arg("stream"), nb::arg("deterministic") = false, nb::arg("window_left") = -1,
         nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
-        nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+        nb::arg("query") = false,
         "Runs flashattn_backward on DLPack tensors; dq, dk and dv are written in place. "
         "deterministic: a bitwise-reproducible backward (CUDA float16/bfloat16: no dQ atomics). "
         "The window, softcap and alibi_slopes must be the forward's.");
@@ -458,7 +487,8 @@ NB_MODULE(_ext, m) {
         nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"),
         nb::arg("stream"), nb::arg("deterministic") = false, nb::arg("window_left") = -1,
         nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
-        nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+        nb::arg("query") = false,
         "Runs flashattn_forward_varlen: q, out [total_q, Hq, D], k, v [total_k, Hkv, D], lse "
         "float32 [Hq, total_q]; cu_seqlens_q / _k int32 [B + 1], seqused_k None or int32 [B]. "
         "out and lse are written in place; options as forward().");
@@ -469,7 +499,8 @@ NB_MODULE(_ext, m) {
         nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"), nb::arg("stream"),
         nb::arg("deterministic") = false, nb::arg("window_left") = -1,
         nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
-        nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+        nb::arg("query") = false,
         "Runs flashattn_backward_varlen (layouts as forward_varlen); dq, dk and dv are written "
         "in place. Options and sequence arrays must be the forward's.");
   m.def("forward_kvcache", &forward_kvcache, nb::arg("q"), nb::arg("k_cache"),
