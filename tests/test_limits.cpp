@@ -35,6 +35,17 @@ void expect_rejected(const Options& o, const std::vector<std::string>& needles) 
   EXPECT_TRUE(snapshot(p) == before) << "written before the error";
 }
 
+// A C ABI view of a tensor.
+flashattn_tensor to_c(const Tensor& t) {
+  flashattn_tensor c{};
+  c.data = t.data;
+  c.dtype = static_cast<int32_t>(t.dtype);
+  c.device = t.device;
+  c.ndim = t.ndim;
+  for (int i = 0; i < t.ndim; ++i) c.shape[i] = t.shape[i], c.stride[i] = t.stride[i];
+  return c;
+}
+
 // ---- num_threads ---------------------------------------------------------------------------
 
 TEST(BadInputBounds, NumThreadsAboveTheBound) {
@@ -105,20 +116,8 @@ TEST(BadInputBounds, SoftmaxScaleAtTheBoundWorks) {
 // Through the C ABI: the status and the message.
 TEST(BadInputBounds, ThroughTheCAbi) {
   Problem p(small());
-  auto c = [](const Tensor& t) {
-    flashattn_tensor r{};
-    r.data = t.data;
-    r.dtype = static_cast<int32_t>(t.dtype);
-    r.device = t.device;
-    r.ndim = t.ndim;
-    for (int i = 0; i < 4; ++i) {
-      r.shape[i] = t.shape[i];
-      r.stride[i] = t.stride[i];
-    }
-    return r;
-  };
-  const flashattn_tensor q = c(p.q.view), k = c(p.k.view), v = c(p.v.view), out = c(p.out.view),
-                         lse = c(p.lse.view);
+  const flashattn_tensor q = to_c(p.q.view), k = to_c(p.k.view), v = to_c(p.v.view), out = to_c(p.out.view),
+                         lse = to_c(p.lse.view);
   flashattn_options o;
   flashattn_options_init(&o);
   o.softmax_scale = 3e38f;
@@ -274,19 +273,7 @@ TEST(WorkBounds, CancelDuringTheCallStopsIt) {
 TEST(WorkBounds, ThroughTheCAbi) {
   EXPECT_STREQ(flashattn_status_string(FLASHATTN_ERROR_CANCELLED), "cancelled");
   Problem p(small());
-  auto ct = [](const Tensor& t) {
-    flashattn_tensor c{};
-    c.data = t.data;
-    c.dtype = static_cast<int32_t>(t.dtype);
-    c.device = t.device;
-    c.ndim = t.ndim;
-    for (int i = 0; i < t.ndim; ++i) {
-      c.shape[i] = t.shape[i];
-      c.stride[i] = t.stride[i];
-    }
-    return c;
-  };
-  const flashattn_tensor q = ct(p.q.view), k = ct(p.k.view), v = ct(p.v.view), out = ct(p.out.view), lse = ct(p.lse.view);
+  const flashattn_tensor q = to_c(p.q.view), k = to_c(p.k.view), v = to_c(p.v.view), out = to_c(p.out.view), lse = to_c(p.lse.view);
   flashattn_options o;
   flashattn_options_init(&o);
   o.max_flops = 1.0;
@@ -342,16 +329,7 @@ TEST(CallerWorkspace, IgnoredByCpuCalls) {
 // Through the C ABI: the fields are read only from version-4 structs.
 TEST(CallerWorkspace, ThroughTheCAbi) {
   Problem p(small());
-  auto ct = [](const Tensor& t) {
-    flashattn_tensor c{};
-    c.data = t.data;
-    c.dtype = static_cast<int32_t>(t.dtype);
-    c.device = t.device;
-    c.ndim = t.ndim;
-    for (int i = 0; i < t.ndim; ++i) c.shape[i] = t.shape[i], c.stride[i] = t.stride[i];
-    return c;
-  };
-  const flashattn_tensor q = ct(p.q.view), k = ct(p.k.view), v = ct(p.v.view), out = ct(p.out.view), lse = ct(p.lse.view);
+  const flashattn_tensor q = to_c(p.q.view), k = to_c(p.k.view), v = to_c(p.v.view), out = to_c(p.out.view), lse = to_c(p.lse.view);
   const Snapshot before = snapshot(p);
   flashattn_options o;
   flashattn_options_init(&o);
