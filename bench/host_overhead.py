@@ -19,6 +19,10 @@ with the most time of their own: the extension's calls (_call_fwd, _call_bwd: th
 path, launches included), autograd's engine (run_backward: on CUDA it hands the backward to the
 device's thread and back), Python glue.
 
+The last column times, in one more round, the host time spent inside the extension's calls (the
+library's C++ path: validation, planning, scratch, launches); the rest of a row is Python and
+autograd around it.
+
 usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR] [--profile ENTRY]
 """
 
@@ -115,18 +119,55 @@ def main():
         except Exception as e:  # a backend that does not take these inputs
             print(f"{name}: not available ({type(e).__name__})")
 
+    # Where flashattn's time goes: one more round of forward+backward with the extension's entry
+    # points wrapped, timing the host time spent inside them (the library's C++ path: validation,
+    # planning, scratch, launches) apart from the Python and autograd around them.
+    inside = [0.0]
+
+    def wrapped(fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[0] += time.perf_counter() - t0
+        return call
+
+    ext_names = ("forward", "backward", "forward_varlen", "backward_varlen")
+
+    def ext_time(fn):
+        saved = {n: getattr(flashattn._ext, n) for n in ext_names}
+        for n in ext_names:
+            setattr(flashattn._ext, n, wrapped(saved[n]))
+        try:
+            for _ in range(args.warmup):
+                fn()
+            sync()
+            inside[0] = 0.0
+            for _ in range(args.calls):
+                fn()
+            sync()
+            return inside[0] / args.calls * 1e6
+        finally:
+            for n in ext_names:
+                setattr(flashattn._ext, n, saved[n])
+
     rows = []
     for name, inference, train in entries:
-        rows.append(dict(entry=name, fwd_us=timed(inference), fwd_bwd_us=timed(train)))
+        rows.append(dict(entry=name, fwd_us=timed(inference), fwd_bwd_us=timed(train),
+                         fwd_bwd_library_us=ext_time(train) if not name.startswith("sdpa") else float("nan")))
     ref = next((r for r in rows if r["entry"] in ("sdpa-flash", "sdpa")), None)
     print(f"# host time per call, {dev}, {dtype}, B{b} H{h} S{s} D{d}, torch {torch.__version__}"
           f" (median of {args.rounds} rounds of {args.calls} calls)")
-    print(f"| entry | fwd us | fwd+bwd us | fwd / {ref['entry'] if ref else '-'} | fwd+bwd / same |")
-    print("|---|---|---|---|---|")
+    print(f"| entry | fwd us | fwd+bwd us | fwd / {ref['entry'] if ref else '-'} | fwd+bwd / same "
+          "| of fwd+bwd: in the library us |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         rf = r["fwd_us"] / ref["fwd_us"] if ref else float("nan")
         rb = r["fwd_bwd_us"] / ref["fwd_bwd_us"] if ref else float("nan")
-        print(f"| {r['entry']} | {r['fwd_us']:.1f} | {r['fwd_bwd_us']:.1f} | {rf:.2f} | {rb:.2f} |")
+        lib = r["fwd_bwd_library_us"]
+        print(f"| {r['entry']} | {r['fwd_us']:.1f} | {r['fwd_bwd_us']:.1f} | {rf:.2f} | {rb:.2f} | "
+              f"{'-' if lib != lib else f'{lib:.1f}'} |")
     if args.profile:
         import cProfile
         import pstats

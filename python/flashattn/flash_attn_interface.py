@@ -187,10 +187,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         _check_ndim(x, name, 4, "(batch, seqlen, nheads, headdim)")
 
     codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, k.shape[1])
-    out, lse = _ops.call_op("fwd", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       *codes, _ops.slopes_value(alibi_slopes))
+    out, lse = _ops.call_op("bshd_fwd", q, k, v, *codes, _ops.slopes_value(alibi_slopes))
     shift = _alibi_lse_shift(alibi_slopes, causal, window_size, q.shape[1], k.shape[1], lse) if return_attn_probs else None
-    return _result(out.transpose(1, 2), lse, return_attn_probs, shift)
+    return _result(out, lse, return_attn_probs, shift)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,

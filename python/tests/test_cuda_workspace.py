@@ -32,7 +32,7 @@ def test_scratch_is_torch_memory(deterministic):
     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
     out, lse = fat.attention(q, k, v, mask="causal", return_lse=True)
     dl = torch.utils.dlpack.to_dlpack
-    need = _ext.backward(dl(do), dl(q), dl(k), dl(v), dl(out), dl(lse), dl(dq), dl(dk), dl(dv), None, 2, 0, 0,
+    need = _ext.backward(dl(do), dl(q), dl(k), dl(v), dl(out), dl(lse), dl(dq), dl(dk), dl(dv), 0.0, 2, 0, 0,
                          torch.cuda.current_stream().cuda_stream, deterministic, -1, -1, 0.0, None, query=True)
     torch.cuda.synchronize()
     assert need >= 2 * 8 * 1024 * 4, "D: a float per query row"

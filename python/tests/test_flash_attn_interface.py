@@ -492,3 +492,15 @@ def test_bad_mod_values(fn, kw, exc, pattern):
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(exc, match=pattern):
         packed_call(fn, q, q, q, **kw)
+
+
+def test_flash_attn_func_graph_has_no_view_nodes():
+    """The [B, S, H, D] layout is read through views inside the op: out's autograd node leads
+    straight to the leaves' gradient accumulators (no transpose nodes before or after it, each of
+    which cost host time in every backward)."""
+    q, k, v = (torch.randn(2, 9, 4, 16, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    nexts = [type(f).__name__ for f, _ in out.grad_fn.next_functions if f is not None]
+    assert nexts.count("AccumulateGrad") == 3, (type(out.grad_fn).__name__, nexts)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and q.grad.is_contiguous()

@@ -224,6 +224,12 @@ def test_opcheck_custom_ops(det):
     kv = torch.randn(2, 5, 2, 2, 16, requires_grad=True)
     qb = torch.randn(2, 7, 4, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.flashattn.kvpacked_fwd.default, (qb, kv, *args))
+    # The [B, S, H, D] ops behind flash_attn_func (GQA: 4 query heads over 2 kv heads).
+    kb, vb = torch.randn(2, 5, 2, 16, requires_grad=True), torch.randn(2, 5, 2, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashattn.bshd_fwd.default, (qb, kb, vb, *args))
+    ob, lb = torch.ops.flashattn.bshd_fwd(qb, kb, vb, *args)
+    torch.library.opcheck(torch.ops.flashattn.bshd_bwd.default,
+                          (torch.randn_like(ob), qb.detach(), kb.detach(), vb.detach(), ob.detach(), lb, *args))
 
 
 def spy_backward(monkeypatch):

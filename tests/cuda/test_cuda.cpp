@@ -697,5 +697,55 @@ TEST(CudaErrors, OutOfMemoryIsAStatusAndTheLibraryGoesOn) {
   expect_grads_near_reference(p, Precision::Fp32, "the call after the failed one");
 }
 
+// ---- caller-owned workspace, float32 ------------------------------------------------------------
+// The float32 plans (the sm_90a kernels' operand copies in the workspace) with the caller's memory:
+// forward and backward each given the size their query states, results bit for bit those of
+// the library's own pool (deterministic backward). The PyTorch layer's torch-allocator scratch
+// failed for float32 at B 3, Sq = Skv = 1, H 2, D 8 ("a tensor map failed to encode") on an H100
+// while the library's pool served the same call; these shapes keep that in view.
+TEST(CudaWorkspace32, CallerMemoryMatchesPool) {
+  REQUIRE_GPU();
+  struct S {
+    int64_t b, hq, hkv, sq, skv, d;
+  };
+  for (const S sh : {S{3, 2, 2, 1, 1, 8}, S{2, 4, 2, 37, 53, 64}, S{1, 6, 1, 70, 30, 40}, S{2, 4, 4, 45, 45, 32}}) {
+    for (Precision prec : {Precision::Fp32, Precision::Tf32}) {
+      const ProblemConfig c = make_config(sh.b, sh.hq, sh.hkv, sh.sq, sh.skv, sh.d, Mask::None, DType::Float32,
+                                          testing::Layout::BSHD, 0, 91);
+      SCOPED_TRACE(c.describe() + (prec == Precision::Fp32 ? " fp32" : " tf32"));
+      Problem p(c);
+      DeviceProblem d(p);
+      ASSERT_TRUE(d.ok());
+      Options o = cuda_options(c, prec);
+      o.deterministic = true;
+      ASSERT_NO_THROW(d.forward(o));
+      ASSERT_NO_THROW(d.backward(o));
+      p.poison_outputs();
+      d.download();
+      const Snapshot pool = snapshot(p);
+
+      uint64_t need_f = 0, need_b = 0;
+      Options qf = o, qb = o;
+      qf.workspace_query = &need_f;
+      qb.workspace_query = &need_b;
+      ASSERT_NO_THROW(d.forward(qf));
+      ASSERT_NO_THROW(d.backward(qb));
+      DeviceBuffer wf(need_f + 256), wb(need_b + 256);
+      Options f = o, b = o;
+      f.workspace = need_f > 0 ? wf.ptr : nullptr;
+      f.workspace_bytes = need_f;
+      b.workspace = need_b > 0 ? wb.ptr : nullptr;
+      b.workspace_bytes = need_b;
+      d.poison();
+      EXPECT_NO_THROW(d.forward(f));
+      EXPECT_NO_THROW(d.backward(b));
+      p.poison_outputs();
+      d.download();
+      EXPECT_TRUE(snapshot(p) == pool) << "the caller's workspace changed the results (forward "
+                                       << need_f << " bytes, backward " << need_b << " bytes)";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::test

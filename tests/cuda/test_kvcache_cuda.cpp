@@ -49,13 +49,15 @@ struct DeviceRun {
 
   void operator()(Harness& h) {
     const Tensor q = upload_vec(h.tq, h.q), kc = upload_vec(h.tkc, h.kc), vc = upload_vec(h.tvc, h.vc);
-    const Tensor out = upload_vec(h.tout, h.out), lse = upload_vec(h.tlse, h.lse);
+    const Tensor out = upload_vec(h.tout, h.out);
     Tensor kn, vn, sl, bi, lp, bt, cs, sn, al;
     KvCache kv = h.kv;
     if (kv.k_new) kn = upload_vec(h.tkn, h.kn), vn = upload_vec(h.tvn, h.vn), kv.k_new = &kn, kv.v_new = &vn;
-    // (Index arrays keep 4-byte alignment: the offset applies to the data tensors only.)
+    // (The float32 lse and the index arrays keep 4-byte alignment: the offset applies to the
+    // 16-bit tensors only, whose elements stay 2-byte aligned.)
     const int keep = offset;
     offset = 0;
+    const Tensor lse = upload_vec(h.tlse, h.lse);
     if (kv.cache_seqlens) sl = upload_vec(h.tsl, h.seqlens), kv.cache_seqlens = &sl;
     if (kv.cache_batch_idx) bi = upload_vec(h.tbi, h.bidx), kv.cache_batch_idx = &bi;
     if (kv.cache_leftpad) lp = upload_vec(h.tlp, h.leftpad), kv.cache_leftpad = &lp;
