@@ -120,8 +120,9 @@ _WS_TORCH = os.environ.get("FLASHATTN_TORCH_ALLOCATOR", "1") != "0"
 
 
 def use_torch_allocator(enable: bool = True) -> bool:
-    """CUDA scratch from PyTorch's caching allocator (the default), or (False) from the library's
-    own stream-ordered pool, outside torch's memory statistics. Returns the previous setting."""
+    """CUDA scratch of 16-bit calls from PyTorch's caching allocator (the default), or (False)
+    from the library's own stream-ordered pool, outside torch's memory statistics (float32 calls
+    use the pool either way, see above). Returns the previous setting."""
     global _WS_TORCH
     prev, _WS_TORCH = _WS_TORCH, bool(enable)
     return prev
