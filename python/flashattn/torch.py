@@ -113,8 +113,9 @@ def _unit_last(t: Tensor) -> Tensor:
 # back to the cache after the call in stream order. use_torch_allocator(False) leaves the scratch
 # to the library's own pool. 16-bit calls only for now: float32 calls given torch's memory failed
 # on an H100 at some shapes (B 3, Sq = Skv = 1, H 2, D 8: "a tensor map failed to encode" in the
-# sm_90a backward) where the library's pool serves them; until the C++ test CudaWorkspace32
-# passes on a GPU, float32 scratch stays in the library's pool.
+# sm_90a backward) where the library's pool serves them, while the C ABI given cudaMalloc'd
+# memory passes at the same shapes (C++ test CudaWorkspace32); until the difference is found,
+# float32 scratch stays in the library's pool.
 _WS_SIZES = {}
 _WS_TORCH = os.environ.get("FLASHATTN_TORCH_ALLOCATOR", "1") != "0"
 
