@@ -43,6 +43,12 @@ struct Numerics {
   int64_t window_right; // the band they make with `mask` is mask_rule() (core/mask.hpp)
   float softcap;        // 0 = none, else > 0 and finite (core/score.hpp)
   Alibi alibi;
+  // A forward over one chunk of the keys (the CUDA fp32-mode forward at long Skv, forward_chunked
+  // in cuda/host/backend.cu): the operands' keys are rows [kv_offset, kv_offset + Shape::seq_kv)
+  // of a sequence of kv_total keys, whose band (mask_rule) and ALiBi distances stay those of the
+  // whole sequence. 0 and -1: the operands hold the whole sequence.
+  int64_t kv_offset = 0;
+  int64_t kv_total = -1;
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   // A score transform that is not one multiply (softcap, ALiBi): kernels with a per-entry step.
   bool elementwise_scores() const { return softcap > 0.0f || alibi.slopes != nullptr; }
@@ -221,9 +227,14 @@ FLASHATTN_HD BackwardParams at_sequence(BackwardParams p, int64_t b) {
   return p;
 }
 
-// The call's mask band: its mask and sliding window over its sequence lengths.
+// The call's mask band: its mask and sliding window over its sequence lengths; for a chunk of the
+// keys (Numerics::kv_offset), the whole sequence's band in the chunk's key numbering.
 FLASHATTN_HD MaskRule mask_rule(const Shape& s, const Numerics& n) {
-  return make_mask_rule(static_cast<int32_t>(n.mask), s.seq_q, s.seq_kv, n.window_left, n.window_right);
+  const int64_t total = n.kv_total >= 0 ? n.kv_total : s.seq_kv;
+  MaskRule r = make_mask_rule(static_cast<int32_t>(n.mask), s.seq_q, total, n.window_left, n.window_right);
+  if (r.bounded_below()) r.lo -= n.kv_offset;
+  if (r.bounded_above()) r.hi -= n.kv_offset;
+  return r;
 }
 
 }  // namespace flashattn

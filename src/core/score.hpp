@@ -73,7 +73,8 @@ struct ScoreTransform {
       }
     }
     t.alibi = n.alibi;
-    t.diag = s.seq_kv - s.seq_q;
+    // (A chunk of the keys, Numerics::kv_offset: the whole sequence's distances.)
+    t.diag = (n.kv_total >= 0 ? n.kv_total : s.seq_kv) - s.seq_q - n.kv_offset;
     return t;
   }
   FLASHATTN_HD bool has_softcap() const { return cap_in != 0.0f; }

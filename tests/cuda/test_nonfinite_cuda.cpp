@@ -58,7 +58,13 @@ std::vector<Route> routes_for(const ProblemConfig& c) {
          {"fp32", P::Fp32, true, {}, true, 1e-4},
          {"tf32", P::Tf32, true, {}, false, 1e-2},
          {"tf32 mma.sync", P::Tf32, true, {{"FLASHATTN_CUDA_ARCH", "sm80"}}, false, 1e-2},
-         {"fp32 mma.sync", P::Fp32, true, {{"FLASHATTN_CUDA_ARCH", "sm80"}}, true, 1e-4}};
+         {"fp32 mma.sync", P::Fp32, true, {{"FLASHATTN_CUDA_ARCH", "sm80"}}, true, 1e-4},
+         // The fp32-mode forward over chunks of 128 keys (merged in float64; a long key sequence's
+         // path): the rule must hold across chunks, e.g. a NaN key in one chunk, a row that sees no
+         // key in one chunk but some in another.
+         {"fp32 key chunks", P::Fp32, true, {{"FLASHATTN_CUDA_KEY_CHUNK", "128"}}, true, 1e-4},
+         {"fma key chunks", P::Fp32, true, {{"FLASHATTN_CUDA_MATH", "fma"}, {"FLASHATTN_CUDA_KEY_CHUNK", "128"}}, false,
+          1e-4}};
     if (c.head_dim <= 128) {
       r.push_back({"fp32 fwd/bwd mma", P::Fp32, true, {{"FLASHATTN_CUDA_FP32_FWD", "mma"}, {"FLASHATTN_CUDA_FP32_BWD", "mma"}},
                    true, 1e-4});

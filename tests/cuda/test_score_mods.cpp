@@ -791,6 +791,34 @@ TEST_P(SmallMods, EveryRoute) {
 INSTANTIATE_TEST_SUITE_P(Sanitize, SmallMods, ::testing::ValuesIn(sanitize_cases()),
                          [](const ::testing::TestParamInfo<ModCase>& i) { return i.param.name; });
 
+// ---- the fp32-mode forward over key chunks ---------------------------------------------------------
+// Long key sequences run the fp32 mode's forward one chunk of keys at a time, merged in float64
+// (ForwardPlan::key_chunk; from 16384 keys). With chunks of 128 keys (FLASHATTN_CUDA_KEY_CHUNK)
+// short problems take that path: every route against the float64 reference, windows, softcap and
+// ALiBi across chunk edges, ragged last chunks, rows that see no key in some chunks or in all, GQA.
+TEST(KeyChunks32, EveryModAcrossChunks) {
+  REQUIRE_GPU();
+  EnvScope chunks("FLASHATTN_CUDA_KEY_CHUNK", "128");
+  Mods all;
+  all.left = 150, all.right = 20, all.softcap = 5.0f, all.alibi = 2;
+  Mods win;
+  win.left = 40, win.right = 7;
+  Mods alibi;
+  alibi.alibi = 1, alibi.slope_mul = 0.05f;
+  const Mods none;
+  const std::pair<ProblemConfig, Mods> cases[] = {
+      {make_config(1, 2, 1, 70, 450, 64, Mask::CausalBottomRight, DType::Float32, testing::Layout::BHSD, 0, 201), all},
+      {make_config(1, 4, 2, 97, 1000, 40, Mask::None, DType::Float32, testing::Layout::BSHD, 0, 202), win},
+      {make_config(2, 2, 2, 300, 290, 128, Mask::CausalTopLeft, DType::Float32, testing::Layout::BHSD, 0, 203), alibi},
+      {make_config(1, 2, 1, 600, 333, 64, Mask::CausalBottomRight, DType::Float32, testing::Layout::BSHD, 0, 204), none},
+      {make_config(1, 1, 1, 1, 700, 256, Mask::None, DType::Float32, testing::Layout::BHSD, 0, 205), none},
+  };
+  for (const auto& [cfg, m] : cases) {
+    SCOPED_TRACE(cfg.describe() + m.name());
+    check32(cfg, m);
+  }
+}
+
 // ---- the modifications change the result -----------------------------------------------------
 // A kernel that ignored a softcap or the slopes would still be close to the reference on problems
 // where they hardly matter; here each one moves every output far beyond the tolerances above, and

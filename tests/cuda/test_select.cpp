@@ -218,6 +218,48 @@ TEST(CudaSelect, PackedCompactGridTableFollowsTheMaps) {
   EXPECT_EQ(def.plan.block_table, -1) << "the dense grid stays the default until measured";
 }
 
+// Long key sequences in the fp32 mode (FMA or 3xTF32) run over chunks of kKeyChunk keys (merged in
+// float64), on every device, when chunks are on (kKeyChunksByDefault, or FLASHATTN_CUDA_KEY_CHUNK);
+// tf32, 16-bit, packed calls and a chunk itself never; the knob sets the size (0: never chunked).
+TEST(CudaSelect, Fp32ForwardChunksLongKeySequences) {
+  static const int32_t cu[2] = {0, 40000};  // never read by selection
+  auto chunk_of = [](const ForwardParams& f, int major) {
+    const Selected<ForwardPlan> r = select_forward(f, dev(major, 0), ov(scoped_vars()));
+    EXPECT_TRUE(r.ok) << r.why;
+    return r.plan.key_chunk;
+  };
+  const Shape longer{1, 4, 2, 64, kKeyChunk + 1, 64}, exact{1, 4, 2, 64, kKeyChunk, 64};
+  EXPECT_EQ(chunk_of(fparams(longer, num(DType::Float32)), 9), kKeyChunksByDefault ? kKeyChunk : 0);
+  {
+    OverrideScope on("FLASHATTN_CUDA_KEY_CHUNK", std::to_string(kKeyChunk).c_str());
+    for (int major : {8, 9}) {
+      EXPECT_EQ(chunk_of(fparams(longer, num(DType::Float32)), major), kKeyChunk);
+      EXPECT_EQ(chunk_of(fparams(exact, num(DType::Float32)), major), 0);
+      EXPECT_EQ(chunk_of(fparams(longer, num(DType::Float32, Mask::None, Precision::Tf32)), major), 0);
+      EXPECT_EQ(chunk_of(fparams(longer, num(DType::BFloat16)), major), 0);
+      ForwardParams part = fparams(longer, num(DType::Float32));
+      part.num.kv_total = 2 * longer.seq_kv;  // already a chunk of a longer call
+      EXPECT_EQ(chunk_of(part, major), 0);
+      ForwardParams packed = fparams(Shape{1, 4, 2, 40000, 40000, 64}, num(DType::Float32));
+      for (auto* x : {&packed.q, &packed.k, &packed.v}) x->sb = 0;
+      packed.out.sb = 0;
+      packed.packing = Packing{cu, cu, nullptr, 40000, 40000};
+      EXPECT_EQ(chunk_of(packed, major), 0);
+    }
+  }
+  {
+    OverrideScope e("FLASHATTN_CUDA_KEY_CHUNK", "256");
+    EXPECT_EQ(chunk_of(fparams(Shape{1, 1, 1, 5, 257, 64}, num(DType::Float32)), 9), 256);
+    EXPECT_EQ(chunk_of(fparams(Shape{1, 1, 1, 5, 256, 64}, num(DType::Float32)), 9), 0);
+  }
+  {
+    OverrideScope e("FLASHATTN_CUDA_KEY_CHUNK", "0");
+    EXPECT_EQ(chunk_of(fparams(longer, num(DType::Float32)), 9), 0);
+  }
+  OverrideScope bad("FLASHATTN_CUDA_KEY_CHUNK", "100");
+  EXPECT_THROW(ov(scoped_vars()), Error) << "a chunk that is not a multiple of 128";
+}
+
 // FLASHATTN_CUDA_BWD=ordered: deterministic calls on the sm_90a single pass with its counters
 // (one per sequence, query head, query tile, warpgroup) after the dQ accumulator; the split
 // passes where that kernel does not run (sm_80, the per-entry step, D = 96).

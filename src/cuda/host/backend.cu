@@ -2,6 +2,7 @@
 // workspace, and the launches the plan names - a switch, no decisions.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -249,9 +250,10 @@ void check_device_pointer(const void* ptr, int32_t device, const char* what) {
     fail(" is memory of CUDA device " + std::to_string(dev) + " but " + what + ".device = " + std::to_string(device));
 }
 
-void forward(const ForwardParams& p) {
-  DeviceGuard guard(p.exec.device);
-  const ForwardPlan plan = unwrap(select_forward(p, device_caps(p.exec.device), overrides()));
+namespace {
+
+// The forward of one plan (the device is current).
+void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   Workspace ws(plan.workspace, stream, p.exec);
   FwdArgs a{};
@@ -295,6 +297,72 @@ void forward(const ForwardParams& p) {
     case FwdKernel::Sm90X3:
       return dispatch_dim<kSm90X3Forward>(plan.dp, [&](auto dp) { launch_forward_3xtf32_sm90<decltype(dp)::value>(a, stream); });
   }
+}
+
+// Chunk c of a call chunked by `chunk` keys: its keys as the operands, its place in the whole
+// sequence in Numerics (kv_offset, kv_total), so the band and ALiBi stay the whole call's.
+ForwardParams key_chunk_params(const ForwardParams& p, int64_t chunk, int64_t c) {
+  ForwardParams pc = p;
+  const int64_t k0 = c * chunk;
+  pc.shape.seq_kv = std::min(chunk, p.shape.seq_kv - k0);
+  pc.k = rows_from(p.k, k0, element_bytes(p.num.dtype));
+  pc.v = rows_from(p.v, k0, element_bytes(p.num.dtype));
+  pc.num.kv_offset = k0;
+  pc.num.kv_total = p.shape.seq_kv;
+  return pc;
+}
+
+// A chunked call's scratch: the float64 row sums, then (256-byte aligned) the largest chunk's
+// (the first one's) plan scratch.
+size_t round256(size_t n) { return (n + 255) / 256 * 256; }
+size_t key_chunk_workspace(const ForwardParams& p, int64_t chunk) {
+  const ForwardPlan first = unwrap(select_forward(key_chunk_params(p, chunk, 0), device_caps(p.exec.device), overrides()));
+  return round256(key_chunk_acc_bytes(p.shape)) + first.workspace;
+}
+
+// The forward over key chunks (ForwardPlan::key_chunk): each chunk's forward writes its (O, LSE)
+// into out and lse, launch_key_chunk_merge folds them into float64 sums and the last merge writes
+// the call's results. With the caller's workspace, the sums take its start and the chunks' own
+// scratch the rest.
+void forward_chunked(const ForwardParams& p, int64_t chunk) {
+  auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  const size_t acc_bytes = round256(key_chunk_acc_bytes(p.shape));
+  if (p.exec.workspace != nullptr && p.exec.workspace_bytes < key_chunk_workspace(p, chunk))
+    throw Error(Status::InvalidArgument, "options.workspace_bytes = " + std::to_string(p.exec.workspace_bytes) +
+                                             " is less than the " + std::to_string(key_chunk_workspace(p, chunk)) +
+                                             " bytes of scratch this call needs (options.workspace_query gives it)");
+  Workspace acc(acc_bytes, stream, p.exec);
+  Exec sub = p.exec;
+  if (sub.workspace != nullptr) {
+    sub.workspace = static_cast<char*>(sub.workspace) + acc_bytes;
+    sub.workspace_bytes -= acc_bytes;
+  }
+  KeyChunkMerge m{};
+  m.out = p.out;
+  m.lse = p.lse;
+  m.heads_q = p.shape.heads_q;
+  m.seq_q = p.shape.seq_q;
+  m.head_dim = p.shape.head_dim;
+  m.rows = p.shape.batch * p.shape.heads_q * p.shape.seq_q;
+  m.acc = reinterpret_cast<double*>(acc.get());
+  const int64_t chunks = (p.shape.seq_kv + chunk - 1) / chunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    ForwardParams pc = key_chunk_params(p, chunk, c);
+    pc.exec = sub;
+    forward_plan(pc, unwrap(select_forward(pc, device_caps(p.exec.device), overrides())));
+    m.first = c == 0;
+    m.last = c + 1 == chunks;
+    launch_key_chunk_merge(m, stream);
+  }
+}
+
+}  // namespace
+
+void forward(const ForwardParams& p) {
+  DeviceGuard guard(p.exec.device);
+  const ForwardPlan plan = unwrap(select_forward(p, device_caps(p.exec.device), overrides()));
+  if (plan.key_chunk > 0) return forward_chunked(p, plan.key_chunk);
+  forward_plan(p, plan);
 }
 
 void backward(const BackwardParams& p) {
@@ -454,7 +522,8 @@ void forward_kvcache(const KvcacheParams& kp) {
 
 uint64_t forward_workspace(const ForwardParams& p) {
   DeviceGuard guard(p.exec.device);
-  return unwrap(select_forward(p, device_caps(p.exec.device), overrides())).workspace;
+  const ForwardPlan plan = unwrap(select_forward(p, device_caps(p.exec.device), overrides()));
+  return plan.key_chunk > 0 ? key_chunk_workspace(p, plan.key_chunk) : plan.workspace;
 }
 uint64_t backward_workspace(const BackwardParams& p) {
   DeviceGuard guard(p.exec.device);

@@ -191,4 +191,19 @@ void launch_decode16(const DecodeArgs& a, cudaStream_t stream);
 void launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream);
 void launch_kv_combine(const DecodeArgs& a, cudaStream_t stream);
 
+// The float32 forward over key chunks (ForwardPlan::key_chunk, backend.cu): after chunk c's
+// forward wrote its (O, LSE) into out and lse, the merge folds them into float64 row sums in
+// `acc` (rows x head_dim values A = sum of w O, then rows values M, the largest LSE so far, then
+// rows values L = sum of w, with w = exp(LSE - M); `first` starts them) and, after the `last`
+// chunk, writes out = A / L and lse = M + log L (common/key_chunks.cu).
+struct KeyChunkMerge {
+  Out4 out;
+  OutLse lse;
+  int64_t heads_q, seq_q, head_dim, rows;
+  double* acc;
+  bool first, last;
+};
+size_t key_chunk_acc_bytes(const Shape& s);
+void launch_key_chunk_merge(const KeyChunkMerge& m, cudaStream_t stream);
+
 }  // namespace flashattn::cuda

@@ -20,6 +20,7 @@
 // | FLASHATTN_CUDA_PERSISTENT_CTAS  | N, sms (0: one per block)    | CTAs of the sm_90a float32 pair kernels             |
 // | FLASHATTN_CUDA_CONVERT_CTAS     | N (0: no side stream)        | CTAs copying Q/dO beside the float32 dQ pass        |
 // | FLASHATTN_CUDA_PACKED_GRID      | dense, compact               | packed 16-bit sm_90a forward: CTAs per real block   |
+// | FLASHATTN_CUDA_KEY_CHUNK        | N (multiple of 128, 0: none) | keys per chunk of the fp32-mode forward (16384)     |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -46,6 +47,7 @@ struct Overrides {
   long persistent_ctas = -1;  // -2: "sms" (one per multiprocessor)
   long convert_ctas = -1;
   int packed_grid = -1;  // 1: compact (the packed sm_90a forward's grid of real row blocks)
+  long key_chunk = -1;   // keys per chunk of the float32 fp32-mode forward (0: never chunked)
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

@@ -226,6 +226,12 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
       const CopySizes c = copy_sizes(s, f.dp, false);
       f.workspace = (2 * c.k + 2 * c.kt) * sizeof(float);
     }
+    // Longer key sequences in the fp32 mode (FMA or 3xTF32; tf32's error is its inputs' rounding
+    // anyway): chunks of keys merged in float64, dense calls (packed calls: a sequence at a time,
+    // not chunked yet).
+    const int64_t chunk = ov.key_chunk >= 0 ? ov.key_chunk : (kKeyChunksByDefault ? kKeyChunk : 0);
+    if (f.math != Math::Tf32 && !packed && !p.kv.on() && n.kv_total < 0 && chunk > 0 && s.seq_kv > chunk)
+      f.key_chunk = chunk;
   }
   if (!(r.why = smem_limit(s, f.smem, dev)).empty()) return r;
   r.ok = true;

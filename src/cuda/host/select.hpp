@@ -55,7 +55,21 @@ struct ForwardPlan {
   // max_seqlen_q, CTAs past a sequence's rows return).
   int64_t block_table = -1;
   int64_t grid_blocks = 0;
+  // > 0: the float32 forward in the fp32 mode over key chunks of this many keys, each chunk's
+  // (O, LSE) folded into float64 row sums (backend.cu forward_chunked), so that no float32 sum
+  // of a row runs over more than key_chunk / 64 tiles (docs/ALGORITHM.md, "Long key sequences").
+  // The plan above is then the one of the whole call; each chunk selects its own.
+  int64_t key_chunk = 0;
 };
+// Keys per chunk of the fp32-mode forward (ForwardPlan::key_chunk; FLASHATTN_CUDA_KEY_CHUNK): a
+// one-level float32 sum over 256 tiles errs by at most ~256 * 2^-24 relative (7.4e-6 measured
+// as 2.9e-8 per tile on an H100), under the 1e-5 the fp32 mode promises at any length.
+constexpr int64_t kKeyChunk = 16384;
+// Whether calls chunk by default. Off until the chunked path's GPU tests (KeyChunks32,
+// CudaLongSequences, the chunk routes of CudaNonFinite, which turn it on through
+// FLASHATTN_CUDA_KEY_CHUNK) have passed on a GPU: an unverified merge must not reach every long
+// float32 call.
+constexpr bool kKeyChunksByDefault = false;
 
 // ---- the backward --------------------------------------------------------------------------------
 enum class BwdKernel : uint8_t {
