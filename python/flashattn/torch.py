@@ -152,22 +152,25 @@ def _with_scratch(kind, call, tensors, scalars):
     return call(workspace=(buf.data_ptr() + 255) // 256 * 256, workspace_bytes=need)
 
 
+# bshd=True: the 4-d tensors are FlashAttention's [B, S, H, D] (the extension swaps dims 1 and 2
+# of their views: no transposed torch views to make).
 def _call_fwd(q, k, v, out, lse, scale, mask, precision, num_threads, deterministic,
-              window_left, window_right, softcap, alibi_slopes):
+              window_left, window_right, softcap, alibi_slopes, bshd=False):
     _with_scratch("fwd", lambda **kw: _ext.forward(
         _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), scale, mask, precision, _threads(q, num_threads), _stream(q),
-        deterministic, window_left, window_right, softcap, _dl_opt(alibi_slopes), **kw),
-        (q, k, v, out, lse, alibi_slopes), (scale, mask, precision, deterministic, window_left, window_right, softcap))
+        deterministic, window_left, window_right, softcap, _dl_opt(alibi_slopes), bshd=bshd, **kw),
+        (q, k, v, out, lse, alibi_slopes),
+        (scale, mask, precision, deterministic, window_left, window_right, softcap, bshd))
 
 
 def _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, mask, precision, num_threads,
-              deterministic, window_left, window_right, softcap, alibi_slopes):
+              deterministic, window_left, window_right, softcap, alibi_slopes, bshd=False):
     _with_scratch("bwd", lambda **kw: _ext.backward(
         _dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk), _dl(dv), scale, mask, precision,
         _threads(q, num_threads), _stream(q), deterministic, window_left, window_right, softcap,
-        _dl_opt(alibi_slopes), **kw),
+        _dl_opt(alibi_slopes), bshd=bshd, **kw),
         (q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes),
-        (scale, mask, precision, deterministic, window_left, window_right, softcap))
+        (scale, mask, precision, deterministic, window_left, window_right, softcap, bshd))
 
 
 def _lse_like(q: Tensor, bhs) -> Tensor:
@@ -255,10 +258,6 @@ _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 # ---- packed FlashAttention layouts: qkv [B, S, 3, H, D], kv [B, S, 2, Hkv, D] ---------------------
 
 
-def _bshd(t: Tensor) -> Tensor:
-    return t.transpose(1, 2)  # [B, S, H, D] memory -> logical [B, H, S, D] view, no copy
-
-
 def _empty_bshd_like(t: Tensor, b, s, h, d) -> Tensor:
     return torch.empty((b, s, h, d), dtype=t.dtype, device=t.device)
 
@@ -271,9 +270,9 @@ def _qkvpacked_fwd_impl(qkv: Tensor, softmax_scale: float, mask: int, precision:
     b, s, _, h, d = qkv.shape
     out = _empty_bshd_like(qkv, b, s, h, d)
     lse = _lse_like(qkv, (b, h, s))
-    _call_fwd(_bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]), _bshd(out), lse,
-              softmax_scale, mask, precision, num_threads, deterministic, window_left,
-              window_right, softcap, alibi_slopes)
+    _call_fwd(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out, lse, softmax_scale, mask, precision,
+              num_threads, deterministic, window_left, window_right, softcap, alibi_slopes,
+              bshd=True)
     return out, lse
 
 
@@ -294,10 +293,9 @@ def _qkvpacked_bwd_impl(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, sof
     dout, qkv = _unit_last(dout), _unit_last(qkv)
     dqkv = torch.empty_like(qkv)
     # dq, dk and dv are interleaved, non-overlapping views of the one packed buffer.
-    _call_bwd(_bshd(dout), _bshd(qkv[:, :, 0]), _bshd(qkv[:, :, 1]), _bshd(qkv[:, :, 2]),
-              _bshd(out), lse, _bshd(dqkv[:, :, 0]), _bshd(dqkv[:, :, 1]), _bshd(dqkv[:, :, 2]),
-              softmax_scale, mask, precision, num_threads, deterministic, window_left,
-              window_right, softcap, alibi_slopes)
+    _call_bwd(dout, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out, lse, dqkv[:, :, 0],
+              dqkv[:, :, 1], dqkv[:, :, 2], softmax_scale, mask, precision, num_threads,
+              deterministic, window_left, window_right, softcap, alibi_slopes, bshd=True)
     return dqkv
 
 
@@ -331,9 +329,8 @@ def _kvpacked_fwd_impl(q: Tensor, kv: Tensor, softmax_scale: float, mask: int, p
     b, s, h, d = q.shape
     out = _empty_bshd_like(q, b, s, h, d)
     lse = _lse_like(q, (b, h, s))
-    _call_fwd(_bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
-              softmax_scale, mask, precision, num_threads, deterministic, window_left,
-              window_right, softcap, alibi_slopes)
+    _call_fwd(q, kv[:, :, 0], kv[:, :, 1], out, lse, softmax_scale, mask, precision, num_threads,
+              deterministic, window_left, window_right, softcap, alibi_slopes, bshd=True)
     return out, lse
 
 
@@ -354,10 +351,9 @@ def _kvpacked_bwd_impl(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Te
                   alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     dout, q, kv = _unit_last(dout), _unit_last(q), _unit_last(kv)
     dq, dkv = torch.empty_like(q), torch.empty_like(kv)
-    _call_bwd(_bshd(dout), _bshd(q), _bshd(kv[:, :, 0]), _bshd(kv[:, :, 1]), _bshd(out), lse,
-              _bshd(dq), _bshd(dkv[:, :, 0]), _bshd(dkv[:, :, 1]),
+    _call_bwd(dout, q, kv[:, :, 0], kv[:, :, 1], out, lse, dq, dkv[:, :, 0], dkv[:, :, 1],
               softmax_scale, mask, precision, num_threads, deterministic, window_left,
-              window_right, softcap, alibi_slopes)
+              window_right, softcap, alibi_slopes, bshd=True)
     return dq, dkv
 
 
@@ -384,9 +380,9 @@ _kvpacked_fwd.register_autograd(_kvpacked_backward, setup_context=_kvpacked_setu
 
 
 # ---- FlashAttention's unpacked layout: q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D] ------------------
-# The same kernels on [B, S, H, D] tensors read through transposed views inside the op, so a
-# flash_attn_func call adds no view nodes to the autograd graph: four transposes outside the op
-# (q, k, v in, out back) cost the eager backward four more graph nodes, ~35 us per forward and
+# The same kernels on [B, S, H, D] tensors (the extension reads them as [B, H, S, D]: bshd=True),
+# so a flash_attn_func call adds no view nodes to the autograd graph: four transposes outside the
+# op (q, k, v in, out back) cost the eager backward four more graph nodes, ~35 us per forward and
 # backward on the CPU (torch 2.15), a quarter of what SDPA's whole call costs there.
 
 
@@ -398,8 +394,8 @@ def _bshd_fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, mask: 
     b, s, h, d = q.shape
     out = _empty_bshd_like(q, b, s, h, d)
     lse = _lse_like(q, (b, h, s))
-    _call_fwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, softmax_scale, mask, precision,
-              num_threads, deterministic, window_left, window_right, softcap, alibi_slopes)
+    _call_fwd(q, k, v, out, lse, softmax_scale, mask, precision, num_threads, deterministic,
+              window_left, window_right, softcap, alibi_slopes, bshd=True)
     return out, lse
 
 
@@ -420,9 +416,8 @@ def _bshd_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _call_bwd(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, _bshd(dq), _bshd(dk),
-              _bshd(dv), softmax_scale, mask, precision, num_threads, deterministic, window_left,
-              window_right, softcap, alibi_slopes)
+    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads,
+              deterministic, window_left, window_right, softcap, alibi_slopes, bshd=True)
     return dq, dk, dv
 
 

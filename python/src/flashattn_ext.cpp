@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
 #define FLASHATTN_EXT_DLFCN 1
@@ -226,15 +228,26 @@ flashattn_options make_options(double softmax_scale, int mask, int precision, in
   }
 }
 
+// FlashAttention's [B, S, H, D] tensors read as the library's logical [B, H, S, D] (bshd = true):
+// dims 1 and 2 swapped in the view, the same memory. (A torch transpose per tensor instead costs
+// a Python call and a view object each: twelve per forward and backward.)
+void as_bhsd(flashattn_tensor& v) {
+  if (v.ndim != 4) return;
+  std::swap(v.shape[1], v.shape[2]);
+  std::swap(v.stride[1], v.stride[2]);
+}
+
 uint64_t forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              double softmax_scale, int mask, int precision, int num_threads, uintptr_t stream,
              bool deterministic, int64_t window_left, int64_t window_right, double softcap,
              nb::handle alibi_slopes, uintptr_t workspace,
-    uint64_t workspace_bytes, bool query) {
+    uint64_t workspace_bytes, bool query, bool bshd) {
   Scratch scratch{workspace, workspace_bytes, query, 0};
   auto tq = convert<InArray>(q, "q", false), tk = convert<InArray>(k, "k", false),
        tv = convert<InArray>(v, "v", false);
   auto to = convert<OutArray>(out, "out", true), tl = convert<OutArray>(lse, "lse", true);
+  if (bshd)
+    for (flashattn_tensor* x : {&tq.view, &tk.view, &tv.view, &to.view}) as_bhsd(*x);
   const Slopes slopes(alibi_slopes);
   const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
                                            deterministic, window_left, window_right, softcap,
@@ -253,13 +266,16 @@ uint64_t backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb:
               int mask, int precision, int num_threads, uintptr_t stream, bool deterministic,
               int64_t window_left, int64_t window_right, double softcap,
               nb::handle alibi_slopes, uintptr_t workspace,
-    uint64_t workspace_bytes, bool query) {
+    uint64_t workspace_bytes, bool query, bool bshd) {
   Scratch scratch{workspace, workspace_bytes, query, 0};
   auto tdo = convert<InArray>(dout, "dout", false), tq = convert<InArray>(q, "q", false),
        tk = convert<InArray>(k, "k", false), tv = convert<InArray>(v, "v", false),
        to = convert<InArray>(out, "out", false), tl = convert<InArray>(lse, "lse", false);
   auto tdq = convert<OutArray>(dq, "dq", true), tdk = convert<OutArray>(dk, "dk", true),
        tdv = convert<OutArray>(dv, "dv", true);
+  if (bshd)
+    for (flashattn_tensor* x : {&tdo.view, &tq.view, &tk.view, &tv.view, &to.view, &tdq.view, &tdk.view, &tdv.view})
+      as_bhsd(*x);
   const Slopes slopes(alibi_slopes);
   const flashattn_options o = make_options(softmax_scale, mask, precision, num_threads, stream,
                                            deterministic, window_left, window_right, softcap,
@@ -467,18 +483,20 @@ NB_MODULE(_ext, m) {
         nb::arg("num_threads"), nb::arg("stream"), nb::arg("deterministic") = false,
         nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-        nb::arg("query") = false,
-        "Runs flashattn_forward on DLPack tensors in the library's logical [B, H, S, D] order; "
-        "out and lse are written in place. softmax_scale 0 means 1/sqrt(D); window (-1, -1) "
-        "means none, softcap 0 none, alibi_slopes None none.");
+        nb::arg("query") = false, nb::arg("bshd") = false,
+        "Runs flashattn_forward on DLPack tensors in the library's logical [B, H, S, D] order "
+        "(bshd: q, k, v, out given as [B, S, H, D]); out and lse are written in place. "
+        "softmax_scale 0 means 1/sqrt(D); window (-1, -1) means none, softcap 0 none, "
+        "alibi_slopes None none.");
   m.def("backward", &backward, nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("out"), nb::arg("lse"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
         nb::arg("softmax_scale"), nb::arg("mask"), nb::arg("precision"), nb::arg("num_threads"),
         nb::arg("stream"), nb::arg("deterministic") = false, nb::arg("window_left") = -1,
         nb::arg("window_right") = -1, nb::arg("softcap") = 0.0,
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-        nb::arg("query") = false,
-        "Runs flashattn_backward on DLPack tensors; dq, dk and dv are written in place. "
+        nb::arg("query") = false, nb::arg("bshd") = false,
+        "Runs flashattn_backward on DLPack tensors (bshd: the 4-d ones given as [B, S, H, D]); "
+        "dq, dk and dv are written in place. "
         "deterministic: a bitwise-reproducible backward (CUDA float16/bfloat16: no dQ atomics). "
         "The window, softcap and alibi_slopes must be the forward's.");
   m.def("forward_varlen", &forward_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"),

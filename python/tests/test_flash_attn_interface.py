@@ -192,10 +192,10 @@ def test_deterministic_reaches_the_backward(monkeypatch, fn):
     from flashattn import _ext
     seen, real = [], _ext.backward
 
-    def spy(*args):
+    def spy(*args, **kw):
         assert len(args) == 19 and type(args[14]) is bool, args[9:]
         seen.append(args[14])
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(_ext, "backward", spy)
     g = torch.Generator().manual_seed(15)
@@ -448,13 +448,13 @@ def test_mods_reach_the_library(monkeypatch, fn):
     def tensor(x):  # the slopes arrive as a DLPack capsule (or None)
         return None if x is None else torch.utils.dlpack.from_dlpack(x)
 
-    def fwd(*args):
+    def fwd(*args, **kw):
         seen.append(("fwd", *args[11:14], tensor(args[14])))
-        return real_fwd(*args[:13], 0.0, None)
+        return real_fwd(*args[:13], 0.0, None, **kw)
 
-    def bwd(*args):
+    def bwd(*args, **kw):
         seen.append(("bwd", *args[15:18], tensor(args[18])))
-        return real_bwd(*args[:17], 0.0, None)
+        return real_bwd(*args[:17], 0.0, None, **kw)
 
     monkeypatch.setattr(_ext, "forward", fwd)
     monkeypatch.setattr(_ext, "backward", bwd)

@@ -239,10 +239,10 @@ def spy_backward(monkeypatch):
     from flashattn import _ext
     seen, real = [], _ext.backward
 
-    def call(*args):
+    def call(*args, **kw):
         assert len(args) == 19 and type(args[14]) is bool, args[9:]
         seen.append(args[14])
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(_ext, "backward", call)
     return seen

@@ -199,15 +199,15 @@ def test_mods_reach_the_backward(monkeypatch, compiled):
     from flashattn import _ext
     seen, real = [], _ext.backward
 
-    def spy(*args):
+    def spy(*args, **kw):
         assert len(args) == 19, len(args)
         slopes = None if args[18] is None else torch.utils.dlpack.from_dlpack(args[18])  # a capsule
         seen.append((args[15], args[16], args[17], slopes))
-        return real(*args[:17], 0.0, None)  # the values are checked here, not the results
+        return real(*args[:17], 0.0, None, **kw)  # the values are checked here, not the results
 
     monkeypatch.setattr(_ext, "backward", spy)
     real_fwd = _ext.forward
-    monkeypatch.setattr(_ext, "forward", lambda *a: real_fwd(*a[:13], 0.0, None))
+    monkeypatch.setattr(_ext, "forward", lambda *a, **kw: real_fwd(*a[:13], 0.0, None, **kw))
     torch._dynamo.reset()
     q, k, v, dout = problem((1, 2, 2, 6, 7, 8), torch.float32, "cpu")
     s = torch.tensor([0.5, 0.25])
