@@ -818,6 +818,16 @@ TEST(KeyChunks32, EveryModAcrossChunks) {
     check32(cfg, m);
   }
 }
+// The same path small enough for compute-sanitizer (scripts/gpu-check's mods set): three chunks,
+// the last ragged, every modification.
+TEST(SanitizeKeyChunks32, ThreeChunks) {
+  REQUIRE_GPU();
+  EnvScope chunks("FLASHATTN_CUDA_KEY_CHUNK", "128");
+  Mods all;
+  all.left = 100, all.right = 9, all.softcap = 5.0f, all.alibi = 1;
+  check32(make_config(1, 2, 1, 40, 300, 64, Mask::CausalBottomRight, DType::Float32, testing::Layout::BSHD, 0, 206),
+          all);
+}
 
 // ---- the modifications change the result -----------------------------------------------------
 // A kernel that ignored a softcap or the slopes would still be close to the reference on problems
