@@ -210,16 +210,22 @@ def _(q, k, v, softmax_scale, mask, precision, num_threads, deterministic=False,
     return torch.empty_like(q), _lse_like(q, q.shape[:3])
 
 
+def _grads(dout, q, k, v, out, lse, options, bshd):
+    """dq, dk, dv of the unpacked ops, [B, H, S, D] or (bshd) [B, S, H, D] alike: laid out as q,
+    k and v."""
+    dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, *options, bshd=bshd)
+    return dq, dk, dv
+
+
 def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
          softmax_scale: float, mask: int, precision: int, num_threads: int,
          deterministic: bool = False, window_left: int = -1, window_right: int = -1,
          softcap: float = 0.0,
          alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads,
-              deterministic, window_left, window_right, softcap, alibi_slopes)
-    return dq, dk, dv
+    return _grads(dout, q, k, v, out, lse, (softmax_scale, mask, precision, num_threads, deterministic,
+                                            window_left, window_right, softcap, alibi_slopes), False)
 
 
 _bwd = torch.library.custom_op("flashattn::bwd", _bwd_impl, mutates_args=())
@@ -246,10 +252,17 @@ def _fwd_setup(ctx, inputs, output):
     _save(ctx, inputs[:3], inputs[3:], output)
 
 
-def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, slopes = ctx.saved_tensors
-    dq, dk, dv = _op(ctx, "bwd")(dout, q, k, v, out, lse, *ctx.args, slopes)
-    return (dq, dk, dv) + (None,) * _OPTION_COUNT
+def _unpacked_formula(bwd_name):
+    """The autograd formula of an unpacked forward op (fwd, bshd_fwd): its backward op on the saved
+    q, k, v, out, lse and options."""
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, slopes = ctx.saved_tensors
+        dq, dk, dv = _op(ctx, bwd_name)(dout, q, k, v, out, lse, *ctx.args, slopes)
+        return (dq, dk, dv) + (None,) * _OPTION_COUNT
+    return backward
+
+
+_fwd_backward = _unpacked_formula("bwd")
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -414,11 +427,8 @@ def _bshd_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    deterministic: bool = False, window_left: int = -1, window_right: int = -1,
                    softcap: float = 0.0,
                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _call_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, precision, num_threads,
-              deterministic, window_left, window_right, softcap, alibi_slopes, bshd=True)
-    return dq, dk, dv
+    return _grads(dout, q, k, v, out, lse, (softmax_scale, mask, precision, num_threads, deterministic,
+                                            window_left, window_right, softcap, alibi_slopes), True)
 
 
 _bshd_bwd = torch.library.custom_op("flashattn::bshd_bwd", _bshd_bwd_impl, mutates_args=())
@@ -430,10 +440,7 @@ def _(dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads, dete
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _bshd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, slopes = ctx.saved_tensors
-    dq, dk, dv = _op(ctx, "bshd_bwd")(dout, q, k, v, out, lse, *ctx.args, slopes)
-    return (dq, dk, dv) + (None,) * _OPTION_COUNT
+_bshd_backward = _unpacked_formula("bshd_bwd")
 
 
 _bshd_fwd.register_autograd(_bshd_backward, setup_context=_fwd_setup)
