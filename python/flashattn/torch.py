@@ -111,19 +111,17 @@ def _unit_last(t: Tensor) -> Tensor:
 # signature (its query validates only; the size depends on shapes, strides, alignment, dtype and
 # options, never on data) and given a uint8 tensor of that many bytes on the call's stream, freed
 # back to the cache after the call in stream order. use_torch_allocator(False) leaves the scratch
-# to the library's own pool. 16-bit calls only for now: float32 calls given torch's memory failed
-# on an H100 at some shapes (B 3, Sq = Skv = 1, H 2, D 8: "a tensor map failed to encode" in the
-# sm_90a backward) where the library's pool serves them, while the C ABI given cudaMalloc'd
-# memory passes at the same shapes (C++ test CudaWorkspace32); until the difference is found,
-# float32 scratch stays in the library's pool.
+# to the library's own pool. (The backward runs on torch's autograd thread, which may have no
+# CUDA context bound when the call allocates nothing: the library binds the device's primary
+# context itself, C++ test CudaWorkspace32.CallerMemoryFromAFreshThread.)
 _WS_SIZES = {}
 _WS_TORCH = os.environ.get("FLASHATTN_TORCH_ALLOCATOR", "1") != "0"
 
 
 def use_torch_allocator(enable: bool = True) -> bool:
-    """CUDA scratch of 16-bit calls from PyTorch's caching allocator (the default), or (False)
-    from the library's own stream-ordered pool, outside torch's memory statistics (float32 calls
-    use the pool either way, see above). Returns the previous setting."""
+    """CUDA scratch from PyTorch's caching allocator (the default), or (False) from the
+    library's own stream-ordered pool, outside torch's memory statistics. Returns the previous
+    setting."""
     global _WS_TORCH
     prev, _WS_TORCH = _WS_TORCH, bool(enable)
     return prev
@@ -137,7 +135,7 @@ def _with_scratch(kind, call, tensors, scalars):
     """call() on the CPU; on CUDA with its scratch from torch (see above). call(**kw) makes the
     extension call (fresh DLPack capsules each time: a capsule is consumed by one call)."""
     q = tensors[0]
-    if not (_WS_TORCH and q.is_cuda and q.dtype != torch.float32):
+    if not (_WS_TORCH and q.is_cuda):
         return call()
     key = (kind,) + _ws_key(tensors, scalars)
     need = _WS_SIZES.get(key)

@@ -57,3 +57,30 @@ def test_scratch_is_torch_memory(deterministic):
         for a, b in zip(*results):
             assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 2, 2, 8), (2, 37, 53, 4, 2, 64), (1, 70, 30, 6, 1, 40)])
+def test_float32_scratch_on_the_autograd_thread(shape):
+    # float32 calls whose sm_90a kernels encode tensor maps over the scratch; the backward runs on
+    # torch's autograd thread, which had no CUDA context bound when the call allocated nothing
+    # (the driver's encoder then failed): torch's scratch gives the pool's results bit for bit.
+    from flashattn import flash_attn_func
+
+    b, sq, skv, hq, hkv, d = shape
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, do = (torch.randn(b, sq, hq, d, device="cuda", generator=g) for _ in range(2))
+    k, v = (torch.randn(b, skv, hkv, d, device="cuda", generator=g) for _ in range(2))
+    results = []
+    for torch_alloc in (True, False):
+        prev = fat.use_torch_allocator(torch_alloc)
+        try:
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            out = flash_attn_func(qq, kk, vv, deterministic=True)
+            out.backward(do)
+            torch.cuda.synchronize()
+            results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+        finally:
+            fat.use_torch_allocator(prev)
+    for a, c in zip(*results):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, c)

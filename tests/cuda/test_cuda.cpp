@@ -19,6 +19,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -645,9 +646,11 @@ TEST(CudaBadInput, UnknownMathOverride) {
 // the runtime's last error, which the next launch check would otherwise report as its own).
 // K and V are one row each, broadcast over 2^28 keys by zero strides, so the inputs take 256
 // bytes while the copies would take 256 GiB. Only compute capability 9.0 runs that pre-pass; the
-// other devices have no scratch of that size in a forward.
+// other devices have no scratch of that size in a forward. The call runs whole (key chunks off):
+// over chunks of 16384 keys its scratch is one chunk's, and it runs (11 s on an H100).
 TEST(CudaErrors, OutOfMemoryIsAStatusAndTheLibraryGoesOn) {
   REQUIRE_GPU();
+  EnvScope whole("FLASHATTN_CUDA_KEY_CHUNK", "0");
   int major = 0, minor = 0;
   CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
@@ -746,6 +749,57 @@ TEST(CudaWorkspace32, CallerMemoryMatchesPool) {
       EXPECT_TRUE(snapshot(p) == pool) << "the caller's workspace changed the results (forward "
                                        << need_f << " bytes, backward " << need_b << " bytes)";
     }
+  }
+}
+
+// The same calls from a thread that has made no CUDA call yet (PyTorch runs the backward on its
+// autograd thread and gives torch's scratch: nothing is allocated first, so no runtime call has
+// bound a context to that thread). The driver's tensor-map encoder needs a current context: the
+// library binds the device's primary one when the thread has none (bind_context); without it
+// the torch layer's float32 calls failed on an H100 with CUDA_ERROR_INVALID_CONTEXT.
+TEST(CudaWorkspace32, CallerMemoryFromAFreshThread) {
+  REQUIRE_GPU();
+  for (Precision prec : {Precision::Fp32, Precision::Tf32}) {
+    const ProblemConfig c = make_config(3, 2, 2, 17, 17, 8, Mask::None, DType::Float32, testing::Layout::BSHD, 0, 92);
+    SCOPED_TRACE(c.describe() + (prec == Precision::Fp32 ? " fp32" : " tf32"));
+    Problem p(c);
+    DeviceProblem d(p);
+    ASSERT_TRUE(d.ok());
+    Options o = cuda_options(c, prec);
+    o.deterministic = true;
+    ASSERT_NO_THROW(d.forward(o));
+    ASSERT_NO_THROW(d.backward(o));
+    p.poison_outputs();
+    d.download();
+    const Snapshot pool = snapshot(p);
+    uint64_t need_f = 0, need_b = 0;
+    Options qf = o, qb = o;
+    qf.workspace_query = &need_f;
+    qb.workspace_query = &need_b;
+    ASSERT_NO_THROW(d.forward(qf));
+    ASSERT_NO_THROW(d.backward(qb));
+    DeviceBuffer wf(need_f + 256), wb(need_b + 256);
+    Options f = o, b = o;
+    f.workspace = need_f > 0 ? wf.ptr : nullptr;
+    f.workspace_bytes = need_f;
+    b.workspace = need_b > 0 ? wb.ptr : nullptr;
+    b.workspace_bytes = need_b;
+    d.poison();
+    std::string error;
+    std::thread t([&] {
+      try {
+        d.forward(f);
+        d.backward(b);
+        if (cudaStreamSynchronize(nullptr) != cudaSuccess) error = "the stream failed";
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    t.join();
+    EXPECT_EQ(error, "");
+    p.poison_outputs();
+    d.download();
+    EXPECT_TRUE(snapshot(p) == pool) << "the fresh thread's call changed the results";
   }
 }
 

@@ -103,8 +103,7 @@ TEST(CudaLongSequences, MillionKeysFloat32) {
   for (Precision prec : {Precision::Fp32, Precision::Tf32}) {
     SCOPED_TRACE(prec == Precision::Fp32 ? "fp32" : "tf32");
     Problem p(make_config(1, 1, 1, sq, kKeys, d, Mask::None, DType::Float32));
-    // The fp32 mode's key chunks (select.hpp kKeyChunk), on whatever the default.
-    EnvScope chunks("FLASHATTN_CUDA_KEY_CHUNK", "16384");
+    // (The fp32 mode's key chunks are the default: select.hpp kKeyChunksByDefault.)
     const Errors r = run_and_compare(p, sq, d, prec);
     EXPECT_FALSE(r.nan);
     // tf32 rounds q, k and P to 10 mantissa bits: its error is that of the inputs' rounding.

@@ -24,13 +24,15 @@
 namespace flashattn::cuda {
 namespace {
 
-// Makes `device` current for the lifetime of the guard and restores the caller's device.
+// Makes `device` current for the lifetime of the guard and restores the caller's device; a
+// thread with no current context gets the device's primary one (bind_context: the driver calls).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     FLASHATTN_CUDA_CHECK(cudaGetDevice(&prev_));
     if (prev_ != device) FLASHATTN_CUDA_CHECK(cudaSetDevice(device));
     changed_ = prev_ != device;
+    if (!changed_) bind_context(device);
   }
   ~DeviceGuard() {
     if (changed_) (void)cudaSetDevice(prev_);  // best effort: destructors must not throw

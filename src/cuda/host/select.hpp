@@ -65,11 +65,9 @@ struct ForwardPlan {
 // one-level float32 sum over 256 tiles errs by at most ~256 * 2^-24 relative (7.4e-6 measured
 // as 2.9e-8 per tile on an H100), under the 1e-5 the fp32 mode promises at any length.
 constexpr int64_t kKeyChunk = 16384;
-// Whether calls chunk by default. Off until the chunked path's GPU tests (KeyChunks32,
-// CudaLongSequences, the chunk routes of CudaNonFinite, which turn it on through
-// FLASHATTN_CUDA_KEY_CHUNK) have passed on a GPU: an unverified merge must not reach every long
-// float32 call.
-constexpr bool kKeyChunksByDefault = false;
+// Whether calls chunk by default (FLASHATTN_CUDA_KEY_CHUNK=0 turns it off): on since the chunked
+// path's GPU tests (KeyChunks32, CudaLongSequences, CudaNonFinite's chunk routes) passed.
+constexpr bool kKeyChunksByDefault = true;
 
 // ---- the backward --------------------------------------------------------------------------------
 enum class BwdKernel : uint8_t {

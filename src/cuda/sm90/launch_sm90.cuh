@@ -34,7 +34,8 @@ bool map_copy_cols(CUtensorMap* map, float* ptr, int64_t batch, int64_t heads, i
 
 // A tensor map the selection promised (tma_ok) that does not encode: an internal error.
 inline void require_maps(bool ok, const char* what) {
-  if (!ok) throw Error(Status::Internal, std::string(what) + ": a tensor map failed to encode for operands selection accepted");
+  if (!ok) throw Error(Status::Internal, std::string(what) + ": a tensor map failed to encode for operands selection accepted (" +
+                         last_map_failure() + ")");
 }
 
 // The maps of a 16-bit sm_90a kernel's streamed operands: of the operands as stored (dense), or

@@ -3,8 +3,11 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <string>
+
 #include "cuda/sm90/tma.hpp"
 
+#include "cuda/host/check.hpp"
 #include "cuda/host/select.hpp"
 
 namespace flashattn::cuda {
@@ -25,13 +28,49 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
+PFN_cuCtxGetCurrent_v4000 ctx_getter() {
+  static const PFN_cuCtxGetCurrent_v4000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &f, 4000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(f);
+  }();
+  return fn;
+}
+
 }  // namespace
 
+void bind_context(int device) {
+  const PFN_cuCtxGetCurrent_v4000 get = ctx_getter();
+  CUcontext ctx = nullptr;
+  if (get != nullptr && get(&ctx) == CUDA_SUCCESS && ctx != nullptr) return;
+  // (cudaSetDevice binds the device's primary context to the thread, as the runtime's next call
+  // needing a context would; a context the caller made current is never replaced: we only get
+  // here without one.)
+  FLASHATTN_CUDA_CHECK(cudaSetDevice(device));
+}
+
 namespace {
+// What the last encode that failed on this thread was given (last_map_failure()).
+thread_local std::string g_last_failure;
+
 bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, int elem_bytes, int64_t batch,
                      int64_t heads, int64_t seq, int64_t head_dim, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
-  if (encode == nullptr || !tma_ok(op, elem_bytes, batch, heads, seq)) return false;
+  if (encode == nullptr) {
+    g_last_failure = "the driver has no cuTensorMapEncodeTiled";
+    return false;
+  }
+  if (!tma_ok(op, elem_bytes, batch, heads, seq)) {
+    g_last_failure = "operand at " + std::to_string(reinterpret_cast<uintptr_t>(op.ptr)) + " with strides (" +
+                     std::to_string(op.sb) + ", " + std::to_string(op.sh) + ", " + std::to_string(op.ss) +
+                     ") elements is not addressable by the copy engine";
+    return false;
+  }
   // Innermost first: head_dim (contiguous), sequence, head, batch; strides in bytes of dims 1..3.
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seq),
                         static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
@@ -46,9 +85,19 @@ bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, 
   const CUresult r = encode(map, type, 4, const_cast<void*>(op.ptr), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
+  if (r != CUDA_SUCCESS) {
+    g_last_failure = "cuTensorMapEncodeTiled returned " + std::to_string(static_cast<int>(r)) + " for address " +
+                     std::to_string(reinterpret_cast<uintptr_t>(op.ptr)) + ", dims (" + std::to_string(dims[0]) + ", " +
+                     std::to_string(dims[1]) + ", " + std::to_string(dims[2]) + ", " + std::to_string(dims[3]) +
+                     "), byte strides (" + std::to_string(strides[0]) + ", " + std::to_string(strides[1]) + ", " +
+                     std::to_string(strides[2]) + "), box (" + std::to_string(box[0]) + ", " + std::to_string(box[1]) + ")";
+    return false;
+  }
+  return true;
 }
 }  // namespace
+
+std::string last_map_failure() { return g_last_failure; }
 
 bool tma_encoder_available() { return encoder() != nullptr; }
 

@@ -4,6 +4,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <string>
 
 #include "core/params.hpp"
 #include "cuda/common/config.hpp"
@@ -22,5 +23,15 @@ bool make_tensor_map16(CUtensorMap* map, const In4& op, Half16 h, int64_t batch,
 // The same for a float32 operand: boxes of 32 columns (128 bytes) x `box_rows` rows.
 bool make_tensor_map32(CUtensorMap* map, const In4& op, int64_t batch, int64_t heads, int64_t seq, int64_t head_dim,
                        int box_rows);
+
+// Makes sure a context is current on the calling thread (else binds `device`'s primary context).
+// The driver's tensor-map encoder needs one, and the runtime binds it lazily, at a thread's first
+// call that needs a context: a thread whose first CUDA work is a library call given the caller's
+// workspace (so no allocation first), e.g. PyTorch's autograd thread with torch's scratch, has
+// none, and cuTensorMapEncodeTiled returned CUDA_ERROR_INVALID_CONTEXT (201) there on an H100.
+void bind_context(int device);
+// What the last failed make_tensor_map* call of this thread was given and why it failed (the
+// driver's result, the address, dims and strides): the detail of an internal error's message.
+std::string last_map_failure();
 
 }  // namespace flashattn::cuda
