@@ -21,12 +21,16 @@ device's thread and back), Python glue.
 
 The last column times, in one more round, the host time spent inside the extension's calls (the
 library's C++ path: validation, planning, scratch, launches); the rest of a row is Python and
-autograd around it.
+autograd around it. flashattn.torch's C++ eager ops (flash_attn_func and attention by default
+where they are built) call the library without the extension: "-" there; the "(Python path)"
+rows time the same calls through the Python autograd path in the same process, and
+bench/host_calls.cpp times the library's own part through the C ABI.
 
 usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR] [--profile ENTRY]
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -81,8 +85,9 @@ def main():
             per.append((time.perf_counter() - t0) / args.calls * 1e6)
         return statistics.median(per)
 
-    # Each entry: (name, forward callable on leaf tensors, the gradient for its output).
-    def entry(name, fwd, leaves, grad):
+    # Each entry: (name, forward callable on leaf tensors, the gradient for its output, and a
+    # context the entry is timed in: entered once around its loops, not per call).
+    def entry(name, fwd, leaves, grad, ctx=contextlib.nullcontext):
         def inference():
             with torch.no_grad():
                 fwd(*leaves)
@@ -93,7 +98,15 @@ def main():
             out = fwd(*req)
             out.backward(grad)
 
-        return name, inference, train
+        return name, inference, train, ctx
+
+    @contextlib.contextmanager
+    def python_path():  # flashattn.torch's Python autograd path instead of its C++ eager ops
+        prev = fat.use_eager_ops(False)
+        try:
+            yield
+        finally:
+            fat.use_eager_ops(prev)
 
     entries = [
         entry("flash_attn_func", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do),
@@ -103,26 +116,37 @@ def main():
         entry("flashattn.torch.attention", lambda a, b_, c: fat.attention(a, b_, c, is_causal=True), (qt, kt, vt),
               dot),
     ]
+    if fat.eager_ops_available():  # the same calls through the Python path, in the same process
+        entries += [
+            entry("flash_attn_func (Python path)", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True),
+                  (q, k, v), do, python_path),
+            entry("flashattn.torch.attention (Python path)",
+                  lambda a, b_, c: fat.attention(a, b_, c, is_causal=True), (qt, kt, vt), dot, python_path),
+        ]
+    # SDPA as a user calls it (its own backend choice), then each backend forced by sdpa_kernel,
+    # entered once around the loops (per call, the context manager's Python would be counted).
+    entries.append(entry("sdpa", lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=True),
+                         (qt, kt, vt), dot))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = ([("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                  ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa-math", SDPBackend.MATH)]
                 if dev == "cuda" else [("sdpa", None)])
     for name, be in backends:
-        def sdpa(a, b_, c, be=be):
-            if be is None:
-                return F.scaled_dot_product_attention(a, b_, c, is_causal=True)
-            with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(a, b_, c, is_causal=True)
+        if be is None:
+            continue  # (the CPU: the "sdpa" entry above)
+        def sdpa(a, b_, c):
+            return F.scaled_dot_product_attention(a, b_, c, is_causal=True)
         try:
-            sdpa(qt, kt, vt)
-            entries.append(entry(name, sdpa, (qt, kt, vt), dot))
+            with sdpa_kernel([be]):
+                sdpa(qt, kt, vt)
+            entries.append(entry(name, sdpa, (qt, kt, vt), dot, lambda be=be: sdpa_kernel([be])))
         except Exception as e:  # a backend that does not take these inputs
             print(f"{name}: not available ({type(e).__name__})")
 
     # Where flashattn's time goes: one more round of forward+backward with the extension's entry
     # points wrapped, timing the host time spent inside them (the library's C++ path: validation,
     # planning, scratch, launches) apart from the Python and autograd around them.
-    inside = [0.0]
+    inside = [0.0, 0]
 
     def wrapped(fn):
         def call(*a, **kw):
@@ -131,6 +155,7 @@ def main():
                 return fn(*a, **kw)
             finally:
                 inside[0] += time.perf_counter() - t0
+                inside[1] += 1
         return call
 
     ext_names = ("forward", "backward", "forward_varlen", "backward_varlen")
@@ -143,19 +168,22 @@ def main():
             for _ in range(args.warmup):
                 fn()
             sync()
-            inside[0] = 0.0
+            inside[0], inside[1] = 0.0, 0
             for _ in range(args.calls):
                 fn()
             sync()
-            return inside[0] / args.calls * 1e6
+            # (No extension call: the C++ eager ops call the library themselves, out of reach here;
+            # bench/host_calls.cpp times the library's part through the C ABI.)
+            return inside[0] / args.calls * 1e6 if inside[1] else float("nan")
         finally:
             for n in ext_names:
                 setattr(flashattn._ext, n, saved[n])
 
     rows = []
-    for name, inference, train in entries:
-        rows.append(dict(entry=name, fwd_us=timed(inference), fwd_bwd_us=timed(train),
-                         fwd_bwd_library_us=ext_time(train) if not name.startswith("sdpa") else float("nan")))
+    for name, inference, train, ctx in entries:
+        with ctx():
+            rows.append(dict(entry=name, fwd_us=timed(inference), fwd_bwd_us=timed(train),
+                             fwd_bwd_library_us=ext_time(train) if not name.startswith("sdpa") else float("nan")))
     ref = next((r for r in rows if r["entry"] in ("sdpa-flash", "sdpa")), None)
     print(f"# host time per call, {dev}, {dtype}, B{b} H{h} S{s} D{d}, torch {torch.__version__}"
           f" (median of {args.rounds} rounds of {args.calls} calls)")
@@ -171,7 +199,7 @@ def main():
     if args.profile:
         import cProfile
         import pstats
-        train = next(t for n, _, t in entries if n == args.profile)
+        train = next(t for n, _, t, _ in entries if n == args.profile)
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.calls):

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from . import _api, _ext
 
-__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads", "use_torch_allocator"]
+__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads", "use_torch_allocator",
+           "use_eager_ops", "eager_ops_available"]
 
 
 _stream = _api.torch_stream
@@ -627,11 +628,58 @@ class _Eager(torch.autograd.Function):
         return (None,) + tuple(_FORMULAS[ctx.op][1](ctx, dout, dlse))
 
 
+# ---- the eager ops in C++ (python/src/torch_ops.cpp) --------------------------------------------
+# flashattn_eager::fwd: the unpacked forward ops ("fwd", "bshd_fwd") with their autograd node,
+# the output allocations and the library calls in C++ (a Python node alone costs about what
+# SDPA's whole call does at small shapes). Built against one torch version, recorded in
+# _torch_ops.txt beside it; under another version, without the file, or with
+# FLASHATTN_TORCH_OPS=0, the Python path below serves the same calls with the same results.
+
+
+def _load_eager_ops():
+    if os.environ.get("FLASHATTN_TORCH_OPS", "1") == "0":
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        with open(os.path.join(here, "_torch_ops.txt")) as f:
+            built_for = f.read().strip()
+    except OSError:
+        return None
+    if built_for != torch.__version__:
+        return None
+    try:
+        torch.ops.load_library(os.path.join(here, "_torch_ops.so"))
+        return torch.ops.flashattn_eager.fwd.default
+    except (OSError, RuntimeError, AttributeError):
+        return None
+
+
+_EAGER_FWD = _load_eager_ops()
+_EAGER_ON = _EAGER_FWD is not None
+_EAGER_NAMES = {"fwd": False, "bshd_fwd": True}  # op -> its tensors are [B, S, H, D]
+
+
+def eager_ops_available() -> bool:
+    """Whether the C++ eager ops were built for this torch and loaded."""
+    return _EAGER_FWD is not None
+
+
+def use_eager_ops(enable: bool = True) -> bool:
+    """Eager calls of attention() and flash_attn_func through the C++ ops (the default where they
+    are available), or (False) through the Python autograd path. Returns the previous setting."""
+    global _EAGER_ON
+    prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_FWD is not None
+    return prev
+
+
 def call_op(name, *inputs):
     """torch.ops.flashattn.<name>(*inputs) with every argument given: the custom op under
-    torch.compile, eagerly the same implementation and formula without the dispatcher."""
+    torch.compile; eagerly the C++ op for the unpacked forwards where it is loaded, else the same
+    implementation and formula without the dispatcher."""
     if torch.compiler.is_compiling():
         return getattr(torch.ops.flashattn, name)(*inputs)
+    if _EAGER_ON and name in _EAGER_NAMES:
+        return _EAGER_FWD(*inputs, _EAGER_NAMES[name], _WS_TORCH)
     if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
         return _Eager.apply(name, *inputs)
     return _IMPLS[name](*inputs)

@@ -54,3 +54,25 @@ def assert_close(name, got, ref, tol):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+# flashattn.torch's C++ eager ops (python/src/torch_ops.cpp): scripts/test builds them against the
+# torch it installs and sets FLASHATTN_TEST_REQUIRE_TORCH_OPS=1, so that a build that lost them
+# fails here instead of quietly testing the Python path twice.
+if os.environ.get("FLASHATTN_TEST_REQUIRE_TORCH_OPS") == "1":
+    import flashattn.torch as _fat
+
+    assert _fat.eager_ops_available(), (
+        "FLASHATTN_TEST_REQUIRE_TORCH_OPS=1 but flashattn.torch's C++ eager ops are not loaded "
+        "(not built, or built for another torch: see _torch_ops.txt beside the package)")
+
+
+@pytest.fixture
+def python_eager_path():
+    """flashattn.torch's Python autograd path for the test: spies on flashattn._ext see only that
+    path (the C++ eager ops call the library directly; test_torch_eager_ops.py checks they give
+    the same results)."""
+    fat = pytest.importorskip("flashattn.torch")
+    prev = fat.use_eager_ops(False)
+    yield
+    fat.use_eager_ops(prev)

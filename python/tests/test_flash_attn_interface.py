@@ -186,7 +186,7 @@ def test_accepted_arguments():
 
 
 @pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
-def test_deterministic_reaches_the_backward(monkeypatch, fn):
+def test_deterministic_reaches_the_backward(monkeypatch, python_eager_path, fn):
     """flash_attn's deterministic=True selects the reproducible backward (on CUDA 16-bit: no dq
     atomics); that shows only on a GPU, so check that it arrives at the library's backward."""
     from flashattn import _ext
@@ -437,7 +437,7 @@ def test_softcap_and_alibi_by_position():
 
 
 @pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked"])
-def test_mods_reach_the_library(monkeypatch, fn):
+def test_mods_reach_the_library(monkeypatch, python_eager_path, fn):
     """The window (after flash_attn's conventions), softcap and slopes arrive at the extension's
     forward and backward, given by keyword or by position. The spies stand in for the library's
     softcap and ALiBi (the values are checked here, the results by the tests above)."""

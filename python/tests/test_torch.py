@@ -249,7 +249,7 @@ def spy_backward(monkeypatch):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_deterministic_reaches_the_backward(monkeypatch, compiled):
+def test_deterministic_reaches_the_backward(monkeypatch, python_eager_path, compiled):
     """Its effect shows only on CUDA float16/bfloat16 (the split backward instead of dq atomics),
     so check that autograd hands it to the library's backward: custom op (eager and under
     torch.compile) and autograd.Function, given and left to its default."""

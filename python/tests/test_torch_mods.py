@@ -193,7 +193,7 @@ def test_opcheck_custom_ops(mods):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_mods_reach_the_backward(monkeypatch, compiled):
+def test_mods_reach_the_backward(monkeypatch, python_eager_path, compiled):
     """Autograd hands the forward's window, softcap and slopes to the library's backward: the
     custom op (eager and under torch.compile) and the autograd.Function."""
     from flashattn import _ext

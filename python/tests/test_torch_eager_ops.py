@@ -1,0 +1,157 @@
+"""flashattn.torch's C++ eager ops (python/src/torch_ops.cpp: flashattn_eager::fwd, an autograd
+node and the library calls in C++): the same results as the Python autograd path, bit for bit,
+for every option (a window, softcap, slopes or scale lost on the way to the backward changes the
+gradients), both layouts (flash_attn_func's [B, S, H, D], attention()'s [B, H, S, D] views), the
+same exceptions, and the no-grad / inference paths. Runs where the ops were built for this torch
+(scripts/test requires it: FLASHATTN_TEST_REQUIRE_TORCH_OPS=1); the float64 reference checks of
+the other test files run through them too, since they are the default eager path."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashattn.torch as fat  # noqa: E402
+from flashattn import flash_attn_func  # noqa: E402
+from torch_helpers import DEVICES  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not fat.eager_ops_available(),
+                                reason="flashattn.torch's C++ eager ops are not built for this torch")
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(3, 1)),
+    "causal-window-softcap": dict(causal=True, window_size=(5, -1), softcap=2.5),
+    "alibi-h": dict(alibi="h"),
+    "alibi-bh-scale": dict(alibi="bh", softmax_scale=0.3),
+    "deterministic": dict(causal=True, deterministic=True),
+}
+
+
+def _both_paths(fn):
+    """fn() through the C++ ops, then through the Python path."""
+    results = []
+    for on in (True, False):
+        prev = fat.use_eager_ops(on)
+        try:
+            results.append(fn())
+        finally:
+            fat.use_eager_ops(prev)
+    return results
+
+
+def _inputs(device, dtype, b=2, sq=13, skv=17, hq=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(b, skv, hkv, d, generator=g).to(device, dtype) for _ in range(2))
+    return q, k, v
+
+
+def _slopes(kind, b, hq, device):
+    if kind is None:
+        return None
+    s = torch.linspace(0.05, 0.5, hq)
+    return (s if kind == "h" else torch.stack([s * (i + 1) for i in range(b)])).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_flash_attn_func_same_as_python_path(device, dtype, case):
+    kw = dict(CASES[case])
+    q0, k0, v0 = _inputs(device, dtype)
+    kw["alibi_slopes"] = _slopes(kw.pop("alibi", None), q0.shape[0], q0.shape[2], device)
+    dout = torch.randn(q0.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+    def run():
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+        assert not lse.requires_grad
+        out.backward(dout)
+        return out.detach(), lse, q.grad, k.grad, v.grad
+
+    cpp, py = _both_paths(run)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), cpp, py):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_views_same_as_python_path(device):
+    """attention() on transposed views of [B, S, H, D] tensors ([B, H, S, D] strides that are not
+    contiguous), with a gradient of stride 0 (out.sum()) and SDPA's names."""
+    q0, k0, v0 = _inputs(device, torch.float32, sq=9, skv=9)
+
+    def run():
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out = fat.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                            window_size=(2, 0), softcap=1.5)
+        out.sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    cpp, py = _both_paths(run)
+    for a, b in zip(cpp, py):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+def test_no_grad_and_inference_mode():
+    q, k, v = (x.requires_grad_() for x in _inputs("cpu", torch.float32))
+    ref = flash_attn_func(q, k, v, causal=True)
+    assert ref.grad_fn is not None
+    with torch.no_grad():
+        a = flash_attn_func(q, k, v, causal=True)
+    with torch.inference_mode():
+        b = flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
+    assert a.grad_fn is None and b.grad_fn is None
+    assert torch.equal(a, ref.detach()) and torch.equal(b, ref.detach())
+
+
+def test_only_some_inputs_require_grad():
+    q, k, v = _inputs("cpu", torch.float32)
+    k.requires_grad_()
+    flash_attn_func(q, k, v).sum().backward()
+    assert q.grad is None and v.grad is None and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda q, k, v: (q.double(), k, v), TypeError, "dtype"),
+    (lambda q, k, v: (q[..., :8], k, v), ValueError, "head_dim"),
+    (lambda q, k, v: (q, k[:, :, :1], v), ValueError, "k"),
+])
+def test_errors_as_python_path(bad, exc, match):
+    q, k, v = bad(*_inputs("cpu", torch.float32))
+
+    def run():
+        with pytest.raises(exc, match=match) as e:
+            flash_attn_func(q.requires_grad_(), k, v)
+        return str(e.value)
+
+    cpp, py = _both_paths(run)
+    assert cpp == py
+
+
+def test_option_errors_as_python_path():
+    q, k, v = _inputs("cpu", torch.float32)
+
+    def run():
+        msgs = []
+        with pytest.raises(ValueError) as e:
+            flash_attn_func(q, k, v, softmax_scale=1e-50)  # underflows to 0 in float32
+        msgs.append(str(e.value))
+        with pytest.raises(ValueError) as e:
+            fat.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), num_threads=5000)
+        msgs.append(str(e.value))
+        return msgs
+
+    cpp, py = _both_paths(run)
+    assert cpp == py
+
+
+def test_use_eager_ops_switch():
+    prev = fat.use_eager_ops(False)
+    try:
+        assert fat.use_eager_ops(True) is False
+        assert fat.use_eager_ops(prev) is True
+    finally:
+        fat.use_eager_ops(prev)
