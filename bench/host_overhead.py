@@ -72,18 +72,25 @@ def main():
         if dev == "cuda":
             torch.cuda.synchronize()
 
-    def timed(fn):
-        for _ in range(args.warmup):
-            fn()
+    def timed(fns):
+        """Median per-call time (us) of each (context, callable): the rounds interleave the
+        callables (round r of every one before round r + 1 of any), so that a slow spell of the
+        machine falls on all of them alike instead of on whichever ran then."""
+        for ctx, fn in fns:
+            with ctx():
+                for _ in range(args.warmup):
+                    fn()
         sync()
-        per = []
+        per = [[] for _ in fns]
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            sync()
-            per.append((time.perf_counter() - t0) / args.calls * 1e6)
-        return statistics.median(per)
+            for i, (ctx, fn) in enumerate(fns):
+                with ctx():
+                    t0 = time.perf_counter()
+                    for _ in range(args.calls):
+                        fn()
+                    sync()
+                    per[i].append((time.perf_counter() - t0) / args.calls * 1e6)
+        return [statistics.median(p) for p in per]
 
     # Each entry: (name, forward callable on leaf tensors, the gradient for its output, and a
     # context the entry is timed in: entered once around its loops, not per call).
@@ -180,9 +187,11 @@ def main():
                 setattr(flashattn._ext, n, saved[n])
 
     rows = []
-    for name, inference, train, ctx in entries:
+    fwd_us = timed([(ctx, inference) for _, inference, _, ctx in entries])
+    fwd_bwd_us = timed([(ctx, train) for _, _, train, ctx in entries])
+    for (name, _, train, ctx), f, fb in zip(entries, fwd_us, fwd_bwd_us):
         with ctx():
-            rows.append(dict(entry=name, fwd_us=timed(inference), fwd_bwd_us=timed(train),
+            rows.append(dict(entry=name, fwd_us=f, fwd_bwd_us=fb,
                              fwd_bwd_library_us=ext_time(train) if not name.startswith("sdpa") else float("nan")))
     ref = next((r for r in rows if r["entry"] in ("sdpa-flash", "sdpa")), None)
     print(f"# host time per call, {dev}, {dtype}, B{b} H{h} S{s} D{d}, torch {torch.__version__}"

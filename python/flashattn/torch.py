@@ -11,6 +11,10 @@ Two ways in, the same kernels:
   so torch.compile keeps them as opaque nodes in the graph instead of breaking it; eagerly, the
   same implementations and formula run without the dispatcher (``call_op``), which costs a
   fraction of the custom op's eager path.
+  Where the package was built against the running torch (``pip install --no-build-isolation``),
+  the eager path of attention() and flash_attn_func is the C++ op ``flashattn_eager::fwd`` instead
+  (python/src/torch_ops.cpp: its autograd node and the library calls in C++, about half the
+  host time per call); ``use_eager_ops(False)`` or FLASHATTN_TORCH_OPS=0 keep the Python path.
 - ``FlashAttnFunction`` is a plain torch.autograd.Function calling the extension directly (eager
   only).
 
