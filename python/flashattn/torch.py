@@ -12,7 +12,8 @@ Two ways in, the same kernels:
   same implementations and formula run without the dispatcher (``call_op``), which costs a
   fraction of the custom op's eager path.
   Where the package was built against the running torch (``pip install --no-build-isolation``),
-  the eager path of attention() and flash_attn_func is the C++ op ``flashattn_eager::fwd`` instead
+  the eager path of attention(), attention_varlen() and the flash_attn functions (dense, packed,
+  varlen) is the C++ ops ``flashattn_eager::*`` instead
   (python/src/torch_ops.cpp: its autograd node and the library calls in C++, about half the
   host time per call); ``use_eager_ops(False)`` or FLASHATTN_TORCH_OPS=0 keep the Python path.
 - ``FlashAttnFunction`` is a plain torch.autograd.Function calling the extension directly (eager
@@ -633,14 +634,15 @@ class _Eager(torch.autograd.Function):
 
 
 # ---- the eager ops in C++ (python/src/torch_ops.cpp) --------------------------------------------
-# flashattn_eager::fwd: the unpacked forward ops ("fwd", "bshd_fwd") with their autograd node,
-# the output allocations and the library calls in C++ (a Python node alone costs about what
-# SDPA's whole call does at small shapes). Built against one torch version, recorded in
-# _torch_ops.txt beside it; under another version, without the file, or with
+# flashattn_eager::fwd / qkvpacked_fwd / kvpacked_fwd / varlen_fwd: the forward ops with their
+# autograd node, the output allocations and the library calls in C++ (a Python node alone costs
+# about what SDPA's whole call does at small shapes). Built against one torch version, recorded
+# in _torch_ops.txt beside it; under another version, without the file, or with
 # FLASHATTN_TORCH_OPS=0, the Python path below serves the same calls with the same results.
 
 
 def _load_eager_ops():
+    """{op name: (the C++ op, its extra arguments before torch_scratch)}, or None."""
     if os.environ.get("FLASHATTN_TORCH_OPS", "1") == "0":
         return None
     here = os.path.dirname(os.path.abspath(__file__))
@@ -653,37 +655,43 @@ def _load_eager_ops():
         return None
     try:
         torch.ops.load_library(os.path.join(here, "_torch_ops.so"))
-        return torch.ops.flashattn_eager.fwd.default
+        ops = torch.ops.flashattn_eager
+        # fwd and bshd_fwd: one op, the layout ([B, S, H, D] or not) as an argument.
+        return {"fwd": (ops.fwd.default, (False,)), "bshd_fwd": (ops.fwd.default, (True,)),
+                "qkvpacked_fwd": (ops.qkvpacked_fwd.default, ()),
+                "kvpacked_fwd": (ops.kvpacked_fwd.default, ()),
+                "varlen_fwd": (ops.varlen_fwd.default, ())}
     except (OSError, RuntimeError, AttributeError):
         return None
 
 
-_EAGER_FWD = _load_eager_ops()
-_EAGER_ON = _EAGER_FWD is not None
-_EAGER_NAMES = {"fwd": False, "bshd_fwd": True}  # op -> its tensors are [B, S, H, D]
+_EAGER_OPS = _load_eager_ops()
+_EAGER_ON = _EAGER_OPS is not None
 
 
 def eager_ops_available() -> bool:
     """Whether the C++ eager ops were built for this torch and loaded."""
-    return _EAGER_FWD is not None
+    return _EAGER_OPS is not None
 
 
 def use_eager_ops(enable: bool = True) -> bool:
-    """Eager calls of attention() and flash_attn_func through the C++ ops (the default where they
-    are available), or (False) through the Python autograd path. Returns the previous setting."""
+    """Eager calls of attention(), attention_varlen() and the flash_attn functions (dense, packed,
+    varlen) through the C++ ops (the default where they are available), or (False) through the
+    Python autograd path. Returns the previous setting."""
     global _EAGER_ON
-    prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_FWD is not None
+    prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_OPS is not None
     return prev
 
 
 def call_op(name, *inputs):
     """torch.ops.flashattn.<name>(*inputs) with every argument given: the custom op under
-    torch.compile; eagerly the C++ op for the unpacked forwards where it is loaded, else the same
-    implementation and formula without the dispatcher."""
+    torch.compile; eagerly the C++ op where it is loaded, else the same implementation and
+    formula without the dispatcher."""
     if torch.compiler.is_compiling():
         return getattr(torch.ops.flashattn, name)(*inputs)
-    if _EAGER_ON and name in _EAGER_NAMES:
-        return _EAGER_FWD(*inputs, _EAGER_NAMES[name], _WS_TORCH)
+    if _EAGER_ON:
+        op, extra = _EAGER_OPS[name]
+        return op(*inputs, *extra, _WS_TORCH)
     if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
         return _Eager.apply(name, *inputs)
     return _IMPLS[name](*inputs)

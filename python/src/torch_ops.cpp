@@ -1,6 +1,8 @@
 // flashattn's eager PyTorch path in C++: the ops flashattn_eager::fwd (FlashAttention's
-// [B, S, H, D] layout with bshd = true, else [B, H, S, D]) whose Autograd kernel is a C++
-// torch::autograd::Function calling the library directly, forward and backward.
+// [B, S, H, D] layout with bshd = true, else [B, H, S, D]), qkvpacked_fwd, kvpacked_fwd
+// (flash_attn's packed layouts, gradients into one packed buffer) and varlen_fwd (packed
+// variable-length batches), whose Autograd kernel is one C++ torch::autograd::Function calling
+// the library directly, forward and backward.
 //
 // Why: a Python autograd node, the DLPack capsules and the Python glue around the two library
 // calls cost a forward+backward 2.2x SDPA's host time at tiny shapes (bench/host_overhead.py,
@@ -9,7 +11,7 @@
 // are C++ as in PyTorch's own operators.
 //
 // Only the eager path: under torch.compile flashattn.torch keeps its Python custom ops
-// (flashattn::fwd / bshd_fwd, with fake implementations), which this library does not replace.
+// (flashattn::fwd, bshd_fwd, ..., with fake implementations), which this library does not replace.
 // Built against one PyTorch version (the C++ ABI of libtorch is not stable across versions):
 // flashattn.torch loads it only when the version recorded beside it is the running torch's,
 // and falls back to the Python path otherwise (python/flashattn/torch.py, _load_eager_ops).
@@ -26,6 +28,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -41,8 +44,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The scalar options, in the ops' order (flashattn.torch._codes), plus the layout and where the
-// CUDA scratch comes from.
+// How the ops' tensors hold q, k and v: separately, or FlashAttention's packed qkv [B, S, 3, H, D]
+// / kv [B, S, 2, Hkv, D] (gradients into one buffer laid out like the input, as flash_attn's).
+enum Pack : int64_t { kSeparate = 0, kQkv = 1, kKv = 2 };
+
+// The scalar options, in the ops' order (flashattn.torch._codes), plus the layout, the packed
+// batch's lengths and where the CUDA scratch comes from.
 struct Opts {
   double scale = 0.0;
   int64_t mask = 0, precision = 0, num_threads = 0;
@@ -51,9 +58,13 @@ struct Opts {
   double softcap = 0.0;
   bool bshd = false;          // [B, S, H, D] tensors (dims 1 and 2 swapped in the views)
   bool torch_scratch = true;  // CUDA scratch from torch's caching allocator
+  int64_t pack = kSeparate;
+  bool varlen = false;        // packed variable-length batch: 3-d q, k, v and cu_seqlens
+  int64_t max_q = 0, max_k = 0;
 
   std::vector<int64_t> ints() const {
-    return {mask, precision, num_threads, deterministic, window_left, window_right, bshd, torch_scratch};
+    return {mask, precision, num_threads, deterministic, window_left, window_right, bshd, torch_scratch, pack,
+            varlen, max_q, max_k};
   }
   static Opts from(double scale, double softcap, const std::vector<int64_t>& i) {
     Opts o;
@@ -67,6 +78,10 @@ struct Opts {
     o.window_right = i[5];
     o.bshd = i[6] != 0;
     o.torch_scratch = i[7] != 0;
+    o.pack = i[8];
+    o.varlen = i[9] != 0;
+    o.max_q = i[10];
+    o.max_k = i[11];
     return o;
   }
 };
@@ -93,30 +108,62 @@ void library_call(F&& f) {
   }
 }
 
-flashattn::DType dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return flashattn::DType::Float32;
-    case at::kHalf: return flashattn::DType::Float16;
-    case at::kBFloat16: return flashattn::DType::BFloat16;
-    case at::kDouble: return flashattn::DType::Float64;
-    case at::kInt: return flashattn::DType::Int32;
-    default: TORCH_CHECK_TYPE(false, name, ".dtype = ", t.scalar_type(), ": flashattn takes float32, float16, bfloat16 or float64");
-  }
+// What a tensor argument may be, for the checks made before the library sees it (the messages
+// are the extension's, python/src/flashattn_ext.cpp: convert): data tensors take flashattn's
+// dtypes and up to 4 dims, the sequence arrays int32 with 1, the ALiBi slopes 1 or 2.
+enum class Role { Data, Index, Slopes };
+
+// "int64", "bfloat16", ...: the dtype as the extension names it (DLPack's spelling).
+std::string dtype_name(at::ScalarType t) {
+  if (t == at::kBool) return "bool";
+  const char* base = c10::isComplexType(t)               ? "complex"
+                     : t == at::kBFloat16                ? "bfloat"
+                     : c10::isFloatingType(t)            ? "float"
+                     : t == at::kByte                    ? "uint"
+                                                          : "int";
+  return base + std::to_string(c10::elementSize(t) * 8);
 }
 
-// A tensor as the library's view; bshd: a 4-d [B, S, H, D] tensor read as [B, H, S, D].
-flashattn::Tensor view_of(const at::Tensor& t, const char* name, bool bshd) {
+flashattn::DType dtype_of(const at::Tensor& t, const char* name, Role role) {
+  switch (t.scalar_type()) {
+    case at::kFloat: if (role != Role::Index) return flashattn::DType::Float32; break;
+    case at::kHalf: if (role != Role::Index) return flashattn::DType::Float16; break;
+    case at::kBFloat16: if (role != Role::Index) return flashattn::DType::BFloat16; break;
+    case at::kDouble: if (role != Role::Index) return flashattn::DType::Float64; break;
+    case at::kInt: if (role == Role::Index) return flashattn::DType::Int32; break;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, name, ".dtype = ", dtype_name(t.scalar_type()),
+                   role == Role::Index    ? ", expected int32"
+                   : role == Role::Slopes ? ", expected float32"
+                                          : " is not supported (flashattn takes float32, float16, bfloat16, and "
+                                            "float64 on the CPU)");
+}
+
+// dtype, device and data of a tensor's view.
+flashattn::Tensor base_view(const at::Tensor& t, const char* name, Role role = Role::Data) {
   TORCH_CHECK_VALUE(t.defined(), name, " is an undefined tensor");
-  TORCH_CHECK_VALUE(t.dim() >= 1 && t.dim() <= 4, name, " has ", t.dim(), " dims; flashattn takes 1 to 4");
   flashattn::Tensor v;
   v.data = t.data_ptr();
-  v.dtype = dtype_of(t, name);
+  v.dtype = dtype_of(t, name, role);
   if (t.is_cuda()) {
     v.device = t.get_device();
   } else {
     TORCH_CHECK_VALUE(t.is_cpu(), name, " is on ", t.device(), "; flashattn supports CPU and CUDA memory");
     v.device = flashattn::kCpu;
   }
+  return v;
+}
+
+// A tensor as the library's view; bshd: a 4-d [B, S, H, D] tensor read as [B, H, S, D].
+flashattn::Tensor view_of(const at::Tensor& t, const char* name, bool bshd, Role role = Role::Data) {
+  flashattn::Tensor v = base_view(t, name, role);
+  const int64_t lo = role == Role::Data ? 0 : 1, hi = role == Role::Data ? 4 : role == Role::Index ? 1 : 2;
+  TORCH_CHECK_VALUE(t.dim() >= lo && t.dim() <= hi, name, ".ndim = ", t.dim(), ", expected ",
+                    role == Role::Index    ? "1"
+                    : role == Role::Slopes ? "1 ([Hq]) or 2 ([B, Hq])"
+                    : std::string(name) == "lse" ? "3"
+                                                 : "4");
   v.ndim = static_cast<int32_t>(t.dim());
   for (int i = 0; i < v.ndim; ++i) {
     v.shape[i] = t.size(i);
@@ -125,6 +172,22 @@ flashattn::Tensor view_of(const at::Tensor& t, const char* name, bool bshd) {
   if (bshd && v.ndim == 4) {
     std::swap(v.shape[1], v.shape[2]);
     std::swap(v.stride[1], v.stride[2]);
+  }
+  return v;
+}
+
+// Slice i of a packed [B, S, n, H, D] tensor (qkv, kv or their gradients) as the library's
+// [B, H, S, D] view: the flash_attn functions' layouts (checked 5-d by their Python side).
+flashattn::Tensor slice_of(const at::Tensor& t, int64_t i, const char* name) {
+  flashattn::Tensor v = base_view(t, name);
+  TORCH_CHECK_VALUE(t.dim() == 5 && i < t.size(2), name, " has shape ", t.sizes(), "; expected [B, S, n, H, D] with n > ",
+                    i);
+  v.data = static_cast<char*>(t.data_ptr()) + i * t.stride(2) * static_cast<int64_t>(t.element_size());
+  v.ndim = 4;
+  const int dims[4] = {0, 3, 1, 4};
+  for (int j = 0; j < 4; ++j) {
+    v.shape[j] = t.size(dims[j]);
+    v.stride[j] = t.stride(dims[j]);
   }
   return v;
 }
@@ -187,10 +250,15 @@ template <class Call>
 void with_scratch(int kind, const Opts& o, const at::Tensor& q, flashattn::Options x,
                   std::initializer_list<const flashattn::Tensor*> views, Call&& call) {
   if (!q.is_cuda() || !o.torch_scratch) return library_call([&] { call(x); });
-  std::vector<int64_t> key{kind, o.mask, o.precision, o.deterministic, o.window_left, o.window_right,
+  std::vector<int64_t> key{kind,           o.mask,         o.precision, o.deterministic,
+                           o.window_left,  o.window_right, o.max_q,     o.max_k,
                            static_cast<int64_t>(x.softcap != 0.0f)};
-  for (const flashattn::Tensor* v : views)
-    if (v != nullptr) add_key(key, *v);
+  for (const flashattn::Tensor* v : views) {
+    if (v != nullptr)
+      add_key(key, *v);
+    else
+      key.push_back(-1);
+  }
   uint64_t need = 0;
   bool known = false;
   {
@@ -218,52 +286,147 @@ void with_scratch(int kind, const Opts& o, const at::Tensor& q, flashattn::Optio
   library_call([&] { call(x); });
 }
 
-std::pair<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                                               const std::optional<at::Tensor>& slopes, const Opts& o) {
-  const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
-  c10::OptionalDeviceGuard guard(q.is_cuda() ? std::optional<c10::Device>(q.device()) : std::nullopt);
-  TORCH_CHECK_VALUE(q.dim() == 4, "q has ", q.dim(), " dims; expected 4 (", o.bshd ? "[B, S, H, D]" : "[B, H, S, D]",
-                    ")");
-  // out as the Python path makes it: [B, S, H, D] contiguous, or like q (its strides kept).
-  const at::Tensor out = o.bshd ? at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options())
-                                : at::empty_like(q);
-  const int64_t h = o.bshd ? q.size(2) : q.size(1), s = o.bshd ? q.size(1) : q.size(2);
-  const at::Tensor lse = at::empty({q.size(0), h, s}, q.options().dtype(at::kFloat));
-  const flashattn::Tensor tq = view_of(q, "q", o.bshd), tk = view_of(k, "k", o.bshd), tv = view_of(v, "v", o.bshd),
-                          to = view_of(out, "out", o.bshd), tl = view_of(lse, "lse", false);
+// The inputs a, b, c of a call: q, k, v (kSeparate, and varlen), qkv (kQkv) or q, kv (kKv);
+// undefined where the packing has fewer.
+struct Operands {
+  at::Tensor a, b, c;
+};
+
+// Their q, k, v views as the library's [B, H, S, D] (varlen: [total, H, D] as they are); the same
+// for the gradients, which are laid out as the inputs (one packed buffer for a packed input).
+std::array<flashattn::Tensor, 3> qkv_views(const Operands& in, const Opts& o, const char* const names[3]) {
+  switch (o.pack) {
+    case kQkv: return {slice_of(in.a, 0, names[0]), slice_of(in.a, 1, names[1]), slice_of(in.a, 2, names[2])};
+    case kKv: return {view_of(in.a, names[0], true), slice_of(in.b, 0, names[1]), slice_of(in.b, 1, names[2])};
+    default:
+      return {view_of(in.a, names[0], o.bshd), view_of(in.b, names[1], o.bshd), view_of(in.c, names[2], o.bshd)};
+  }
+}
+
+Operands unit_last(const Operands& in) {
+  Operands r;
+  for (auto [from, to] : {std::pair{&in.a, &r.a}, std::pair{&in.b, &r.b}, std::pair{&in.c, &r.c}})
+    if (from->defined()) *to = unit_last(*from);
+  return r;
+}
+
+Operands empty_like(const Operands& in) {
+  Operands r;
+  for (auto [from, to] : {std::pair{&in.a, &r.a}, std::pair{&in.b, &r.b}, std::pair{&in.c, &r.c}})
+    if (from->defined()) *to = at::empty_like(*from);
+  return r;
+}
+
+// A packed batch's sequence arrays (undefined unless varlen; used_k also when not given).
+struct SeqTensors {
+  at::Tensor cu_q, cu_k, used_k;
+};
+
+// Their views and the library's Varlen over them.
+struct Seqs {
+  flashattn::Tensor cu_q, cu_k, used_k;
+  flashattn::Varlen v;
+  Seqs(const SeqTensors& t, const Opts& o)
+      : cu_q(view_of(t.cu_q, "cu_seqlens_q", false, Role::Index)),
+        cu_k(view_of(t.cu_k, "cu_seqlens_k", false, Role::Index)) {
+    v.cu_seqlens_q = &cu_q;
+    v.cu_seqlens_k = &cu_k;
+    if (t.used_k.defined()) {
+      used_k = view_of(t.used_k, "seqused_k", false, Role::Index);
+      v.seqused_k = &used_k;
+    }
+    v.max_seqlen_q = o.max_q;
+    v.max_seqlen_k = o.max_k;
+  }
+  const flashattn::Tensor* used() const { return v.seqused_k; }
+};
+
+const char* const kIn[3] = {"q", "k", "v"};
+const char* const kGrad[3] = {"dq", "dk", "dv"};
+
+// Whether out / dout are FlashAttention's [B, S, H, D] (read with two dims swapped).
+bool rows_bshd(const Opts& o) { return o.bshd || o.pack != kSeparate; }
+
+std::pair<at::Tensor, at::Tensor> forward_impl(const Operands& in_, const SeqTensors& sq, const at::Tensor& slopes,
+                                               const Opts& o) {
+  const Operands in = unit_last(in_);
+  const at::Tensor& q0 = in.a;  // (qkv when packed)
+  c10::OptionalDeviceGuard guard(q0.is_cuda() ? std::optional<c10::Device>(q0.device()) : std::nullopt);
+  const std::array<flashattn::Tensor, 3> t = qkv_views(in, o, kIn);
+  const flashattn::Tensor& tq = t[0];
+  at::Tensor out, lse;
+  if (o.varlen) {  // q [total_q, Hq, D]: out like it, lse [Hq, total_q]
+    TORCH_CHECK_VALUE(q0.dim() == 3, "q has ", q0.dim(), " dims; expected 3 ([total_q, Hq, D])");
+    out = at::empty_like(q0);
+    lse = at::empty({q0.size(1), q0.size(0)}, q0.options().dtype(at::kFloat));
+  } else {
+    TORCH_CHECK_VALUE(tq.ndim == 4, "q has ", tq.ndim, " dims; expected 4 (", rows_bshd(o) ? "[B, S, H, D]" : "[B, H, S, D]",
+                      ")");
+    // out as the Python path makes it: [B, S, H, D] contiguous, or like q (its strides kept).
+    out = rows_bshd(o) ? at::empty({tq.shape[0], tq.shape[2], tq.shape[1], tq.shape[3]}, q0.options())
+                       : at::empty_like(q0);
+    lse = at::empty({tq.shape[0], tq.shape[1], tq.shape[2]}, q0.options().dtype(at::kFloat));
+  }
+  const flashattn::Tensor to = view_of(out, "out", rows_bshd(o)), tl = view_of(lse, "lse", false);
   std::optional<flashattn::Tensor> ts;
-  if (slopes.has_value() && slopes->defined()) ts = view_of(*slopes, "alibi_slopes", false);
-  const flashattn::Options x = options_of(o, q, ts ? &*ts : nullptr);
-  with_scratch(0, o, q, x, {&tq, &tk, &tv, &to, &tl, ts ? &*ts : nullptr},
-               [&](const flashattn::Options& y) { flashattn::forward(tq, tk, tv, to, tl, y); });
+  if (slopes.defined()) ts = view_of(slopes, "alibi_slopes", false, Role::Slopes);
+  const flashattn::Tensor* sl = ts ? &*ts : nullptr;
+  const flashattn::Options x = options_of(o, q0, sl);
+  if (o.varlen) {
+    const Seqs seqs(sq, o);
+    with_scratch(2, o, q0, x, {&t[0], &t[1], &t[2], &to, &tl, &seqs.cu_q, &seqs.cu_k, seqs.used(), sl},
+                 [&](const flashattn::Options& y) { flashattn::forward_varlen(t[0], t[1], t[2], to, tl, seqs.v, y); });
+  } else {
+    with_scratch(0, o, q0, x, {&t[0], &t[1], &t[2], &to, &tl, sl},
+                 [&](const flashattn::Options& y) { flashattn::forward(t[0], t[1], t[2], to, tl, y); });
+  }
   return {out, lse};
 }
 
-variable_list backward_impl(const at::Tensor& dout_, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& slopes,
-                            const Opts& o) {
+Operands backward_impl(const at::Tensor& dout_, const Operands& in, const at::Tensor& out, const at::Tensor& lse,
+                       const SeqTensors& sq, const at::Tensor& slopes, const Opts& o) {
   const at::Tensor dout = unit_last(dout_);
-  c10::OptionalDeviceGuard guard(q.is_cuda() ? std::optional<c10::Device>(q.device()) : std::nullopt);
-  const at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  const flashattn::Tensor tdo = view_of(dout, "dout", o.bshd), tq = view_of(q, "q", o.bshd), tk = view_of(k, "k", o.bshd),
-                          tv = view_of(v, "v", o.bshd), to = view_of(out, "out", o.bshd),
-                          tl = view_of(lse, "lse", false), tdq = view_of(dq, "dq", o.bshd),
-                          tdk = view_of(dk, "dk", o.bshd), tdv = view_of(dv, "dv", o.bshd);
+  const at::Tensor& q0 = in.a;
+  c10::OptionalDeviceGuard guard(q0.is_cuda() ? std::optional<c10::Device>(q0.device()) : std::nullopt);
+  const Operands grads = empty_like(in);
+  const std::array<flashattn::Tensor, 3> t = qkv_views(in, o, kIn), g = qkv_views(grads, o, kGrad);
+  const flashattn::Tensor tdo = view_of(dout, "dout", rows_bshd(o)), to = view_of(out, "out", rows_bshd(o)),
+                          tl = view_of(lse, "lse", false);
   std::optional<flashattn::Tensor> ts;
-  if (slopes.has_value() && slopes->defined()) ts = view_of(*slopes, "alibi_slopes", false);
-  const flashattn::Options x = options_of(o, q, ts ? &*ts : nullptr);
-  with_scratch(1, o, q, x, {&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, ts ? &*ts : nullptr},
-               [&](const flashattn::Options& y) { flashattn::backward(tq, tk, tv, to, tdo, tl, tdq, tdk, tdv, y); });
-  return {dq, dk, dv};
+  if (slopes.defined()) ts = view_of(slopes, "alibi_slopes", false, Role::Slopes);
+  const flashattn::Tensor* sl = ts ? &*ts : nullptr;
+  const flashattn::Options x = options_of(o, q0, sl);
+  if (o.varlen) {
+    const Seqs seqs(sq, o);
+    with_scratch(3, o, q0, x,
+                 {&tdo, &t[0], &t[1], &t[2], &to, &tl, &g[0], &g[1], &g[2], &seqs.cu_q, &seqs.cu_k, seqs.used(), sl},
+                 [&](const flashattn::Options& y) {
+                   flashattn::backward_varlen(t[0], t[1], t[2], to, tdo, tl, g[0], g[1], g[2], seqs.v, y);
+                 });
+  } else {
+    with_scratch(1, o, q0, x, {&tdo, &t[0], &t[1], &t[2], &to, &tl, &g[0], &g[1], &g[2], sl},
+                 [&](const flashattn::Options& y) {
+                   flashattn::backward(t[0], t[1], t[2], to, tdo, tl, g[0], g[1], g[2], y);
+                 });
+  }
+  return grads;
 }
 
-// The autograd node: saves q, k, v, (out, lse) and the slopes; lse gets no gradient (as in
-// FlashAttention), and no zero tensor is made for it (set_materialize_grads(false)).
+// The autograd node of every op: saves the inputs, (out, lse), the slopes and the sequence arrays;
+// lse gets no gradient (as in FlashAttention), and no zero tensor is made for it
+// (set_materialize_grads(false)). Arguments: a, b, c, slopes, cu_seqlens_q, cu_seqlens_k,
+// seqused_k (each nullopt where the call has none: autograd records input metadata of every tensor
+// argument, and an undefined tensor has none), options.
+using Opt = std::optional<at::Tensor>;
+Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
+
 struct Attention : public torch::autograd::Function<Attention> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::optional<at::Tensor>& slopes, const Opts& o) {
-    auto [out, lse] = forward_impl(q, k, v, slopes, o);
-    ctx->save_for_backward({q, k, v, out, lse, slopes.value_or(at::Tensor())});
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const Opt& b, const Opt& c, const Opt& slopes,
+                               const Opt& cu_q, const Opt& cu_k, const Opt& used_k, const Opts& o) {
+    const at::Tensor none;
+    auto v = [&](const Opt& t) { return t.value_or(none); };
+    auto [out, lse] = forward_impl({a, v(b), v(c)}, {v(cu_q), v(cu_k), v(used_k)}, v(slopes), o);
+    ctx->save_for_backward({a, v(b), v(c), out, lse, v(slopes), v(cu_q), v(cu_k), v(used_k)});
     ctx->saved_data["f"] = c10::List<double>({o.scale, o.softcap});
     ctx->saved_data["i"] = o.ints();
     ctx->mark_non_differentiable({lse});
@@ -271,19 +434,21 @@ struct Attention : public torch::autograd::Function<Attention> {
     return {out, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list g(8);  // one per forward argument; the slopes and sequence arrays get none
+    if (!grads[0].defined()) return g;  // out unused by the loss: nothing flows back
     const variable_list s = ctx->get_saved_variables();
-    if (!grads[0].defined())  // out unused by the loss: nothing flows back
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const c10::List<double> f = ctx->saved_data["f"].toDoubleList();
     const Opts o = Opts::from(f.get(0), f.get(1), ctx->saved_data["i"].toIntVector());
-    const std::optional<at::Tensor> slopes = s[5].defined() ? std::optional<at::Tensor>(s[5]) : std::nullopt;
-    variable_list g = backward_impl(grads[0], s[0], s[1], s[2], s[3], s[4], slopes, o);
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+    const Operands d = backward_impl(grads[0], {s[0], s[1], s[2]}, s[3], s[4], {s[6], s[7], s[8]}, s[5], o);
+    g[0] = d.a;
+    g[1] = d.b;
+    g[2] = d.c;
+    return g;
   }
 };
 
 Opts opts(double scale, int64_t mask, int64_t precision, int64_t num_threads, bool deterministic, int64_t window_left,
-          int64_t window_right, double softcap, bool bshd, bool torch_scratch) {
+          int64_t window_right, double softcap, bool torch_scratch) {
   Opts o;
   o.scale = scale;
   o.mask = mask;
@@ -293,41 +458,89 @@ Opts opts(double scale, int64_t mask, int64_t precision, int64_t num_threads, bo
   o.window_left = window_left;
   o.window_right = window_right;
   o.softcap = softcap;
-  o.bshd = bshd;
   o.torch_scratch = torch_scratch;
   return o;
 }
 
-// With autograd (grad mode on, some input requiring grad: a node is recorded).
-std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                double scale, int64_t mask, int64_t precision, int64_t num_threads,
-                                                bool deterministic, int64_t window_left, int64_t window_right,
-                                                double softcap, const std::optional<at::Tensor>& slopes, bool bshd,
-                                                bool torch_scratch) {
-  const variable_list r = Attention::apply(q, k, v, slopes, opts(scale, mask, precision, num_threads, deterministic,
-                                                                 window_left, window_right, softcap, bshd, torch_scratch));
-  return {r[0], r[1]};
+using Result = std::tuple<at::Tensor, at::Tensor>;
+
+// With autograd (Grad: the Autograd key, a node recorded when an input requires grad) or without
+// (inference mode, or below the Autograd key).
+template <bool Grad>
+Result run(const Operands& in, const SeqTensors& sq, const std::optional<at::Tensor>& slopes, const Opts& o) {
+  const at::Tensor sl = slopes.value_or(at::Tensor());
+  if constexpr (Grad) {
+    const variable_list r =
+        Attention::apply(in.a, opt(in.b), opt(in.c), opt(sl), opt(sq.cu_q), opt(sq.cu_k), opt(sq.used_k), o);
+    return {r[0], r[1]};
+  } else {
+    auto [out, lse] = forward_impl(in, sq, sl, o);
+    return {out, lse};
+  }
 }
 
-// Without (inference mode, or below the Autograd key).
-std::tuple<at::Tensor, at::Tensor> fwd_plain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                             int64_t mask, int64_t precision, int64_t num_threads, bool deterministic,
-                                             int64_t window_left, int64_t window_right, double softcap,
-                                             const std::optional<at::Tensor>& slopes, bool bshd, bool torch_scratch) {
-  auto [out, lse] = forward_impl(q, k, v, slopes, opts(scale, mask, precision, num_threads, deterministic, window_left,
-                                                       window_right, softcap, bshd, torch_scratch));
-  return {out, lse};
+// The ops: the tensors, then the options in flashattn.torch's op order, the slopes, the layout
+// where it varies, and where the CUDA scratch comes from.
+#define FLASHATTN_OPTION_PARAMS                                                                              \
+  double scale, int64_t mask, int64_t precision, int64_t num_threads, bool deterministic, int64_t window_left, \
+      int64_t window_right, double softcap, const std::optional<at::Tensor>&slopes
+#define FLASHATTN_OPTION_ARGS scale, mask, precision, num_threads, deterministic, window_left, window_right, softcap
+
+template <bool Grad>
+Result fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, FLASHATTN_OPTION_PARAMS, bool bshd,
+           bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.bshd = bshd;
+  return run<Grad>({q, k, v}, {}, slopes, o);
+}
+
+template <bool Grad>
+Result qkvpacked_fwd(const at::Tensor& qkv, FLASHATTN_OPTION_PARAMS, bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.pack = kQkv;
+  return run<Grad>({qkv, {}, {}}, {}, slopes, o);
+}
+
+template <bool Grad>
+Result kvpacked_fwd(const at::Tensor& q, const at::Tensor& kv, FLASHATTN_OPTION_PARAMS, bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.pack = kKv;
+  return run<Grad>({q, kv, {}}, {}, slopes, o);
+}
+
+template <bool Grad>
+Result varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                  const at::Tensor& cu_k, const std::optional<at::Tensor>& used_k, int64_t max_q, int64_t max_k,
+                  FLASHATTN_OPTION_PARAMS, bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.varlen = true;
+  o.max_q = max_q;
+  o.max_k = max_k;
+  return run<Grad>({q, k, v}, {cu_q, cu_k, used_k.value_or(at::Tensor())}, slopes, o);
 }
 
 }  // namespace
 
+#define FLASHATTN_OPTION_SCHEMA                                                                              \
+  "float softmax_scale, int mask, int precision, int num_threads, bool deterministic, int window_left, " \
+  "int window_right, float softcap, Tensor? alibi_slopes"
+
 TORCH_LIBRARY(flashattn_eager, m) {
-  m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, int mask, int precision, int num_threads, "
-      "bool deterministic, int window_left, int window_right, float softcap, Tensor? alibi_slopes, bool bshd, "
-      "bool torch_scratch) -> (Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, " FLASHATTN_OPTION_SCHEMA
+        ", bool bshd, bool torch_scratch) -> (Tensor, Tensor)");
+  m.def("qkvpacked_fwd(Tensor qkv, " FLASHATTN_OPTION_SCHEMA ", bool torch_scratch) -> (Tensor, Tensor)");
+  m.def("kvpacked_fwd(Tensor q, Tensor kv, " FLASHATTN_OPTION_SCHEMA ", bool torch_scratch) -> (Tensor, Tensor)");
+  m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
+        "int max_seqlen_q, int max_seqlen_k, " FLASHATTN_OPTION_SCHEMA ", bool torch_scratch) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(flashattn_eager, Autograd, m) { m.impl("fwd", &fwd_autograd); }
-TORCH_LIBRARY_IMPL(flashattn_eager, CPU, m) { m.impl("fwd", &fwd_plain); }
-TORCH_LIBRARY_IMPL(flashattn_eager, CUDA, m) { m.impl("fwd", &fwd_plain); }
+// (One set of functions for the CPU and CUDA keys: the library dispatches on the tensors' device.)
+#define FLASHATTN_IMPLS(GRAD)                      \
+  m.impl("fwd", &fwd<GRAD>);                       \
+  m.impl("qkvpacked_fwd", &qkvpacked_fwd<GRAD>);   \
+  m.impl("kvpacked_fwd", &kvpacked_fwd<GRAD>);     \
+  m.impl("varlen_fwd", &varlen_fwd<GRAD>)
+
+TORCH_LIBRARY_IMPL(flashattn_eager, Autograd, m) { FLASHATTN_IMPLS(true); }
+TORCH_LIBRARY_IMPL(flashattn_eager, CPU, m) { FLASHATTN_IMPLS(false); }
+TORCH_LIBRARY_IMPL(flashattn_eager, CUDA, m) { FLASHATTN_IMPLS(false); }

@@ -1,8 +1,9 @@
-"""flashattn.torch's C++ eager ops (python/src/torch_ops.cpp: flashattn_eager::fwd, an autograd
-node and the library calls in C++): the same results as the Python autograd path, bit for bit,
-for every option (a window, softcap, slopes or scale lost on the way to the backward changes the
-gradients), both layouts (flash_attn_func's [B, S, H, D], attention()'s [B, H, S, D] views), the
-same exceptions, and the no-grad / inference paths. Runs where the ops were built for this torch
+"""flashattn.torch's C++ eager ops (python/src/torch_ops.cpp: flashattn_eager::fwd, qkvpacked_fwd,
+kvpacked_fwd, varlen_fwd - an autograd node and the library calls in C++): the same results as
+the Python autograd path, bit for bit, for every option (a window, softcap, slopes or scale lost
+on the way to the backward changes the gradients), every layout (flash_attn_func's [B, S, H, D],
+attention()'s [B, H, S, D] views, packed qkv / kv with their gradients in one buffer, packed
+variable-length batches with seqused_k), the same exceptions, and the no-grad / inference paths. Runs where the ops were built for this torch
 (scripts/test requires it: FLASHATTN_TEST_REQUIRE_TORCH_OPS=1); the float64 reference checks of
 the other test files run through them too, since they are the default eager path."""
 
@@ -11,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashattn.torch as fat  # noqa: E402
-from flashattn import flash_attn_func  # noqa: E402
+from flashattn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
+                       flash_attn_varlen_func)
 from torch_helpers import DEVICES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not fat.eager_ops_available(),
@@ -95,6 +97,66 @@ def test_attention_views_same_as_python_path(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", ["qkvpacked", "kvpacked"])
+@pytest.mark.parametrize("case", ["plain", "causal-window-softcap", "alibi-bh-scale"])
+def test_packed_same_as_python_path(device, fn, case):
+    kw = dict(CASES[case])
+    b, s, hq, hkv, d = 2, 11, 4, (4 if fn == "qkvpacked" else 2), 16
+    kw["alibi_slopes"] = _slopes(kw.pop("alibi", None), b, hq, device)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(b, s, 3, hq, d, generator=g).to(device) if fn == "qkvpacked" else \
+        (torch.randn(b, s, hq, d, generator=g).to(device), torch.randn(b, s + 4, 2, hkv, d, generator=g).to(device))
+    dout = torch.randn(b, s, hq, d, generator=g).to(device)
+
+    def run():
+        if fn == "qkvpacked":
+            qkv = x0.clone().requires_grad_()
+            out, lse, _ = flash_attn_qkvpacked_func(qkv, return_attn_probs=True, **kw)
+            out.backward(dout)
+            return out.detach(), lse, qkv.grad
+        q, kv = (x.clone().requires_grad_() for x in x0)
+        out, lse, _ = flash_attn_kvpacked_func(q, kv, return_attn_probs=True, **kw)
+        out.backward(dout)
+        return out.detach(), lse, q.grad, kv.grad
+
+    cpp, py = _both_paths(run)
+    for a, b_ in zip(cpp, py):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("used", [False, True], ids=["all-keys", "seqused_k"])
+def test_varlen_same_as_python_path(device, used):
+    lens_q, lens_k = [3, 0, 7, 1], [5, 2, 7, 4]
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    seqused = torch.tensor([4, 2, 5, 4], dtype=torch.int32, device=device) if used else None
+    g = torch.Generator().manual_seed(4)
+    q0 = torch.randn(sum(lens_q), 4, 16, generator=g).to(device)
+    k0, v0 = (torch.randn(sum(lens_k), 2, 16, generator=g).to(device) for _ in range(2))
+    dout = torch.randn(q0.shape, generator=g).to(device)
+    slopes = torch.linspace(0.1, 0.4, 4).to(device)
+
+    def run():
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        mods = dict(window_size=(3, 0), softcap=2.0, alibi_slopes=slopes)
+        if used:  # (flash_attn 2.x's varlen function has no seqused_k)
+            out, lse = fat.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=seqused,
+                                            mask="causal_bottom_right", return_lse=True, **mods)
+        else:
+            out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                 return_attn_probs=True, **mods)
+        out.backward(dout)
+        return out.detach(), lse, q.grad, k.grad, v.grad
+
+    cpp, py = _both_paths(run)
+    for a, b_ in zip(cpp, py):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b_)
+
+
 def test_no_grad_and_inference_mode():
     q, k, v = (x.requires_grad_() for x in _inputs("cpu", torch.float32))
     ref = flash_attn_func(q, k, v, causal=True)
@@ -112,6 +174,22 @@ def test_only_some_inputs_require_grad():
     k.requires_grad_()
     flash_attn_func(q, k, v).sum().backward()
     assert q.grad is None and v.grad is None and torch.isfinite(k.grad).all()
+
+
+def test_varlen_errors_as_python_path():
+    q = torch.randn(5, 2, 8)
+    c = torch.tensor([0, 2, 5], dtype=torch.int32)
+
+    def run():
+        msgs = []
+        for bad, exc in ((c.long(), TypeError), (torch.tensor([0, 3, 2], dtype=torch.int32), ValueError)):
+            with pytest.raises(exc) as e:
+                flash_attn_varlen_func(q.clone().requires_grad_(), q, q, bad, c, 3, 3)
+            msgs.append(str(e.value))
+        return msgs
+
+    cpp, py = _both_paths(run)
+    assert cpp == py
 
 
 @pytest.mark.parametrize("bad, exc, match", [
