@@ -834,7 +834,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """Differentiable attention over a packed variable-length batch (flashattn.forward_varlen's
     layouts and arguments): q [total_q, Hq, D], k, v [total_k, Hkv, D], int32 cu_seqlens_q / _k
     [B + 1] and optional seqused_k [B] on q's device. Returns out [total_q, Hq, D], or (out, lse)
-    with lse float32 [Hq, total_q] when return_lse. Gradients flow to q, k and v only."""
+    with lse float32 [Hq, total_q] when return_lse. Gradients flow to q, k and v only.
+    mask="causal" is FlashAttention's causal (bottom-right per sequence), as in attention()."""
+    if mask == "causal":
+        mask = "causal_bottom_right"
     out, lse = call_op(
         "varlen_fwd", q, k, v, *varlen_values(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                 max_seqlen_k),

@@ -144,7 +144,7 @@ def test_varlen_same_as_python_path(device, used):
         mods = dict(window_size=(3, 0), softcap=2.0, alibi_slopes=slopes)
         if used:  # (flash_attn 2.x's varlen function has no seqused_k)
             out, lse = fat.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=seqused,
-                                            mask="causal_bottom_right", return_lse=True, **mods)
+                                            mask="causal", return_lse=True, **mods)
         else:
             out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                  return_attn_probs=True, **mods)

@@ -109,20 +109,17 @@ Span span_of(const Tensor& t) {
   return {lo, lo + static_cast<uintptr_t>((max_off + 1) * dtype_size(t.dtype))};
 }
 
-// Dimensions of size > 1 sorted by stride, ascending.
-std::vector<int> live_dims(const Tensor& t) {
-  std::vector<int> dims;
-  for (int i = 0; i < t.ndim; ++i)
-    if (t.shape[i] > 1) dims.push_back(i);
-  std::sort(dims.begin(), dims.end(), [&](int a, int b) { return t.stride[a] < t.stride[b]; });
-  return dims;
-}
-
 // True when the strides are "nested": each stride is larger than the span of all dims with
 // smaller strides. That proves that no two indices share an element.
 bool nested_strides(const Tensor& t) {
+  // The dimensions of size > 1, by stride ascending (at most 4: no allocation per call).
+  int dims[4], n = 0;
+  for (int i = 0; i < t.ndim && i < 4; ++i)
+    if (t.shape[i] > 1) dims[n++] = i;
+  std::sort(dims, dims + n, [&](int a, int b) { return t.stride[a] < t.stride[b]; });
   int64_t extent = 0;  // max offset reachable by the dims seen so far
-  for (int d : live_dims(t)) {
+  for (int j = 0; j < n; ++j) {
+    const int d = dims[j];
     if (t.stride[d] <= extent) return false;
     extent += (t.shape[d] - 1) * t.stride[d];
   }
@@ -361,10 +358,12 @@ Common make_common(const Named& q, const Shape& shape, const Options& o) {
     const Tensor& a = *o.alibi_slopes;
     c.num.alibi = Alibi{static_cast<const float*>(a.data), a.ndim == 2 ? a.stride[0] : 0, a.stride[a.ndim - 1]};
   }
-  int32_t threads = o.num_threads;
-  if (threads == 0)
-    threads = static_cast<int32_t>(std::min<unsigned>(
-        std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
+  // num_threads = 0: all hardware threads, counted once per process (hardware_concurrency()
+  // reads /sys/devices/system/cpu/online: three system calls on every call otherwise, CUDA
+  // calls included).
+  static const int32_t kAllThreads = static_cast<int32_t>(
+      std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), FLASHATTN_MAX_THREADS));
+  const int32_t threads = o.num_threads != 0 ? o.num_threads : kAllThreads;
   c.exec = Exec{q.t->device, o.stream, threads, o.cancel, o.cancel_arg,
                 q.t->device >= 0 ? o.workspace : nullptr, o.workspace_bytes};
   return c;
