@@ -197,6 +197,9 @@ def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, mask: int, 
          num_threads: int, deterministic: bool = False, window_left: int = -1,
          window_right: int = -1, softcap: float = 0.0,
          alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("fwd", q, k, v, softmax_scale, mask, precision, num_threads, deterministic,
+                    window_left, window_right, softcap, alibi_slopes)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = torch.empty_like(q)
     lse = _lse_like(q, q.shape[:3])
@@ -228,6 +231,9 @@ def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
          deterministic: bool = False, window_left: int = -1, window_right: int = -1,
          softcap: float = 0.0,
          alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("bwd", dout, q, k, v, out, lse, softmax_scale, mask, precision, num_threads,
+                    deterministic, window_left, window_right, softcap, alibi_slopes)
     return _grads(dout, q, k, v, out, lse, (softmax_scale, mask, precision, num_threads, deterministic,
                                             window_left, window_right, softcap, alibi_slopes), False)
 
@@ -283,6 +289,9 @@ def _qkvpacked_fwd_impl(qkv: Tensor, softmax_scale: float, mask: int, precision:
                    num_threads: int, deterministic: bool = False, window_left: int = -1,
                    window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("qkvpacked_fwd", qkv, softmax_scale, mask, precision, num_threads,
+                    deterministic, window_left, window_right, softcap, alibi_slopes)
     qkv = _unit_last(qkv)
     b, s, _, h, d = qkv.shape
     out = _empty_bshd_like(qkv, b, s, h, d)
@@ -307,6 +316,9 @@ def _qkvpacked_bwd_impl(dout: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, sof
                    mask: int, precision: int, num_threads: int, deterministic: bool = False,
                    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: Optional[Tensor] = None) -> Tensor:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("qkvpacked_bwd", dout, qkv, out, lse, softmax_scale, mask, precision,
+                    num_threads, deterministic, window_left, window_right, softcap, alibi_slopes)
     dout, qkv = _unit_last(dout), _unit_last(qkv)
     dqkv = torch.empty_like(qkv)
     # dq, dk and dv are interleaved, non-overlapping views of the one packed buffer.
@@ -342,6 +354,9 @@ def _kvpacked_fwd_impl(q: Tensor, kv: Tensor, softmax_scale: float, mask: int, p
                   num_threads: int, deterministic: bool = False, window_left: int = -1,
                   window_right: int = -1, softcap: float = 0.0,
                   alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("kvpacked_fwd", q, kv, softmax_scale, mask, precision, num_threads,
+                    deterministic, window_left, window_right, softcap, alibi_slopes)
     q, kv = _unit_last(q), _unit_last(kv)
     b, s, h, d = q.shape
     out = _empty_bshd_like(q, b, s, h, d)
@@ -366,6 +381,9 @@ def _kvpacked_bwd_impl(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Te
                   deterministic: bool = False, window_left: int = -1, window_right: int = -1,
                   softcap: float = 0.0,
                   alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("kvpacked_bwd", dout, q, kv, out, lse, softmax_scale, mask, precision,
+                    num_threads, deterministic, window_left, window_right, softcap, alibi_slopes)
     dout, q, kv = _unit_last(dout), _unit_last(q), _unit_last(kv)
     dq, dkv = torch.empty_like(q), torch.empty_like(kv)
     _call_bwd(dout, q, kv[:, :, 0], kv[:, :, 1], out, lse, dq, dkv[:, :, 0], dkv[:, :, 1],
@@ -407,6 +425,9 @@ def _bshd_fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, mask: 
                    num_threads: int, deterministic: bool = False, window_left: int = -1,
                    window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("bshd_fwd", q, k, v, softmax_scale, mask, precision, num_threads, deterministic,
+                    window_left, window_right, softcap, alibi_slopes)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     b, s, h, d = q.shape
     out = _empty_bshd_like(q, b, s, h, d)
@@ -431,6 +452,9 @@ def _bshd_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    deterministic: bool = False, window_left: int = -1, window_right: int = -1,
                    softcap: float = 0.0,
                    alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("bshd_bwd", dout, q, k, v, out, lse, softmax_scale, mask, precision,
+                    num_threads, deterministic, window_left, window_right, softcap, alibi_slopes)
     return _grads(dout, q, k, v, out, lse, (softmax_scale, mask, precision, num_threads, deterministic,
                                             window_left, window_right, softcap, alibi_slopes), True)
 
@@ -490,6 +514,10 @@ def _varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                 deterministic: bool = False, window_left: int = -1, window_right: int = -1,
                 softcap: float = 0.0,
                 alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                    max_seqlen_k, softmax_scale, mask, precision, num_threads, deterministic,
+                    window_left, window_right, softcap, alibi_slopes)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = torch.empty_like(q)
     lse = _packed_lse_like(q)
@@ -515,6 +543,10 @@ def _varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                 precision: int, num_threads: int, deterministic: bool = False,
                 window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                 alibi_slopes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    if _EAGER_ON:  # (under torch.compile: the C++ op without autograd)
+        return _cpp("varlen_bwd", dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                    max_seqlen_q, max_seqlen_k, softmax_scale, mask, precision, num_threads,
+                    deterministic, window_left, window_right, softcap, alibi_slopes)
     dout, q, k, v = _unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _call_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -642,7 +674,10 @@ class _Eager(torch.autograd.Function):
 
 
 def _load_eager_ops():
-    """{op name: (the C++ op, its extra arguments before torch_scratch)}, or None."""
+    """{flashattn.torch op name: (the C++ op, its extra arguments before torch_scratch)}, or
+    None. The forward ops run eagerly with their C++ autograd node (call_op); under
+    torch.compile the custom ops flashattn::* keep their fake implementations and Python
+    autograd formulas, and their implementations call these ops (no autograd) too."""
     if os.environ.get("FLASHATTN_TORCH_OPS", "1") == "0":
         return None
     here = os.path.dirname(os.path.abspath(__file__))
@@ -657,16 +692,24 @@ def _load_eager_ops():
         torch.ops.load_library(os.path.join(here, "_torch_ops.so"))
         ops = torch.ops.flashattn_eager
         # fwd and bshd_fwd: one op, the layout ([B, S, H, D] or not) as an argument.
-        return {"fwd": (ops.fwd.default, (False,)), "bshd_fwd": (ops.fwd.default, (True,)),
-                "qkvpacked_fwd": (ops.qkvpacked_fwd.default, ()),
-                "kvpacked_fwd": (ops.kvpacked_fwd.default, ()),
-                "varlen_fwd": (ops.varlen_fwd.default, ())}
+        table = {"fwd": (ops.fwd.default, (False,)), "bshd_fwd": (ops.fwd.default, (True,)),
+                 "bwd": (ops.bwd.default, (False,)), "bshd_bwd": (ops.bwd.default, (True,))}
+        for name in ("qkvpacked", "kvpacked", "varlen"):
+            for part in ("fwd", "bwd"):
+                table[f"{name}_{part}"] = (getattr(ops, f"{name}_{part}").default, ())
+        return table
     except (OSError, RuntimeError, AttributeError):
         return None
 
 
 _EAGER_OPS = _load_eager_ops()
 _EAGER_ON = _EAGER_OPS is not None
+
+
+def _cpp(name, *inputs):
+    """The C++ op for flashattn.torch's op `name` (its inputs in the same order)."""
+    op, extra = _EAGER_OPS[name]
+    return op(*inputs, *extra, _WS_TORCH)
 
 
 def eager_ops_available() -> bool:

@@ -519,6 +519,50 @@ Result varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return run<Grad>({q, k, v}, {cu_q, cu_k, used_k.value_or(at::Tensor())}, slopes, o);
 }
 
+// The backward ops (no autograd of their own, as flashattn.torch's Python ones): the custom ops
+// flashattn::*_bwd run them under torch.compile where this library is loaded.
+Operands bwd_call(const at::Tensor& dout, const Operands& in, const at::Tensor& out, const at::Tensor& lse,
+                  const SeqTensors& sq, const std::optional<at::Tensor>& slopes, const Opts& o) {
+  return backward_impl(dout, unit_last(in), out, lse, sq, slopes.value_or(at::Tensor()), o);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                                   FLASHATTN_OPTION_PARAMS, bool bshd, bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.bshd = bshd;
+  const Operands g = bwd_call(dout, {q, k, v}, out, lse, {}, slopes, o);
+  return {g.a, g.b, g.c};
+}
+
+at::Tensor qkvpacked_bwd(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& out, const at::Tensor& lse,
+                         FLASHATTN_OPTION_PARAMS, bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.pack = kQkv;
+  return bwd_call(dout, {qkv, {}, {}}, out, lse, {}, slopes, o).a;
+}
+
+std::tuple<at::Tensor, at::Tensor> kvpacked_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
+                                                const at::Tensor& out, const at::Tensor& lse, FLASHATTN_OPTION_PARAMS,
+                                                bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.pack = kKv;
+  const Operands g = bwd_call(dout, {q, kv, {}}, out, lse, {}, slopes, o);
+  return {g.a, g.b};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, const std::optional<at::Tensor>& used_k,
+    int64_t max_q, int64_t max_k, FLASHATTN_OPTION_PARAMS, bool torch_scratch) {
+  Opts o = opts(FLASHATTN_OPTION_ARGS, torch_scratch);
+  o.varlen = true;
+  o.max_q = max_q;
+  o.max_k = max_k;
+  const Operands g = bwd_call(dout, {q, k, v}, out, lse, {cu_q, cu_k, used_k.value_or(at::Tensor())}, slopes, o);
+  return {g.a, g.b, g.c};
+}
+
 }  // namespace
 
 #define FLASHATTN_OPTION_SCHEMA                                                                              \
@@ -532,6 +576,15 @@ TORCH_LIBRARY(flashattn_eager, m) {
   m.def("kvpacked_fwd(Tensor q, Tensor kv, " FLASHATTN_OPTION_SCHEMA ", bool torch_scratch) -> (Tensor, Tensor)");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
         "int max_seqlen_q, int max_seqlen_k, " FLASHATTN_OPTION_SCHEMA ", bool torch_scratch) -> (Tensor, Tensor)");
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " FLASHATTN_OPTION_SCHEMA
+        ", bool bshd, bool torch_scratch) -> (Tensor, Tensor, Tensor)");
+  m.def("qkvpacked_bwd(Tensor dout, Tensor qkv, Tensor out, Tensor lse, " FLASHATTN_OPTION_SCHEMA
+        ", bool torch_scratch) -> Tensor");
+  m.def("kvpacked_bwd(Tensor dout, Tensor q, Tensor kv, Tensor out, Tensor lse, " FLASHATTN_OPTION_SCHEMA
+        ", bool torch_scratch) -> (Tensor, Tensor)");
+  m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, " FLASHATTN_OPTION_SCHEMA
+        ", bool torch_scratch) -> (Tensor, Tensor, Tensor)");
 }
 
 // (One set of functions for the CPU and CUDA keys: the library dispatches on the tensors' device.)
@@ -540,7 +593,18 @@ TORCH_LIBRARY(flashattn_eager, m) {
   m.impl("qkvpacked_fwd", &qkvpacked_fwd<GRAD>);   \
   m.impl("kvpacked_fwd", &kvpacked_fwd<GRAD>);     \
   m.impl("varlen_fwd", &varlen_fwd<GRAD>)
+#define FLASHATTN_BWD_IMPLS                    \
+  m.impl("bwd", &bwd);                         \
+  m.impl("qkvpacked_bwd", &qkvpacked_bwd);     \
+  m.impl("kvpacked_bwd", &kvpacked_bwd);       \
+  m.impl("varlen_bwd", &varlen_bwd)
 
 TORCH_LIBRARY_IMPL(flashattn_eager, Autograd, m) { FLASHATTN_IMPLS(true); }
-TORCH_LIBRARY_IMPL(flashattn_eager, CPU, m) { FLASHATTN_IMPLS(false); }
-TORCH_LIBRARY_IMPL(flashattn_eager, CUDA, m) { FLASHATTN_IMPLS(false); }
+TORCH_LIBRARY_IMPL(flashattn_eager, CPU, m) {
+  FLASHATTN_IMPLS(false);
+  FLASHATTN_BWD_IMPLS;
+}
+TORCH_LIBRARY_IMPL(flashattn_eager, CUDA, m) {
+  FLASHATTN_IMPLS(false);
+  FLASHATTN_BWD_IMPLS;
+}
