@@ -49,6 +49,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--profile", default=None, help="an entry to run under cProfile, e.g. flash_attn_func")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also flash_attn_func and SDPA under torch.compile (backend aot_eager: the graph "
+                         "as captured, no generated kernels), the compiled rows timed after their warm-up")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -134,6 +137,15 @@ def main():
     # entered once around the loops (per call, the context manager's Python would be counted).
     entries.append(entry("sdpa", lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=True),
                          (qt, kt, vt), dot))
+    if args.compiled:  # (aot_eager: dynamo's guards and AOTAutograd's function around the ops)
+        entries += [
+            entry("flash_attn_func (compiled)",
+                  torch.compile(lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), backend="aot_eager"),
+                  (q, k, v), do),
+            entry("sdpa (compiled)",
+                  torch.compile(lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=True),
+                                backend="aot_eager"), (qt, kt, vt), dot),
+        ]
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = ([("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                  ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa-math", SDPBackend.MATH)]
