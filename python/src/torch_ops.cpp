@@ -18,7 +18,9 @@
 //
 // Nothing framework-specific reaches the library: tensors become flashattn::Tensor views, errors
 // come back as the same Python exception types as the extension's (ValueError, TypeError for
-// dtypes, NotImplementedError for what this build cannot serve).
+// dtypes, NotImplementedError for what this build cannot serve), except that a failed scratch
+// allocation is torch.OutOfMemoryError (a RuntimeError, as torch's own allocations raise) where
+// the extension raises MemoryError.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -338,6 +340,8 @@ struct Seqs {
     v.max_seqlen_q = o.max_q;
     v.max_seqlen_k = o.max_k;
   }
+  Seqs(const Seqs&) = delete;  // (v points at the members)
+  Seqs& operator=(const Seqs&) = delete;
   const flashattn::Tensor* used() const { return v.seqused_k; }
 };
 
@@ -383,9 +387,12 @@ std::pair<at::Tensor, at::Tensor> forward_impl(const Operands& in_, const SeqTen
   return {out, lse};
 }
 
-Operands backward_impl(const at::Tensor& dout_, const Operands& in, const at::Tensor& out, const at::Tensor& lse,
+Operands backward_impl(const at::Tensor& dout_, const Operands& in_, const at::Tensor& out, const at::Tensor& lse,
                        const SeqTensors& sq, const at::Tensor& slopes, const Opts& o) {
+  // (The node saves the inputs as given: a head dim of stride != 1 is made contiguous here again,
+  // as in the forward; the gradients are laid out as those copies, as on the Python path.)
   const at::Tensor dout = unit_last(dout_);
+  const Operands in = unit_last(in_);
   const at::Tensor& q0 = in.a;
   c10::OptionalDeviceGuard guard(q0.is_cuda() ? std::optional<c10::Device>(q0.device()) : std::nullopt);
   const Operands grads = empty_like(in);
@@ -412,29 +419,32 @@ Operands backward_impl(const at::Tensor& dout_, const Operands& in, const at::Te
   return grads;
 }
 
-// The autograd node of every op: saves the inputs, (out, lse), the slopes and the sequence arrays;
-// lse gets no gradient (as in FlashAttention), and no zero tensor is made for it
-// (set_materialize_grads(false)). Arguments: a, b, c, slopes, cu_seqlens_q, cu_seqlens_k,
-// seqused_k (each nullopt where the call has none: autograd records input metadata of every tensor
-// argument, and an undefined tensor has none), options.
+// The autograd node of every op: saves the inputs, (out, lse), the slopes and the sequence arrays.
+// Its one output is out: lse gets no gradient (as in FlashAttention) and is handed out through
+// `lse_out`, so it is no output of the node at all (mark_non_differentiable would do the same for
+// eager autograd, but compiled autograd refuses nodes that use it); no zero gradient is made for
+// an unused out (set_materialize_grads(false)). Arguments: a, b, c, slopes, cu_seqlens_q,
+// cu_seqlens_k, seqused_k (each nullopt where the call has none: autograd records input metadata
+// of every tensor argument, and an undefined tensor has none), options, lse_out.
 using Opt = std::optional<at::Tensor>;
 Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
 
 struct Attention : public torch::autograd::Function<Attention> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const Opt& b, const Opt& c, const Opt& slopes,
-                               const Opt& cu_q, const Opt& cu_k, const Opt& used_k, const Opts& o) {
+                               const Opt& cu_q, const Opt& cu_k, const Opt& used_k, const Opts& o,
+                               at::Tensor* lse_out) {
     const at::Tensor none;
     auto v = [&](const Opt& t) { return t.value_or(none); };
     auto [out, lse] = forward_impl({a, v(b), v(c)}, {v(cu_q), v(cu_k), v(used_k)}, v(slopes), o);
     ctx->save_for_backward({a, v(b), v(c), out, lse, v(slopes), v(cu_q), v(cu_k), v(used_k)});
     ctx->saved_data["f"] = c10::List<double>({o.scale, o.softcap});
     ctx->saved_data["i"] = o.ints();
-    ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);
-    return {out, lse};
+    *lse_out = lse;
+    return {out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list g(8);  // one per forward argument; the slopes and sequence arrays get none
+    variable_list g(9);  // one per forward argument; only a, b and c get gradients
     if (!grads[0].defined()) return g;  // out unused by the loss: nothing flows back
     const variable_list s = ctx->get_saved_variables();
     const c10::List<double> f = ctx->saved_data["f"].toDoubleList();
@@ -449,6 +459,11 @@ struct Attention : public torch::autograd::Function<Attention> {
 
 Opts opts(double scale, int64_t mask, int64_t precision, int64_t num_threads, bool deterministic, int64_t window_left,
           int64_t window_right, double softcap, bool torch_scratch) {
+  // (The library takes int32 threads and refuses more than FLASHATTN_MAX_THREADS: refuse here what
+  // a cast would wrap, with its message.)
+  TORCH_CHECK_VALUE(num_threads <= FLASHATTN_MAX_THREADS, "options.num_threads = ", num_threads,
+                    " is too large (at most ", FLASHATTN_MAX_THREADS,
+                    ", FLASHATTN_MAX_THREADS; 0 means all hardware threads)");
   Opts o;
   o.scale = scale;
   o.mask = mask;
@@ -470,9 +485,10 @@ template <bool Grad>
 Result run(const Operands& in, const SeqTensors& sq, const std::optional<at::Tensor>& slopes, const Opts& o) {
   const at::Tensor sl = slopes.value_or(at::Tensor());
   if constexpr (Grad) {
+    at::Tensor lse;
     const variable_list r =
-        Attention::apply(in.a, opt(in.b), opt(in.c), opt(sl), opt(sq.cu_q), opt(sq.cu_k), opt(sq.used_k), o);
-    return {r[0], r[1]};
+        Attention::apply(in.a, opt(in.b), opt(in.c), opt(sl), opt(sq.cu_q), opt(sq.cu_k), opt(sq.used_k), o, &lse);
+    return {r[0], lse};
   } else {
     auto [out, lse] = forward_impl(in, sq, sl, o);
     return {out, lse};
@@ -523,7 +539,7 @@ Result varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // flashattn::*_bwd run them under torch.compile where this library is loaded.
 Operands bwd_call(const at::Tensor& dout, const Operands& in, const at::Tensor& out, const at::Tensor& lse,
                   const SeqTensors& sq, const std::optional<at::Tensor>& slopes, const Opts& o) {
-  return backward_impl(dout, unit_last(in), out, lse, sq, slopes.value_or(at::Tensor()), o);
+  return backward_impl(dout, in, out, lse, sq, slopes.value_or(at::Tensor()), o);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

@@ -187,6 +187,37 @@ def test_compiled_same_as_python_path(fn):
         assert torch.equal(a, b_)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dim_not_contiguous(device):
+    """A q whose head dim has stride != 1 (a transposed leaf) is made contiguous for the library in
+    the forward and again in the backward (the node saves the inputs as given)."""
+    g = torch.Generator().manual_seed(8)
+    q0 = torch.randn(1, 2, 16, 9, generator=g).to(device)  # [B, H, D, S]: q = q0.transpose(-1, -2)
+    k0, v0 = (torch.randn(1, 2, 9, 16, generator=g).to(device) for _ in range(2))
+
+    def run():
+        qt, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out = fat.attention(qt.transpose(-1, -2), k, v, mask="causal")
+        out.sum().backward()
+        return out.detach(), qt.grad, k.grad, v.grad
+
+    cpp, py = _both_paths(run)
+    for a, b_ in zip(cpp, py):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b_)
+
+
+def test_num_threads_beyond_int32():
+    q, k, v = _inputs("cpu", torch.float32)
+    for on in (True, False):
+        prev = fat.use_eager_ops(on)
+        try:
+            with pytest.raises((ValueError, TypeError, OverflowError)):
+                fat.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), num_threads=2 ** 32)
+        finally:
+            fat.use_eager_ops(prev)
+
+
 def test_no_grad_and_inference_mode():
     q, k, v = (x.requires_grad_() for x in _inputs("cpu", torch.float32))
     ref = flash_attn_func(q, k, v, causal=True)
