@@ -762,6 +762,35 @@ def varlen_values(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqle
 # ---- public API ---------------------------------------------------------------------------------
 
 
+# The validated options of recent calls (a model calls with the same few every step), as
+# flash_attn_interface keeps them: validating them each time cost ~3 us of attention()'s host time
+# (CPU). Keys carry each value's type, so 1 and True are told apart; refusals are never stored.
+_CODES_CACHE = {}
+
+
+def _codes_cached(softmax_scale, mask, precision, num_threads, deterministic, window_size=(-1, -1),
+                  softcap=0.0):
+    """_codes, remembered by its arguments (validated afresh under torch.compile, and for
+    arguments that cannot be keys)."""
+    args = (softmax_scale, mask, precision, num_threads, deterministic, window_size, softcap)
+    if torch.compiler.is_compiling():
+        return _codes(*args)
+    try:
+        w = tuple(window_size)
+        key = (softmax_scale, type(softmax_scale), mask, type(mask), precision, type(precision), num_threads,
+               type(num_threads), deterministic, type(deterministic), w, tuple(map(type, w)), softcap,
+               type(softcap))
+        hit = _CODES_CACHE.get(key)
+    except TypeError:  # unhashable or not iterable: validate (and refuse) as usual
+        return _codes(*args)
+    if hit is None:
+        hit = _codes(*args)
+        if len(_CODES_CACHE) >= 256:
+            _CODES_CACHE.clear()
+        _CODES_CACHE[key] = hit
+    return hit
+
+
 def _codes(softmax_scale, mask, precision, num_threads, deterministic, window_size=(-1, -1),
            softcap=0.0):
     """The ops' scalar options, validated, in their order (the slopes follow them)."""
@@ -826,9 +855,12 @@ class _EmptyAttention(torch.autograd.Function):
 def _empty_attention(q, k, v):
     """(out, lse) through _EmptyAttention after the shape checks a real call would make, or None
     when neither sequence is empty."""
-    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
+    try:  # (the common case first: two non-empty sequences; anything odd is the library's to refuse)
+        if q.shape[2] != 0 and k.shape[2] != 0:
+            return None
+    except (AttributeError, IndexError, TypeError):
         return None
-    if q.shape[2] != 0 and k.shape[2] != 0:
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
         return None
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or \
             k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
@@ -863,9 +895,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
     if empty is not None:  # Sq = 0 or Skv = 0, as SDPA: empty or zero results, zero gradients
         return empty if return_lse else empty[0]
     # (call_op: the custom op under torch.compile, eagerly the same code without the dispatcher.)
-    out, lse = call_op("fwd", q, k, v, *_codes(softmax_scale, mask, precision, num_threads,
-                                               deterministic, window_size, softcap),
-                       slopes_value(alibi_slopes))
+    codes = _codes_cached(softmax_scale, mask, precision, num_threads, deterministic, window_size, softcap)
+    out, lse = call_op("fwd", q, k, v, *codes, slopes_value(alibi_slopes))
     return (out, lse) if return_lse else out
 
 

@@ -294,3 +294,26 @@ def test_use_eager_ops_switch():
         assert fat.use_eager_ops(prev) is True
     finally:
         fat.use_eager_ops(prev)
+
+
+def test_attention_codes_cache_agrees_with_validation():
+    """attention() remembers validated options by value and type: every variant gives what the
+    uncached validation gives, refusals included, whatever was cached before."""
+    variants = [(None, "none", "fp32", None, False, (-1, -1), 0.0),
+                (None, "none", "fp32", None, 1, (-1, -1), 0.0),
+                (None, "none", "fp32", None, True, [-1, -1], 0.0),
+                (0.5, "causal_bottom_right", "tf32", 2, True, (3, 0), 1.5),
+                (0.5, "causal_bottom_right", "tf32", 2.0, True, (3, 0), 1.5),
+                (0.5, "causal_bottom_right", "tf32", 2, True, (3.0, 0), 1.5),
+                (float("nan"), "none", "fp32", None, False, (-1, -1), 0.0),
+                (None, "bogus", "fp32", None, False, (-1, -1), 0.0)]
+
+    def outcome(fn, args):
+        try:
+            return ("ok", fn(*args))
+        except Exception as e:  # noqa: BLE001 - the type and message are what is compared
+            return (type(e), str(e))
+
+    for _ in range(2):  # (the second round from a warm cache)
+        for args in variants:
+            assert outcome(fat._codes_cached, args) == outcome(fat._codes, args), args
