@@ -345,6 +345,15 @@ struct Seqs {
   const flashattn::Tensor* used() const { return v.seqused_k; }
 };
 
+// The ALiBi slopes' view, when given (get(): nullptr without them).
+struct SlopesView {
+  std::optional<flashattn::Tensor> view;
+  explicit SlopesView(const at::Tensor& t) {
+    if (t.defined()) view = view_of(t, "alibi_slopes", false, Role::Slopes);
+  }
+  const flashattn::Tensor* get() const { return view ? &*view : nullptr; }
+};
+
 const char* const kIn[3] = {"q", "k", "v"};
 const char* const kGrad[3] = {"dq", "dk", "dv"};
 
@@ -372,9 +381,8 @@ std::pair<at::Tensor, at::Tensor> forward_impl(const Operands& in_, const SeqTen
     lse = at::empty({tq.shape[0], tq.shape[1], tq.shape[2]}, q0.options().dtype(at::kFloat));
   }
   const flashattn::Tensor to = view_of(out, "out", rows_bshd(o)), tl = view_of(lse, "lse", false);
-  std::optional<flashattn::Tensor> ts;
-  if (slopes.defined()) ts = view_of(slopes, "alibi_slopes", false, Role::Slopes);
-  const flashattn::Tensor* sl = ts ? &*ts : nullptr;
+  const SlopesView slope_view(slopes);
+  const flashattn::Tensor* sl = slope_view.get();
   const flashattn::Options x = options_of(o, q0, sl);
   if (o.varlen) {
     const Seqs seqs(sq, o);
@@ -399,9 +407,8 @@ Operands backward_impl(const at::Tensor& dout_, const Operands& in_, const at::T
   const std::array<flashattn::Tensor, 3> t = qkv_views(in, o, kIn), g = qkv_views(grads, o, kGrad);
   const flashattn::Tensor tdo = view_of(dout, "dout", rows_bshd(o)), to = view_of(out, "out", rows_bshd(o)),
                           tl = view_of(lse, "lse", false);
-  std::optional<flashattn::Tensor> ts;
-  if (slopes.defined()) ts = view_of(slopes, "alibi_slopes", false, Role::Slopes);
-  const flashattn::Tensor* sl = ts ? &*ts : nullptr;
+  const SlopesView slope_view(slopes);
+  const flashattn::Tensor* sl = slope_view.get();
   const flashattn::Options x = options_of(o, q0, sl);
   if (o.varlen) {
     const Seqs seqs(sq, o);

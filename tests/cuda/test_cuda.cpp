@@ -701,13 +701,42 @@ TEST(CudaErrors, OutOfMemoryIsAStatusAndTheLibraryGoesOn) {
 }
 
 // ---- caller-owned workspace, float32 ------------------------------------------------------------
+// A deterministic forward and backward on the library's pool (their results in `pool`), then
+// options that give each call caller memory (cudaMalloc'd) of the size its query states; the
+// outputs are poisoned again for the calls that follow.
+struct CallerWorkspace {
+  Snapshot pool;
+  uint64_t need_f = 0, need_b = 0;
+  std::unique_ptr<DeviceBuffer> wf, wb;
+  Options f, b;
+};
+void pool_then_caller_workspace(Problem& p, DeviceProblem& d, const Options& o, CallerWorkspace* w) {
+  ASSERT_NO_THROW(d.forward(o));
+  ASSERT_NO_THROW(d.backward(o));
+  p.poison_outputs();
+  d.download();
+  w->pool = snapshot(p);
+  Options qf = o, qb = o;
+  qf.workspace_query = &w->need_f;
+  qb.workspace_query = &w->need_b;
+  ASSERT_NO_THROW(d.forward(qf));
+  ASSERT_NO_THROW(d.backward(qb));
+  w->wf = std::make_unique<DeviceBuffer>(w->need_f + 256);
+  w->wb = std::make_unique<DeviceBuffer>(w->need_b + 256);
+  w->f = o;
+  w->f.workspace = w->need_f > 0 ? w->wf->ptr : nullptr;
+  w->f.workspace_bytes = w->need_f;
+  w->b = o;
+  w->b.workspace = w->need_b > 0 ? w->wb->ptr : nullptr;
+  w->b.workspace_bytes = w->need_b;
+  d.poison();
+}
+
 // The float32 plans (the sm_90a kernels' operand copies in the workspace) with the caller's memory:
 // forward and backward each given the size their query states, results bit for bit those of
-// the library's own pool (deterministic backward). The PyTorch layer's torch-allocator scratch
-// failed for float32 at B 3, Sq = Skv = 1, H 2, D 8 ("a tensor map failed to encode") on an H100
-// while the library's pool served the same call; this test, with cudaMalloc'd caller memory at
-// those shapes, passed on the same H100 (2026-12-05), so the cause lies in what the torch layer
-// passes; these shapes keep the C ABI side in view.
+// the library's own pool (deterministic backward). These are the shapes at which the PyTorch
+// layer's float32 calls with torch's scratch failed on an H100 ("a tensor map failed to
+// encode"); the cause was the thread, not the memory (next test).
 TEST(CudaWorkspace32, CallerMemoryMatchesPool) {
   REQUIRE_GPU();
   struct S {
@@ -723,31 +752,15 @@ TEST(CudaWorkspace32, CallerMemoryMatchesPool) {
       ASSERT_TRUE(d.ok());
       Options o = cuda_options(c, prec);
       o.deterministic = true;
-      ASSERT_NO_THROW(d.forward(o));
-      ASSERT_NO_THROW(d.backward(o));
+      CallerWorkspace w;
+      pool_then_caller_workspace(p, d, o, &w);
+      if (HasFatalFailure()) return;
+      EXPECT_NO_THROW(d.forward(w.f));
+      EXPECT_NO_THROW(d.backward(w.b));
       p.poison_outputs();
       d.download();
-      const Snapshot pool = snapshot(p);
-
-      uint64_t need_f = 0, need_b = 0;
-      Options qf = o, qb = o;
-      qf.workspace_query = &need_f;
-      qb.workspace_query = &need_b;
-      ASSERT_NO_THROW(d.forward(qf));
-      ASSERT_NO_THROW(d.backward(qb));
-      DeviceBuffer wf(need_f + 256), wb(need_b + 256);
-      Options f = o, b = o;
-      f.workspace = need_f > 0 ? wf.ptr : nullptr;
-      f.workspace_bytes = need_f;
-      b.workspace = need_b > 0 ? wb.ptr : nullptr;
-      b.workspace_bytes = need_b;
-      d.poison();
-      EXPECT_NO_THROW(d.forward(f));
-      EXPECT_NO_THROW(d.backward(b));
-      p.poison_outputs();
-      d.download();
-      EXPECT_TRUE(snapshot(p) == pool) << "the caller's workspace changed the results (forward "
-                                       << need_f << " bytes, backward " << need_b << " bytes)";
+      EXPECT_TRUE(snapshot(p) == w.pool) << "the caller's workspace changed the results (forward "
+                                         << w.need_f << " bytes, backward " << w.need_b << " bytes)";
     }
   }
 }
@@ -767,29 +780,14 @@ TEST(CudaWorkspace32, CallerMemoryFromAFreshThread) {
     ASSERT_TRUE(d.ok());
     Options o = cuda_options(c, prec);
     o.deterministic = true;
-    ASSERT_NO_THROW(d.forward(o));
-    ASSERT_NO_THROW(d.backward(o));
-    p.poison_outputs();
-    d.download();
-    const Snapshot pool = snapshot(p);
-    uint64_t need_f = 0, need_b = 0;
-    Options qf = o, qb = o;
-    qf.workspace_query = &need_f;
-    qb.workspace_query = &need_b;
-    ASSERT_NO_THROW(d.forward(qf));
-    ASSERT_NO_THROW(d.backward(qb));
-    DeviceBuffer wf(need_f + 256), wb(need_b + 256);
-    Options f = o, b = o;
-    f.workspace = need_f > 0 ? wf.ptr : nullptr;
-    f.workspace_bytes = need_f;
-    b.workspace = need_b > 0 ? wb.ptr : nullptr;
-    b.workspace_bytes = need_b;
-    d.poison();
+    CallerWorkspace w;
+    pool_then_caller_workspace(p, d, o, &w);
+    if (HasFatalFailure()) return;
     std::string error;
     std::thread t([&] {
       try {
-        d.forward(f);
-        d.backward(b);
+        d.forward(w.f);
+        d.backward(w.b);
         if (cudaStreamSynchronize(nullptr) != cudaSuccess) error = "the stream failed";
       } catch (const std::exception& e) {
         error = e.what();
@@ -799,7 +797,7 @@ TEST(CudaWorkspace32, CallerMemoryFromAFreshThread) {
     EXPECT_EQ(error, "");
     p.poison_outputs();
     d.download();
-    EXPECT_TRUE(snapshot(p) == pool) << "the fresh thread's call changed the results";
+    EXPECT_TRUE(snapshot(p) == w.pool) << "the fresh thread's call changed the results";
   }
 }
 
