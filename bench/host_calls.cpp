@@ -6,9 +6,13 @@
 // Framework integration: the C++ part of a PyTorch call's host time (bench/host_overhead.py
 // times the whole call).
 //
+// Two more rows time the driver calls a call makes per tensor: cudaPointerGetAttributes (the
+// validation's device check) and cuTensorMapEncodeTiled (the sm_90a kernels' operands).
+//
 // usage: flashattn-bench-host [--b 1] [--h 1] [--s 128] [--d 64] [--dtype bf16|fp16|fp32]
 //                             [--calls 2000] [--rounds 5] [--causal 0|1]
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <chrono>
@@ -125,6 +129,33 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   };
   row("cudaMemsetAsync of 1 byte (one enqueue)", [&] { check(cudaMemsetAsync(one, 0, 1, nullptr), "memset"); });
+  row("cudaPointerGetAttributes (one tensor's device check)", [&] {
+    cudaPointerAttributes at{};
+    check(cudaPointerGetAttributes(&at, buf[0]), "cudaPointerGetAttributes");
+  });
+  {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult qr{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr) == cudaSuccess &&
+        qr == cudaDriverEntryPointSuccess && fn != nullptr && es == 2) {
+      const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+      alignas(64) CUtensorMap map;
+      // q as the kernels map it: head_dim, seq, heads, batch; 128-byte box rows of 64 rows.
+      cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(h),
+                            static_cast<cuuint64_t>(b)};
+      cuuint64_t strides[3] = {static_cast<cuuint64_t>(d) * es, static_cast<cuuint64_t>(s * d) * es,
+                               static_cast<cuuint64_t>(h * s * d) * es};
+      cuuint32_t box[4] = {64, 64, 1, 1}, ones[4] = {1, 1, 1, 1};
+      row("cuTensorMapEncodeTiled (one operand's map)", [&] {
+        if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, buf[0], dims, strides, box, ones,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+          std::fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
+          std::exit(1);
+        }
+      });
+    }
+  }
   row("forward, workspace query (validation + plan)", [&] { ok(flashattn_forward(&q, &k, &v, &o, &l, &qf), "fq"); });
   row("forward", [&] { ok(flashattn_forward(&q, &k, &v, &o, &l, &opt), "f"); });
   row("backward, workspace query (validation + plan)",

@@ -52,6 +52,10 @@ def main():
     ap.add_argument("--compiled", action="store_true",
                     help="also flash_attn_func and SDPA under torch.compile (backend aot_eager: the graph "
                          "as captured, no generated kernels), the compiled rows timed after their warm-up")
+    ap.add_argument("--ops", action="store_true",
+                    help="also the ops alone, without autograd (fwd: the forward op; fwd+bwd: the forward op then "
+                         "the backward op on its outputs) for flashattn's C++ op and SDPA flash's ATen ops, and the "
+                         "autograd floor (q * 1 and its backward): where a fwd+bwd row's time goes")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -146,6 +150,8 @@ def main():
                   torch.compile(lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=True),
                                 backend="aot_eager"), (qt, kt, vt), dot),
         ]
+    if args.ops:
+        entries += ops_entries(args, dev, fat, q, k, v, do, qt, kt, vt, dot)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = ([("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                  ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa-math", SDPBackend.MATH)]
@@ -240,6 +246,61 @@ def main():
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+
+
+def ops_entries(args, dev, fat, q, k, v, do, qt, kt, vt, dot):
+    """--ops: rows without autograd, in entry()'s form (name, fwd callable, fwd+bwd callable,
+    context), so that a fwd+bwd row splits into its ops and the engine's part."""
+    import torch
+    from flashattn import flash_attn_interface as fai
+
+    rows = []
+    floor_in = q.detach().clone().requires_grad_()
+
+    def floor_fwd():
+        with torch.no_grad():
+            q * 1.0
+
+    def floor_train():  # the least an autograd forward+backward costs: one node and its backward
+        (floor_in * 1.0).backward(do)
+
+    rows.append(("autograd floor (q * 1)", floor_fwd, floor_train, contextlib.nullcontext))
+    if fat.eager_ops_available():
+        codes = fai._codes(None, True, False, (-1, -1), 0.0, k.shape[1])
+        with torch.no_grad():
+            out, lse = fat._cpp("bshd_fwd", q, k, v, *codes, None)
+
+        def fa_fwd():
+            with torch.no_grad():
+                fat._cpp("bshd_fwd", q, k, v, *codes, None)
+
+        def fa_both():
+            with torch.no_grad():
+                o, l_ = fat._cpp("bshd_fwd", q, k, v, *codes, None)
+                fat._cpp("bshd_bwd", do, q, k, v, o, l_, *codes, None)
+
+        rows.append(("flashattn C++ ops alone (fwd; fwd op + bwd op)", fa_fwd, fa_both, contextlib.nullcontext))
+    if dev == "cuda":
+        aten = torch.ops.aten
+
+        def sd_fwd():
+            with torch.no_grad():
+                aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False)
+
+        def sd_both():
+            with torch.no_grad():
+                r = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False)
+                aten._scaled_dot_product_flash_attention_backward(dot, qt, kt, vt, r[0], r[1], r[2], r[3], r[4],
+                                                                  r[5], 0.0, True, r[6], r[7])
+
+        try:
+            sd_both()
+            rows.append(("sdpa-flash ATen ops alone (fwd; fwd op + bwd op)", sd_fwd, sd_both,
+                         contextlib.nullcontext))
+        except Exception as e:  # (an ATen signature of another torch)
+            print(f"sdpa-flash ops alone: not available ({type(e).__name__}: {e})")
+    # entry() wraps a forward callable; these are given whole: (name, inference, train, ctx)
+    return rows
 
 
 if __name__ == "__main__":
