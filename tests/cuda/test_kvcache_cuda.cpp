@@ -29,6 +29,11 @@ struct DeviceRun {
   std::vector<std::unique_ptr<DeviceBuffer>> bufs;
   int offset = 0;
   bool ok = true;
+  // graph: the call captured into a CUDA graph on a stream of its own, then the graph launched;
+  // a call that refuses the capture leaves its status in `refused` (the downloads still run, to
+  // show what was written).
+  bool graph = false;
+  Status refused = Status::Ok;
 
   Tensor upload(const Tensor& host, const void* bytes, size_t n) {
     bufs.push_back(std::make_unique<DeviceBuffer>(n + 32));
@@ -67,7 +72,30 @@ struct DeviceRun {
     offset = keep;
     if (kv.rotary_cos) cs = upload_vec(h.tcos, h.cos), sn = upload_vec(h.tsin, h.sin), kv.rotary_cos = &cs, kv.rotary_sin = &sn;
     ASSERT_TRUE(ok) << "device buffers";
-    forward_kvcache(q, kc, vc, out, lse, kv, o);
+    if (graph) {
+      cudaStream_t st = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      o.stream = st;
+      cudaGraph_t g = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      try {
+        forward_kvcache(q, kc, vc, out, lse, kv, o);
+      } catch (const Error& e) {
+        refused = e.status();
+      }
+      ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(st, &g));
+      if (refused == Status::Ok) {
+        cudaGraphExec_t ex = nullptr;
+        ASSERT_EQ(cudaSuccess, cudaGraphInstantiate(&ex, g, 0));
+        ASSERT_EQ(cudaSuccess, cudaGraphLaunch(ex, st));
+        ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(st));
+        ASSERT_EQ(cudaSuccess, cudaGraphExecDestroy(ex));
+      }
+      if (g != nullptr) ASSERT_EQ(cudaSuccess, cudaGraphDestroy(g));
+      ASSERT_EQ(cudaSuccess, cudaStreamDestroy(st));
+    } else {
+      forward_kvcache(q, kc, vc, out, lse, kv, o);
+    }
     ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
     ASSERT_TRUE(download(h.out.data(), out, h.out.size()));
     ASSERT_TRUE(download(h.lse.data(), lse, h.lse.size() * sizeof(float)));
@@ -76,11 +104,13 @@ struct DeviceRun {
   }
 };
 
-KvRunner on_gpu(int offset = 0) {
-  return [offset](Harness& h) {
+KvRunner on_gpu(int offset = 0, bool graph = false) {
+  return [offset, graph](Harness& h) {
     DeviceRun r;
     r.offset = offset;
+    r.graph = graph;
     r(h);
+    if (r.refused != Status::Ok) throw Error(r.refused, "the call refused the capture");
   };
 }
 
@@ -146,6 +176,51 @@ TEST(KvCacheCuda, GqaMqaAndBothCtaShapes) {
     c.mask = Mask::CausalBottomRight;
     check_gpu(c);
   }
+}
+
+// The index arrays travel in the kernels' parameters up to 384 entries (3 per sequence here, 5
+// with batch rows and left pads) and are copied to the device beyond: both routes, with splits
+// and the append, against the reference; a batch of 200 with batch rows and left pads takes the
+// copy.
+TEST(KvCacheCuda, IndexArraysInParametersAndCopied) {
+  REQUIRE_GPU();
+  for (int64_t b : {int64_t{5}, int64_t{128}, int64_t{200}}) {
+    SCOPED_TRACE("B " + std::to_string(b));
+    KvCase c;
+    c.B = b, c.Hq = 4, c.Hkv = 2, c.D = 64, c.Sq = 1, c.s_new = 1, c.S_cache = 96;
+    for (int64_t i = 0; i < b; ++i) c.seqlens.push_back(static_cast<int32_t>((i * 37) % 95));
+    if (b == 200) {
+      c.batch_idx = true;
+      for (int64_t i = 0; i < b; ++i) c.leftpad.push_back(static_cast<int32_t>((i * 7) % (c.seqlens[i] + 1)));
+    }
+    c.mask = Mask::CausalBottomRight;
+    check_gpu(c);
+  }
+}
+
+// Captured into a CUDA graph: a call whose index arrays travel in the kernels' parameters runs
+// from the graph (with the append, splits and their dependent launches) and matches the reference;
+// one that would copy them from host memory (a paged cache) refuses the capture, writing nothing.
+TEST(KvCacheCuda, GraphCapture) {
+  REQUIRE_GPU();
+  for (int32_t splits : {1, 4}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    KvCase c;
+    c.dtype = DType::BFloat16, c.B = 2, c.Hq = 8, c.Hkv = 2, c.D = 64, c.seqlens = {100, 250}, c.S_cache = 256;
+    c.num_splits = splits, c.rotary_dim = 32;
+    check_case(c, on_gpu(0, true));
+  }
+  KvCase c;
+  c.dtype = DType::BFloat16, c.block_size = 16, c.max_blocks = 8, c.seqlens = {17, 100}, c.s_new = 2, c.Sq = 2;
+  Harness h(c);
+  const std::vector<unsigned char> out0 = h.out, kc0 = h.kc, vc0 = h.vc;
+  DeviceRun r;
+  r.graph = true;
+  r(h);
+  EXPECT_EQ(r.refused, Status::Unsupported);
+  EXPECT_EQ(h.out, out0) << "out written by a refused call";
+  EXPECT_EQ(h.kc, kc0) << "k_cache written by a refused call";
+  EXPECT_EQ(h.vc, vc0) << "v_cache written by a refused call";
 }
 
 TEST(KvCacheCuda, HeadDims) {

@@ -33,6 +33,21 @@ __device__ __forceinline__ int warpgroup_index() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 }
 
+// Programmatic dependent launch (host: launch_checked_pdl). pdl_wait: returns once the stream's
+// previous kernel has completed and its writes are visible (at once when this kernel was not
+// launched as a dependent one); pdl_trigger: the next kernel, if launched as a dependent one, may
+// start once every CTA of this one has called it or exited. No-ops before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---- cp.async --------------------------------------------------------------------------------
 // src_bytes < size zero-fills the rest of the destination: padded head-dim columns and rows past
 // the sequence end read as 0.0f, so they add nothing to any product.

@@ -8,6 +8,7 @@
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
+#include "cuda/common/device.cuh"
 #include "cuda/host/check.hpp"
 #include "cuda/host/launch.hpp"
 
@@ -47,19 +48,23 @@ __device__ void rotate_row(const KvRotary& r, int64_t pos, const uint16_t* src, 
 // rotated q rows (q_rot only).
 template <Half16 H>
 __global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
+  pdl_trigger();  // (the decode kernel waits for this one's completion before it reads anything)
   const KvcacheParams& kp = a.kp;
+  const KvMap kv = kv_map_at(a.kv, a.idx);
+  const int32_t* first_new = a.idx.n > 0 ? a.idx.v + a.idx.at_first : a.first_new;
+  const int32_t* pos0 = a.idx.n > 0 ? a.idx.v + a.idx.at_pos : a.pos0;
   const Shape& sh = kp.fwd.shape;
   const int64_t D = sh.head_dim;
   int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int64_t appends = sh.batch * kp.s_new * sh.heads_kv;
   if (w < appends) {
     const int64_t hk = w % sh.heads_kv, j = w / sh.heads_kv % kp.s_new, b = w / (sh.heads_kv * kp.s_new);
-    const int64_t row = a.first_new[b] + j;
+    const int64_t row = first_new[b] + j;
     const auto* kn = static_cast<const uint16_t*>(kp.k_new.ptr) + b * kp.k_new.sb + hk * kp.k_new.sh + j * kp.k_new.ss;
     const auto* vn = static_cast<const uint16_t*>(kp.v_new.ptr) + b * kp.v_new.sb + hk * kp.v_new.sh + j * kp.v_new.ss;
-    auto* kc = static_cast<uint16_t*>(kp.k_cache.ptr) + kv_offset(a.kv, kp.k_cache, b, hk, row);
-    auto* vc = static_cast<uint16_t*>(kp.v_cache.ptr) + kv_offset(a.kv, kp.v_cache, b, hk, row);
-    rotate_row<H>(kp.rotary, a.pos0[b] + j, kn, kc, D);
+    auto* kc = static_cast<uint16_t*>(kp.k_cache.ptr) + kv_offset(kv, kp.k_cache, b, hk, row);
+    auto* vc = static_cast<uint16_t*>(kp.v_cache.ptr) + kv_offset(kv, kp.v_cache, b, hk, row);
+    rotate_row<H>(kp.rotary, pos0[b] + j, kn, kc, D);
     KvRotary none = kp.rotary;
     none.cos = nullptr;
     rotate_row<H>(none, 0, vn, vc, D);
@@ -70,7 +75,7 @@ __global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
   const int64_t h = w % sh.heads_q, i = w / sh.heads_q % sh.seq_q, b = w / (sh.heads_q * sh.seq_q);
   const In4& q = kp.fwd.q;
   const auto* src = static_cast<const uint16_t*>(q.ptr) + b * q.sb + h * q.sh + i * q.ss;
-  rotate_row<H>(kp.rotary, a.pos0[b] + (kp.rotary.q_advances ? i : 0), src,
+  rotate_row<H>(kp.rotary, pos0[b] + (kp.rotary.q_advances ? i : 0), src,
                 a.q_rot + ((b * sh.heads_q + h) * sh.seq_q + i) * a.q_rot_ld, D);
 }
 
@@ -79,13 +84,14 @@ __global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
 // the band gives no key gets O = 0, LSE = -inf (as the single-pass kernel).
 template <Half16 H>
 __global__ void kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
+  pdl_wait();  // (launched as a dependent of the decode kernel: its partials must be complete)
   const int dp = a.dp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= a.part_rows) return;
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Hq = p.shape.heads_q, D = p.shape.head_dim;
   const int64_t i = row % Sq, h = row / Sq % Hq, b = row / (Sq * Hq);
-  const int64_t Skv = p.kv.seqlen_k[b];
+  const int64_t Skv = kv_map_at(p.kv, a.idx).seqlen_k[b];
   const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
   const bool sees = i >= rule.live_rows_begin(Sq) && i < rule.live_rows_end(Sq, Skv);
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -124,20 +130,21 @@ void with_half(DType t, F&& f) {
 }
 }  // namespace
 
-void launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream) {
+bool launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream) {
   const Shape& s = a.kp.fwd.shape;
   const int64_t rows = s.batch * a.kp.s_new * s.heads_kv + (a.q_rot != nullptr ? s.batch * s.seq_q * s.heads_q : 0);
-  if (rows == 0) return;
+  if (rows == 0) return false;
   with_half(a.kp.fwd.num.dtype, [&](auto h) {
     launch_checked(dev::kv_prepare_kernel<decltype(h)::value>, dim3(grid_blocks(rows, kRowsPerBlock)),
                    32 * kRowsPerBlock, 0, stream, a, "KV-cache append / rotary kernel launch");
   });
+  return true;
 }
 
 void launch_kv_combine(const DecodeArgs& a, cudaStream_t stream) {
   with_half(a.p.num.dtype, [&](auto h) {
-    launch_checked(dev::kv_combine_kernel<decltype(h)::value>, dim3(grid_blocks(a.part_rows, kRowsPerBlock)),
-                   32 * kRowsPerBlock, 0, stream, a, "KV-cache split combine kernel launch");
+    launch_checked_pdl(dev::kv_combine_kernel<decltype(h)::value>, dim3(grid_blocks(a.part_rows, kRowsPerBlock)),
+                       32 * kRowsPerBlock, 0, stream, a, "KV-cache split combine kernel launch", a.pdl);
   });
 }
 

@@ -82,13 +82,22 @@ struct Chunk16<__half> : Chunk16Half<__half2, __half> {};
 template <>
 struct Chunk16<__nv_bfloat16> : Chunk16Half<__nv_bfloat162, __nv_bfloat16> {};
 
-// D_i = sum_d dO_id * O_id into a contiguous workspace.
+// The atomic designs' float32 dQ accumulator row `row` set to zero, by `n` threads (the k-th of
+// them here): this pass runs before the dK/dV kernel adds into it, so a memset is not needed.
+__device__ __forceinline__ void zero_dq_accum_row(const BwdArgs& a, uint32_t row, int k, int n) {
+  if (a.dq_accum == nullptr) return;
+  float4* acc = reinterpret_cast<float4*>(a.dq_accum + static_cast<int64_t>(row) * a.dq_accum_ld);
+  for (int x = k; x < a.dq_accum_ld / 4; x += n) acc[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// D_i = sum_d dO_id * O_id into a contiguous workspace (and the dQ accumulator's row zeroed).
 template <class T, int G>
 __global__ void __launch_bounds__(256) preprocess_vec_kernel(const __grid_constant__ BwdArgs a) {
   constexpr int E = Chunk16<T>::kN;
   const BackwardParams& p = a.p;
   const uint32_t t = blockIdx.x * 256u + threadIdx.x, row = t / G;
   const int c = static_cast<int>(t % G);
+  if (row < row_count(p.shape)) zero_dq_accum_row(a, row, c, G);
   // A group never straddles a warp, so lanes past the last row only skip their loads: every lane
   // of the warp still takes part in the shuffles.
   const bool live = row < row_count(p.shape) && c * E < p.shape.head_dim;
@@ -111,6 +120,7 @@ __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__
   const BackwardParams& p = a.p;
   const uint32_t row = blockIdx.x * 8u + threadIdx.x / 32;
   if (row >= row_count(p.shape)) return;
+  zero_dq_accum_row(a, row, lane_id(), 32);
   const RowAt r = row_at(p.shape, row);
   const T* o = static_cast<const T*>(p.out.ptr) + r.b * p.out.sb + r.h * p.out.sh + r.i * p.out.ss;
   const T* d = static_cast<const T*>(p.dout.ptr) + r.b * p.dout.sb + r.h * p.dout.sh + r.i * p.dout.ss;

@@ -375,7 +375,6 @@ void backward(const BackwardParams& p) {
   // backward's operand copies.
   Workspace ws(plan.workspace, stream, p.exec);
   const bool packed = p.packing.on();
-  const size_t rows = query_rows(s, p.packing);
   const size_t after_delta = delta_floats(s, p.packing);
   BwdArgs a{};
   a.p = p;
@@ -403,8 +402,10 @@ void backward(const BackwardParams& p) {
     // Keys past seqused_k are attended by no query: dK = dV = 0 there.
     if (p.packing.used_k != nullptr) launch_zero_unused_keys(a, stream);
   }
-  if (a.dq_accum != nullptr)
-    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, rows * plan.dp * sizeof(float), stream));
+  // (The dQ accumulator is zeroed by the preprocess pass that every atomic design runs first: one
+  // enqueue less on the host than a memset, a few microseconds of a tiny call.)
+  a.dq_accum_ld = plan.dp;
+  rows_args.dq_accum_ld = plan.dp;
   if (a.dq_locks != nullptr)
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_locks, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
   switch (plan.kernel) {
@@ -478,22 +479,47 @@ void forward_kvcache(const KvcacheParams& kp) {
   const size_t at_table = m.block_table ? put(m.block_table, s.batch * m.bt_stride) : 0;
   Workspace ws(plan.workspace, stream, p.exec);
   char* base = reinterpret_cast<char*>(ws.get());
-  auto* dev_idx = reinterpret_cast<int32_t*>(base);
-  FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dev_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   KvMap dm = m;
-  dm.seqlen_k = dev_idx + at_sk;
-  dm.batch_row = m.batch_row ? dev_idx + at_row : nullptr;
-  dm.start = m.start ? dev_idx + at_start : nullptr;
-  dm.block_table = m.block_table ? dev_idx + at_table : nullptr;
-
   KvPrepArgs prep{};
+  if (plan.idx_inline) {  // in the kernels' parameters: nothing to copy
+    KvIndex& x = prep.idx;
+    x.n = static_cast<int32_t>(idx.size());
+    std::copy(idx.begin(), idx.end(), x.v);
+    x.at_sk = static_cast<int32_t>(at_sk);
+    x.at_first = static_cast<int32_t>(at_first);
+    x.at_pos = static_cast<int32_t>(at_pos);
+    x.at_row = m.batch_row ? static_cast<int32_t>(at_row) : -1;
+    x.at_start = m.start ? static_cast<int32_t>(at_start) : -1;
+    prep.first_new = prep.pos0 = nullptr;
+  } else {
+    // A graph would replay this copy from host memory the call frees on return: refused, before
+    // anything is written. (Calls whose arrays fit the parameters are captured with their values.)
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) (void)cudaGetLastError();
+    else if (cs != cudaStreamCaptureStatusNone)
+      throw Error(Status::Unsupported,
+                  "the stream is being captured into a CUDA graph, and this KV-cache call's index arrays (" +
+                      std::to_string(idx.size()) + " entries" + (m.block_table ? ", with a block table" : "") +
+                      ") are copied to the device from host memory that the call frees; capture calls without a "
+                      "block table and with at most " + std::to_string(kKvIndexMax) +
+                      " index entries (3 per sequence, 5 with cache_batch_idx and cache_leftpad), or make this call "
+                      "outside the capture");
+    auto* dev_idx = reinterpret_cast<int32_t*>(base);
+    FLASHATTN_CUDA_CHECK(
+        cudaMemcpyAsync(dev_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    dm.seqlen_k = dev_idx + at_sk;
+    dm.batch_row = m.batch_row ? dev_idx + at_row : nullptr;
+    dm.start = m.start ? dev_idx + at_start : nullptr;
+    dm.block_table = m.block_table ? dev_idx + at_table : nullptr;
+    prep.first_new = dev_idx + at_first;
+    prep.pos0 = dev_idx + at_pos;
+  }
+
   prep.kp = kp;
   prep.kv = dm;
-  prep.first_new = dev_idx + at_first;
-  prep.pos0 = dev_idx + at_pos;
   prep.q_rot = plan.q_rot >= 0 ? reinterpret_cast<uint16_t*>(base + plan.q_rot) : nullptr;
   prep.q_rot_ld = plan.q_rot_ld;
-  launch_kv_prepare(prep, stream);
+  const bool prepared = launch_kv_prepare(prep, stream);
 
   DecodeArgs a{};
   a.p = p;
@@ -507,6 +533,9 @@ void forward_kvcache(const KvcacheParams& kp) {
   a.lse_part = plan.lse_part >= 0 ? reinterpret_cast<float*>(base + plan.lse_part) : nullptr;
   a.part_rows = s.batch * s.heads_q * s.seq_q;
   a.dp = plan.dp;
+  a.idx = prep.idx;
+  a.pdl = device_caps(p.exec.device).cc_major >= 9;
+  a.after_prepare = prepared;
   dispatch_dim<kDecodeHeadDims16>(plan.dp, [&](auto dp) {
     dispatch_half(plan.h, [&](auto h) {
       dispatch_xf(plan.xf, [&](auto xf) {

@@ -51,6 +51,31 @@ void launch_checked(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_
   check_launch(name);
 }
 
+// launch_checked's launch, as a programmatic dependent launch when `pdl` (sm_90+): the kernel may
+// start while the stream's previous kernel finishes, and must call dev::pdl_wait() before it
+// reads anything that kernel writes (it returns once that kernel has completed and its memory is
+// visible); the previous kernel lets it start early with dev::pdl_trigger(). Between a decoding
+// step's few-microsecond kernels this hides the launch gap.
+template <class Kernel, class Args>
+void launch_checked_pdl(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, const Args& args,
+                        const char* name, bool pdl) {
+  if (!pdl) return launch_checked(kernel, grid, threads, smem, stream, args, name);
+  ensure_smem_limit(reinterpret_cast<const void*>(kernel), smem);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args);
+  if (e != cudaSuccess) throw_cuda(e, name);
+  check_launch(name);
+}
+
 // Blocks of `per` that cover n.
 inline unsigned grid_blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 

@@ -37,6 +37,7 @@ struct BwdArgs {
   bool big;
   float* delta;  // workspace: D = rowsum(dO * O), one float per query row (ws_row)
   float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, DP floats per query row
+  int dq_accum_ld;  // its row length (the plan's DP); launch_preprocess zeroes it (no memset call)
   // The per-row workspaces' layout, in rows: row i of (b, h) is ws_row(b, h) + i. Contiguous
   // [B, Hq, Sq] (sb = Hq Sq, sh = Sq) for a dense call; [Hq, total_q] (0, total_q) for a packed
   // one, as its LSE, so that at_sequence() moves them to a sequence like the operands.
@@ -60,6 +61,29 @@ struct BwdArgs {
 // when there is a rotary embedding) are device memory of the call. splits > 1: CTA (row block,
 // split) writes its rows' normalised partial O (float32, dp columns) and LSE at row
 // split * part_rows + (b Hq + h) Sq + i of o_part / lse_part, and launch_kv_combine merges them.
+// Its kernel reads the index arrays through kv_map_at(p.kv, idx).
+// A KV-cache call's small index arrays (seqlen_k, batch_row, start, first_new, pos0) in the
+// kernels' parameters: no host-to-device copy ahead of the kernels, which at decoding sizes
+// costs as much as the attention. n = 0: the arrays are in device memory (KvMap's pointers, a
+// copy the call made) - a paged cache's block table always is (its lookups diverge across a
+// warp, which the parameter space would serialise), and so are arrays past kMax entries.
+struct KvIndex {
+  static constexpr int kMax = kKvIndexMax;
+  int32_t n = 0;
+  int32_t at_sk = -1, at_row = -1, at_start = -1, at_first = -1, at_pos = -1;
+  int32_t v[kMax];
+};
+// The call's map with its arrays where the kernel reads them: `idx` must be (a member of) a
+// __grid_constant__ parameter, whose address is a valid generic address.
+FLASHATTN_HD KvMap kv_map_at(const KvMap& m, const KvIndex& idx) {
+  if (idx.n == 0) return m;
+  KvMap r = m;
+  r.seqlen_k = idx.v + idx.at_sk;
+  r.batch_row = idx.at_row >= 0 ? idx.v + idx.at_row : nullptr;
+  r.start = idx.at_start >= 0 ? idx.v + idx.at_start : nullptr;
+  return r;
+}
+
 struct DecodeArgs {
   ForwardParams p;
   ScoreTransform score;  // diag is set per sequence (seqlen_k[b] - Sq)
@@ -69,6 +93,10 @@ struct DecodeArgs {
   float* lse_part;
   int64_t part_rows;     // B Hq Sq
   int dp;                // the kernel's padded head dim (o_part's row length)
+  KvIndex idx;           // the index arrays, when in the parameters (p.kv's otherwise)
+  bool pdl;              // sm_90+: the decode kernel after the prepare pass, and the combine after
+                         // the decode kernel, as programmatic dependent launches
+  bool after_prepare;    // the prepare pass ran just before the decode kernel
 };
 // What precedes a KV-cache attention on CUDA (common/kvcache.cu): the append of k_new / v_new into
 // the caches at relative rows first_new[b] + j (keys rotated at position pos0[b] + j), and the
@@ -81,6 +109,7 @@ struct KvPrepArgs {
   const int32_t* pos0;
   uint16_t* q_rot;
   int64_t q_rot_ld;
+  KvIndex idx;  // as DecodeArgs::idx (first_new and pos0 too)
 };
 
 // The arguments of sequence b of a packed call (at_sequence, core/params.hpp): also ALiBi's
@@ -186,9 +215,9 @@ void launch_tf32_operands_narrow(const OperandJobs& jobs, int dp, int ctas, cuda
 // per DP in inst/decode16_d*.cu and, with XF, inst/decode16_xf_d*.cu.
 template <int DP, Half16 H, bool XF, int KW>
 void launch_decode16(const DecodeArgs& a, cudaStream_t stream);
-// The append and the rotated q (KvPrepArgs); the split-KV merge of DecodeArgs' partials into out and
-// lse (common/kvcache.cu).
-void launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream);
+// The append and the rotated q (KvPrepArgs; false: there was nothing to do, no launch); the
+// split-KV merge of DecodeArgs' partials into out and lse (common/kvcache.cu).
+bool launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream);
 void launch_kv_combine(const DecodeArgs& a, cudaStream_t stream);
 
 // The float32 forward over key chunks (ForwardPlan::key_chunk, backend.cu): after chunk c's

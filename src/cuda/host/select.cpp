@@ -393,7 +393,7 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
   // each block reserves 1 KB), at most 16 CTAs of 128 threads.
   const int64_t per_sm = std::max(1, std::min(16, (dev.smem_optin + 1024) / (k.smem + 1024)));
   k.splits = kv_splits(blocks, tiles, per_sm * std::max(1, dev.sms), kp.num_splits);
-  if ((blocks * k.splits + s.batch * s.heads_kv - 1) / (s.batch * s.heads_kv) > 0x7fffffff) {
+  if ((blocks * k.splits + s.batch - 1) / s.batch > 0x7fffffff) {  // (grid x: row blocks x splits x Hkv)
     r.why = "too many query rows for the CUDA grid";
     return r;
   }
@@ -401,8 +401,9 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
   const KvMap& m = p.kv;
   k.idx_ints = static_cast<size_t>(s.batch) * (3 + (m.batch_row ? 1 : 0) + (m.start ? 1 : 0)) +
                (m.block_table ? static_cast<size_t>(s.batch * m.bt_stride) : 0);
+  k.idx_inline = m.block_table == nullptr && k.idx_ints <= static_cast<size_t>(kKvIndexMax);
   auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };
-  size_t at = align16(k.idx_ints * 4);
+  size_t at = k.idx_inline ? 0 : align16(k.idx_ints * 4);
   if (rotary) {
     k.q_rot = static_cast<int64_t>(at);
     at = align16(at + static_cast<size_t>(s.batch * s.heads_q * s.seq_q * k.q_rot_ld) * 2);

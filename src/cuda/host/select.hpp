@@ -115,12 +115,15 @@ struct KvcachePlan {
   bool vec16 = false;
   int smem = 0;
   size_t workspace = 0;
-  size_t idx_ints = 0;        // at offset 0
+  size_t idx_ints = 0;        // the index arrays' entries: at offset 0 of the workspace, unless
+  bool idx_inline = false;    // in the kernels' parameters (KvIndex: no block table, <= kKvIndexMax)
   int64_t q_rot = -1;         // byte offset of the rotated q ([B, Hq, Sq, q_rot_ld] 16-bit), -1: none
   int64_t q_rot_ld = 0;
   int64_t o_part = -1;        // byte offsets of the partials (splits > 1)
   int64_t lse_part = -1;
 };
+// Index entries a KV-cache call passes in its kernels' parameters (KvIndex, launch.hpp).
+constexpr int kKvIndexMax = 384;
 // At most this many splits (FlashAttention's bound too), and at least this many key tiles per
 // split when the library chooses.
 constexpr int kMaxKvSplits = 128;

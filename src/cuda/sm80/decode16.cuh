@@ -106,11 +106,21 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   float* s_m = reinterpret_cast<float*>(sV + 2 * TK::kBytes);  // [KW][BM] row max (log2 units)
   float* s_l = s_m + W * 16;                                    // [KW][BM] row sum
 
+  // (A dependent launch after the prepare pass: the appended rows and the rotated q must be
+  // written. The combine kernel may start as soon as every CTA of this one has: it waits for
+  // this kernel's completion itself.)
+  pdl_wait();
+  pdl_trigger();
   const ForwardParams& p = a.p;
-  const int64_t b = blockIdx.z, hk = blockIdx.y;
-  const int split = static_cast<int>(blockIdx.x % a.splits);
-  const int64_t R0 = static_cast<int64_t>(blockIdx.x / a.splits) * BM;
-  const int64_t G = p.shape.heads_q / p.shape.heads_kv, Sq = p.shape.seq_q, Skv = p.kv.seqlen_k[b];
+  const KvMap kv = kv_map_at(p.kv, a.idx);
+  // x = (row block, split, kv head), the kv head fastest: CTAs launched together read the same
+  // key range of every kv head, which in a [B, S, Hkv, D] cache is one contiguous span of rows
+  // (each head's 2 D bytes of a row are a slice of it), not Hkv spans far apart.
+  const int64_t Hkv = p.shape.heads_kv, b = blockIdx.z, hk = blockIdx.x % Hkv;
+  const int64_t xs = blockIdx.x / Hkv;
+  const int split = static_cast<int>(xs % a.splits);
+  const int64_t R0 = (xs / a.splits) * BM;
+  const int64_t G = p.shape.heads_q / p.shape.heads_kv, Sq = p.shape.seq_q, Skv = kv.seqlen_k[b];
   const int D = static_cast<int>(p.shape.head_dim);
   const int rows = static_cast<int>(Sq * G - R0 < BM ? Sq * G - R0 : BM);
   const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
@@ -121,7 +131,7 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   const int t_begin = all.begin + split * per;
   const int t_end = t_begin + per < all.begin + all.count ? t_begin + per : all.begin + all.count;
 
-  const CacheRows kr = cache_rows(p.kv, p.k, b, hk), vr = cache_rows(p.kv, p.v, b, hk);
+  const CacheRows kr = cache_rows(kv, p.k, b, hk), vr = cache_rows(kv, p.v, b, hk);
   auto load_kv = [&](int tile, int stage) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
     const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);

@@ -8,16 +8,17 @@
 
 namespace flashattn::cuda {
 
-// Grid: x = row blocks of (query row, head) pairs x splits (split fastest), y = kv heads,
-// z = batch.
+// Grid: x = row blocks of (query row, head) pairs x splits x kv heads (kv head fastest, then
+// split), z = batch.
 template <int DP, Half16 H, bool XF, int KW>
 void launch_decode16(const DecodeArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
   const int bm = DecodeShape::block_m(KW);
-  const dim3 grid(grid_blocks(s.seq_q * s.group(), bm) * static_cast<unsigned>(a.splits),
-                  static_cast<unsigned>(s.heads_kv), static_cast<unsigned>(s.batch));
-  launch_checked(dev::decode16_kernel<DP, H, XF, KW>, grid, DecodeShape::kThreads,
-                 decode_smem_bytes(DP, KW), stream, a, "decode16 kernel launch");
+  const dim3 grid(grid_blocks(s.seq_q * s.group(), bm) * static_cast<unsigned>(a.splits) *
+                      static_cast<unsigned>(s.heads_kv),
+                  1u, static_cast<unsigned>(s.batch));
+  launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW>, grid, DecodeShape::kThreads, decode_smem_bytes(DP, KW),
+                     stream, a, "decode16 kernel launch", a.pdl && a.after_prepare);
 }
 
 // Both 16-bit types and both CTA shapes of one head dim, with or without the per-entry step.
