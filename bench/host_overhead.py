@@ -267,8 +267,6 @@ def ops_entries(args, dev, fat, q, k, v, do, qt, kt, vt, dot):
     rows.append(("autograd floor (q * 1)", floor_fwd, floor_train, contextlib.nullcontext))
     if fat.eager_ops_available():
         codes = fai._codes(None, True, False, (-1, -1), 0.0, k.shape[1])
-        with torch.no_grad():
-            out, lse = fat._cpp("bshd_fwd", q, k, v, *codes, None)
 
         def fa_fwd():
             with torch.no_grad():

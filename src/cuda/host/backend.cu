@@ -209,14 +209,25 @@ bool available() {
   return ok;
 }
 
+namespace {
+// Whether `st` is being captured into a CUDA graph; a failed query counts as not (the copy that
+// follows then reports its own error).
+bool capturing(cudaStream_t st) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return cs != cudaStreamCaptureStatusNone;
+}
+}  // namespace
+
 void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void* stream) {
   DeviceGuard guard(device);
   const auto st = static_cast<cudaStream_t>(stream);
   // A copy to the host and a wait cannot be recorded into a CUDA graph (they would break the
-  // capture): say so instead. (A failed query leaves the copy to report its own error.)
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) (void)cudaGetLastError();
-  else if (cs != cudaStreamCaptureStatusNone)
+  // capture): say so instead.
+  if (capturing(st))
     throw Error(Status::Unsupported,
                 "the stream is being captured into a CUDA graph, and packed-batch and KV-cache calls read their "
                 "index tensors (cu_seqlens, seqused_k, cache_seqlens, block_table) on the host to validate them "
@@ -383,6 +394,7 @@ void backward(const BackwardParams& p) {
   a.big = plan.big;
   a.delta = ws.get();
   a.dq_accum = plan.atomic_dq() ? ws.get() + after_delta : nullptr;
+  a.dq_accum_ld = plan.dp;  // (zeroed by the preprocess pass every atomic design runs first: no memset)
   a.copies = plan.kernel == BwdKernel::Sm90Wgmma32 ? ws.get() + after_delta : nullptr;
   a.sm90_variant = plan.sm90_variant;
   a.tf32_dkv_wgmma = plan.dkv_wgmma;
@@ -402,10 +414,6 @@ void backward(const BackwardParams& p) {
     // Keys past seqused_k are attended by no query: dK = dV = 0 there.
     if (p.packing.used_k != nullptr) launch_zero_unused_keys(a, stream);
   }
-  // (The dQ accumulator is zeroed by the preprocess pass that every atomic design runs first: one
-  // enqueue less on the host than a memset, a few microseconds of a tiny call.)
-  a.dq_accum_ld = plan.dp;
-  rows_args.dq_accum_ld = plan.dp;
   if (a.dq_locks != nullptr)
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_locks, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
   switch (plan.kernel) {
@@ -463,7 +471,8 @@ void backward(const BackwardParams& p) {
 void forward_kvcache(const KvcacheParams& kp) {
   const ForwardParams& p = kp.fwd;
   DeviceGuard guard(p.exec.device);
-  const KvcachePlan plan = unwrap(select_kvcache(kp, device_caps(p.exec.device)));
+  const DeviceCaps caps = device_caps(p.exec.device);
+  const KvcachePlan plan = unwrap(select_kvcache(kp, caps));
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   const Shape& s = p.shape;
   const KvMap& m = p.kv;
@@ -490,13 +499,10 @@ void forward_kvcache(const KvcacheParams& kp) {
     x.at_pos = static_cast<int32_t>(at_pos);
     x.at_row = m.batch_row ? static_cast<int32_t>(at_row) : -1;
     x.at_start = m.start ? static_cast<int32_t>(at_start) : -1;
-    prep.first_new = prep.pos0 = nullptr;
   } else {
     // A graph would replay this copy from host memory the call frees on return: refused, before
     // anything is written. (Calls whose arrays fit the parameters are captured with their values.)
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) (void)cudaGetLastError();
-    else if (cs != cudaStreamCaptureStatusNone)
+    if (capturing(stream))
       throw Error(Status::Unsupported,
                   "the stream is being captured into a CUDA graph, and this KV-cache call's index arrays (" +
                       std::to_string(idx.size()) + " entries" + (m.block_table ? ", with a block table" : "") +
@@ -534,7 +540,7 @@ void forward_kvcache(const KvcacheParams& kp) {
   a.part_rows = s.batch * s.heads_q * s.seq_q;
   a.dp = plan.dp;
   a.idx = prep.idx;
-  a.pdl = device_caps(p.exec.device).cc_major >= 9;
+  a.pdl = caps.cc_major >= 9;
   a.after_prepare = prepared;
   dispatch_dim<kDecodeHeadDims16>(plan.dp, [&](auto dp) {
     dispatch_half(plan.h, [&](auto h) {

@@ -57,14 +57,9 @@ struct BwdArgs {
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 
-// The KV-cache attention kernel (sm80/decode16.cuh): p.kv's arrays and p.q (the rotated copy
-// when there is a rotary embedding) are device memory of the call. splits > 1: CTA (row block,
-// split) writes its rows' normalised partial O (float32, dp columns) and LSE at row
-// split * part_rows + (b Hq + h) Sq + i of o_part / lse_part, and launch_kv_combine merges them.
-// Its kernel reads the index arrays through kv_map_at(p.kv, idx).
 // A KV-cache call's small index arrays (seqlen_k, batch_row, start, first_new, pos0) in the
-// kernels' parameters: no host-to-device copy ahead of the kernels, which at decoding sizes
-// costs as much as the attention. n = 0: the arrays are in device memory (KvMap's pointers, a
+// kernels' parameters: no host-to-device copy ahead of the kernels (from pageable memory the
+// driver may wait for the stream before staging it), and a call a CUDA graph can capture. n = 0: the arrays are in device memory (KvMap's pointers, a
 // copy the call made) - a paged cache's block table always is (its lookups diverge across a
 // warp, which the parameter space would serialise), and so are arrays past kMax entries.
 struct KvIndex {
@@ -84,6 +79,11 @@ FLASHATTN_HD KvMap kv_map_at(const KvMap& m, const KvIndex& idx) {
   return r;
 }
 
+// The KV-cache attention kernel (sm80/decode16.cuh): p.q is the rotated copy when there is a
+// rotary embedding; p.kv's arrays are device memory of the call unless idx holds them (both
+// kernels read them through kv_map_at(p.kv, idx)). splits > 1: CTA (row block, split) writes its
+// rows' normalised partial O (float32, dp columns) and LSE at row
+// split * part_rows + (b Hq + h) Sq + i of o_part / lse_part, and launch_kv_combine merges them.
 struct DecodeArgs {
   ForwardParams p;
   ScoreTransform score;  // diag is set per sequence (seqlen_k[b] - Sq)
@@ -101,7 +101,7 @@ struct DecodeArgs {
 // What precedes a KV-cache attention on CUDA (common/kvcache.cu): the append of k_new / v_new into
 // the caches at relative rows first_new[b] + j (keys rotated at position pos0[b] + j), and the
 // rotated copy of q into q_rot ([B, Hq, Sq, q_rot_ld] contiguous; nullptr: no rotary). The arrays
-// are device copies of KvcacheParams' host ones; kv is the call's map with device arrays.
+// (kv's, first_new, pos0) are KvcacheParams' host ones in idx, or device copies of them (idx.n = 0).
 struct KvPrepArgs {
   KvcacheParams kp;
   KvMap kv;
