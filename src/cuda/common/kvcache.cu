@@ -79,27 +79,32 @@ __global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
                 a.q_rot + ((b * sh.heads_q + h) * sh.seq_q + i) * a.q_rot_ld, D);
 }
 
-// One warp per output row (b, h, i): LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s.
-// Lane t holds splits t, t + 32, ... (at most kMaxKvSplits = 128): their LSEs are loaded at once and
-// reduced across the warp (a fixed butterfly: deterministic), and the O rows of the splits are
-// loaded 16 bytes per lane, several splits in flight - a loop of dependent loads over the splits
-// was 28 us of a 39 us decoding step at B = 1 (32 splits). NaN in any split's LSE makes the row's
-// LSE and O NaN (the sum takes it); a row the band gives no key gets O = 0, LSE = -inf (as the
-// single-pass kernel).
+// One CTA of kCombineWarps warps per output row (b, h, i): LSE = log sum_s exp(LSE_s),
+// O = sum_s exp(LSE_s - LSE) O_s. Every warp loads all the splits' LSEs (lane t: splits t, t + 32,
+// ..., at most kMaxKvSplits = 128) and reduces them with the same fixed butterfly, so every warp
+// holds the same weights; warp w then sums the O rows of splits w, w + W, w + 2W, ... (16 bytes per
+// lane, kCombineBatch rows loaded before any is used: the loads overlap), and the W partial sums
+// are added in warp order through shared memory. Every sum has a fixed order: deterministic.
+// (A warp walking the splits one dependent load at a time took ~0.3 us per split: 28 us of a
+// 39 us decoding step at B = 1 with 32 splits.) NaN in any split's LSE makes the row's LSE and O
+// NaN (the sum takes it); a row the band gives no key gets O = 0, LSE = -inf (as the single-pass
+// kernel).
+constexpr int kCombineWarps = 4, kCombineBatch = 8;
 template <Half16 H>
-__global__ void kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
+__global__ void __launch_bounds__(32 * kCombineWarps) kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
   pdl_wait();  // (launched as a dependent of the decode kernel: its partials must be complete)
+  constexpr int W = kCombineWarps, NB = kCombineBatch, kPerLane = (kMaxKvSplits + 31) / 32;
+  constexpr int kMaxChunks = 2;  // float4 chunks per lane: head dims up to 256
+  __shared__ float4 s_acc[W][32 * kMaxChunks];
   const int dp = a.dp;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= a.part_rows) return;
+  const int64_t row = blockIdx.x;
   const ForwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Hq = p.shape.heads_q, D = p.shape.head_dim;
   const int64_t i = row % Sq, h = row / Sq % Hq, b = row / (Sq * Hq);
   const int64_t Skv = kv_map_at(p.kv, a.idx).seqlen_k[b];
   const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
   const bool sees = i >= rule.live_rows_begin(Sq) && i < rule.live_rows_end(Sq, Skv);
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  constexpr int kPerLane = (kMaxKvSplits + 31) / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x / 32);
   float ls[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
@@ -121,39 +126,57 @@ __global__ void kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
   float w[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) w[k] = sees ? expf(ls[k] - lse) : 0.0f;
-  // O: lane t accumulates columns [4t, 4t + 4) and [128 + 4t, ..) (head dims up to 256; the
-  // partials' rows are dp floats, dp a multiple of 32, 16-byte aligned).
-  float4 acc[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+  // The weight of split sp (warp-uniform): from lane sp % 32's w[sp / 32].
+  auto weight = [&](int sp) {
+    float x = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const float v = __shfl_sync(0xffffffffu, w[k], sp & 31);
+      if ((sp >> 5) == k) x = v;
+    }
+    return x;
+  };
+  // Lane t's columns: [4t, 4t + 4) and [128 + 4t, ..) where below dp (the partials' rows are dp
+  // floats, dp a multiple of 32: 16-byte aligned).
+  bool col_ok[kMaxChunks];
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) col_ok[c] = 4 * (lane + 32 * c) < dp;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float4 acc[kMaxChunks] = {zero4, zero4};
   if (sees) {
-#pragma unroll 8
-    for (int sp = 0; sp < a.splits; ++sp) {
-      float wk = 0.0f;
+    for (int s0 = warp; s0 < a.splits; s0 += W * NB) {
+      float4 v[NB][kMaxChunks];
 #pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const float x = __shfl_sync(0xffffffffu, w[k], sp & 31);
-        if ((sp >> 5) == k) wk = x;
+      for (int j = 0; j < NB; ++j) {
+        const int sp = s0 + W * j;
+        const bool in = sp < a.splits;
+        const float4* o = reinterpret_cast<const float4*>(a.o_part + ((in ? sp : 0) * a.part_rows + row) * dp);
+#pragma unroll
+        for (int c = 0; c < kMaxChunks; ++c) v[j][c] = in && col_ok[c] ? o[lane + 32 * c] : zero4;
       }
-      const float4* o = reinterpret_cast<const float4*>(a.o_part + (sp * a.part_rows + row) * dp);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        if (4 * (lane + 32 * c) < dp) {
-          const float4 v = o[lane + 32 * c];
-          acc[c].x += wk * v.x, acc[c].y += wk * v.y, acc[c].z += wk * v.z, acc[c].w += wk * v.w;
-        }
+      for (int j = 0; j < NB; ++j) {
+        const float wk = weight(s0 + W * j);  // (0 past the splits: their LSE is -inf)
+#pragma unroll
+        for (int c = 0; c < kMaxChunks; ++c)
+          acc[c].x += wk * v[j][c].x, acc[c].y += wk * v[j][c].y, acc[c].z += wk * v[j][c].z, acc[c].w += wk * v[j][c].w;
       }
     }
   }
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) s_acc[warp][lane + 32 * c] = acc[c];
+  __syncthreads();
   auto* out = static_cast<uint16_t*>(p.out.ptr) + b * p.out.sb + h * p.out.sh + i * p.out.ss;
+  for (int t = static_cast<int>(threadIdx.x); 4 * t < dp; t += 32 * W) {
+    float4 r = s_acc[0][t];
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const float v[4] = {acc[c].x, acc[c].y, acc[c].z, acc[c].w};
+    for (int k = 1; k < W; ++k) r.x += s_acc[k][t].x, r.y += s_acc[k][t].y, r.z += s_acc[k][t].z, r.w += s_acc[k][t].w;
+    const float v[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t col = 4 * (lane + 32 * c) + e;
-      if (col < D) out[col] = float_to_half<H>(v[e]);
-    }
+    for (int e = 0; e < 4; ++e)
+      if (4 * t + e < D) out[4 * t + e] = float_to_half<H>(v[e]);
   }
-  if (lane == 0) p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss] = lse;
+  if (threadIdx.x == 0) p.lse.ptr[b * p.lse.sb + h * p.lse.sh + i * p.lse.ss] = lse;
 }
 
 }  // namespace dev
@@ -180,8 +203,8 @@ bool launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream) {
 
 void launch_kv_combine(const DecodeArgs& a, cudaStream_t stream) {
   with_half(a.p.num.dtype, [&](auto h) {
-    launch_checked_pdl(dev::kv_combine_kernel<decltype(h)::value>, dim3(grid_blocks(a.part_rows, kRowsPerBlock)),
-                       32 * kRowsPerBlock, 0, stream, a, "KV-cache split combine kernel launch", a.pdl);
+    launch_checked_pdl(dev::kv_combine_kernel<decltype(h)::value>, dim3(static_cast<unsigned>(a.part_rows)),
+                       32 * dev::kCombineWarps, 0, stream, a, "KV-cache split combine kernel launch", a.pdl);
   });
 }
 

@@ -393,6 +393,7 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
   // each block reserves 1 KB), at most 16 CTAs of 128 threads.
   const int64_t per_sm = std::max(1, std::min(16, (dev.smem_optin + 1024) / (k.smem + 1024)));
   k.splits = kv_splits(blocks, tiles, per_sm * std::max(1, dev.sms), kp.num_splits);
+  if (s.batch * s.heads_q * s.seq_q > 0x7fffffff) k.splits = 1;  // (the combine's grid: a CTA per row)
   if ((blocks * k.splits + s.batch - 1) / s.batch > 0x7fffffff) {  // (grid x: row blocks x splits x Hkv)
     r.why = "too many query rows for the CUDA grid";
     return r;
