@@ -312,7 +312,10 @@ TEST(KvCacheCuda, SplitsAgainstReference) {
 }
 
 // The same logical call several ways: splits 1 against the automatic choice (close), each bitwise
-// equal run to run, and paged caches bitwise equal to contiguous ones.
+// equal run to run, paged caches bitwise equal to contiguous ones, and every K/V loader
+// (FLASHATTN_CUDA_DECODE_LOADER: bulk copies on sm_90, whole-tile cp.async, the general cp.async
+// loader; contiguous and paged) bitwise equal to the default: the loaders move the same bytes
+// into different shared-memory layouts, and the arithmetic is the same.
 TEST(KvCacheCuda, DeterministicAndPagedBitwise) {
   REQUIRE_GPU();
   for (DType t : {DType::BFloat16, DType::Float16}) {
@@ -329,6 +332,15 @@ TEST(KvCacheCuda, DeterministicAndPagedBitwise) {
       return std::make_pair(h.out, h.lse);
     };
     const auto a1 = run(c), a2 = run(c), pg = run(p);
+    for (const char* loader : {"bulk", "rows", "generic"}) {
+      SCOPED_TRACE(std::string("loader ") + loader);
+      EnvScope scope("FLASHATTN_CUDA_DECODE_LOADER", loader);
+      for (const KvCase* k : {&c, &p}) {
+        const auto l = run(*k);
+        EXPECT_EQ(a1.first, l.first) << "out differs from the default loader's";
+        EXPECT_EQ(0, std::memcmp(a1.second.data(), l.second.data(), a1.second.size() * 4));
+      }
+    }
     EXPECT_EQ(a1.first, a2.first) << "out differs run to run";
     EXPECT_EQ(0, std::memcmp(a1.second.data(), a2.second.data(), a1.second.size() * 4));
     EXPECT_EQ(a1.first, pg.first) << "paged out differs from contiguous";

@@ -195,15 +195,24 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes16(Pass pass, int dp, bool big, bool a
   return 0;
 }
 
-// The KV-cache attention kernel (sm80/decode16.cuh): 128 threads, 64-key tiles in two cp.async
-// stages; KW warps share each key tile (KW = 4: 16 (row, head) pairs per CTA; KW = 1: 64).
+// The KV-cache attention kernel (sm80/decode16.cuh): 128 threads, 64-key tiles in two stages;
+// KW warps share each key tile (KW = 4: 16 (row, head) pairs per CTA; KW = 1: 64).
+// How it loads the K/V tiles (DecodeArgs::loader):
+//   kBulk    (sm_90) one bulk copy per cache row on the copy engine, completing on an mbarrier,
+//            into rows padded by 16 bytes (unswizzled, conflict-free for ldmatrix): the SM's
+//            own load path keeps too few bytes in flight to stream at the memory's rate;
+//   kRows    cp.async, whole tiles of a contiguous cache as straight-line 16-byte copies;
+//   kGeneric cp.async through the row map for every tile (load_rows16).
 struct DecodeShape {
   static constexpr int kThreads = 128, kWarps = 4, kBlockN = 64;
+  enum Loader : int { kBulk = 0, kRows = 1, kGeneric = 2 };
   FLASHATTN_CUDA_HD static constexpr int block_m(int kw) { return 16 * (kWarps / kw); }
 };
-// Its dynamic shared memory: the Q tile, two stages of K and V tiles, the warps' row statistics.
-FLASHATTN_CUDA_HD constexpr int decode_smem_bytes(int dp, int kw) {
-  return DecodeShape::block_m(kw) * dp * 2 + 4 * DecodeShape::kBlockN * dp * 2 + 2 * DecodeShape::kWarps * 16 * 4;
+// Its dynamic shared memory: the Q tile, two stages of K and V tiles (rows padded by 16 bytes
+// with kBulk), the warps' row statistics, and with kBulk the stages' two mbarriers.
+FLASHATTN_CUDA_HD constexpr int decode_smem_bytes(int dp, int kw, bool bulk = false) {
+  return DecodeShape::block_m(kw) * dp * 2 + 4 * DecodeShape::kBlockN * (dp * 2 + (bulk ? 16 : 0)) +
+         2 * DecodeShape::kWarps * 16 * 4 + (bulk ? 16 : 0);
 }
 
 constexpr bool tiles16_fit() {

@@ -472,7 +472,7 @@ void forward_kvcache(const KvcacheParams& kp) {
   const ForwardParams& p = kp.fwd;
   DeviceGuard guard(p.exec.device);
   const DeviceCaps caps = device_caps(p.exec.device);
-  const KvcachePlan plan = unwrap(select_kvcache(kp, caps));
+  const KvcachePlan plan = unwrap(select_kvcache(kp, caps, overrides()));
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   const Shape& s = p.shape;
   const KvMap& m = p.kv;
@@ -534,6 +534,7 @@ void forward_kvcache(const KvcacheParams& kp) {
     a.p.q = In4{prep.q_rot, s.heads_q * s.seq_q * plan.q_rot_ld, s.seq_q * plan.q_rot_ld, plan.q_rot_ld};
   a.score = ScoreTransform::make(s, p.num);
   a.vec16 = plan.vec16;
+  a.loader = plan.loader;
   a.splits = plan.splits;
   a.o_part = plan.o_part >= 0 ? reinterpret_cast<float*>(base + plan.o_part) : nullptr;
   a.lse_part = plan.lse_part >= 0 ? reinterpret_cast<float*>(base + plan.lse_part) : nullptr;

@@ -21,6 +21,8 @@
 // | FLASHATTN_CUDA_CONVERT_CTAS     | N (0: no side stream)        | CTAs copying Q/dO beside the float32 dQ pass        |
 // | FLASHATTN_CUDA_PACKED_GRID      | dense, compact               | packed 16-bit sm_90a forward: CTAs per real block   |
 // | FLASHATTN_CUDA_KEY_CHUNK        | N (multiple of 128, 0: none) | keys per chunk of the fp32-mode forward (16384)     |
+// | FLASHATTN_CUDA_DECODE_LOADER    | bulk, rows, generic          | KV-cache kernel's K/V loads (DecodeShape::Loader;   |
+// |                                 |                              | bulk needs sm_90, D a multiple of 16 bytes = DP)    |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -48,6 +50,7 @@ struct Overrides {
   long convert_ctas = -1;
   int packed_grid = -1;  // 1: compact (the packed sm_90a forward's grid of real row blocks)
   long key_chunk = -1;   // keys per chunk of the float32 fp32-mode forward (0: never chunked)
+  int decode_loader = -1;  // a DecodeShape::Loader: 0 bulk, 1 rows, 2 generic
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

@@ -359,7 +359,7 @@ int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested) {
 // KV-cache calls: float16/bfloat16 only (a float32 cache runs on the CPU backend), every head dim
 // the 16-bit kernels pad to. Decoding (at most 16 (query row, head) pairs per kv head) takes the
 // CTA shape whose warps split each key tile; more rows take 64 per CTA.
-Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& dev) {
+Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& dev, const Overrides& ov) {
   Selected<KvcachePlan> r;
   KvcachePlan& k = r.plan;
   const ForwardParams& p = kp.fwd;
@@ -380,13 +380,17 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
   k.xf = p.num.elementwise_scores();
   const int64_t rows = s.seq_q * s.group();
   k.kw = rows <= DecodeShape::block_m(4) ? 4 : 1;
-  k.smem = decode_smem_bytes(k.dp, k.kw);
-  if (!(r.why = smem_limit(s, k.smem, dev)).empty()) return r;
   const bool rotary = kp.rotary.cos != nullptr;
   k.q_rot_ld = round8(s.head_dim);
   // 16-byte rows: the rotated q's ld is a multiple of 8 elements; a paged cache's page stride is
   // its sb.
   k.vec16 = (rotary || vec_ok(p.q, 8)) && vec_ok(p.out, 8) && vec_ok(p.k, 8) && vec_ok(p.v, 8);
+  // The bulk copies move whole 16-byte-aligned rows of D = DP elements (no padded columns to zero).
+  const bool bulk_ok = dev.cc_major >= 9 && k.vec16 && s.head_dim == k.dp;
+  k.loader = ov.decode_loader >= 0 ? ov.decode_loader : DecodeShape::kGeneric;
+  if (k.loader == DecodeShape::kBulk && !bulk_ok) k.loader = DecodeShape::kRows;
+  k.smem = decode_smem_bytes(k.dp, k.kw, k.loader == DecodeShape::kBulk);
+  if (!(r.why = smem_limit(s, k.smem, dev)).empty()) return r;
   const int64_t blocks = s.batch * s.heads_kv * ((rows + DecodeShape::block_m(k.kw) - 1) / DecodeShape::block_m(k.kw));
   const int64_t tiles = (s.seq_kv + DecodeShape::kBlockN - 1) / DecodeShape::kBlockN;
   // CTA slots: by shared memory (the per-SM pool is 1 KB larger than a block's opt-in limit and

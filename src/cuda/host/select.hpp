@@ -113,6 +113,7 @@ struct KvcachePlan {
   int kw = 4;          // DecodeShape: 4 (16 rows per CTA, warps split the keys) or 1 (64 rows)
   int splits = 1;      // CTAs per row block along the keys (> 1: partials and a combine pass)
   bool vec16 = false;
+  int loader = DecodeShape::kRows;  // DecodeShape::Loader: kBulk on sm_90 where rows allow it
   int smem = 0;
   size_t workspace = 0;
   size_t idx_ints = 0;        // the index arrays' entries: at offset 0 of the workspace, unless
@@ -145,7 +146,7 @@ struct Selected {
 Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& dev, const Overrides& ov);
 Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps& dev, const Overrides& ov);
 
-Selected<KvcachePlan> select_kvcache(const KvcacheParams& p, const DeviceCaps& dev);
+Selected<KvcachePlan> select_kvcache(const KvcacheParams& p, const DeviceCaps& dev, const Overrides& ov = {});
 
 // Short names for messages and tests ("sm90-tf32", ...).
 const char* kernel_name(FwdKernel k);

@@ -18,14 +18,56 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "core/mask.hpp"
 #include "core/params.hpp"
 #include "cuda/common/config.hpp"
 #include "cuda/common/device.cuh"
 #include "cuda/common/mma16.cuh"
 #include "cuda/host/launch.hpp"
+#include "cuda/sm90/mbarrier.cuh"
 
 namespace flashattn::cuda::dev {
+
+// The K/V tile layout of the bulk-copy loader: row-major rows padded by 16 bytes. A bulk copy
+// writes a row as it is in memory (no swizzle), and with the 16-byte pad the 8 rows an ldmatrix
+// reads start 4 banks apart (pitch DP * 2 + 16 bytes = DP / 2 + 4 words): no bank conflicts.
+template <int ROWS, int COLS>
+struct TilePad {
+  static constexpr int kRows = ROWS;
+  static constexpr int kChunks = COLS / 8;
+  static constexpr int kPitch = COLS * 2 + 16;
+  static constexpr int kBytes = ROWS * kPitch;
+  __device__ __forceinline__ static uint32_t offset(int r, int c) { return static_cast<uint32_t>(r * kPitch + c * 16); }
+};
+
+// The bulk loader's sm_90 instructions (mbarrier.cuh), compiled only for sm_90 targets: the host
+// picks that loader only where the kernel's binary is one (launch_decode16).
+__device__ __forceinline__ void dec_bar_init(uint64_t* bars) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  mbar_init(bars, 1);
+  mbar_init(bars + 1, 1);
+  mbar_init_fence();
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void dec_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  mbar_expect_tx(bar, bytes);
+#endif
+}
+__device__ __forceinline__ void dec_bulk_row(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  bulk_copy_g2s(dst, src, bytes, bar);
+#endif
+}
+__device__ __forceinline__ void dec_bar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  mbar_wait(bar, parity);
+#endif
+}
 
 // Loads ROWS x COLS of 16-bit rows whose addresses row_ptr(r) gives (r < rows; any order in
 // memory: gathered query heads, the pages of a cache) into a swizzled tile, zero-filling rows
@@ -62,6 +104,24 @@ __device__ __forceinline__ void load_rows16(unsigned char* smem, RowPtr&& row_pt
   }
 }
 
+// The common case of load_rows16: all L::kRows rows valid, every column (D = DP), rows 16-byte
+// aligned at a fixed stride `ss` from g. A thread keeps one chunk column and steps down the rows,
+// so each copy is one address add and one cp.async: the generic loader's per-chunk row lookup
+// and bounds arithmetic made up about a third of the decoding loop's instructions, and this
+// memory-bound loop is issue-latency-bound per CTA (few warps per SM).
+template <class L, int THREADS>
+__device__ __forceinline__ void load_rows16_full(unsigned char* smem, const uint16_t* g, int64_t ss) {
+  constexpr int CH = L::kChunks, RS = THREADS / CH, N = L::kRows / RS;
+  static_assert(THREADS % CH == 0 && L::kRows % RS == 0, "whole rows per pass");
+  const int c = static_cast<int>(threadIdx.x) % CH, r0 = static_cast<int>(threadIdx.x) / CH;
+  const uint32_t base = smem_addr(smem);
+  const uint16_t* src = g + r0 * ss + c * 8;
+  const int64_t step = RS * ss;
+#pragma unroll
+  for (int k = 0; k < N; ++k, src += step)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(base + L::offset(r0 + k * RS, c)), "l"(src));
+}
+
 // Row s (relative to the sequence's first valid row) of one kv head's cache, K or V.
 struct CacheRows {
   const uint16_t* base;  // contiguous: the sequence's row 0; paged: the head's offset in page 0
@@ -92,19 +152,23 @@ __device__ __forceinline__ CacheRows cache_rows(const KvMap& m, const In4& t, in
   return c;
 }
 
-template <int DP, Half16 H, bool XF, int KW>
+// BULK: the K/V tiles by bulk copies (DecodeShape::kBulk; sm_90, D = DP, 16-byte rows), else by
+// cp.async (kRows / kGeneric).
+template <int DP, Half16 H, bool XF, int KW, bool BULK>
 __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const __grid_constant__ DecodeArgs a) {
   constexpr int T = DecodeShape::kThreads, W = DecodeShape::kWarps, BN = DecodeShape::kBlockN;
   constexpr int BM = DecodeShape::block_m(KW), KN = BN / KW, NSW = KN / 8, NO = DP / 8;
   static_assert(NSW % 2 == 0, "each warp's key slice is a whole number of k16 steps");
+  static_assert(!BULK || T == 2 * BN, "the bulk loader: a thread per K or V row of a tile");
   using TQ = Tile<BM, DP>;
-  using TK = Tile<BN, DP>;
+  using TK = std::conditional_t<BULK, TilePad<BN, DP>, Tile<BN, DP>>;
   extern __shared__ float4 smem4[];
   unsigned char* sQ = reinterpret_cast<unsigned char*>(smem4);
   unsigned char* sK = sQ + TQ::kBytes;      // [2][BN x DP]
   unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
   float* s_m = reinterpret_cast<float*>(sV + 2 * TK::kBytes);  // [KW][BM] row max (log2 units)
   float* s_l = s_m + W * 16;                                    // [KW][BM] row sum
+  uint64_t* bars = reinterpret_cast<uint64_t*>(s_l + W * 16);   // BULK: a barrier per stage
 
   // (A dependent launch after the prepare pass: the appended rows and the rotated q must be
   // written. The combine kernel may start as soon as every CTA of this one has: it waits for
@@ -132,12 +196,43 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   const int t_end = t_begin + per < all.begin + all.count ? t_begin + per : all.begin + all.count;
 
   const CacheRows kr = cache_rows(kv, p.k, b, hk), vr = cache_rows(kv, p.v, b, hk);
+  const bool full_rows = a.loader == DecodeShape::kRows && a.vec16 && D == DP && kr.table == nullptr;
+  // BULK: thread t copies row t % BN of K (t < BN) or V with one bulk copy (D = DP: whole rows),
+  // and zeroes the rows past Sk (their P is 0, and 0 x NaN would not be); thread 0 announces the
+  // tile's bytes on the stage's barrier (a copy may complete before that: the barrier's
+  // transaction count goes negative meanwhile, and its phase needs thread 0's arrival too).
+  auto load_kv_bulk = [&](int tile, int stage) {
+    const int64_t n0 = static_cast<int64_t>(tile) * BN;
+    const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);
+    uint64_t* bar = bars + stage;
+    if (threadIdx.x == 0) dec_expect_tx(bar, static_cast<uint32_t>(2 * n * D * 2));
+    const int r = static_cast<int>(threadIdx.x) % BN;
+    const bool isv = static_cast<int>(threadIdx.x) >= BN;
+    unsigned char* dst = (isv ? sV : sK) + stage * TK::kBytes + TK::offset(r, 0);  // (TilePad: whole rows)
+    if (r < n) {
+      dec_bulk_row(dst, (isv ? vr : kr).row(n0 + r), static_cast<uint32_t>(D * 2), bar);
+    } else {
+#pragma unroll
+      for (int c = 0; c < TK::kChunks; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
   auto load_kv = [&](int tile, int stage) {
     const int64_t n0 = static_cast<int64_t>(tile) * BN;
     const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);
+    if constexpr (T % TK::kChunks == 0) {  // (whole rows per pass: not at DP = 96)
+      if (full_rows && n == BN) {
+        load_rows16_full<TK, T>(sK + stage * TK::kBytes, kr.base + n0 * kr.ss, kr.ss);
+        load_rows16_full<TK, T>(sV + stage * TK::kBytes, vr.base + n0 * vr.ss, vr.ss);
+        return;
+      }
+    }
     load_rows16<TK, T>(sK + stage * TK::kBytes, [&](int r) { return kr.row(n0 + r); }, p.k.ptr, n, D, a.vec16);
     load_rows16<TK, T>(sV + stage * TK::kBytes, [&](int r) { return vr.row(n0 + r); }, p.v.ptr, n, D, a.vec16);
   };
+  if constexpr (BULK) {
+    if (threadIdx.x == 0) dec_bar_init(bars);
+    __syncthreads();
+  }
   load_rows16<TQ, T>(
       sQ,
       [&](int r) {
@@ -146,8 +241,12 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
       },
       p.q.ptr, rows, D, a.vec16);
   cp_async_commit();
-  if (t_begin < t_end) load_kv(t_begin, t_begin & 1);
-  cp_async_commit();
+  if constexpr (BULK) {
+    if (t_begin < t_end) load_kv_bulk(t_begin, t_begin & 1);
+  } else {
+    if (t_begin < t_end) load_kv(t_begin, t_begin & 1);
+    cp_async_commit();
+  }
 
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
   const int kw = warp % KW, rw = warp / KW;
@@ -169,7 +268,16 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   SoftmaxState st;
 
   for (int t = t_begin; t < t_end; ++t) {
-    pipeline_acquire<2>(t, t_end, load_kv);
+    if constexpr (BULK) {
+      // Tile t + 1 into the other stage (its last reader, tile t - 1, ended with a barrier), then
+      // wait for tile t: the (t - t_begin) / 2-th use of its stage.
+      if (t + 1 < t_end) load_kv_bulk(t + 1, (t + 1) & 1);
+      if (t == t_begin) cp_async_wait<0>();  // (the Q tile)
+      dec_bar_wait(bars + (t & 1), static_cast<uint32_t>(((t - t_begin) >> 1) & 1));
+      __syncthreads();
+    } else {
+      pipeline_acquire<2>(t, t_end, load_kv);
+    }
     const int stage = t & 1;
     const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
     float s[1][NSW][4];
@@ -192,7 +300,8 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
     uint32_t pa[1][NSW / 2][4];
     to_afrag<H, 1, NSW / 2>(pa, s);
     gemm_rs<H, 1, NO, NSW / 2, TK>(o, pa, vst, kw * KN, 0);
-    pipeline_release<2>(t, t_end, load_kv);
+    if constexpr (BULK) __syncthreads();
+    else pipeline_release<2>(t, t_end, load_kv);
   }
   pipeline_drain();
 

@@ -8,8 +8,25 @@
 
 namespace flashattn::cuda {
 
+// Whether the bulk-copy kernel of this instantiation was compiled for sm_90 or later on the
+// current device (a build without an sm_90 target has only the cp.async path there: the bulk
+// instructions are compiled out below sm_90). Asked once per process.
+template <int DP, Half16 H, bool XF, int KW>
+bool decode16_bulk_built() {
+  static const bool built = [] {
+    cudaFuncAttributes at{};
+    if (cudaFuncGetAttributes(&at, dev::decode16_kernel<DP, H, XF, KW, true>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return at.binaryVersion >= 90;
+  }();
+  return built;
+}
+
 // Grid: x = row blocks of (query row, head) pairs x splits x kv heads (kv head fastest, then
-// split), z = batch.
+// split), z = batch. The shared memory is the plan's (KvcachePlan::smem, for its loader); the
+// cp.async kernel needs less when the bulk one is not built.
 template <int DP, Half16 H, bool XF, int KW>
 void launch_decode16(const DecodeArgs& a, cudaStream_t stream) {
   const Shape& s = a.p.shape;
@@ -17,8 +34,16 @@ void launch_decode16(const DecodeArgs& a, cudaStream_t stream) {
   const dim3 grid(grid_blocks(s.seq_q * s.group(), bm) * static_cast<unsigned>(a.splits) *
                       static_cast<unsigned>(s.heads_kv),
                   1u, static_cast<unsigned>(s.batch));
-  launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW>, grid, DecodeShape::kThreads, decode_smem_bytes(DP, KW),
-                     stream, a, "decode16 kernel launch", a.pdl && a.after_prepare);
+  const bool pdl = a.pdl && a.after_prepare;
+  if (a.loader == DecodeShape::kBulk && decode16_bulk_built<DP, H, XF, KW>()) {
+    launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW, true>, grid, DecodeShape::kThreads,
+                       decode_smem_bytes(DP, KW, true), stream, a, "decode16 kernel launch", pdl);
+  } else {
+    DecodeArgs c = a;
+    if (c.loader == DecodeShape::kBulk) c.loader = DecodeShape::kRows;
+    launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW, false>, grid, DecodeShape::kThreads,
+                       decode_smem_bytes(DP, KW), stream, c, "decode16 kernel launch", pdl);
+  }
 }
 
 // Both 16-bit types and both CTA shapes of one head dim, with or without the per-entry step.
