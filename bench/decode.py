@@ -14,6 +14,7 @@ flashattn >= 80% of it. flashattn rows:
   flashattn-nosplit  num_splits = 1 (one CTA per (sequence, kv head)): what the split buys
   flashattn-append   with a one-token append and rotary embedding (the full decoding step: the
                    prepare pass, then the attention)
+  flashattn[L]     with --loaders: the same call with K/V loader L forced (bulk, rows, generic)
 SDPA gets the same cache as [B, Hkv, S, D] views (no copy) with enable_gqa; sdpa-<backend> rows for
 flash, cuDNN, efficient and math where they run. Each timed in two views (bench/attn_harness):
 kernel (host hidden behind a GPU spin) and host-inclusive (from an idle GPU; flashattn's
@@ -29,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402
-from cabi import MASK_NONE, CtypesLib  # noqa: E402
+from cabi import MASK_NONE, CtypesLib, set_override  # noqa: E402
 
 
 def main():
@@ -47,6 +48,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="--reps 10, --warmup 3, fewer shapes")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--loaders", default="",
+                    help="also time the KV-cache kernel with each of these K/V loaders (bulk,rows,generic: "
+                         "FLASHATTN_CUDA_DECODE_LOADER; developer builds), rows flashattn[LOADER]")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.warmup = 10, 3
@@ -101,6 +105,14 @@ def main():
                 fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": splits}, opts)
                 fn()
                 record(name, timed(fn))
+            for loader in [x for x in args.loaders.split(",") if x]:
+                set_override(lib.lib, "FLASHATTN_CUDA_DECODE_LOADER", loader)
+                try:
+                    fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": 0}, opts)
+                    fn()
+                    record(f"flashattn[{loader}]", timed(fn))
+                finally:
+                    set_override(lib.lib, "FLASHATTN_CUDA_DECODE_LOADER", None)
             ref = out.clone()
             # The full step: append one token (rotated) at row s - 1, the last, then attend.
             kn, vn = (torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))

@@ -842,7 +842,8 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
                           {"FLASHATTN_CUDA_TF32_BWD", "pair"},
                           {"FLASHATTN_CUDA_FP32_BWD", "wgmma"},
                           {"FLASHATTN_CUDA_PERSISTENT_CTAS", "sms"},
-                          {"FLASHATTN_CUDA_CONVERT_CTAS", "7"}});
+                          {"FLASHATTN_CUDA_CONVERT_CTAS", "7"},
+                          {"FLASHATTN_CUDA_DECODE_LOADER", "rows"}});
   EXPECT_EQ(o.arch, 0);
   EXPECT_EQ(o.math, static_cast<int>(Math::Fma));
   EXPECT_EQ(o.bwd, 1);
@@ -854,6 +855,8 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
   EXPECT_EQ(o.fp32_bwd, 1);
   EXPECT_EQ(o.persistent_ctas, -2);
   EXPECT_EQ(o.convert_ctas, 7);
+  EXPECT_EQ(o.decode_loader, DecodeShape::kRows);
+  EXPECT_EQ(ov({{"FLASHATTN_CUDA_DECODE_LOADER", "bulk"}}).decode_loader, DecodeShape::kBulk);
   const Overrides none = ov();
   EXPECT_EQ(none.arch, -1);
   EXPECT_EQ(none.persistent_ctas, -1);
@@ -950,6 +953,37 @@ TEST(KvcacheSelect, PlanShapesAndWorkspace) {
   EXPECT_TRUE(r.plan.vec16);
   k.fwd.k.ss = 4 * 40 + 2;
   EXPECT_FALSE(select_kvcache(k, h200).plan.vec16);
+}
+
+// The K/V loader (DecodeShape::Loader): the general cp.async one unless a knob asks; bulk copies
+// only on sm_90 with 16-byte rows and D = DP (else the whole-tile cp.async loader), with the
+// padded rows' larger shared memory in the plan.
+TEST(KvcacheSelect, Loader) {
+  const DeviceCaps h200 = dev(9, 0), a100 = dev(8, 0);
+  const KvcacheParams k = kv_call(DType::BFloat16, 4, 1, 32, 8, 4096, 128);
+  auto r = select_kvcache(k, h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.loader, DecodeShape::kGeneric);
+  EXPECT_EQ(r.plan.smem, decode_smem_bytes(128, 4));
+  Overrides ov;
+  ov.decode_loader = DecodeShape::kBulk;
+  r = select_kvcache(k, h200, ov);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.loader, DecodeShape::kBulk);
+  EXPECT_EQ(r.plan.smem, decode_smem_bytes(128, 4, true));
+  EXPECT_EQ(decode_smem_bytes(128, 4, true) - decode_smem_bytes(128, 4), 4 * 64 * 16 + 16);
+  EXPECT_EQ(select_kvcache(k, a100, ov).plan.loader, DecodeShape::kRows);  // (no copy engine path)
+  KvcacheParams pad = kv_call(DType::BFloat16, 4, 1, 32, 8, 4096, 40);  // D 40 < DP 64
+  EXPECT_EQ(select_kvcache(pad, h200, ov).plan.loader, DecodeShape::kRows);
+  KvcacheParams odd = k;
+  odd.fwd.v.ss = 8 * 128 + 2;  // rows not 16-byte aligned
+  r = select_kvcache(odd, h200, ov);
+  EXPECT_FALSE(r.plan.vec16);
+  EXPECT_EQ(r.plan.loader, DecodeShape::kRows);
+  for (int l : {DecodeShape::kRows, DecodeShape::kGeneric}) {
+    ov.decode_loader = l;
+    EXPECT_EQ(select_kvcache(k, h200, ov).plan.loader, l);
+  }
 }
 
 TEST(KvcacheSelect, Refusals) {
