@@ -136,11 +136,12 @@ __global__ void __launch_bounds__(32 * kCombineWarps) kv_combine_kernel(const __
     }
     return x;
   };
-  // Lane t's columns: [4t, 4t + 4) and [128 + 4t, ..) where below dp (the partials' rows are dp
-  // floats, dp a multiple of 32: 16-byte aligned).
+  // Lane t's columns: [4t, 4t + 4) and [128 + 4t, ..) where they start below D (the partials' rows
+  // are dp floats, dp a multiple of 32: 16-byte aligned; the decode kernel writes their columns
+  // below round8(D), so a chunk starting below D is written whole, and the rest is never read).
   bool col_ok[kMaxChunks];
 #pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) col_ok[c] = 4 * (lane + 32 * c) < dp;
+  for (int c = 0; c < kMaxChunks; ++c) col_ok[c] = 4 * (lane + 32 * c) < D;
   const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float4 acc[kMaxChunks] = {zero4, zero4};
   if (sees) {

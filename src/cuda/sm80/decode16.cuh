@@ -198,7 +198,9 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   const CacheRows kr = cache_rows(kv, p.k, b, hk), vr = cache_rows(kv, p.v, b, hk);
   const bool full_rows = a.loader == DecodeShape::kRows && a.vec16 && D == DP && kr.table == nullptr;
   // BULK: thread t copies row t % BN of K (t < BN) or V with one bulk copy (D = DP: whole rows),
-  // and zeroes the rows past Sk (their P is 0, and 0 x NaN would not be); thread 0 announces the
+  // and zeroes the rows past Sk (their P is 0, and 0 x NaN would not be; only the last key tile
+  // has such rows, and no bulk copy lands in its buffer after it - else a fence.proxy.async
+  // would have to order the two writers); thread 0 announces the
   // tile's bytes on the stage's barrier (a copy may complete before that: the barrier's
   // transaction count goes negative meanwhile, and its phase needs thread 0's arrival too).
   auto load_kv_bulk = [&](int tile, int stage) {

@@ -9,7 +9,8 @@
 namespace flashattn::cuda {
 
 // Whether the bulk-copy kernel of this instantiation was compiled for sm_90 or later on the
-// current device (a build without an sm_90 target has only the cp.async path there: the bulk
+// current device: its PTX too, not only the binary - a build without an sm_90 target runs on a
+// 9.0 device from compute_80 PTX compiled there, whose bulk kernel is only a trap (the bulk
 // instructions are compiled out below sm_90). Asked once per process.
 template <int DP, Half16 H, bool XF, int KW>
 bool decode16_bulk_built() {
@@ -19,7 +20,7 @@ bool decode16_bulk_built() {
       (void)cudaGetLastError();
       return false;
     }
-    return at.binaryVersion >= 90;
+    return at.binaryVersion >= 90 && at.ptxVersion >= 90;
   }();
   return built;
 }
