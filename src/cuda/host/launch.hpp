@@ -59,9 +59,10 @@ struct BwdArgs {
 
 // A KV-cache call's small index arrays (seqlen_k, batch_row, start, first_new, pos0) in the
 // kernels' parameters: no host-to-device copy ahead of the kernels (from pageable memory the
-// driver may wait for the stream before staging it), and a call a CUDA graph can capture. n = 0: the arrays are in device memory (KvMap's pointers, a
-// copy the call made) - a paged cache's block table always is (its lookups diverge across a
-// warp, which the parameter space would serialise), and so are arrays past kMax entries.
+// driver may wait for the stream before staging it), and a call a CUDA graph can capture.
+// n = 0: the arrays are in device memory (KvMap's pointers, a copy the call made) - a paged
+// cache's block table always is (its lookups diverge across a warp, which the parameter space
+// would serialise), and so are arrays past kMax entries.
 struct KvIndex {
   static constexpr int kMax = kKvIndexMax;
   int32_t n = 0;

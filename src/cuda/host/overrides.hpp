@@ -22,7 +22,7 @@
 // | FLASHATTN_CUDA_PACKED_GRID      | dense, compact               | packed 16-bit sm_90a forward: CTAs per real block   |
 // | FLASHATTN_CUDA_KEY_CHUNK        | N (multiple of 128, 0: none) | keys per chunk of the fp32-mode forward (16384)     |
 // | FLASHATTN_CUDA_DECODE_LOADER    | bulk, rows, generic          | KV-cache kernel's K/V loads (DecodeShape::Loader;   |
-// |                                 |                              | bulk needs sm_90, D a multiple of 16 bytes = DP)    |
+// |                                 |                              | bulk: sm_90, 16-byte rows, D = DP; else rows)       |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob

@@ -113,7 +113,7 @@ struct KvcachePlan {
   int kw = 4;          // DecodeShape: 4 (16 rows per CTA, warps split the keys) or 1 (64 rows)
   int splits = 1;      // CTAs per row block along the keys (> 1: partials and a combine pass)
   bool vec16 = false;
-  int loader = DecodeShape::kRows;  // DecodeShape::Loader: kBulk on sm_90 where rows allow it
+  int loader = DecodeShape::kGeneric;  // DecodeShape::Loader (kBulk only on sm_90, D = DP, 16-byte rows)
   int smem = 0;
   size_t workspace = 0;
   size_t idx_ints = 0;        // the index arrays' entries: at offset 0 of the workspace, unless
