@@ -4,7 +4,8 @@ as uniform dense batches, and against PyTorch SDPA on nested (jagged) tensors - 
 FlashAttention 2 or cuDNN inside torch - in the same process on the same inputs.
 
 Batches: --tokens (16k) tokens of sequences with lengths drawn uniformly from [1, L] (seeded) for
-each L in --max-lens (1024, 4096), the last one cut to fill the total; H = 2048 / D heads (MHA),
+each L in --max-lens (1024, 4096), the last one cut to fill the total; an entry =L packs sequences
+of length L only (the packed call's own cost against the dense one, with identical tiles); H = 2048 / D heads (MHA),
 head dims --head-dims, --dtype (bfloat16), causal and not (the causal mask of equal lengths is
 the same top-left and bottom-right). FLOPs count only real pairs: 4 D H sum(L^2) per forward
 (halved when causal), the backward 2.5x that.
@@ -34,7 +35,9 @@ import attn_harness as H  # noqa: E402
 from cabi import MASK_CAUSAL_BOTTOM_RIGHT, MASK_NONE, CtypesLib, EnvSettings  # noqa: E402
 
 
-def lengths(tokens, max_len, seed):
+def lengths(tokens, max_len, seed, uniform=False):
+    if uniform:
+        return [max_len] * max(1, tokens // max_len)
     rng = random.Random(seed)
     out, left = [], tokens
     while left > 0:
@@ -81,8 +84,10 @@ def main():
         rows.append(dict(case=case, impl=name, pass_=pass_, host_ms=t["host"], kernel_ms=t["kernel"],
                          tflops_kernel=flops / t["kernel"] / 1e9, tflops_host=flops / t["host"] / 1e9))
 
-    for max_len in [int(x) for x in args.max_lens.split(",")]:
-        lens = lengths(args.tokens, max_len, args.seed)
+    for spec in args.max_lens.split(","):
+        uniform = spec.startswith("=")
+        max_len = int(spec.lstrip("="))
+        lens = lengths(args.tokens, max_len, args.seed, uniform)
         T = sum(lens)
         cu = [0]
         for n in lens:
@@ -91,7 +96,8 @@ def main():
         for d in [int(x) for x in args.head_dims.split(",")]:
             h = max(1, 2048 // d)
             for causal in [bool(int(x)) for x in args.causal.split(",")]:
-                case = f"1..{max_len} ({len(lens)} seqs) D{d} {'causal' if causal else 'full'}"
+                mix = f"={max_len}" if uniform else f"1..{max_len}"
+                case = f"{mix} ({len(lens)} seqs) D{d} {'causal' if causal else 'full'}"
                 print(f"== {case}", flush=True)
                 ff = fwd_flops(h, d, lens, causal)
                 mask = MASK_CAUSAL_BOTTOM_RIGHT if causal else MASK_NONE

@@ -313,11 +313,38 @@ TEST(KvCacheCuda, SplitsAgainstReference) {
   }
 }
 
+// Every pipeline depth (FLASHATTN_CUDA_DECODE_STAGES) with every loader against the reference, on
+// splits whose key ranges are shorter than the pipeline (1 or 2 tiles: the fill's empty groups),
+// odd lengths (a partial last tile) and every head dim's padding (D = 256: four stages do not fit
+// and the library takes three).
+TEST(KvCacheCuda, PipelineStagesAgainstReference) {
+  REQUIRE_GPU();
+  for (const char* loader : {"bulk", "rows", "generic"})
+    for (const char* stages : {"3", "4"}) {
+      SCOPED_TRACE(std::string("loader ") + loader + ", stages " + stages);
+      EnvScope scope("FLASHATTN_CUDA_DECODE_LOADER", loader);
+      EnvScope scope_st("FLASHATTN_CUDA_DECODE_STAGES", stages);
+      for (int64_t d : {64, 128, 256, 97}) {
+        for (int32_t splits : {0, 1, 64}) {
+          SCOPED_TRACE("D " + std::to_string(d) + ", num_splits " + std::to_string(splits));
+          KvCase c;
+          c.B = 2, c.Hq = 8, c.Hkv = 2, c.D = d, c.seqlens = {1000, 97}, c.S_cache = 1100, c.s_new = 1;
+          c.num_splits = splits;
+          check_gpu(c);
+        }
+      }
+      KvCase p;  // paged, causal, more query rows (the 64-row CTA shape)
+      p.B = 2, p.Hq = 64, p.Hkv = 2, p.D = 128, p.seqlens = {3000, 70}, p.S_cache = 3100, p.s_new = 4, p.Sq = 4;
+      p.block_size = 64, p.max_blocks = 50, p.mask = Mask::CausalBottomRight;
+      check_gpu(p);
+    }
+}
+
 // The same logical call several ways: splits 1 against the automatic choice (close), each bitwise
 // equal run to run, paged caches bitwise equal to contiguous ones, and every K/V loader
 // (FLASHATTN_CUDA_DECODE_LOADER: bulk copies on sm_90, whole-tile cp.async, the general cp.async
-// loader; contiguous and paged) bitwise equal to the default: the loaders move the same bytes
-// into different shared-memory layouts, and the arithmetic is the same.
+// loader; contiguous and paged) at every pipeline depth bitwise equal to the default: the loaders
+// move the same bytes into different shared-memory layouts, and the arithmetic is the same.
 TEST(KvCacheCuda, DeterministicAndPagedBitwise) {
   REQUIRE_GPU();
   for (DType t : {DType::BFloat16, DType::Float16}) {
@@ -334,15 +361,22 @@ TEST(KvCacheCuda, DeterministicAndPagedBitwise) {
       return std::make_pair(h.out, h.lse);
     };
     const auto a1 = run(c), a2 = run(c), pg = run(p);
-    for (const char* loader : {"bulk", "rows", "generic"}) {
-      SCOPED_TRACE(std::string("loader ") + loader);
-      EnvScope scope("FLASHATTN_CUDA_DECODE_LOADER", loader);
-      for (const KvCase* k : {&c, &p}) {
-        const auto l = run(*k);
-        EXPECT_EQ(a1.first, l.first) << "out differs from the default loader's";
-        EXPECT_EQ(0, std::memcmp(a1.second.data(), l.second.data(), a1.second.size() * 4));
+    // (The stage count moves the automatic split count - it sets the CTAs per multiprocessor -
+    // and with it the partial sums: the loaders are compared at a fixed count.)
+    KvCase c4 = c, p4 = p;
+    c4.num_splits = p4.num_splits = 4;
+    const auto base4 = run(c4);
+    for (const char* loader : {"bulk", "rows", "generic"})
+      for (const char* stages : {"2", "3", "4"}) {
+        SCOPED_TRACE(std::string("loader ") + loader + ", stages " + stages);
+        EnvScope scope("FLASHATTN_CUDA_DECODE_LOADER", loader);
+        EnvScope scope_st("FLASHATTN_CUDA_DECODE_STAGES", stages);
+        for (const KvCase* k : {&c4, &p4}) {
+          const auto l = run(*k);
+          EXPECT_EQ(base4.first, l.first) << "out differs from the default loader's";
+          EXPECT_EQ(0, std::memcmp(base4.second.data(), l.second.data(), base4.second.size() * 4));
+        }
       }
-    }
     EXPECT_EQ(a1.first, a2.first) << "out differs run to run";
     EXPECT_EQ(0, std::memcmp(a1.second.data(), a2.second.data(), a1.second.size() * 4));
     EXPECT_EQ(a1.first, pg.first) << "paged out differs from contiguous";

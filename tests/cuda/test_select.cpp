@@ -895,10 +895,13 @@ TEST(KvcacheSelect, SplitCount) {
   EXPECT_EQ(kv_splits(8, 64, 396, 5), 5);
   EXPECT_EQ(kv_splits(8, 3, 396, 5), 3);
   EXPECT_EQ(kv_splits(8, 1000, 396, 500), kMaxKvSplits);
-  // Automatic: none from 4 waves; else the fewest splits filling >= 90% of their waves, each split
-  // at least kMinKvTilesPerSplit tiles (or the fullest such count).
+  // Automatic: none from 4 waves; else the fewest splits whose waves do >= 90% useful work, whole
+  // tiles counted, each split at least kMinKvTilesPerSplit tiles (or the most useful such count).
   EXPECT_EQ(kv_splits(1600, 2048, 396, 0), 1);
-  EXPECT_EQ(kv_splits(8, 2048, 396, 0), 45);   // 360 of 396 slots
+  EXPECT_EQ(kv_splits(8, 2048, 396, 0), 46);   // 368 CTAs of 45 tiles (45 splits: 46 tiles, 89.9%)
+  EXPECT_EQ(kv_splits(8, 64, 132, 0), 16);     // 128 CTAs of 4 tiles on 132 slots
+  EXPECT_EQ(kv_splits(8, 64, 120, 0), 13);     // (15 splits of 5 tiles: only 13 have any)
+  EXPECT_EQ(kv_splits(128, 64, 132, 0), 1);
   EXPECT_EQ(kv_splits(512, 64, 396, 0), 3);    // B 64, Hkv 8: 1536 CTAs, 3.9 waves
   EXPECT_EQ(kv_splits(8, 64, 396, 0), 32);     // at most 64 / 2 splits: 256 CTAs
   EXPECT_EQ(kv_splits(8, 1, 396, 0), 1);
@@ -918,10 +921,17 @@ TEST(KvcacheSelect, PlanShapesAndWorkspace) {
   EXPECT_GT(r.plan.lse_part, r.plan.o_part);
   EXPECT_EQ(r.plan.q_rot, -1);
   EXPECT_GE(r.plan.workspace, static_cast<size_t>(r.plan.splits) * 32 * (128 * 4 + 4));
-  // Batch 64: 512 blocks, 1.3 waves of the 396 slots; 3 splits fill 3.9 waves.
+  // Batch 64: 512 blocks fill 3.9 waves of the 132 multiprocessors: no split; three stages hold
+  // two CTAs per multiprocessor, whose 264 slots take them in 1.9 waves (two stages: 1.3 of 396).
   r = select_kvcache(kv_call(DType::Float16, 64, 1, 32, 8, 8192, 128), h200);
   ASSERT_TRUE(r.ok) << r.why;
-  EXPECT_EQ(r.plan.splits, 3);
+  EXPECT_EQ(r.plan.splits, 1);
+  EXPECT_EQ(r.plan.stages, 3);
+  // Batch 16: 128 blocks, one per multiprocessor: no split, two stages.
+  r = select_kvcache(kv_call(DType::Float16, 16, 1, 32, 8, 4096, 128), h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.splits, 1);
+  EXPECT_EQ(r.plan.stages, 2);
   // Batch 256: 2048 blocks, over 4 waves: no split, no partials.
   r = select_kvcache(kv_call(DType::Float16, 256, 1, 32, 8, 8192, 128), h200);
   ASSERT_TRUE(r.ok) << r.why;
@@ -955,16 +965,16 @@ TEST(KvcacheSelect, PlanShapesAndWorkspace) {
   EXPECT_FALSE(select_kvcache(k, h200).plan.vec16);
 }
 
-// The K/V loader (DecodeShape::Loader): the general cp.async one unless a knob asks; bulk copies
-// only on sm_90 with 16-byte rows and D = DP (else the whole-tile cp.async loader), with the
-// padded rows' larger shared memory in the plan.
+// The K/V loader (DecodeShape::Loader): the whole-tile cp.async one unless a knob asks; bulk
+// copies only on sm_90 with 16-byte rows and D = DP (else the whole-tile loader), with the padded
+// rows' larger shared memory in the plan.
 TEST(KvcacheSelect, Loader) {
   const DeviceCaps h200 = dev(9, 0), a100 = dev(8, 0);
   const KvcacheParams k = kv_call(DType::BFloat16, 4, 1, 32, 8, 4096, 128);
   auto r = select_kvcache(k, h200);
   ASSERT_TRUE(r.ok) << r.why;
-  EXPECT_EQ(r.plan.loader, DecodeShape::kGeneric);
-  EXPECT_EQ(r.plan.smem, decode_smem_bytes(128, 4));
+  EXPECT_EQ(r.plan.loader, DecodeShape::kRows);
+  EXPECT_EQ(r.plan.smem, decode_smem_bytes(128, 4, false, r.plan.stages));
   Overrides ov;
   ov.decode_loader = DecodeShape::kBulk;
   r = select_kvcache(k, h200, ov);
@@ -984,6 +994,58 @@ TEST(KvcacheSelect, Loader) {
     ov.decode_loader = l;
     EXPECT_EQ(select_kvcache(k, h200, ov).plan.loader, l);
   }
+}
+
+// Pipeline stages: the knob's count where the shared memory holds it, fewer where not (D = 256:
+// four stages of 64 K and V rows are 256 KB), with the plan's shared memory and the CTA slots
+// (and so the split count) following it.
+TEST(KvcacheSelect, Stages) {
+  const DeviceCaps h200 = dev(9, 0);
+  const KvcacheParams k = kv_call(DType::BFloat16, 16, 1, 32, 8, 4096, 128);
+  auto r = select_kvcache(k, h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_GE(r.plan.stages, DecodeShape::kMinStages);
+  EXPECT_LE(r.plan.stages, DecodeShape::kMaxStages);
+  Overrides ov;
+  for (int st = 2; st <= 4; ++st) {
+    SCOPED_TRACE("stages " + std::to_string(st));
+    ov.decode_loader = DecodeShape::kRows;
+    ov.decode_stages = st - 2;
+    r = select_kvcache(k, h200, ov);
+    ASSERT_TRUE(r.ok) << r.why;
+    EXPECT_EQ(r.plan.stages, st);
+    EXPECT_EQ(r.plan.smem, decode_smem_bytes(128, 4, false, st));
+    EXPECT_EQ(decode_smem_bytes(128, 4, false, st) - decode_smem_bytes(128, 4, false, 2), (st - 2) * 2 * 64 * 256);
+    ov.decode_loader = DecodeShape::kBulk;
+    r = select_kvcache(k, h200, ov);
+    EXPECT_EQ(r.plan.smem, decode_smem_bytes(128, 4, true, st));
+  }
+  // The split count of the whole-tile loader spreads CTAs over the multiprocessors (128 row
+  // blocks on 132: none); the general loader's (a knob, or rows that are not whole tiles) over its
+  // CTA slots, three per multiprocessor at two stages: three splits.
+  ov.decode_loader = -1;
+  ov.decode_stages = -1;
+  EXPECT_EQ(select_kvcache(k, h200, ov).plan.splits, 1);
+  ov.decode_loader = DecodeShape::kGeneric;
+  r = select_kvcache(k, h200, ov);
+  EXPECT_EQ(r.plan.splits, 3);
+  EXPECT_EQ(r.plan.stages, 2);
+  ov.decode_loader = -1;
+  KvcacheParams paged = k;
+  static const int32_t table[64] = {};
+  paged.fwd.kv.block_table = table;
+  paged.fwd.kv.bt_stride = 4;
+  paged.fwd.kv.block_size = 1024;  // whole tiles: as contiguous
+  EXPECT_EQ(select_kvcache(paged, h200, ov).plan.splits, 1);
+  paged.fwd.kv.block_size = 16;  // tiles over 4 pages: row by row
+  EXPECT_EQ(select_kvcache(paged, h200, ov).plan.splits, 3);
+  const KvcacheParams d256 = kv_call(DType::BFloat16, 16, 1, 32, 8, 4096, 256);
+  ov.decode_stages = 2;
+  r = select_kvcache(d256, h200, ov);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.stages, 3);
+  EXPECT_LE(r.plan.smem, h200.smem_optin);
+  EXPECT_GT(decode_smem_bytes(256, 4, false, 4), h200.smem_optin);
 }
 
 TEST(KvcacheSelect, Refusals) {

@@ -205,14 +205,16 @@ FLASHATTN_CUDA_HD constexpr int smem_bytes16(Pass pass, int dp, bool big, bool a
 //   kGeneric cp.async through the row map for every tile (load_rows16).
 struct DecodeShape {
   static constexpr int kThreads = 128, kWarps = 4, kBlockN = 64;
+  // K/V tiles in flight: the pipeline's stage count is a kernel argument (2..kMaxStages).
+  static constexpr int kMinStages = 2, kMaxStages = 4;
   enum Loader : int { kBulk = 0, kRows = 1, kGeneric = 2 };
   FLASHATTN_CUDA_HD static constexpr int block_m(int kw) { return 16 * (kWarps / kw); }
 };
-// Its dynamic shared memory: the Q tile, two stages of K and V tiles (rows padded by 16 bytes
-// with kBulk), the warps' row statistics, and with kBulk the stages' two mbarriers.
-FLASHATTN_CUDA_HD constexpr int decode_smem_bytes(int dp, int kw, bool bulk = false) {
-  return DecodeShape::block_m(kw) * dp * 2 + 4 * DecodeShape::kBlockN * (dp * 2 + (bulk ? 16 : 0)) +
-         2 * DecodeShape::kWarps * 16 * 4 + (bulk ? 16 : 0);
+// Its dynamic shared memory: the Q tile, `stages` stages of K and V tiles (rows padded by 16
+// bytes with kBulk), the warps' row statistics, and with kBulk an mbarrier per stage.
+FLASHATTN_CUDA_HD constexpr int decode_smem_bytes(int dp, int kw, bool bulk = false, int stages = 2) {
+  return DecodeShape::block_m(kw) * dp * 2 + 2 * stages * DecodeShape::kBlockN * (dp * 2 + (bulk ? 16 : 0)) +
+         2 * DecodeShape::kWarps * 16 * 4 + (bulk ? 8 * stages : 0);
 }
 
 constexpr bool tiles16_fit() {

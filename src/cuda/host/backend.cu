@@ -535,6 +535,7 @@ void forward_kvcache(const KvcacheParams& kp) {
   a.score = ScoreTransform::make(s, p.num);
   a.vec16 = plan.vec16;
   a.loader = plan.loader;
+  a.stages = plan.stages;
   a.splits = plan.splits;
   a.o_part = plan.o_part >= 0 ? reinterpret_cast<float*>(base + plan.o_part) : nullptr;
   a.lse_part = plan.lse_part >= 0 ? reinterpret_cast<float*>(base + plan.lse_part) : nullptr;

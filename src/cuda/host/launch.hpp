@@ -90,6 +90,7 @@ struct DecodeArgs {
   ScoreTransform score;  // diag is set per sequence (seqlen_k[b] - Sq)
   bool vec16;            // q, out and both caches: 16-byte rows
   int loader;            // DecodeShape::Loader (KvcachePlan::loader)
+  int stages;            // K/V pipeline stages (KvcachePlan::stages)
   int splits;
   float* o_part;
   float* lse_part;

@@ -23,6 +23,8 @@
 // | FLASHATTN_CUDA_KEY_CHUNK        | N (multiple of 128, 0: none) | keys per chunk of the fp32-mode forward (16384)     |
 // | FLASHATTN_CUDA_DECODE_LOADER    | bulk, rows, generic          | KV-cache kernel's K/V loads (DecodeShape::Loader;   |
 // |                                 |                              | bulk: sm_90, 16-byte rows, D = DP; else rows)       |
+// | FLASHATTN_CUDA_DECODE_STAGES    | 2, 3, 4                      | KV-cache kernel's K/V pipeline stages (fewer where  |
+// |                                 |                              | shared memory does not hold them)                   |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -51,6 +53,7 @@ struct Overrides {
   int packed_grid = -1;  // 1: compact (the packed sm_90a forward's grid of real row blocks)
   long key_chunk = -1;   // keys per chunk of the float32 fp32-mode forward (0: never chunked)
   int decode_loader = -1;  // a DecodeShape::Loader: 0 bulk, 1 rows, 2 generic
+  int decode_stages = -1;  // 0, 1, 2: 2, 3, 4 stages
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

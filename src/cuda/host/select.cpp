@@ -338,20 +338,24 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
 int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested) {
   const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(tiles, kMaxKvSplits));
   if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
-  // Memory-bound CTAs of equal work: a last partial wave leaves slots idle. From 4 waves on the
-  // tail costs at most a fifth; below, the fewest splits whose waves are at least 90% full (the
-  // fullest when none is), at least kMinKvTilesPerSplit tiles each.
+  // Memory-bound CTAs: a last partial wave leaves slots idle. From 4 waves on the tail costs at
+  // most a fifth; below, the fewest splits whose slots do at least 90% useful work (the most
+  // when none does), at least kMinKvTilesPerSplit tiles each. Useful work counts whole tiles: s
+  // splits of `tiles` take ceil(tiles / s) tiles each (the last ones fewer or none), so the
+  // waves' time is waves x ceil(tiles / s) tiles of which blocks x tiles are real.
   blocks = std::max<int64_t>(1, blocks);
   slots = std::max<int64_t>(1, slots);
+  tiles = std::max<int64_t>(1, tiles);
   if (blocks >= 4 * slots) return 1;
   const int64_t most = std::min(cap, std::max<int64_t>(1, tiles / kMinKvTilesPerSplit));
   int64_t best = 1;
   double best_eff = 0;
   for (int64_t s = 1; s <= most; ++s) {
-    const int64_t ctas = blocks * s, waves = (ctas + slots - 1) / slots;
-    const double eff = static_cast<double>(ctas) / static_cast<double>(waves * slots);
-    if (eff >= 0.9) return static_cast<int>(s);
-    if (eff > best_eff) best = s, best_eff = eff;
+    const int64_t per = (tiles + s - 1) / s, used = (tiles + per - 1) / per;  // splits with tiles
+    const int64_t ctas = blocks * used, waves = (ctas + slots - 1) / slots;
+    const double eff = static_cast<double>(blocks * tiles) / static_cast<double>(waves * slots * per);
+    if (eff >= 0.9) return static_cast<int>(used);
+    if (eff > best_eff + 1e-9) best = used, best_eff = eff;
   }
   return static_cast<int>(best);
 }
@@ -387,23 +391,58 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
   k.vec16 = (rotary || vec_ok(p.q, 8)) && vec_ok(p.out, 8) && vec_ok(p.k, 8) && vec_ok(p.v, 8);
   // The bulk copies move whole 16-byte-aligned rows of D = DP elements (no padded columns to zero).
   const bool bulk_ok = dev.cc_major >= 9 && k.vec16 && s.head_dim == k.dp;
-  k.loader = ov.decode_loader >= 0 ? ov.decode_loader : DecodeShape::kGeneric;
+  // The whole-tile loader streams every full tile (contiguous rows, or pages of whole tiles: a
+  // page size that is a multiple of the tile's 64 rows, as FlashAttention's 256 is); otherwise
+  // its tiles go the general way, row by row.
+  const KvMap& m = p.kv;
+  const bool tiles_whole =
+      k.vec16 && s.head_dim == k.dp && (m.block_table == nullptr || m.block_size % DecodeShape::kBlockN == 0);
+  k.loader = ov.decode_loader >= 0 ? ov.decode_loader : DecodeShape::kRows;
   if (k.loader == DecodeShape::kBulk && !bulk_ok) k.loader = DecodeShape::kRows;
-  k.smem = decode_smem_bytes(k.dp, k.kw, k.loader == DecodeShape::kBulk);
-  if (!(r.why = smem_limit(s, k.smem, dev)).empty()) return r;
+  const bool bulk = k.loader == DecodeShape::kBulk;
+  const int64_t sms = std::max(1, dev.sms);
   const int64_t blocks = s.batch * s.heads_kv * ((rows + DecodeShape::block_m(k.kw) - 1) / DecodeShape::block_m(k.kw));
   const int64_t tiles = (s.seq_kv + DecodeShape::kBlockN - 1) / DecodeShape::kBlockN;
-  // CTA slots: by shared memory (the per-SM pool is 1 KB larger than a block's opt-in limit and
-  // each block reserves 1 KB), at most 16 CTAs of 128 threads.
-  const int64_t per_sm = std::max(1, std::min(16, (dev.smem_optin + 1024) / (k.smem + 1024)));
-  k.splits = kv_splits(blocks, tiles, per_sm * std::max(1, dev.sms), kp.num_splits);
+  // CTA slots per multiprocessor at `stages`: by shared memory (the per-SM pool is 1 KB larger
+  // than a block's opt-in limit and each block reserves 1 KB), at most 16 CTAs of 128 threads.
+  auto fits = [&](int st) { return decode_smem_bytes(k.dp, k.kw, bulk, st) <= dev.smem_optin; };
+  auto per_sm = [&](int st) {
+    return static_cast<int64_t>(std::max(1, std::min(16, (dev.smem_optin + 1024) / (decode_smem_bytes(k.dp, k.kw, bulk, st) + 1024))));
+  };
+  if (k.loader == DecodeShape::kRows && tiles_whole) {
+    // Streaming whole tiles, one CTA per multiprocessor reads at the copy's rate (bench/decode.py,
+    // docs/PERF.md): the keys are split only until the CTAs cover the multiprocessors evenly (a
+    // split costs its partials and the combine), and the stages chosen so that the CTAs fill
+    // whole waves of the CTA slots they allow (fewest stages on a tie: more CTAs resident).
+    k.splits = kv_splits(blocks, tiles, sms, kp.num_splits);
+    const int64_t ctas = blocks * k.splits;
+    k.stages = DecodeShape::kMinStages;
+    if (ctas > sms) {
+      double best = 0;
+      for (int st = DecodeShape::kMinStages; st <= DecodeShape::kMaxStages && fits(st); ++st) {
+        const int64_t slots = per_sm(st) * sms, waves = (ctas + slots - 1) / slots;
+        const double eff = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+        if (eff > best + 1e-9) best = eff, k.stages = st;
+      }
+    }
+  } else {
+    // The general loader (one row lookup per 16-byte chunk) keeps fewer bytes in flight per CTA:
+    // two stages, as many CTAs as the slots hold.
+    k.stages = DecodeShape::kMinStages;
+    k.splits = kv_splits(blocks, tiles, per_sm(k.stages) * sms, kp.num_splits);
+  }
+  if (ov.decode_stages >= 0) {  // (a knob's count, as many of them as fit: four do not at D = 256)
+    k.stages = DecodeShape::kMinStages + ov.decode_stages;
+    while (k.stages > DecodeShape::kMinStages && !fits(k.stages)) --k.stages;
+  }
+  k.smem = decode_smem_bytes(k.dp, k.kw, bulk, k.stages);
+  if (!(r.why = smem_limit(s, k.smem, dev)).empty()) return r;
   if (s.batch * s.heads_q * s.seq_q > 0x7fffffff) k.splits = 1;  // (the combine's grid: a CTA per row)
   if ((blocks * k.splits + s.batch - 1) / s.batch > 0x7fffffff) {  // (grid x: row blocks x splits x Hkv)
     r.why = "too many query rows for the CUDA grid";
     return r;
   }
   // Workspace: the index arrays, then (16-byte aligned) the rotated q, then the partials.
-  const KvMap& m = p.kv;
   k.idx_ints = static_cast<size_t>(s.batch) * (3 + (m.batch_row ? 1 : 0) + (m.start ? 1 : 0)) +
                (m.block_table ? static_cast<size_t>(s.batch * m.bt_stride) : 0);
   k.idx_inline = m.block_table == nullptr && k.idx_ints <= static_cast<size_t>(kKvIndexMax);

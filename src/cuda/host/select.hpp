@@ -114,6 +114,7 @@ struct KvcachePlan {
   int splits = 1;      // CTAs per row block along the keys (> 1: partials and a combine pass)
   bool vec16 = false;
   int loader = DecodeShape::kGeneric;  // DecodeShape::Loader (kBulk only on sm_90, D = DP, 16-byte rows)
+  int stages = 2;      // K/V tiles in the pipeline (DecodeShape::kMinStages..kMaxStages)
   int smem = 0;
   size_t workspace = 0;
   size_t idx_ints = 0;        // the index arrays' entries: at offset 0 of the workspace, unless

@@ -44,10 +44,9 @@ struct TilePad {
 
 // The bulk loader's sm_90 instructions (mbarrier.cuh), compiled only for sm_90 targets: the host
 // picks that loader only where the kernel's binary is one (launch_decode16).
-__device__ __forceinline__ void dec_bar_init(uint64_t* bars) {
+__device__ __forceinline__ void dec_bar_init(uint64_t* bars, int n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  mbar_init(bars, 1);
-  mbar_init(bars + 1, 1);
+  for (int i = 0; i < n; ++i) mbar_init(bars + i, 1);
   mbar_init_fence();
 #else
   __trap();
@@ -162,13 +161,16 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   static_assert(!BULK || T == 2 * BN, "the bulk loader: a thread per K or V row of a tile");
   using TQ = Tile<BM, DP>;
   using TK = std::conditional_t<BULK, TilePad<BN, DP>, Tile<BN, DP>>;
+  // NST stages of K and V tiles (decode_smem_bytes): tile t of the CTA's range [t_begin, t_end)
+  // lands in stage (t - t_begin) % NST; NST - 1 tiles are in flight while one is computed on.
+  const int NST = a.stages;
   extern __shared__ float4 smem4[];
   unsigned char* sQ = reinterpret_cast<unsigned char*>(smem4);
-  unsigned char* sK = sQ + TQ::kBytes;      // [2][BN x DP]
-  unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
-  float* s_m = reinterpret_cast<float*>(sV + 2 * TK::kBytes);  // [KW][BM] row max (log2 units)
-  float* s_l = s_m + W * 16;                                    // [KW][BM] row sum
-  uint64_t* bars = reinterpret_cast<uint64_t*>(s_l + W * 16);   // BULK: a barrier per stage
+  unsigned char* sK = sQ + TQ::kBytes;        // [NST][BN x DP]
+  unsigned char* sV = sK + NST * TK::kBytes;  // [NST][BN x DP]
+  float* s_m = reinterpret_cast<float*>(sV + NST * TK::kBytes);  // [KW][BM] row max (log2 units)
+  float* s_l = s_m + W * 16;                                      // [KW][BM] row sum
+  uint64_t* bars = reinterpret_cast<uint64_t*>(s_l + W * 16);     // BULK: a barrier per stage
 
   // (A dependent launch after the prepare pass: the appended rows and the rotated q must be
   // written. The combine kernel may start as soon as every CTA of this one has: it waits for
@@ -196,7 +198,9 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   const int t_end = t_begin + per < all.begin + all.count ? t_begin + per : all.begin + all.count;
 
   const CacheRows kr = cache_rows(kv, p.k, b, hk), vr = cache_rows(kv, p.v, b, hk);
-  const bool full_rows = a.loader == DecodeShape::kRows && a.vec16 && D == DP && kr.table == nullptr;
+  // Whole tiles at a fixed row stride: contiguous caches, or pages holding whole tiles.
+  const bool full_rows =
+      a.loader == DecodeShape::kRows && a.vec16 && D == DP && (kr.table == nullptr || kr.block % BN == 0);
   // BULK: thread t copies row t % BN of K (t < BN) or V with one bulk copy (D = DP: whole rows),
   // and zeroes the rows past Sk (their P is 0, and 0 x NaN would not be; only the last key tile
   // has such rows, and no bulk copy lands in its buffer after it - else a fence.proxy.async
@@ -223,8 +227,8 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
     const int n = static_cast<int>(Skv - n0 < BN ? Skv - n0 : BN);
     if constexpr (T % TK::kChunks == 0) {  // (whole rows per pass: not at DP = 96)
       if (full_rows && n == BN) {
-        load_rows16_full<TK, T>(sK + stage * TK::kBytes, kr.base + n0 * kr.ss, kr.ss);
-        load_rows16_full<TK, T>(sV + stage * TK::kBytes, vr.base + n0 * vr.ss, vr.ss);
+        load_rows16_full<TK, T>(sK + stage * TK::kBytes, kr.row(n0), kr.ss);  // (n0: a tile's first row)
+        load_rows16_full<TK, T>(sV + stage * TK::kBytes, vr.row(n0), vr.ss);
         return;
       }
     }
@@ -232,7 +236,7 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
     load_rows16<TK, T>(sV + stage * TK::kBytes, [&](int r) { return vr.row(n0 + r); }, p.v.ptr, n, D, a.vec16);
   };
   if constexpr (BULK) {
-    if (threadIdx.x == 0) dec_bar_init(bars);
+    if (threadIdx.x == 0) dec_bar_init(bars, NST);
     __syncthreads();
   }
   load_rows16<TQ, T>(
@@ -243,11 +247,15 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
       },
       p.q.ptr, rows, D, a.vec16);
   cp_async_commit();
-  if constexpr (BULK) {
-    if (t_begin < t_end) load_kv_bulk(t_begin, t_begin & 1);
-  } else {
-    if (t_begin < t_end) load_kv(t_begin, t_begin & 1);
-    cp_async_commit();
+  // The pipeline's fill: tiles t_begin .. t_begin + NST - 2 (a cp.async group each, empty past
+  // the range, so that group counting is the same in every iteration).
+  for (int i = 0; i < NST - 1; ++i) {
+    if constexpr (BULK) {
+      if (t_begin + i < t_end) load_kv_bulk(t_begin + i, i);
+    } else {
+      if (t_begin + i < t_end) load_kv(t_begin + i, i);
+      cp_async_commit();
+    }
   }
 
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
@@ -269,18 +277,24 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   zero(o);
   SoftmaxState st;
 
+  int stage = 0, use = 0;  // tile t's stage, and how many tiles that stage held before it
   for (int t = t_begin; t < t_end; ++t) {
+    // Tile t + NST - 1 into the stage tile t - 1 used (its readers ended with the barrier at the
+    // end of iteration t - 1), then wait for tile t.
+    const int ahead = t + NST - 1, ahead_stage = stage == 0 ? NST - 1 : stage - 1;
     if constexpr (BULK) {
-      // Tile t + 1 into the other stage (its last reader, tile t - 1, ended with a barrier), then
-      // wait for tile t: the (t - t_begin) / 2-th use of its stage.
-      if (t + 1 < t_end) load_kv_bulk(t + 1, (t + 1) & 1);
+      if (ahead < t_end) load_kv_bulk(ahead, ahead_stage);
       if (t == t_begin) cp_async_wait<0>();  // (the Q tile)
-      dec_bar_wait(bars + (t & 1), static_cast<uint32_t>(((t - t_begin) >> 1) & 1));
-      __syncthreads();
+      dec_bar_wait(bars + stage, static_cast<uint32_t>(use & 1));
     } else {
-      pipeline_acquire<2>(t, t_end, load_kv);
+      if (ahead < t_end) load_kv(ahead, ahead_stage);
+      cp_async_commit();
+      // Every group but the NST - 1 newest (tiles t + 1 .. t + NST - 1) is complete: tile t too.
+      if (NST == 2) cp_async_wait<1>();
+      else if (NST == 3) cp_async_wait<2>();
+      else cp_async_wait<3>();
     }
-    const int stage = t & 1;
+    __syncthreads();
     const uint32_t kst = smem_addr(sK + stage * TK::kBytes), vst = smem_addr(sV + stage * TK::kBytes);
     float s[1][NSW][4];
     zero(s);
@@ -302,8 +316,8 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
     uint32_t pa[1][NSW / 2][4];
     to_afrag<H, 1, NSW / 2>(pa, s);
     gemm_rs<H, 1, NO, NSW / 2, TK>(o, pa, vst, kw * KN, 0);
-    if constexpr (BULK) __syncthreads();
-    else pipeline_release<2>(t, t_end, load_kv);
+    __syncthreads();  // (every read of this stage is done: the next iteration refills it)
+    if (++stage == NST) stage = 0, ++use;
   }
   pipeline_drain();
 

@@ -38,12 +38,12 @@ void launch_decode16(const DecodeArgs& a, cudaStream_t stream) {
   const bool pdl = a.pdl && a.after_prepare;
   if (a.loader == DecodeShape::kBulk && decode16_bulk_built<DP, H, XF, KW>()) {
     launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW, true>, grid, DecodeShape::kThreads,
-                       decode_smem_bytes(DP, KW, true), stream, a, "decode16 kernel launch", pdl);
+                       decode_smem_bytes(DP, KW, true, a.stages), stream, a, "decode16 kernel launch", pdl);
   } else {
     DecodeArgs c = a;
     if (c.loader == DecodeShape::kBulk) c.loader = DecodeShape::kRows;
     launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW, false>, grid, DecodeShape::kThreads,
-                       decode_smem_bytes(DP, KW), stream, c, "decode16 kernel launch", pdl);
+                       decode_smem_bytes(DP, KW, false, a.stages), stream, c, "decode16 kernel launch", pdl);
   }
 }
 
