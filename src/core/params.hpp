@@ -94,6 +94,9 @@ struct Packing {
   const int32_t* cu_k;
   const int32_t* used_k;
   int64_t total_q, total_k;  // rows of the packed operands (cu_q[batch], cu_k[batch])
+  // The arrays are device memory whose contents validation did not read: the CUDA backend checks
+  // them on the stream (cuda/common/seq_check.cu) and raises the same error, with nothing written.
+  bool unchecked;
   FLASHATTN_HD bool on() const { return cu_q != nullptr; }
 };
 

@@ -572,15 +572,12 @@ std::vector<int32_t> read_index(const Tensor& t, void* stream) {
   return h;
 }
 
-// The sequences' contents: prefix sums from 0, non-decreasing, ending at the totals; lengths within
-// the max_seqlen bounds; seqused_k within each sequence.
-void check_sequences(const Varlen& vl, int64_t total_q, int64_t total_k, void* stream) {
-  const std::vector<int32_t> cq = read_index(*vl.cu_seqlens_q, stream), ck = read_index(*vl.cu_seqlens_k, stream);
-  const int64_t B = static_cast<int64_t>(cq.size()) - 1;
-  std::vector<int32_t> used;
-  if (vl.seqused_k != nullptr) used = read_index(*vl.seqused_k, stream);
-  auto prefix = [&](const std::vector<int32_t>& c, const char* name, int64_t total, const char* rows,
-                    int64_t max_len, const char* max_name) {
+}  // namespace
+
+void check_sequence_values(const int32_t* cq, const int32_t* ck, const int32_t* used, int64_t B, int64_t total_q,
+                           int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  auto prefix = [&](const int32_t* c, const char* name, int64_t total, const char* rows, int64_t max_len,
+                    const char* max_name) {
     if (c[0] != 0) fail(std::string(name) + "[0] = " + std::to_string(c[0]) + ", expected 0");
     for (int64_t b = 0; b < B; ++b) {
       if (c[b + 1] < c[b])
@@ -596,12 +593,28 @@ void check_sequences(const Varlen& vl, int64_t total_q, int64_t total_k, void* s
       fail(std::string(name) + "[" + std::to_string(B) + "] = " + std::to_string(c[B]) + " does not match the " +
            rows + " of the packed tensors (" + std::to_string(total) + ")");
   };
-  prefix(cq, "cu_seqlens_q", total_q, "queries", vl.max_seqlen_q, "max_seqlen_q");
-  prefix(ck, "cu_seqlens_k", total_k, "keys", vl.max_seqlen_k, "max_seqlen_k");
-  for (size_t b = 0; b < used.size(); ++b)
+  prefix(cq, "cu_seqlens_q", total_q, "queries", max_seqlen_q, "max_seqlen_q");
+  prefix(ck, "cu_seqlens_k", total_k, "keys", max_seqlen_k, "max_seqlen_k");
+  for (int64_t b = 0; used != nullptr && b < B; ++b)
     if (used[b] < 0 || int64_t{used[b]} > int64_t{ck[b + 1]} - ck[b])
       fail("seqused_k[" + std::to_string(b) + "] = " + std::to_string(used[b]) + " is outside [0, " +
            std::to_string(int64_t{ck[b + 1]} - ck[b]) + "] (the keys of sequence " + std::to_string(b) + ")");
+}
+
+namespace {
+
+// The sequences' contents, when the arrays are host memory; device arrays are left to the CUDA
+// backend's check on the stream (Packing::unchecked): reading them here would stop the GPU at
+// every call (a copy and a synchronisation; 17 us of idle GPU per call, docs/perf-log/varlen.md).
+// Returns whether it checked them.
+bool check_sequences(const Varlen& vl, int64_t total_q, int64_t total_k, void* stream) {
+  if (vl.cu_seqlens_q->device >= 0) return false;  // (every index array is on q's device: check_common)
+  const std::vector<int32_t> cq = read_index(*vl.cu_seqlens_q, stream), ck = read_index(*vl.cu_seqlens_k, stream);
+  std::vector<int32_t> used;
+  if (vl.seqused_k != nullptr) used = read_index(*vl.seqused_k, stream);
+  check_sequence_values(cq.data(), ck.data(), used.empty() ? nullptr : used.data(),
+                        static_cast<int64_t>(cq.size()) - 1, total_q, total_k, vl.max_seqlen_q, vl.max_seqlen_k);
+  return true;
 }
 
 struct PackedCall {
@@ -637,11 +650,11 @@ PackedCall check_packed(const std::vector<Named>& named, const std::vector<Named
   std::vector<Named> rest(dn.begin() + 4, dn.end());
   PackedCall r;
   r.c = check_common(dn[0], dn[1], dn[2], dn[3], rest, o, idx, B);
-  check_sequences(vl, q.t->shape[0], k.t->shape[0], o.stream);
+  const bool checked = check_sequences(vl, q.t->shape[0], k.t->shape[0], o.stream);
   r.c.shape = Shape{B, q.t->shape[1], k.t->shape[1], vl.max_seqlen_q, vl.max_seqlen_k, q.t->shape[2]};
   r.packing = Packing{static_cast<const int32_t*>(cq.t->data), static_cast<const int32_t*>(ck.t->data),
                       vl.seqused_k != nullptr ? static_cast<const int32_t*>(su.t->data) : nullptr,
-                      q.t->shape[0], k.t->shape[0]};
+                      q.t->shape[0], k.t->shape[0], !checked};
   return r;
 }
 

@@ -22,12 +22,19 @@ BackwardParams make_backward_params(const Tensor& q, const Tensor& k, const Tens
                                     const Options& options);
 
 // Packed variable-length calls: the same checks on the packed layouts, and the sequence
-// arrays' contents (read on the host; on CUDA by a copy) before anything is written.
+// arrays' contents when they are host memory (device arrays: Packing::unchecked, the CUDA
+// backend checks them on its stream with the same rules and the same errors).
 ForwardParams make_forward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                          const Tensor& lse, const Varlen& varlen, const Options& options);
 BackwardParams make_backward_params_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                            const Tensor& dout, const Tensor& lse, const Tensor& dq, const Tensor& dk,
                                            const Tensor& dv, const Varlen& varlen, const Options& options);
+
+// The sequence arrays' rules (prefix sums from 0, non-decreasing, ending at the totals; lengths
+// within the max_seqlen bounds; seqused_k within each sequence; used may be nullptr): throws the
+// InvalidArgument naming the first broken entry.
+void check_sequence_values(const int32_t* cq, const int32_t* ck, const int32_t* used, int64_t batch, int64_t total_q,
+                           int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k);
 
 // A validated KV-cache call: its params and the host copies of the index arrays they point into
 // (so the struct must stay where it is while the params are used).

@@ -2,7 +2,7 @@
 // every sequence's outputs against the float64 reference of that sequence alone (the CPU suite's
 // cases, tests/varlen_cases.hpp, plus head dims and lengths of the GPU tiles: 1..4096 in one
 // batch), in the default and the deterministic backward; each sequence bit for bit equal to the
-// dense call of that sequence on the same kernels; device-side validation. Outputs are poisoned
+// dense call of that sequence on the same kernels; the sequence arrays checked on the device. Outputs are poisoned
 // (NaN) before each call, so an element no kernel wrote fails.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -245,50 +245,122 @@ std::vector<VarCase> dense_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, VarlenCudaDense, ::testing::ValuesIn(dense_cases()),
                          [](const ::testing::TestParamInfo<VarCase>& i) { return i.param.name; });
 
-// The sequence arrays must be on the call's device; bad contents are found there too (read back
-// before any launch) and nothing is written.
+// The sequence arrays must be on the call's device. Their contents are checked there
+// (common/seq_check.hpp: the call's kernels queue behind the check and see only empty sequences
+// when it fails), and the call raises validation's own error with every output as it was: forward
+// and backward, each kernel family (16-bit on the sm_90a and the mma.sync kernels, float32), each
+// rule, and a good call after the failures on the same buffers.
 TEST(VarlenCudaBadInput, SequenceArrays) {
   REQUIRE_GPU();
-  VarCase c{"bad", {3, 0, 5}, {4, 2, 5}};
+  for (DType t : {DType::BFloat16, DType::Float32})
+    for (const char* arch : arches(t)) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " " + arch);
+      ArchScope scope(arch);
+      VarCase c{"bad", {3, 0, 5}, {4, 2, 5}, {2, 1, 5}, 2, 1, 64, t};
+      VarRun r(c);
+      DeviceVarRun d(r);
+      ASSERT_TRUE(d.ok);
+      auto untouched = [&] {
+        EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+        const Tensor* o[] = {&d.out, &d.lse, &d.dq, &d.dk, &d.dv};
+        const Buf* h[] = {&r.out, &r.lse, &r.dq, &r.dk, &r.dv};
+        for (int i = 0; i < 5; ++i) {
+          std::vector<unsigned char> b(h[i]->bytes.size());
+          EXPECT_EQ(cudaSuccess, cudaMemcpy(b.data(), o[i]->data, b.size(), cudaMemcpyDeviceToHost));
+          for (unsigned char x : b)
+            if (x != 0xff) return false;  // (poison(): every byte 0xff)
+        }
+        return true;
+      };
+      const Options o = d.options(false, Precision::Fp32);
+      auto expect_error = [&](const Varlen& vl, const std::string& fragment) {
+        for (int pass = 0; pass < 2; ++pass) {
+          SCOPED_TRACE(pass == 0 ? "forward" : "backward");
+          d.poison();
+          try {
+            if (pass == 0)
+              forward_varlen(d.q, d.k, d.v, d.out, d.lse, vl, o);
+            else
+              backward_varlen(d.q, d.k, d.v, d.out, d.dout, d.lse, d.dq, d.dk, d.dv, vl, o);
+            ADD_FAILURE() << "accepted";
+          } catch (const Error& e) {
+            EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
+            EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+          }
+          EXPECT_TRUE(untouched()) << "an output was written";
+        }
+      };
+      {
+        Varlen vl = d.vl;
+        Tensor host_cq = index_tensor(r.cu_q);  // on the CPU while q is on device 0
+        vl.cu_seqlens_q = &host_cq;
+        expect_error(vl, "cu_seqlens_q");
+      }
+      // Each rule broken once, on the device: (array, contents, the error's words).
+      struct Bad {
+        int which;  // 0 cu_seqlens_q, 1 cu_seqlens_k, 2 seqused_k
+        std::vector<int32_t> v;
+        const char* fragment;
+      };
+      const std::vector<Bad> bads = {
+          {0, {0, 3, 2, 8}, "non-decreasing"},
+          {0, {1, 3, 3, 8}, "cu_seqlens_q[0] = 1"},
+          {0, {0, 3, 3, 7}, "does not match"},
+          {1, {0, 4, 6, 12}, "max_seqlen_k"},
+          {2, {2, 3, 5}, "seqused_k[1] = 3"},
+          {2, {-1, 1, 5}, "seqused_k[0] = -1"},
+      };
+      for (const Bad& bad : bads) {
+        SCOPED_TRACE(bad.fragment);
+        DeviceBuffer buf(64);
+        ASSERT_EQ(cudaSuccess, cudaMemcpy(buf.ptr, bad.v.data(), bad.v.size() * 4, cudaMemcpyHostToDevice));
+        std::vector<int32_t> shape_of = bad.v;
+        Tensor tb = index_tensor(shape_of);
+        tb.data = buf.ptr;
+        tb.device = 0;
+        Varlen vl = d.vl;
+        (bad.which == 0 ? vl.cu_seqlens_q : bad.which == 1 ? vl.cu_seqlens_k : vl.seqused_k) = &tb;
+        expect_error(vl, bad.fragment);
+      }
+      // The good arrays after all that: the call runs and writes its outputs.
+      d.run(false);
+      EXPECT_FALSE(untouched());
+      check_against_reference(r);
+    }
+}
+
+// Under CUDA graph capture a packed call is refused (it waits for its arrays' check before it
+// returns), with nothing queued into the capture, and the stream works afterwards.
+TEST(VarlenCudaBadInput, RefusedUnderCapture) {
+  REQUIRE_GPU();
+  VarCase c{"capture", {3, 0, 5}, {4, 2, 5}, {}, 2, 1, 64, DType::BFloat16};
   VarRun r(c);
   DeviceVarRun d(r);
   ASSERT_TRUE(d.ok);
-  auto outputs_poisoned = [&] {
-    (void)cudaDeviceSynchronize();
-    std::vector<float> o(r.out.n);
-    (void)cudaMemcpy(o.data(), d.out.data, o.size() * 4, cudaMemcpyDeviceToHost);
-    for (float x : o)
-      if (!std::isnan(x)) return false;
-    return true;
-  };
-  auto expect_error = [&](const Varlen& vl, const std::string& fragment) {
-    d.poison();
-    try {
-      forward_varlen(d.q, d.k, d.v, d.out, d.lse, vl, d.options(false, Precision::Fp32));
-      ADD_FAILURE() << "accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-    }
-    EXPECT_TRUE(outputs_poisoned());
-  };
-  {
-    Varlen vl = d.vl;
-    Tensor host_cq = index_tensor(r.cu_q);  // on the CPU while q is on device 0
-    vl.cu_seqlens_q = &host_cq;
-    expect_error(vl, "cu_seqlens_q");
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  Options o = d.options(false, Precision::Fp32);
+  o.stream = st;
+  ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  try {
+    forward_varlen(d.q, d.k, d.v, d.out, d.lse, d.vl, o);
+    ADD_FAILURE() << "accepted under capture";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("captured into a CUDA graph"), std::string::npos) << e.what();
   }
-  {
-    std::vector<int32_t> bad = {0, 3, 2, 8};  // decreasing, on the device
-    DeviceBuffer buf(16);
-    ASSERT_EQ(cudaSuccess, cudaMemcpy(buf.ptr, bad.data(), 16, cudaMemcpyHostToDevice));
-    Tensor t = index_tensor(bad);
-    t.data = buf.ptr;
-    t.device = 0;
-    Varlen vl = d.vl;
-    vl.cu_seqlens_q = &t;
-    expect_error(vl, "non-decreasing");
+  cudaGraph_t g = nullptr;
+  EXPECT_EQ(cudaSuccess, cudaStreamEndCapture(st, &g));
+  size_t nodes = 1;
+  if (g != nullptr) {
+    EXPECT_EQ(cudaSuccess, cudaGraphGetNodes(g, nullptr, &nodes));
+    (void)cudaGraphDestroy(g);
   }
+  EXPECT_EQ(nodes, 0u) << "the refused call queued work into the capture";
+  d.poison();
+  forward_varlen(d.q, d.k, d.v, d.out, d.lse, d.vl, o);
+  EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(st));
+  (void)cudaStreamDestroy(st);
 }
 
 }  // namespace

@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(256) dq_convert_vec_kernel(const __grid_consta
   const uint32_t t = blockIdx.x * 256u + threadIdx.x, row = t / G;
   const int c = static_cast<int>(t % G);
   if (row >= row_count(p.shape) || c * E >= p.shape.head_dim) return;
+  if (a.seq_ok != nullptr && *a.seq_ok == 0) return;
   const RowAt r = row_at(p.shape, row);
   const float4* acc = reinterpret_cast<const float4*>(a.dq_accum + static_cast<int64_t>(row) * dp + c * E);
   const float gs = a.score.grad_scale();
@@ -158,6 +159,7 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   const BackwardParams& p = a.p;
   const uint32_t row = blockIdx.x * 8u + threadIdx.x / 32;
   if (row >= row_count(p.shape)) return;
+  if (a.seq_ok != nullptr && *a.seq_ok == 0) return;
   const RowAt r = row_at(p.shape, row);
   T* dq = static_cast<T*>(p.dq.ptr) + r.b * p.dq.sb + r.h * p.dq.sh + r.i * p.dq.ss;
   const float* acc = a.dq_accum + static_cast<int64_t>(row) * dp;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -14,6 +15,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/common/config.hpp"
+#include "cuda/common/seq_check.hpp"
 #include "cuda/host/check.hpp"
 #include "cuda/host/launch.hpp"
 #include "cuda/host/overrides.hpp"
@@ -268,9 +270,14 @@ namespace {
 // The forward of one plan (the device is current).
 void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
+  if (plan.seq_check >= 0) SeqCheck::refuse_capture(stream);  // (before anything is allocated)
   Workspace ws(plan.workspace, stream, p.exec);
   FwdArgs a{};
   a.p = p;
+  // A packed call whose arrays validation left unread: checked on the stream first, the kernels
+  // reading the check's copies; the verdict is awaited once they are all queued.
+  std::optional<SeqCheck> check;
+  if (plan.seq_check >= 0) check.emplace(a.p.packing, p.shape, reinterpret_cast<char*>(ws.get()) + plan.seq_check, stream);
   a.score = ScoreTransform::make(p.shape, p.num);
   a.vec16 = plan.vec16;
   a.big = plan.big;
@@ -280,6 +287,7 @@ void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   a.block_table = plan.block_table >= 0 ? reinterpret_cast<int2*>(reinterpret_cast<char*>(ws.get()) + plan.block_table) : nullptr;
   a.grid_blocks = plan.grid_blocks;
+  [&] {
   switch (plan.kernel) {
     case FwdKernel::Sm80Mma32:
       return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
@@ -310,6 +318,8 @@ void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
     case FwdKernel::Sm90X3:
       return dispatch_dim<kSm90X3Forward>(plan.dp, [&](auto dp) { launch_forward_3xtf32_sm90<decltype(dp)::value>(a, stream); });
   }
+  }();
+  if (check) check->finish();
 }
 
 // Chunk c of a call chunked by `chunk` keys: its keys as the operands, its place in the whole
@@ -384,11 +394,18 @@ void backward(const BackwardParams& p) {
   // Workspace (BackwardPlan::workspace): D [B*Hq*Sq] floats, then, 16-byte aligned, the float32 dQ
   // accumulator [B*Hq*Sq, DP] of the atomic design (zeroed on the stream) or the float32 sm_90a
   // backward's operand copies.
+  if (plan.seq_check >= 0) SeqCheck::refuse_capture(stream);  // (before anything is allocated)
   Workspace ws(plan.workspace, stream, p.exec);
   const bool packed = p.packing.on();
   const size_t after_delta = delta_floats(s, p.packing);
   BwdArgs a{};
   a.p = p;
+  // As the forward's (forward_plan); the passes over all packed rows read the device's verdict.
+  std::optional<SeqCheck> check;
+  if (plan.seq_check >= 0) {
+    check.emplace(a.p.packing, s, reinterpret_cast<char*>(ws.get()) + plan.seq_check, stream);
+    a.seq_ok = check->device_ok();
+  }
   a.score = ScoreTransform::make(p.shape, p.num);
   a.vec16 = plan.vec16;
   a.big = plan.big;
@@ -416,6 +433,7 @@ void backward(const BackwardParams& p) {
   }
   if (a.dq_locks != nullptr)
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_locks, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
+  [&] {
   switch (plan.kernel) {
     case BwdKernel::Sm80Mma32Split:
       launch_preprocess(rows_args, stream);
@@ -463,6 +481,8 @@ void backward(const BackwardParams& p) {
         return dispatch_dim<kSm90X3Backward>(plan.dp, [&](auto dp) { launch_bwd_3xtf32_sm90<decltype(dp)::value>(a, stream); });
       return dispatch_dim<kSm90Tf32Backward>(plan.dp, [&](auto dp) { launch_bwd_tf32_sm90<decltype(dp)::value>(a, stream); });
   }
+  }();
+  if (check) check->finish();
 }
 
 

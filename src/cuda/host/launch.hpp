@@ -38,6 +38,10 @@ struct BwdArgs {
   float* delta;  // workspace: D = rowsum(dO * O), one float per query row (ws_row)
   float* dq_accum;  // 16-bit atomic backward only: float32 dQ / scale, DP floats per query row
   int dq_accum_ld;  // its row length (the plan's DP); launch_preprocess zeroes it (no memset call)
+  // A packed call checked on the device (common/seq_check.hpp): its verdict, 0 when the arrays
+  // broke a rule - the passes over all packed rows (dQ conversion) then write nothing; the
+  // per-sequence kernels see only empty sequences. nullptr: no check.
+  const int* seq_ok;
   // The per-row workspaces' layout, in rows: row i of (b, h) is ws_row(b, h) + i. Contiguous
   // [B, Hq, Sq] (sb = Hq Sq, sh = Sq) for a dense call; [Hq, total_q] (0, total_q) for a packed
   // one, as its LSE, so that at_sequence() moves them to a sequence like the operands.

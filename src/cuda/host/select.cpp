@@ -30,6 +30,15 @@ int sm90_bwd_variant(const Shape& s, Mask mask, int dp, const Overrides& ov) {
 // length and at Skv <= 4096 for D = 128 and 256, slower beyond.
 bool pingpong_default(const Shape& s, int dp) { return dp <= 64 || s.seq_kv <= 4096; }
 
+// A packed call whose arrays validation did not read (device memory): the check's copies and
+// verdict at the end of the workspace (cuda/common/seq_check.hpp), whatever the kernel family.
+template <class Plan>
+void add_seq_check(Plan& plan, const Packing& pk, int64_t batch) {
+  if (!pk.on() || !pk.unchecked) return;
+  plan.seq_check = static_cast<int64_t>((plan.workspace + 15) / 16 * 16);
+  plan.workspace = static_cast<size_t>(plan.seq_check) + seq_check_bytes(batch);
+}
+
 // The tf32 sm_90a forward's operand copies. The kernel's producer warps transposing V were its
 // limit: with V transposed by the pre-pass it runs 1.3-1.8x faster at S = 1k-16k. Rounding K there
 // too saves another pass over each K tile in shared memory but costs a read and a write of K: 8-17%
@@ -234,6 +243,7 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
       f.key_chunk = chunk;
   }
   if (!(r.why = smem_limit(s, f.smem, dev)).empty()) return r;
+  add_seq_check(f, p.packing, s.batch);
   r.ok = true;
   return r;
 }
@@ -330,6 +340,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   }
   for (int need : {b.smem_dq, b.smem_dkv})
     if (!(r.why = smem_limit(s, need, dev)).empty()) return r;
+  add_seq_check(b, p.packing, s.batch);
   r.ok = true;
   return r;
 }

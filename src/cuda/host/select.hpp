@@ -50,6 +50,7 @@ struct ForwardPlan {
   int smem = 0;               // dynamic shared memory of the kernel, bytes
   size_t workspace = 0;       // device scratch, bytes (the pre-pass copies; packed: maps and block table)
   int64_t seq_maps = -1;      // a packed batch on Sm90Wgmma16: the per-sequence maps' offset in the workspace, bytes
+  int64_t seq_check = -1;     // a packed batch with unchecked arrays: the check's offset (seq_check.hpp), bytes
   // A packed batch on Sm90Wgmma16 with a compact grid: one CTA per real row block (of at most
   // grid_blocks, seq_blocks_bound()), found in a table after the maps (-1: the dense grid over
   // max_seqlen_q, CTAs past a sequence's rows return).
@@ -94,6 +95,7 @@ struct BackwardPlan {
   int smem_dkv = 0;         // of the dK/dV pass
   size_t workspace = 0;     // device scratch, bytes (D, the dQ accumulator; Sm90Wgmma32 adds its copies)
   int64_t seq_maps = -1;    // a packed batch on Sm90Wgmma16Atomic: the per-sequence maps' offset, bytes
+  int64_t seq_check = -1;   // a packed batch with unchecked arrays: the check's offset (seq_check.hpp), bytes
   // Sm90Wgmma16Atomic with the dQ sums in key-block order (deterministic; FLASHATTN_CUDA_BWD =
   // ordered until measured): the counters' offset in the workspace (bytes) and size (ints); -1: none.
   int64_t dq_locks = -1;
@@ -201,6 +203,12 @@ inline size_t delta_floats(const Shape& s, const Packing& pk) { return (query_ro
 constexpr size_t kSeqMapBytes = 128;
 inline size_t seq_maps_at(size_t bytes_before) { return (bytes_before + kSeqMapBytes - 1) / kSeqMapBytes * kSeqMapBytes; }
 inline size_t seq_maps_bytes(int64_t batch, int operands) { return static_cast<size_t>(batch) * operands * kSeqMapBytes; }
+// Workspace bytes of a packed call's check of its sequence arrays (cuda/common/seq_check.hpp): the
+// arrays' copies (B + 1, B + 1 and B entries) and the verdict.
+inline size_t seq_check_bytes(int64_t batch) {
+  return static_cast<size_t>((2 * (batch + 1) + batch + 1) * 4 + 15) / 16 * 16;
+}
+
 // The row blocks of bm rows a packed batch of `batch` sequences and total_q query rows has at most:
 // sum_b ceil(len_b / bm) <= total_q / bm + batch (each sequence adds at most one partial block).
 inline int64_t seq_blocks_bound(int64_t total_q, int64_t batch, int bm) { return total_q / bm + batch; }
