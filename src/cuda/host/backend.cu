@@ -287,37 +287,37 @@ void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   a.block_table = plan.block_table >= 0 ? reinterpret_cast<int2*>(reinterpret_cast<char*>(ws.get()) + plan.block_table) : nullptr;
   a.grid_blocks = plan.grid_blocks;
-  [&] {
-  switch (plan.kernel) {
-    case FwdKernel::Sm80Mma32:
-      return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
-        dispatch_math(plan.math, [&](auto m) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_forward<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+  [&] {  // (the launches; a case returns when its kernels are queued)
+    switch (plan.kernel) {
+      case FwdKernel::Sm80Mma32:
+        return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
+          dispatch_math(plan.math, [&](auto m) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_forward<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-    case FwdKernel::Sm80Mma16:
-      return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_forward16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+      case FwdKernel::Sm80Mma16:
+        return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
+          dispatch_half(plan.h, [&](auto h) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_forward16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-    case FwdKernel::Sm90Wgmma16:
-      return dispatch_dim<kSm90Forward16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_forward_sm90<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+      case FwdKernel::Sm90Wgmma16:
+        return dispatch_dim<kSm90Forward16>(plan.dp, [&](auto dp) {
+          dispatch_half(plan.h, [&](auto h) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_forward_sm90<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-    case FwdKernel::Sm90Tf32:
-      return dispatch_dim<kSm90Tf32Forward>(plan.dp, [&](auto dp) { launch_forward_tf32_sm90<decltype(dp)::value>(a, stream); });
-    case FwdKernel::Sm90X3:
-      return dispatch_dim<kSm90X3Forward>(plan.dp, [&](auto dp) { launch_forward_3xtf32_sm90<decltype(dp)::value>(a, stream); });
-  }
+      case FwdKernel::Sm90Tf32:
+        return dispatch_dim<kSm90Tf32Forward>(plan.dp, [&](auto dp) { launch_forward_tf32_sm90<decltype(dp)::value>(a, stream); });
+      case FwdKernel::Sm90X3:
+        return dispatch_dim<kSm90X3Forward>(plan.dp, [&](auto dp) { launch_forward_3xtf32_sm90<decltype(dp)::value>(a, stream); });
+    }
   }();
   if (check) check->finish();
 }
@@ -433,54 +433,54 @@ void backward(const BackwardParams& p) {
   }
   if (a.dq_locks != nullptr)
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_locks, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
-  [&] {
-  switch (plan.kernel) {
-    case BwdKernel::Sm80Mma32Split:
-      launch_preprocess(rows_args, stream);
-      return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
-        dispatch_math(plan.math, [&](auto m) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_dq<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
-            launch_dkv<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+  [&] {  // (the launches; a case returns when its kernels are queued)
+    switch (plan.kernel) {
+      case BwdKernel::Sm80Mma32Split:
+        launch_preprocess(rows_args, stream);
+        return dispatch_dim<kHeadDims>(plan.dp, [&](auto dp) {
+          dispatch_math(plan.math, [&](auto m) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_dq<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+              launch_dkv<decltype(dp)::value, decltype(m)::value, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-    case BwdKernel::Sm80Mma16Split:
-      launch_preprocess(rows_args, stream);
-      return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_dq16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
-            launch_dkv16<decltype(dp)::value, decltype(h)::value, false, decltype(xf)::value>(a, stream);
+      case BwdKernel::Sm80Mma16Split:
+        launch_preprocess(rows_args, stream);
+        return dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
+          dispatch_half(plan.h, [&](auto h) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_dq16<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+              launch_dkv16<decltype(dp)::value, decltype(h)::value, false, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-    case BwdKernel::Sm80Mma16Atomic:
-      launch_preprocess(rows_args, stream);
-      dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_dkv16<decltype(dp)::value, decltype(h)::value, true, decltype(xf)::value>(a, stream);
+      case BwdKernel::Sm80Mma16Atomic:
+        launch_preprocess(rows_args, stream);
+        dispatch_dim<kHeadDims16>(plan.dp, [&](auto dp) {
+          dispatch_half(plan.h, [&](auto h) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_dkv16<decltype(dp)::value, decltype(h)::value, true, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-      return launch_dq_convert(rows_args, plan.dp, stream);
-    case BwdKernel::Sm90Wgmma16Atomic:
-      launch_preprocess(rows_args, stream);
-      dispatch_dim<kSm90Dkv16>(plan.dp, [&](auto dp) {
-        dispatch_half(plan.h, [&](auto h) {
-          dispatch_xf(plan.xf, [&](auto xf) {
-            launch_dkv_sm90<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+        return launch_dq_convert(rows_args, plan.dp, stream);
+      case BwdKernel::Sm90Wgmma16Atomic:
+        launch_preprocess(rows_args, stream);
+        dispatch_dim<kSm90Dkv16>(plan.dp, [&](auto dp) {
+          dispatch_half(plan.h, [&](auto h) {
+            dispatch_xf(plan.xf, [&](auto xf) {
+              launch_dkv_sm90<decltype(dp)::value, decltype(h)::value, decltype(xf)::value>(a, stream);
+            });
           });
         });
-      });
-      return launch_dq_convert(rows_args, plan.dp, stream);
-    case BwdKernel::Sm90Wgmma32:
-      // (These launch the preprocess themselves, beside their operand copies.)
-      if (plan.math == Math::Tf32x3)
-        return dispatch_dim<kSm90X3Backward>(plan.dp, [&](auto dp) { launch_bwd_3xtf32_sm90<decltype(dp)::value>(a, stream); });
-      return dispatch_dim<kSm90Tf32Backward>(plan.dp, [&](auto dp) { launch_bwd_tf32_sm90<decltype(dp)::value>(a, stream); });
-  }
+        return launch_dq_convert(rows_args, plan.dp, stream);
+      case BwdKernel::Sm90Wgmma32:
+        // (These launch the preprocess themselves, beside their operand copies.)
+        if (plan.math == Math::Tf32x3)
+          return dispatch_dim<kSm90X3Backward>(plan.dp, [&](auto dp) { launch_bwd_3xtf32_sm90<decltype(dp)::value>(a, stream); });
+        return dispatch_dim<kSm90Tf32Backward>(plan.dp, [&](auto dp) { launch_bwd_tf32_sm90<decltype(dp)::value>(a, stream); });
+    }
   }();
   if (check) check->finish();
 }
