@@ -218,9 +218,12 @@ FLASHATTN_API int flashattn_backward(const flashattn_tensor* q, const flashattn_
  * [B + 1] prefix sums on q's device, starting at 0, non-decreasing, ending at total_q / total_k;
  * seqused_k (optional, int32 [B]): only the first seqused_k[b] keys of sequence b are attended
  * (<= its length). Zero-length sequences are allowed. max_seqlen_q / _k bound every sequence's
- * length (FlashAttention's max_seqlen arguments; they size the launch). The lengths are read on
- * the host to check them before anything is written (on CUDA: a small copy and a wait on the
- * stream). */
+ * length (FlashAttention's max_seqlen arguments; they size the launch). The arrays' contents are
+ * checked with nothing written on failure: on the host when they are host memory; on CUDA by a
+ * small kernel on the stream, the call's kernels queued behind it doing nothing when it fails,
+ * and the call returning (with the same error) once that check has run - so the call waits for
+ * the stream's earlier work, but the GPU does not wait for the host. Not inside a CUDA graph
+ * capture (FLASHATTN_ERROR_UNSUPPORTED). */
 typedef struct {
   uint32_t struct_size; /* sizeof(flashattn_varlen) as the caller knows it */
   const flashattn_tensor* cu_seqlens_q;
