@@ -82,9 +82,13 @@ int take_slot(int device) {
   FLASHATTN_CUDA_CHECK(cudaHostAlloc(&h, 64, cudaHostAllocMapped | cudaHostAllocPortable));
   s.host = static_cast<volatile int*>(h);
   void* d = nullptr;
-  FLASHATTN_CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
+  cudaError_t e = cudaHostGetDevicePointer(&d, h, 0);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    (void)cudaFreeHost(h);
+    throw_cuda(e, "the pinned word of a packed call's sequence check");
+  }
   s.mapped = static_cast<int*>(d);
-  FLASHATTN_CUDA_CHECK(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming));
   std::vector<Slot>& all = all_slots()[device];
   all.push_back(s);
   return static_cast<int>(all.size()) - 1;
@@ -128,6 +132,10 @@ SeqCheck::SeqCheck(Packing& pk, const Shape& s, void* ws, cudaStream_t stream)
     launch_checked(dev::seq_check_kernel, dim3(1), dev::kSeqCheckThreads, 0, stream, j, "seq_check kernel launch");
     FLASHATTN_CUDA_CHECK(cudaEventRecord(sl.event, stream));
   } catch (...) {
+    // The kernel may be queued all the same (a launch check can report an earlier error, and the
+    // event record fail after a good launch): the slot goes back only once it cannot be written.
+    (void)cudaStreamSynchronize(stream);
+    (void)cudaGetLastError();
     give_slot(device_, slot_);
     throw;
   }
@@ -155,6 +163,9 @@ void SeqCheck::finish() {
   give_slot(device_, slot_);
   if (e != cudaSuccess) throw_cuda(e, "waiting for the sequence arrays' check");
   if (verdict == 1) return;
+  if (verdict != 2)
+    throw Error(Status::Backend, "the check of the sequence arrays (seq_check kernel) completed without a verdict (" +
+                                     std::to_string(verdict) + ")");
   // Broken: the arrays read again for validation's own message (an error path: the copies wait).
   const int64_t B = shape_.batch;
   std::vector<int32_t> cq(static_cast<size_t>(B + 1)), ck(cq.size()), used;
