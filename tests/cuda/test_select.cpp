@@ -184,6 +184,39 @@ TEST(CudaSelect, PackedBatchesRunTheSm90KernelsWithSequenceMaps) {
     }
 }
 
+// Device-resident sequence arrays that validation did not read (Packing::unchecked): every plan,
+// whatever its kernels, reserves the device check's copies and verdict (seq_check_bytes) at the
+// 16-byte aligned end of its workspace; host-checked arrays reserve nothing.
+TEST(CudaSelect, PackedUncheckedArraysReserveTheCheck) {
+  static const int32_t cu[3] = {0, 100, 300};  // never read by selection
+  EXPECT_EQ(seq_check_bytes(2), 48u);       // (3 + 3 + 2 entries and the verdict: 36 bytes, rounded)
+  EXPECT_EQ(seq_check_bytes(1000), 12016u);
+  for (DType dt : {DType::BFloat16, DType::Float32})
+    for (int major : {8, 9}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " sm" + std::to_string(major) + "0");
+      Shape s{2, 8, 8, 4096, 4096, 64};
+      ForwardParams f = fparams(s, num(dt));
+      BackwardParams b = bparams(s, num(dt));
+      for (auto* x : {&f.q, &f.k, &f.v, &b.q, &b.k, &b.v, &b.out, &b.dout}) x->sb = 0;
+      for (auto* x : {&f.out, &b.dq, &b.dk, &b.dv}) x->sb = 0;
+      f.packing = b.packing = Packing{cu, cu, nullptr, 300, 300};
+      const Selected<ForwardPlan> f0 = select_forward(f, dev(major, 0), ov(scoped_vars()));
+      const Selected<BackwardPlan> b0 = select_backward(b, dev(major, 0), ov(scoped_vars()));
+      ASSERT_TRUE(f0.ok && b0.ok) << f0.why << b0.why;
+      EXPECT_EQ(f0.plan.seq_check, -1);
+      EXPECT_EQ(b0.plan.seq_check, -1);
+      f.packing.unchecked = b.packing.unchecked = true;
+      const Selected<ForwardPlan> f1 = select_forward(f, dev(major, 0), ov(scoped_vars()));
+      const Selected<BackwardPlan> b1 = select_backward(b, dev(major, 0), ov(scoped_vars()));
+      ASSERT_TRUE(f1.ok && b1.ok) << f1.why << b1.why;
+      EXPECT_EQ(f1.plan.kernel, f0.plan.kernel);
+      EXPECT_EQ(f1.plan.seq_check, static_cast<int64_t>((f0.plan.workspace + 15) / 16 * 16));
+      EXPECT_EQ(f1.plan.workspace, static_cast<size_t>(f1.plan.seq_check) + seq_check_bytes(2));
+      EXPECT_EQ(b1.plan.seq_check, static_cast<int64_t>((b0.plan.workspace + 15) / 16 * 16));
+      EXPECT_EQ(b1.plan.workspace, static_cast<size_t>(b1.plan.seq_check) + seq_check_bytes(2));
+    }
+}
+
 // FLASHATTN_CUDA_PACKED_GRID=compact: the packed sm_90a forward's table of real row blocks (8
 // bytes per CTA, at most total_q / 128 + batch of them) after the maps; the backward and dense
 // calls keep their grids.
