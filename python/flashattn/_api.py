@@ -489,7 +489,9 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     Every option is forward()'s, applied per sequence with that sequence's own Sq and Skv (the
     bottom-right causal mask, the window band and the ALiBi distance). out: [total_q, Hq, D] like
     q; lse: float32 [Hq, total_q] (-inf for a row that sees no key). The sequence arrays are
-    checked on the host before anything is written (on CUDA: a small copy and a wait).
+    checked before anything is written: on the host when they are host memory; on CUDA by a small
+    kernel ahead of the call's kernels, which then write nothing if it fails - the call returns
+    (or raises the same error) once that check has run, without stopping the GPU.
     """
     launch = _Launch(q)
     _check_packed(launch, q)

@@ -28,8 +28,9 @@ impl Index {
 /// `[B + 1]` prefix sums starting at 0, non-decreasing and ending at the packed row counts;
 /// zero-length sequences are allowed. `max_seqlen_q` / `max_seqlen_k` (>= 1) bound every
 /// sequence's length. With [`Varlen::with_seqused_k`], sequence b attends only its first
-/// `seqused_k[b]` keys. The library checks all of this (it reads the vectors before writing
-/// anything) and names the offending vector in its message.
+/// `seqused_k[b]` keys. The library checks all of this before writing anything (on the host, or
+/// for arrays in CUDA memory on the device ahead of the call's kernels) and names the offending
+/// vector in its message.
 ///
 ///
 /// ```
