@@ -54,30 +54,24 @@ __global__ void __launch_bounds__(kSeqCheckThreads) seq_check_kernel(const __gri
 namespace {
 
 // Pinned, mapped verdict words and their events, per device, reused call after call (a slot is
-// taken by one call from its check to its finish()).
-struct Slot {
-  volatile int* host = nullptr;
-  int* mapped = nullptr;
-  cudaEvent_t event = nullptr;
-};
+// one call's from its check to its finish()). Slots are never freed: at most as many exist as
+// calls were ever in flight at once, and they outlive the runtime's teardown.
 std::mutex slots_mutex;
-std::map<int, std::vector<Slot>>& all_slots() {
-  static auto* s = new std::map<int, std::vector<Slot>>;  // (never destroyed: outlives the runtime)
+std::map<int, std::vector<VerdictSlot>>& free_slots() {
+  static auto* s = new std::map<int, std::vector<VerdictSlot>>;
   return *s;
 }
-std::map<int, std::vector<int>>& free_slots() {
-  static auto* s = new std::map<int, std::vector<int>>;
-  return *s;
-}
-int take_slot(int device) {
-  const std::lock_guard<std::mutex> lock(slots_mutex);
-  std::vector<int>& free = free_slots()[device];
-  if (!free.empty()) {
-    const int i = free.back();
-    free.pop_back();
-    return i;
+VerdictSlot take_slot(int device) {
+  {
+    const std::lock_guard<std::mutex> lock(slots_mutex);
+    std::vector<VerdictSlot>& free = free_slots()[device];
+    if (!free.empty()) {
+      const VerdictSlot s = free.back();
+      free.pop_back();
+      return s;
+    }
   }
-  Slot s;
+  VerdictSlot s;
   void* h = nullptr;
   FLASHATTN_CUDA_CHECK(cudaHostAlloc(&h, 64, cudaHostAllocMapped | cudaHostAllocPortable));
   s.host = static_cast<volatile int*>(h);
@@ -89,25 +83,17 @@ int take_slot(int device) {
     throw_cuda(e, "the pinned word of a packed call's sequence check");
   }
   s.mapped = static_cast<int*>(d);
-  std::vector<Slot>& all = all_slots()[device];
-  all.push_back(s);
-  return static_cast<int>(all.size()) - 1;
+  return s;
 }
-Slot slot_at(int device, int i) {
+void give_slot(int device, const VerdictSlot& s) {
   const std::lock_guard<std::mutex> lock(slots_mutex);
-  return all_slots()[device][static_cast<size_t>(i)];
-}
-void give_slot(int device, int i) {
-  const std::lock_guard<std::mutex> lock(slots_mutex);
-  free_slots()[device].push_back(i);
+  free_slots()[device].push_back(s);
 }
 
 }  // namespace
 
 void SeqCheck::refuse_capture(cudaStream_t stream) {
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) (void)cudaGetLastError();
-  if (cs != cudaStreamCaptureStatusNone)
+  if (capturing(stream))
     throw Error(Status::Unsupported,
                 "the stream is being captured into a CUDA graph, and a packed-batch call waits for the check of "
                 "its sequence arrays (cu_seqlens, seqused_k) before it returns; capture dense calls only, or "
@@ -116,21 +102,19 @@ void SeqCheck::refuse_capture(cudaStream_t stream) {
 
 SeqCheck::SeqCheck(Packing& pk, const Shape& s, void* ws, cudaStream_t stream)
     : user_(pk), shape_(s), stream_(stream) {
-  refuse_capture(stream);
   FLASHATTN_CUDA_CHECK(cudaGetDevice(&device_));
   slot_ = take_slot(device_);
-  const Slot sl = slot_at(device_, slot_);
-  *sl.host = 0;
+  *slot_.host = 0;
   SeqCheckJob j;
   j.pk = pk;
   j.batch = s.batch;
   j.max_q = s.seq_q;
   j.max_k = s.seq_kv;
   j.out = static_cast<int32_t*>(ws);
-  j.host = sl.mapped;
+  j.host = slot_.mapped;
   try {
     launch_checked(dev::seq_check_kernel, dim3(1), dev::kSeqCheckThreads, 0, stream, j, "seq_check kernel launch");
-    FLASHATTN_CUDA_CHECK(cudaEventRecord(sl.event, stream));
+    FLASHATTN_CUDA_CHECK(cudaEventRecord(slot_.event, stream));
   } catch (...) {
     // The kernel may be queued all the same (a launch check can report an earlier error, and the
     // event record fail after a good launch): the slot goes back only once it cannot be written.
@@ -149,7 +133,7 @@ SeqCheck::SeqCheck(Packing& pk, const Shape& s, void* ws, cudaStream_t stream)
 
 SeqCheck::~SeqCheck() {
   if (done_) return;
-  (void)cudaEventSynchronize(slot_at(device_, slot_).event);
+  (void)cudaEventSynchronize(slot_.event);
   (void)cudaGetLastError();
   give_slot(device_, slot_);
 }
@@ -157,9 +141,8 @@ SeqCheck::~SeqCheck() {
 void SeqCheck::finish() {
   if (done_) return;
   done_ = true;
-  const Slot sl = slot_at(device_, slot_);
-  const cudaError_t e = cudaEventSynchronize(sl.event);
-  const int verdict = *sl.host;
+  const cudaError_t e = cudaEventSynchronize(slot_.event);
+  const int verdict = *slot_.host;
   give_slot(device_, slot_);
   if (e != cudaSuccess) throw_cuda(e, "waiting for the sequence arrays' check");
   if (verdict == 1) return;

@@ -28,8 +28,16 @@ struct SeqCheckJob {
   volatile int* host;     // pinned, mapped: 1 valid, 2 not (0: not written yet)
 };
 
-// One packed call's check (backend.cu: forward_plan / backward_plan). The constructor refuses a
-// stream under graph capture (the host must wait for the verdict), launches the check into `ws`
+// A pinned, mapped verdict word and the event recorded after the kernel that writes it.
+struct VerdictSlot {
+  volatile int* host = nullptr;
+  int* mapped = nullptr;
+  cudaEvent_t event = nullptr;
+};
+
+// One packed call's check (backend.cu: forward_plan / backward_plan). The caller first refuses a
+// stream under graph capture (refuse_capture: the host must wait for the verdict, and the refusal
+// must come before anything is allocated); the constructor launches the check into `ws`
 // (seq_check_bytes) and points `pk` at its copies; device_ok() is the verdict in the workspace.
 // finish(), after the call's kernels are queued, waits for the check and throws validation's error
 // when it failed. Destroyed without finish() (a later step threw), it still waits, so that the
@@ -37,7 +45,7 @@ struct SeqCheckJob {
 class SeqCheck {
  public:
   SeqCheck(Packing& pk, const Shape& s, void* ws, cudaStream_t stream);
-  // The constructor's refusal of a capturing stream, for a call to make before it allocates.
+  // Throws Unsupported when `stream` is being captured into a CUDA graph.
   static void refuse_capture(cudaStream_t stream);
   ~SeqCheck();
   SeqCheck(const SeqCheck&) = delete;
@@ -50,7 +58,7 @@ class SeqCheck {
   Shape shape_;
   cudaStream_t stream_;
   int device_ = 0;
-  int slot_ = -1;
+  VerdictSlot slot_;
   const int* ok_ = nullptr;
   bool done_ = false;
 };

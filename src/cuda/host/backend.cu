@@ -211,19 +211,6 @@ bool available() {
   return ok;
 }
 
-namespace {
-// Whether `st` is being captured into a CUDA graph; a failed query counts as not (the copy that
-// follows then reports its own error).
-bool capturing(cudaStream_t st) {
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return cs != cudaStreamCaptureStatusNone;
-}
-}  // namespace
-
 void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void* stream) {
   DeviceGuard guard(device);
   const auto st = static_cast<cudaStream_t>(stream);

@@ -40,6 +40,17 @@ inline void check_launch(const char* kernel) {
 // memory pools: a cudaDeviceReset while the library is in use invalidates all three.)
 void ensure_smem_limit(const void* kernel, int smem);
 
+// Whether `st` is being captured into a CUDA graph; a failed query counts as not (what follows
+// then reports its own error).
+inline bool capturing(cudaStream_t st) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return cs != cudaStreamCaptureStatusNone;
+}
+
 // Launches kernel<<<grid, threads, smem, stream>>>(args) with its dynamic shared-memory limit
 // raised to `smem`, and checks both. (CUDA sources only: this header is never compiled as plain
 // C++.)

@@ -115,7 +115,7 @@ struct KvcachePlan {
   int kw = 4;          // DecodeShape: 4 (16 rows per CTA, warps split the keys) or 1 (64 rows)
   int splits = 1;      // CTAs per row block along the keys (> 1: partials and a combine pass)
   bool vec16 = false;
-  int loader = DecodeShape::kGeneric;  // DecodeShape::Loader (kBulk only on sm_90, D = DP, 16-byte rows)
+  int loader = DecodeShape::kRows;  // DecodeShape::Loader (kBulk only on sm_90, D = DP, 16-byte rows)
   int stages = 2;      // K/V tiles in the pipeline (DecodeShape::kMinStages..kMaxStages)
   int smem = 0;
   size_t workspace = 0;
