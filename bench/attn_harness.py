@@ -38,15 +38,17 @@ def flops(b, h, s, d, causal, pass_, s_kv=None):
     return {"fwd": f, "bwd": 2.5 * f, "both": 3.5 * f}[pass_]
 
 
-def make_sets(n_sets, b, h, s, d, dtype, device, seed=0):
+def make_sets(n_sets, b, h, s, d, dtype, device, seed=0, h_kv=None):
+    """n_sets of (q, k, v, dout), [B, H, S, D] views of (B, S, H, D) memory; k and v with h_kv
+    heads (GQA) when given."""
     torch = _torch()
     g = torch.Generator(device=device).manual_seed(seed)
     sets = []
     for _ in range(n_sets):
-        def mk():
-            x = torch.randn(b, s, h, d, generator=g, dtype=torch.float32, device=device)
+        def mk(heads=h):
+            x = torch.randn(b, s, heads, d, generator=g, dtype=torch.float32, device=device)
             return x.to(dtype).transpose(1, 2)  # [B, H, S, D] view of (B, S, H, D) memory
-        q, k, v, dout = mk(), mk(), mk(), mk()
+        q, k, v, dout = mk(), mk(h_kv or h), mk(h_kv or h), mk()
         for x in (q, k, v):
             x.requires_grad_(True)
         sets.append((q, k, v, dout))

@@ -16,10 +16,13 @@ flashattn >= 80% of it. flashattn rows:
                    prepare pass, then the attention)
   flashattn[L:S]   with --loaders: the same call with K/V loader L forced (bulk, rows, generic) and,
                    where given (rows:3), S pipeline stages (2, 3, 4)
+  flashattn[streams=N]  with --streams: the split rule aiming at N whole-tile CTAs per SM
+                   (FLASHATTN_CUDA_DECODE_STREAMS; the default counts them from the memory's bandwidth)
+  flashattn[seqlens]  passing cache_seqlens (checked on the device; [.., host-check] read on the host)
 SDPA gets the same cache as [B, Hkv, S, D] views (no copy) with enable_gqa; sdpa-<backend> rows for
 flash, cuDNN, efficient and math where they run. Each timed in two views (bench/attn_harness):
 kernel (host hidden behind a GPU spin) and host-inclusive (from an idle GPU; flashattn's
-includes reading cache_seqlens on the host for validation). Medians of --reps; a case's entries
+includes the host's part of the call). Medians of --reps; a case's entries
 are timed in --rounds (2) interleaved rounds, and each view keeps its best round.
 Outputs: OUT/decode.csv, OUT/decode.md (also printed).
 
@@ -34,7 +37,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402
-from cabi import MASK_NONE, CtypesLib, set_override  # noqa: E402
+from cabi import MASK_NONE, CtypesLib, EnvSettings  # noqa: E402
 
 
 def main():
@@ -52,12 +55,19 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="--reps 10, --warmup 3, fewer shapes")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--host-check", action="store_true",
+                    help="also time the calls with cache_seqlens with the index arrays read on the host "
+                         "(FLASHATTN_CUDA_KV_CHECK=host; developer builds) instead of checked on the stream: "
+                         "rows flashattn[seqlens, host-check] and flashattn-append[host-check]")
     ap.add_argument("--rounds", type=int, default=2,
                     help="interleaved rounds over a case's entries; each view keeps its best round's median")
     ap.add_argument("--loaders", default="",
                     help="also time the KV-cache kernel with each of these K/V loaders, each optionally with a "
                          "stage count (bulk,rows,generic,rows:3: FLASHATTN_CUDA_DECODE_LOADER and "
                          "FLASHATTN_CUDA_DECODE_STAGES; developer builds), rows flashattn[LOADER:STAGES]")
+    ap.add_argument("--streams", default="",
+                    help="also time the call with the split rule aiming at each of these CTA counts per SM "
+                         "(1,2: FLASHATTN_CUDA_DECODE_STREAMS; developer builds), rows flashattn[streams=N]")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.warmup = 10, 3
@@ -117,23 +127,36 @@ def main():
                 fn()
                 record(name, fn)
 
-            @contextlib.contextmanager
-            def loader_env(loader, stages):
-                set_override(lib.lib, "FLASHATTN_CUDA_DECODE_LOADER", loader)
-                set_override(lib.lib, "FLASHATTN_CUDA_DECODE_STAGES", stages or None)
-                try:
-                    yield
-                finally:
-                    set_override(lib.lib, "FLASHATTN_CUDA_DECODE_LOADER", None)
-                    set_override(lib.lib, "FLASHATTN_CUDA_DECODE_STAGES", None)
+            # Variants under developer knobs (cabi.EnvSettings: set for the with-block, then back).
+            def knobs(**kv):
+                return functools.partial(EnvSettings, {f"FLASHATTN_CUDA_{k.upper()}": v for k, v in kv.items()})
 
             for variant in [x for x in args.loaders.split(",") if x]:
                 loader, _, stages = variant.partition(":")
                 fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": 0}, opts)
-                env = functools.partial(loader_env, loader, stages)
+                env = knobs(decode_loader=loader, decode_stages=stages or None)
                 with env():
                     fn()
                 record(f"flashattn[{variant}]", fn, env)
+            for n in [x for x in args.streams.split(",") if x]:
+                fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": 0}, opts)
+                env = knobs(decode_streams=n)
+                with env():
+                    fn()
+                record(f"flashattn[streams={n}]", fn, env)
+
+            check_env = knobs(kv_check="host")
+            # With cache_seqlens (every row valid: the same attention), which the plain rows leave out,
+            # as every decoding step passes it: checked on the stream (the default), and with
+            # --host-check read on the host.
+            for name, env in (("flashattn[seqlens]", contextlib.nullcontext),
+                              ("flashattn[seqlens, host-check]", check_env)):
+                if env is check_env and not args.host_check:
+                    continue
+                fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": 0, "cache_seqlens": seqlens}, opts)
+                with env():
+                    fn()
+                record(name, fn, env)
             ref = out.clone()
             # The full step: append one token (rotated) at row s - 1, the last, then attend.
             kn, vn = (torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
@@ -145,6 +168,10 @@ def main():
                                                                 "rotary_cos": cos, "rotary_sin": sin}, opts)
             fn()
             record("flashattn-append", fn)
+            if args.host_check:
+                with check_env():
+                    fn()
+                record("flashattn-append[host-check]", fn, check_env)
 
             if not args.no_sdpa:
                 from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -24,15 +24,17 @@ Backends of --suite training (--backends auto picks per dtype):
                     unset), flashattn-atomic (deterministic=0, FLASHATTN_CUDA_BWD=atomic:
                     one pass over key blocks, dQ accumulated with float32 atomics),
                     flashattn-ordered (deterministic=1, FLASHATTN_CUDA_BWD=ordered: the same
-                    pass with dQ added in key-block order, bitwise reproducible),
-                    flashattn-split (deterministic=1: dQ pass + dK/dV pass, bitwise
-                    reproducible); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode).
+                    pass with dQ added in a fixed key-block order, bitwise reproducible; what
+                    deterministic=1 runs on sm_90a), flashattn-split (deterministic=1,
+                    FLASHATTN_CUDA_BWD=split: dQ pass + dK/dV pass, bitwise reproducible; what
+                    it runs elsewhere); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode).
   The two designs differ only in the backward, so their rows time the backward (and fwd+bwd in
   full mode); the forward is the flashattn row's.
 
 Shapes (the CUDA issues): 16k tokens per batch (B = tokens / S), hidden 2048 (H = 2048 / D);
 float32: S in {1k, 4k, 16k}, D in {64, 128}; bfloat16/float16: S in {512, 1k, 2k, 4k, 8k, 16k},
-D in {64, 128, 256}; causal and not. TFLOP/s by the FLOP model of attn_harness.flops (stated in
+D in {64, 128, 256}; causal and not; with --kv-groups 4,8 also GQA (Hkv = H / g, 16-bit).
+TFLOP/s by the FLOP model of attn_harness.flops (stated in
 docs/PERF.md). Ratios to sdpa-flash and sdpa-cudnn per pass (the 16-bit target:
 >= 1.0x sdpa-flash, forward and backward, at every shape; the gap to cuDNN is recorded).
 
@@ -105,7 +107,7 @@ class Impl:
         self.precision = "tf32" if name == "flashattn-tf32" else "fp32"
         self.deterministic = name in ("flashattn-split", "flashattn-ordered")
         # The default row runs with the variable removed, so it shows the library's own choice.
-        self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered"}.get(name)
+        self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered", "flashattn-split": "split"}.get(name)
         self.design = {"flashattn": "default", "flashattn-tf32": "tf32", "flashattn-atomic": "atomic",
                        "flashattn-split": "split", "flashattn-ordered": "ordered"}.get(name, "")
 
@@ -143,8 +145,10 @@ def impls_for(dname, args):
 
 
 def grid(args):
-    """[(dtype name, D, S, causal, B, H)] in run order."""
+    """[(dtype name, D, S, causal, B, Hq, Hkv)] in run order: Hkv = Hq / g for each --kv-groups
+    g that divides Hq (16-bit only; float32 runs MHA)."""
     causals = [bool(int(c)) for c in args.causal.split(",")]
+    groups = [int(g) for g in args.kv_groups.split(",")]
     cases = []
     for dname in args.dtypes.split(","):
         seqs = args.seqs if dname == "float32" else args.bf16_seqs
@@ -152,8 +156,11 @@ def grid(args):
         for d in map(int, dims.split(",")):
             for s in map(int, seqs.split(",")):
                 b, h = max(1, args.tokens // s), max(1, args.hidden // d)
-                for causal in causals:
-                    cases.append((dname, d, s, causal, b, h))
+                for g in ([1] if dname == "float32" else groups):
+                    if g < 1 or h % g:
+                        continue
+                    for causal in causals:
+                        cases.append((dname, d, s, causal, b, h, h // g))
     return cases
 
 
@@ -184,15 +191,15 @@ def dry_run(args):
         print(f"  {dname}: " + ", ".join(f"{i.name} [{','.join(i.passes)}]"
                                          for i in impls_for(dname, args)))
     print()
-    print(f"{'dtype':9s} {'D':>4s} {'S':>6s} {'c':>2s} {'B':>4s} {'H':>4s} {'fwd GFLOP':>10s} "
+    print(f"{'dtype':9s} {'D':>4s} {'S':>6s} {'c':>2s} {'B':>4s} {'H':>4s} {'Hkv':>4s} {'fwd GFLOP':>10s} "
           f"{'bwd GFLOP':>10s} {'atomic MiB':>10s} {'split MiB':>10s}")
     gpu_s, calls, n_meas = 0.0, 0, 0
     warm = max(args.warmup, 1)
-    for dname, d, s, causal, b, h in cases:
+    for dname, d, s, causal, b, h, hkv in cases:
         f = {p: H.flops(b, h, s, d, causal, p) for p in H.PASSES}
         sa = scratch_bytes("flashattn-atomic", dname, b, h, s, d) / 2**20
         ss = scratch_bytes("flashattn-split", dname, b, h, s, d) / 2**20
-        print(f"{dname:9s} {d:4d} {s:6d} {int(causal):2d} {b:4d} {h:4d} {f['fwd'] / 1e9:10.1f} "
+        print(f"{dname:9s} {d:4d} {s:6d} {int(causal):2d} {b:4d} {h:4d} {hkv:4d} {f['fwd'] / 1e9:10.1f} "
               f"{f['bwd'] / 1e9:10.1f} {sa:10.1f} {ss:10.2f}")
         t = {"fwd": f["fwd"] / rf, "bwd": f["bwd"] / rb}
         t["both"] = t["fwd"] + t["bwd"]
@@ -207,7 +214,7 @@ def dry_run(args):
     # Host-side costs are guesses, not measurements: interpreter + CUDA start 20 s; 0.2 s per
     # input-set creation; 0.5 s per cuDNN graph built (one per new shape and pass); 50 ms per
     # measurement (syncs, probes); 0.5 ms per call (the spin before it, Python dispatch).
-    n_shapes = len({c[:3] for c in cases})
+    n_shapes = len({c[:3] + c[6:] for c in cases})
     n_cudnn = sum(len(i.passes) for c in cases for i in impls_for(c[0], args)
                   if i.name == "sdpa-cudnn")
     host = {"start": 20, "input sets": 0.2 * n_shapes, "cuDNN graphs": 0.5 * n_cudnn,
@@ -405,12 +412,14 @@ def rel_err(got, ref):
     return worst
 
 
-def supported(torch, fn, ctx, dtype, d, device):
-    """Runs one tiny forward+backward; returns None or the reason it failed."""
-    q = torch.randn(1, 2, 128, d, device=device, dtype=dtype, requires_grad=True)
+def supported(torch, fn, ctx, dtype, d, device, group=1):
+    """Runs one tiny forward+backward (group query heads per kv head); returns None or the
+    reason it failed."""
+    q = torch.randn(1, 2 * group, 128, d, device=device, dtype=dtype, requires_grad=True)
+    kv = q if group == 1 else torch.randn(1, 2, 128, d, device=device, dtype=dtype, requires_grad=True)
     try:
         with ctx():
-            out = fn(q, q, q)
+            out = fn(q, kv, kv)
             out.sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -429,11 +438,12 @@ RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
 
 
 def case_key(r):
-    return (r["dtype"], r["causal"], r["head_dim"], r["seq"])
+    """(dtype, causal, D, S, query heads per kv head)."""
+    return (r["dtype"], r["causal"], r["head_dim"], r["seq"], r["heads"] // (r.get("heads_kv") or r["heads"]))
 
 
 def case_label(key):
-    return f"{key[0]} D={key[2]} S={key[3]}{' causal' if key[1] else ''}"
+    return f"{key[0]} D={key[2]} S={key[3]}{' causal' if key[1] else ''}{f' GQA {key[4]}' if key[4] > 1 else ''}"
 
 
 def ratio_col(p, peer):
@@ -464,16 +474,17 @@ def lp_table(rows, p):
     # The default row repeats one of the designs: ratios for the designs when both are there.
     rated = [b for b in ours if b in DESIGNS] or ours
     label = lambda b: "default" if (b == "flashattn" and p != "fwd") else SHORT[b]  # noqa
-    head = ["dtype", "causal", "D", "S"] + [label(b) for b in ours + peers]
+    cases = list(dict.fromkeys(case_key(r) for r in rows))
+    gqa = any(k[4] > 1 for k in cases)  # (a column Hq/Hkv only where some case has GQA)
+    head = ["dtype", "causal", "D", "S"] + (["Hq/Hkv"] if gqa else []) + [label(b) for b in ours + peers]
     for peer, pl in RATIO_TO:
         if has(peer):
             head += [f"{label(b)}/{pl}" for b in rated]
     lines = [f"{p} (TFLOP/s; ratios > 1: flashattn faster)",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    cases = list(dict.fromkeys(case_key(r) for r in rows))
     for key in cases:
         rs = {r["backend"]: r for r in rows if case_key(r) == key}
-        cells = [key[0], "yes" if key[1] else "no", str(key[2]), str(key[3])]
+        cells = [key[0], "yes" if key[1] else "no", str(key[2]), str(key[3])] + ([str(key[4])] if gqa else [])
         for b in ours + peers:
             v = rs.get(b, {}).get(f"{p}_flops_per_s")
             cells.append(H.fmt(v / 1e12 if v else None))
@@ -597,7 +608,7 @@ FP32_TARGETS = (("fp32", 1.3), ("tf32", 3.0))
 
 
 def fp32_cases(args):
-    return [c for c in grid(args) if c[0] == "float32"]
+    return [c[:6] for c in grid(args) if c[0] == "float32"]
 
 
 def fp32_dry_run(args):
@@ -862,6 +873,10 @@ def parse_args(argv=None):
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     ap.add_argument("--hidden", type=int, default=2048, help="H = hidden / D")
+    ap.add_argument("--kv-groups", default="1",
+                    help="query heads per kv head, comma separated (1: MHA; 4,8: GQA with Hkv = H / g; "
+                    "16-bit only). SDPA's flash kernel takes no GQA: its rows get K and V expanded to H "
+                    "heads inside the timed call, as its users do; cuDNN takes enable_gqa")
     ap.add_argument("--backends", default="auto",
                     help="comma list from " + ",".join(SDPA_NAMES + OURS) + ", or auto (per dtype:"
                     " see above)")
@@ -989,8 +1004,13 @@ def main(argv=None):
             return lambda: sdpa_kernel(sdpa[impl.name])  # pinned once around a measurement
         return lambda: bwd_env(impl.env)
 
-    def sdpa_fn(causal):
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    def sdpa_fn(causal, name):
+        def call(q, k, v):
+            g = q.shape[1] // k.shape[1]
+            if g > 1 and name == "sdpa-flash":  # (no GQA in that kernel: K, V expanded, timed)
+                k, v = (x.repeat_interleave(g, dim=1) for x in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=g > 1)
+        return call
 
     csv_path = os.path.join(args.out, "gpu.csv")
     rows = []
@@ -999,7 +1019,11 @@ def main(argv=None):
     fns, skip = {}, {}
     prev_shape = None
     sets = None
-    for ci, (dname, d, s, causal, b, h) in enumerate(cases):
+    if any(c[5] != c[6] for c in cases):
+        notes.append("GQA rows: sdpa-flash gets K and V expanded to Hq heads inside the timed call "
+                     "(repeat_interleave; its kernel takes no GQA, so that is what its users run); "
+                     "sdpa-cudnn and flashattn take Hkv heads")
+    for ci, (dname, d, s, causal, b, h, hkv) in enumerate(cases):
         if args.time_limit and time.monotonic() - t_begin > args.time_limit:
             stopped = (f"time limit {args.time_limit:.0f} s reached: stopped before case "
                        f"{ci + 1}/{len(cases)} ({dname} D={d} S={s}{' causal' if causal else ''})")
@@ -1007,26 +1031,28 @@ def main(argv=None):
             break
         dtype = dtypes[dname]
         impls = impls_for(dname, args)
-        for impl in impls:  # one probe per (dtype, D, causal, backend)
-            key = (dname, d, causal, impl.name)
+        g = h // hkv
+        gqa = f" GQA {g}" if g > 1 else ""
+        for impl in impls:  # one probe per (dtype, D, causal, group, backend)
+            key = (dname, d, causal, g, impl.name)
             if key in fns:
                 continue
-            fn = fa.make(impl, causal) if impl.ours else sdpa_fn(causal)
-            why = fn if isinstance(fn, str) else supported(torch, fn, context(impl), dtype, d, dev)
+            fn = fa.make(impl, causal) if impl.ours else sdpa_fn(causal, impl.name)
+            why = fn if isinstance(fn, str) else supported(torch, fn, context(impl), dtype, d, dev, g)
             fns[key] = fn
             if why:
                 skip[key] = why
-                notes.append(f"{impl.name} {dname} D={d}{' causal' if causal else ''}: "
+                notes.append(f"{impl.name} {dname} D={d}{' causal' if causal else ''}{gqa}: "
                              f"skipped ({why})")
-        if prev_shape != (dname, d, s):
+        if prev_shape != (dname, d, s, hkv):
             sets = None
             if dev == "cuda":
                 torch.cuda.empty_cache()
-            sets = H.make_sets(args.sets, b, h, s, d, dtype, dev)
-            prev_shape = (dname, d, s)
+            sets = H.make_sets(args.sets, b, h, s, d, dtype, dev, h_kv=hkv)
+            prev_shape = (dname, d, s, hkv)
         case_rows, ref = [], None
         for impl in impls:
-            key = (dname, d, causal, impl.name)
+            key = (dname, d, causal, g, impl.name)
             if key in skip:
                 continue
             fn = fns[key]
@@ -1049,7 +1075,7 @@ def main(argv=None):
                 notes.append(f"{impl.name} {dname} D={d} S={s}{' causal' if causal else ''}: "
                              f"failed ({(str(e).strip().splitlines() or [''])[0][:160]})")
                 continue
-            row = dict(dtype=dname, causal=causal, head_dim=d, seq=s, batch=b, heads=h,
+            row = dict(dtype=dname, causal=causal, head_dim=d, seq=s, batch=b, heads=h, heads_kv=hkv,
                        backend=impl.name, design=impl.design,
                        deterministic=int(impl.deterministic) if impl.ours else "",
                        env_bwd=(impl.env or "") if impl.ours else "",
@@ -1076,7 +1102,7 @@ def main(argv=None):
             del pr
             case_rows.append(row)
             add_ratios(case_rows)
-            line = (f"{dname:9s} D={d:3d} S={s:5d} causal={int(causal)} {impl.name:16s} "
+            line = (f"{dname:9s} D={d:3d} S={s:5d} causal={int(causal)}{gqa} {impl.name:16s} "
                     + "  ".join(f"{p} {row[p + '_flops_per_s'] / 1e12:6.1f} "
                                 f"({row[p + '_ms']:.3f} ms)" for p in impl.passes) + " TFLOP/s")
             for peer, pl in RATIO_TO:
@@ -1128,7 +1154,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "gpu-summary.md"), "w") as f:
         f.write(short)
     try:
-        H.chart(rows, os.path.join(args.out, "gpu.png"),
+        H.chart([r for r in rows if r["heads_kv"] == r["heads"]], os.path.join(args.out, "gpu.png"),
                 f"flashattn vs PyTorch SDPA, {dev_name.split(';')[0]}, TFLOP/s (training mode)")
         png = ", gpu.png"
     except Exception as e:  # noqa: BLE001  (the chart is a convenience; the numbers are written)

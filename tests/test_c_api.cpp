@@ -512,6 +512,24 @@ TEST(CApiStatic, StatusStringsAndVersion) {
   EXPECT_EQ(avail == 1, cuda_available());
 }
 
+// The count of failed checks in captured calls' replays: a NULL out-pointer or a device that does
+// not exist is an error with a message, never a crash; without a usable device, an error too.
+TEST(CApiCheckFailures, Arguments) {
+  EXPECT_EQ(flashattn_cuda_take_check_failures(0, nullptr), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashattn_last_error()).find("failures is NULL"), std::string::npos) << flashattn_last_error();
+  int64_t n = -1;
+  EXPECT_EQ(flashattn_cuda_take_check_failures(-1, &n), FLASHATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(flashattn_cuda_take_check_failures(1 << 20, &n), FLASHATTN_OK);
+  EXPECT_STRNE(flashattn_last_error(), "");
+  if (!flashattn_cuda_available()) {
+    EXPECT_NE(flashattn_cuda_take_check_failures(0, &n), FLASHATTN_OK);
+    EXPECT_EQ(n, -1) << "written on failure";
+  } else {
+    EXPECT_EQ(flashattn_cuda_take_check_failures(0, &n), FLASHATTN_OK) << flashattn_last_error();
+    EXPECT_GE(n, 0);
+  }
+}
+
 // A failure inside the library never escapes as an exception through the C ABI; the C++ status
 // travels as the C status (here: a CUDA tensor in a build or machine without a usable GPU).
 TEST_F(CApi, ErrorsBecomeStatusCodes) {

@@ -222,8 +222,9 @@ FLASHATTN_API int flashattn_backward(const flashattn_tensor* q, const flashattn_
  * checked with nothing written on failure: on the host when they are host memory; on CUDA by a
  * small kernel on the stream, the call's kernels queued behind it doing nothing when it fails,
  * and the call returning (with the same error) once that check has run - so the call waits for
- * the stream's earlier work, but the GPU does not wait for the host. Not inside a CUDA graph
- * capture (FLASHATTN_ERROR_UNSUPPORTED). */
+ * the stream's earlier work, but the GPU does not wait for the host. Inside a CUDA graph capture
+ * the check is captured with the kernels and nothing waits: a replay whose arrays break a rule
+ * writes nothing and is counted (flashattn_cuda_take_check_failures). */
 typedef struct {
   uint32_t struct_size; /* sizeof(flashattn_varlen) as the caller knows it */
   const flashattn_tensor* cu_seqlens_q;
@@ -278,8 +279,11 @@ FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const fla
  * window is set, else every query row at cache_seqlens[b] (FlashAttention's rule). S_ro must
  * exceed every position used. The tables need k_new / v_new (as in FlashAttention: the cache
  * holds rotated keys, so q alone is never rotated).
- * Checked before anything is written (the index tensors are read on the host): shapes, dtypes,
- * devices, strides; 0 <= leftpad[b] <= cache_seqlens[b] and cache_seqlens[b] + S_new <= capacity;
+ * Checked before anything is written: shapes, dtypes, devices, strides; the index tensors'
+ * contents - on the host when they are host memory, on CUDA (cache_seqlens in device memory) by a
+ * small kernel on the stream whose failure makes the call's kernels write nothing, the call
+ * returning the error once that check has run (inside a CUDA graph capture: counted at replay,
+ * flashattn_cuda_take_check_failures, as for packed calls): 0 <= leftpad[b] <= cache_seqlens[b] and cache_seqlens[b] + S_new <= capacity;
  * cache_batch_idx in [0, B_cache) and, when appending, without repeats (FlashAttention lets one of
  * the duplicates win; here it is an error); the block_table entries of
  * the rows a sequence uses in [0, num_blocks) (entries past them are not read); block_table is
@@ -326,6 +330,16 @@ FLASHATTN_API const char* flashattn_version(void);
 
 /* 1 when this build has the CUDA backend and at least one CUDA device is usable, else 0. */
 FLASHATTN_API int flashattn_cuda_available(void);
+
+/* Packed (varlen) and KV-cache calls whose index arrays are in device memory check them on the
+ * device. Called eagerly, a call whose arrays break a rule fails with FLASHATTN_ERROR_INVALID_ARGUMENT
+ * and writes nothing. Captured into a CUDA graph, the check is captured too and runs at every
+ * replay, where nothing can return an error: a replay whose arrays break a rule writes nothing (no
+ * output, no cache row) and adds one to a count of the device's. This waits for the device's work
+ * (cudaDeviceSynchronize: not while this thread or, in global capture mode, another one captures),
+ * stores that count since the last call into *failures and resets it (a replay launched by another
+ * thread during the call may go uncounted). FLASHATTN_ERROR_UNSUPPORTED without the CUDA backend. */
+FLASHATTN_API int flashattn_cuda_take_check_failures(int32_t device, int64_t* failures);
 
 /* CPU calls on a framework's threads. By default the CPU backend runs each call on a pool of its
  * own threads. A framework that keeps a team of worker threads (e.g. PyTorch's OpenMP threads,

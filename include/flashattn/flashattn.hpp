@@ -158,5 +158,10 @@ FLASHATTN_API const char* mask_name(Mask mask);
 // Build and run-time facts for `flashattn info`: backends, CPU features, kernels.
 FLASHATTN_API std::string build_info();
 FLASHATTN_API bool cuda_available();
+// Packed and KV-cache calls captured into a CUDA graph check their index arrays on the device at
+// every replay; a replay whose arrays break a rule writes nothing and counts a failure on the
+// device (it cannot raise). Waits for the device's work, returns the count since the last call
+// and resets it. Throws Unsupported without the CUDA backend.
+FLASHATTN_API int64_t cuda_take_check_failures(int device = 0);
 
 }  // namespace flashattn

@@ -17,7 +17,7 @@ KV-cache attention over any DLPack tensor (FlashAttention's [B, S, H, D] order, 
 """
 
 from ._api import (MASKS, PRECISIONS, backward, backward_varlen, build_info, cuda_available,
-                   forward, forward_kvcache, forward_varlen)
+                   cuda_take_check_failures, forward, forward_kvcache, forward_varlen)
 from ._ext import version as _lib_version
 
 __version__ = _lib_version()
@@ -31,6 +31,7 @@ __all__ = [
     "MASKS",
     "PRECISIONS",
     "cuda_available",
+    "cuda_take_check_failures",
     "build_info",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",

@@ -16,7 +16,7 @@ import numpy as np
 from . import _ext
 
 __all__ = ["forward", "backward", "forward_varlen", "backward_varlen", "forward_kvcache", "MASKS",
-           "PRECISIONS", "cuda_available", "build_info"]
+           "PRECISIONS", "cuda_available", "cuda_take_check_failures", "build_info"]
 
 MASKS = {
     "none": _ext.MASK_NONE,
@@ -35,6 +35,14 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 def cuda_available():
     """True when this build has the CUDA backend and a CUDA device is usable."""
     return _ext.cuda_available()
+
+
+def cuda_take_check_failures(device=0):
+    """Graph replays of packed (varlen) or KV-cache calls whose index arrays broke a rule, since the
+    last call on this device (the count is then reset). Called eagerly such a call raises
+    ValueError and writes nothing; captured into a CUDA graph its check runs at every replay, where
+    nothing can raise: the replay writes nothing and is counted here. Waits for the device."""
+    return _ext.cuda_take_check_failures(int(device))
 
 
 def build_info():
@@ -558,7 +566,9 @@ def forward_kvcache(q, k_cache, v_cache, *, k_new=None, v_new=None, cache_seqlen
     in q's dtype: the rotary embedding of q and k_new (GPT-J pairs when rotary_interleaved, else
     GPT-NeoX halves); new key j sits at position cache_seqlens[b] + j, query row i at
     cache_seqlens[b] + i under a causal mask or a window, else at cache_seqlens[b]. All on q's
-    device; the index arrays are read on the host before anything is written.
+    device; their contents are checked before anything is written (on CUDA with cache_seqlens in
+    device memory by a kernel on the stream; captured into a CUDA graph, a replay with broken
+    arrays writes nothing and is counted: cuda_take_check_failures).
 
     Sequence b attends Sk_b = cache_seqlens[b] + S_new - cache_leftpad[b] keys, with forward()'s
     softmax_scale, mask (FlashAttention's causal is "causal_bottom_right"), window_size, softcap

@@ -539,6 +539,16 @@ NB_MODULE(_ext, m) {
         "Version of the libflashattn that is loaded.");
   m.def("cuda_available", [] { return flashattn_cuda_available() != 0; },
         "True when libflashattn was built with CUDA and a CUDA device is usable.");
+  m.def("cuda_take_check_failures",
+        [](int32_t device) {
+          int64_t n = 0;
+          const int status = flashattn_cuda_take_check_failures(device, &n);
+          if (status != FLASHATTN_OK) raise_status(status);
+          return n;
+        },
+        nb::arg("device") = 0,
+        "Waits for the device and returns (and resets) how many graph replays of packed or "
+        "KV-cache calls found index arrays that break a rule (and wrote nothing).");
   m.def("build_info", [] { return flashattn::build_info(); },
         "Backends, CPU features and kernels of the loaded libflashattn (as `flashattn info`).");
   m.def("use_openmp_runtime", &use_openmp_runtime, nb::arg("path"),

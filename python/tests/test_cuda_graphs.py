@@ -2,9 +2,9 @@
 step's attention - forward and backward - captured with torch.cuda.graph and replayed on new
 values of its static inputs gives what the eager calls give on those values, bit for bit (both
 run the same kernels on the same inputs; the deterministic backward, so dq has a fixed order too);
-the same through torch.cuda.make_graphed_callables. Packed calls read their sequence arrays on the
-host to validate them, which a capture cannot record: inside a capture they are refused with a
-clear error raised before anything is enqueued, so the capture itself ends cleanly. Skipped
+the same through torch.cuda.make_graphed_callables. Packed and KV-cache calls check their index
+arrays on the device; captured, that check is captured with their kernels, and a replay whose
+arrays break a rule writes nothing and is counted (flashattn.cuda_take_check_failures). Skipped
 without CUDA PyTorch and flashattn's CUDA backend."""
 
 import pytest
@@ -84,15 +84,61 @@ def test_make_graphed_callables_of_a_module():
             assert torch.equal(a.grad, b.grad)
 
 
-def test_packed_calls_inside_a_capture_are_refused_cleanly():
+def test_packed_calls_captured_and_replayed():
+    import flashattn
     q, k, v, _ = _inputs(6, (600, 4, 64))
     cu = torch.tensor([0, 100, 600], dtype=torch.int32, device="cuda")
-    flash_attn_varlen_func(q, k, v, cu, cu, 500, 500)  # outside a capture: fine
+    flashattn.cuda_take_check_failures()  # (a clean count)
+    ref = flash_attn_varlen_func(q, k, v, cu, cu, 500, 500, causal=True)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(Exception, match="captured into a CUDA graph"):
-        with torch.cuda.graph(graph):
-            flash_attn_varlen_func(q, k, v, cu, cu, 500, 500)
-    # The stream still works.
-    out = flash_attn_varlen_func(q, k, v, cu, cu, 500, 500)
+    with torch.cuda.graph(graph):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 500, 500, causal=True)
+    out.fill_(float("nan"))
+    graph.replay()
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    assert torch.equal(out, ref)
+    assert flashattn.cuda_take_check_failures() == 0
+    # Broken arrays (decreasing): the replay writes nothing and counts one failure.
+    good = cu.clone()
+    cu.copy_(torch.tensor([0, 700, 600], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert flashattn.cuda_take_check_failures() == 1
+    assert torch.isnan(out).all()
+    cu.copy_(good)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    # Eager calls with broken arrays still raise, writing nothing.
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        flash_attn_varlen_func(q, k, v, torch.tensor([0, 700, 600], dtype=torch.int32, device="cuda"), cu, 500, 500)
+
+
+def test_kvcache_decode_step_captured_and_replayed():
+    import flashattn
+    from flashattn import flash_attn_with_kvcache
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kc, vc = (torch.randn(2, 256, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    kn, vn = (torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    seqlens = torch.tensor([100, 37], dtype=torch.int32, device="cuda")
+    kc0, vc0 = kc.clone(), vc.clone()
+    ref = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc.copy_(kc0), vc.copy_(vc0)
+    flashattn.cuda_take_check_failures()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
+    kc.copy_(kc0), vc.copy_(vc0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert flashattn.cuda_take_check_failures() == 0
+    # cache_seqlens + 1 past the capacity: nothing written (no cache row either), one failure.
+    kc.copy_(kc0), vc.copy_(vc0)
+    out.fill_(float("nan"))
+    seqlens[1] = 256
+    graph.replay()
+    assert flashattn.cuda_take_check_failures() == 1
+    assert torch.isnan(out).all() and torch.equal(kc, kc0) and torch.equal(vc, vc0)

@@ -190,6 +190,10 @@ void forward_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
 }
 
 bool cuda_available() { return cuda::available(); }
+int64_t cuda_take_check_failures(int device) {
+  if (device < 0) throw Error(Status::InvalidArgument, "device = " + std::to_string(device) + " must be >= 0");
+  return cuda::take_check_failures(device);
+}
 
 std::string build_info() {
   std::ostringstream os;

@@ -39,7 +39,15 @@ void check_device_pointer(const void* ptr, int32_t device, const char* what);
 // Copies `bytes` from memory of CUDA device `device` to the host, ordered after the work queued on
 // `stream` (cudaStream_t; nullptr = the default stream), and waits for it.
 void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void* stream);
+// Whether KV-cache calls leave the contents of device-resident index arrays to the backend's
+// check on the stream (KvCheck, the default: no copy and synchronisation before the launches, the
+// host waits only for the check's event once the kernels are queued) instead of
+// reading them on the host (FLASHATTN_CUDA_KV_CHECK=host, a developer knob).
+bool kv_checks_on_device();
 // Sets a kernel-selection override (cuda/host/overrides.hpp) in builds with FLASHATTN_DEV_OVERRIDES.
 void set_override(const char* name, const char* value);
+// The failed index checks of captured calls' graph replays on `device` since the last call (waits
+// for the device; resets the count): flashattn::cuda_take_check_failures.
+int64_t take_check_failures(int32_t device);
 }  // namespace cuda
 }  // namespace flashattn

@@ -212,6 +212,13 @@ int flashattn_set_cpu_team_runner(flashattn_cpu_team_runner run, void* ctx) {
   return guarded([&] { flashattn::cpu::set_team_runner(run, ctx); });
 }
 
+int flashattn_cuda_take_check_failures(int32_t device, int64_t* failures) {
+  return guarded([&] {
+    if (failures == nullptr) throw flashattn::Error(flashattn::Status::InvalidArgument, "failures is NULL");
+    *failures = flashattn::cuda_take_check_failures(device);
+  });
+}
+
 int flashattn_cuda_available(void) {
   try {
     return flashattn::cuda_available() ? 1 : 0;

@@ -173,15 +173,34 @@ struct KvRotary {
   bool interleaved;        // GPT-J pairs (2i, 2i + 1); else GPT-NeoX (i, i + rotary_dim / 2)
   bool q_advances;
 };
+// A KV-cache call's index arrays left to the CUDA backend's check on the stream (device memory:
+// reading them on the host would stop the GPU every call). The facts the rules need, and the
+// user's arrays; KvcacheParams::check.on = false when validation read and checked them itself.
+struct KvCheck {
+  bool on;
+  const int32_t* cache_seqlens;  // [B] (device)
+  const int32_t* start;          // [B] cache_leftpad, or nullptr
+  const int32_t* batch_row;      // [B] cache_batch_idx, or nullptr
+  const int32_t* table;          // [B, table_stride] block_table, or nullptr
+  int64_t table_stride, max_blocks;
+  int64_t batch, cache_batch, block_rows;  // B, k_cache.shape[0], k_cache.shape[1]
+  int64_t capacity;                        // rows a sequence can hold
+  int64_t rotary_rows;                     // rotary_cos.shape[0] (0: no rotary)
+  int64_t rotary_ahead;                    // rows past cache_seqlens[b] the rotary tables must cover
+};
+
 struct KvcacheParams {
   ForwardParams fwd;
   In4 k_new, v_new;  // [B, Hkv, S_new, D] logical (s_new == 0: no append)
   Out4 k_cache, v_cache;  // the caches as outputs (same views as fwd.k / fwd.v)
   int64_t s_new;
-  const int32_t* first_new;  // [B] host
-  const int32_t* pos0;       // [B] host: cache_seqlens
+  const int32_t* first_new;  // [B] host (check.on: nullptr, the backend's check derives them)
+  const int32_t* pos0;       // [B] host: cache_seqlens (check.on: nullptr)
   KvRotary rotary;
   int32_t num_splits;        // the caller's split-KV count (0: the backend's choice; the CPU has none)
+  // check.on: fwd.kv.seqlen_k is the user's cache_seqlens until the backend's check replaces it
+  // with the derived keys per sequence; fwd.shape.seq_kv is the capacity (an upper bound).
+  KvCheck check;
 };
 
 struct BackwardParams {

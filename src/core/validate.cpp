@@ -795,6 +795,58 @@ void check_rotary(const Named& cos, const Named& sin, DType dtype, int64_t D) {
 
 }  // namespace
 
+void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const int32_t* seqlens, const int32_t* start,
+                           const int32_t* batch_row, const int32_t* table) {
+  const bool paged = table != nullptr;
+  const int64_t B = f.batch, capacity = f.capacity;
+  const char* cap_what = paged ? "max_blocks_per_seq * block_size" : "k_cache.shape[1], the cache length";
+  for (int64_t b = 0; b < B; ++b) {
+    const std::string sb = "[" + std::to_string(b) + "]";
+    if (seqlens[b] < 0) fail("cache_seqlens" + sb + " = " + std::to_string(seqlens[b]) + " is negative");
+    if (seqlens[b] > capacity || s_new > capacity - seqlens[b])
+      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(seqlens[b]) + " + " + std::to_string(s_new) + " = " +
+           std::to_string(static_cast<unsigned long long>(seqlens[b]) + static_cast<unsigned long long>(s_new)) +
+           " exceeds the cache capacity " + std::to_string(capacity) + " (" + cap_what + ")");
+    if (int64_t{seqlens[b]} + s_new > INT32_MAX)
+      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(int64_t{seqlens[b]} + s_new) +
+           " exceeds the int32 range of cache positions");
+    if (start != nullptr && (start[b] < 0 || start[b] > seqlens[b]))
+      fail("cache_leftpad" + sb + " = " + std::to_string(start[b]) + " is outside [0, cache_seqlens" + sb + " = " +
+           std::to_string(seqlens[b]) + "]");
+    if (batch_row != nullptr && (batch_row[b] < 0 || batch_row[b] >= f.cache_batch))
+      fail("cache_batch_idx" + sb + " = " + std::to_string(batch_row[b]) + " is outside [0, " +
+           std::to_string(f.cache_batch) + ") (k_cache.shape[0])");
+  }
+  if (append && batch_row != nullptr) {
+    std::vector<int32_t> sorted(batch_row, batch_row + B);
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 1; i < sorted.size(); ++i)
+      if (sorted[i] == sorted[i - 1])
+        fail("cache_batch_idx names cache row " + std::to_string(sorted[i]) +
+             " for two sequences: appending would write it twice");
+  }
+  if (paged) {
+    // The pages each sequence uses ([0, cache_seqlens + S_new) rows); table is [B, max_blocks].
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t used = (int64_t{seqlens[b]} + s_new + f.block_rows - 1) / f.block_rows;
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t e = table[b * f.max_blocks + i];
+        if (e < 0 || e >= f.cache_batch)
+          fail("block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " + std::to_string(e) +
+               " is outside [0, " + std::to_string(f.cache_batch) + ") (k_cache.shape[0], the number of blocks)");
+      }
+    }
+  }
+  if (f.rotary_rows > 0) {
+    int64_t need = 0;
+    for (int64_t b = 0; b < B; ++b) need = std::max(need, int64_t{seqlens[b]} + f.rotary_ahead);
+    if (f.rotary_rows < need)
+      fail("rotary_cos.shape[0] = " + std::to_string(f.rotary_rows) + " is too short: positions up to " +
+           std::to_string(need - 1) + " are used (max over b of cache_seqlens[b] + " + std::to_string(f.rotary_ahead) +
+           " - 1)");
+  }
+}
+
 void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out,
                          const Tensor& lse, const KvCache& kv, const Options& o, KvcacheCall& call) {
   const Named nq{&q, "q"}, nkc{&k_cache, "k_cache"}, nvc{&v_cache, "v_cache"}, no{&out, "out"}, nl{&lse, "lse"};
@@ -896,84 +948,64 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   if (paged && __builtin_mul_overflow(max_blocks, Sc, &capacity))
     fail("block_table.shape[1] * block_size = " + std::to_string(max_blocks) + " * " + std::to_string(Sc) +
          " overflows int64");
-  std::vector<int32_t> seqlens = kv.cache_seqlens ? read_index(*kv.cache_seqlens, o.stream)
-                                                  : std::vector<int32_t>(static_cast<size_t>(B), 0);
-  if (kv.cache_seqlens == nullptr && capacity > INT32_MAX)
-    fail("the cache capacity " + std::to_string(capacity) + " exceeds the int32 range of sequence lengths");
-  if (kv.cache_seqlens == nullptr) std::fill(seqlens.begin(), seqlens.end(), static_cast<int32_t>(capacity));
-  call.start = kv.cache_leftpad ? read_index(*kv.cache_leftpad, o.stream) : std::vector<int32_t>();
-  call.batch_row = kv.cache_batch_idx ? read_index(*kv.cache_batch_idx, o.stream) : std::vector<int32_t>();
-  const char* cap_what = paged ? "max_blocks_per_seq * block_size" : "k_cache.shape[1], the cache length";
-  for (int64_t b = 0; b < B; ++b) {
-    const std::string sb = "[" + std::to_string(b) + "]";
-    if (seqlens[b] < 0) fail("cache_seqlens" + sb + " = " + std::to_string(seqlens[b]) + " is negative");
-    if (seqlens[b] > capacity || s_new > capacity - seqlens[b])
-      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(seqlens[b]) + " + " + std::to_string(s_new) + " = " +
-           std::to_string(static_cast<unsigned long long>(seqlens[b]) + static_cast<unsigned long long>(s_new)) +
-           " exceeds the cache capacity " + std::to_string(capacity) +
-           " (" + cap_what + ")");
-    if (int64_t{seqlens[b]} + s_new > INT32_MAX)
-      fail("cache_seqlens" + sb + " + S_new = " + std::to_string(int64_t{seqlens[b]} + s_new) +
-           " exceeds the int32 range of cache positions");
-    if (!call.start.empty() && (call.start[b] < 0 || call.start[b] > seqlens[b]))
-      fail("cache_leftpad" + sb + " = " + std::to_string(call.start[b]) + " is outside [0, cache_seqlens" + sb +
-           " = " + std::to_string(seqlens[b]) + "]");
-    if (!call.batch_row.empty() && (call.batch_row[b] < 0 || call.batch_row[b] >= Bc))
-      fail("cache_batch_idx" + sb + " = " + std::to_string(call.batch_row[b]) + " is outside [0, " +
-           std::to_string(Bc) + ") (k_cache.shape[0])");
-  }
-  if (append && !call.batch_row.empty()) {
-    std::vector<int32_t> sorted = call.batch_row;
-    std::sort(sorted.begin(), sorted.end());
-    for (size_t i = 1; i < sorted.size(); ++i)
-      if (sorted[i] == sorted[i - 1])
-        fail("cache_batch_idx names cache row " + std::to_string(sorted[i]) +
-             " for two sequences: appending would write it twice");
-  }
-  if (paged) {
-    // The entries of the pages each sequence uses ([0, cache_seqlens + S_new) rows), copied dense.
-    const Tensor& t = *kv.block_table;
-    std::vector<int32_t> table(static_cast<size_t>(B * max_blocks), 0);
-    for (int64_t b = 0; b < B; ++b) {
-      if (t.device < 0)
-        std::memcpy(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
-                    static_cast<size_t>(max_blocks) * sizeof(int32_t));
-      else
-        cuda::copy_to_host(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
-                           static_cast<size_t>(max_blocks) * sizeof(int32_t), t.device, o.stream);
-      const int64_t used = (int64_t{seqlens[b]} + s_new + Sc - 1) / Sc;
-      for (int64_t i = 0; i < used; ++i) {
-        const int32_t e = table[b * max_blocks + i];
-        if (e < 0 || e >= Bc)
-          fail("block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " + std::to_string(e) +
-               " is outside [0, " + std::to_string(Bc) + ") (k_cache.shape[0], the number of blocks)");
-      }
-    }
-    call.table = std::move(table);
-  }
   Common c = make_common(nq, Shape{B, Hq, Hkv, Sq, 1, D}, o);
   const bool q_advances = o.mask != Mask::None || c.num.has_window();
-  if (rotary) {
-    int64_t need = 0;
-    for (int64_t b = 0; b < B; ++b) need = std::max(need, int64_t{seqlens[b]} + std::max(s_new, q_advances ? Sq : 1));
-    if (kv.rotary_cos->shape[0] < need)
-      fail("rotary_cos.shape[0] = " + std::to_string(kv.rotary_cos->shape[0]) + " is too short: positions up to " +
-           std::to_string(need - 1) + " are used (max over b of cache_seqlens[b] + " +
-           (s_new >= (q_advances ? Sq : 1) ? "S_new" : q_advances ? "Sq" : "1") + " - 1)");
+  KvCheck facts{};
+  facts.batch = B;
+  facts.cache_batch = Bc;
+  facts.block_rows = Sc;
+  facts.capacity = capacity;
+  facts.max_blocks = max_blocks;
+  facts.rotary_rows = rotary ? kv.rotary_cos->shape[0] : 0;
+  facts.rotary_ahead = std::max(s_new, q_advances ? Sq : 1);
+  if (kv.cache_seqlens == nullptr && capacity > INT32_MAX)
+    fail("the cache capacity " + std::to_string(capacity) + " exceeds the int32 range of sequence lengths");
+  // Device arrays with the backend's check on (cuda::kv_checks_on_device): their contents are
+  // checked on the stream by the same rules (check_kv_index_values) and nothing is read here.
+  if (kv.cache_seqlens != nullptr && kv.cache_seqlens->device >= 0 && cuda::kv_checks_on_device()) {
+    facts.on = true;
+    facts.cache_seqlens = static_cast<const int32_t*>(kv.cache_seqlens->data);
+    facts.start = kv.cache_leftpad ? static_cast<const int32_t*>(kv.cache_leftpad->data) : nullptr;
+    facts.batch_row = kv.cache_batch_idx ? static_cast<const int32_t*>(kv.cache_batch_idx->data) : nullptr;
+    facts.table = paged ? static_cast<const int32_t*>(kv.block_table->data) : nullptr;
+    facts.table_stride = paged ? kv.block_table->stride[0] : 0;
+    c.shape.seq_kv = std::max<int64_t>(std::min<int64_t>(capacity, INT32_MAX), 1);
+  } else {
+    std::vector<int32_t> seqlens = kv.cache_seqlens ? read_index(*kv.cache_seqlens, o.stream)
+                                                    : std::vector<int32_t>(static_cast<size_t>(B), 0);
+    if (kv.cache_seqlens == nullptr) std::fill(seqlens.begin(), seqlens.end(), static_cast<int32_t>(capacity));
+    call.start = kv.cache_leftpad ? read_index(*kv.cache_leftpad, o.stream) : std::vector<int32_t>();
+    call.batch_row = kv.cache_batch_idx ? read_index(*kv.cache_batch_idx, o.stream) : std::vector<int32_t>();
+    if (paged) {
+      // The entries of the pages each sequence may use, copied dense ([B, max_blocks]).
+      const Tensor& t = *kv.block_table;
+      std::vector<int32_t> table(static_cast<size_t>(B * max_blocks), 0);
+      for (int64_t b = 0; b < B; ++b) {
+        if (t.device < 0)
+          std::memcpy(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
+                      static_cast<size_t>(max_blocks) * sizeof(int32_t));
+        else
+          cuda::copy_to_host(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
+                             static_cast<size_t>(max_blocks) * sizeof(int32_t), t.device, o.stream);
+      }
+      call.table = std::move(table);
+    }
+    check_kv_index_values(facts, s_new, append, seqlens.data(), call.start.empty() ? nullptr : call.start.data(),
+                          call.batch_row.empty() ? nullptr : call.batch_row.data(),
+                          paged ? call.table.data() : nullptr);
+    // Per sequence: keys attended after the append, and where the append starts (relative rows).
+    call.seqlen_k.resize(static_cast<size_t>(B));
+    call.first_new.resize(static_cast<size_t>(B));
+    int64_t max_sk = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int32_t start = call.start.empty() ? 0 : call.start[b];
+      call.first_new[b] = seqlens[b] - start;
+      call.seqlen_k[b] = static_cast<int32_t>(seqlens[b] + s_new - start);
+      max_sk = std::max<int64_t>(max_sk, call.seqlen_k[b]);
+    }
+    call.pos0 = std::move(seqlens);
+    c.shape.seq_kv = std::max<int64_t>(max_sk, 1);
   }
-
-  // Per sequence: keys attended after the append, and where the append starts (relative rows).
-  call.seqlen_k.resize(static_cast<size_t>(B));
-  call.first_new.resize(static_cast<size_t>(B));
-  int64_t max_sk = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int32_t start = call.start.empty() ? 0 : call.start[b];
-    call.first_new[b] = seqlens[b] - start;
-    call.seqlen_k[b] = static_cast<int32_t>(seqlens[b] + s_new - start);
-    max_sk = std::max<int64_t>(max_sk, call.seqlen_k[b]);
-  }
-  call.pos0 = std::move(seqlens);
-  c.shape.seq_kv = std::max<int64_t>(max_sk, 1);
 
   KvcacheParams& kp = call.params;
   kp = KvcacheParams{};
@@ -987,8 +1019,11 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
   p.v = in4<In4>(vv);
   p.out = in4<Out4>(vo);
   p.lse = OutLse{static_cast<float*>(lse.data), lse.stride[0], lse.stride[1], lse.stride[2]};
-  p.kv = KvMap{call.seqlen_k.data(), call.batch_row.empty() ? nullptr : call.batch_row.data(),
-               call.start.empty() ? nullptr : call.start.data(), paged ? call.table.data() : nullptr, max_blocks, Sc};
+  if (facts.on)  // (seqlen_k: the user's cache_seqlens until the backend's check derives it)
+    p.kv = KvMap{facts.cache_seqlens, facts.batch_row, facts.start, facts.table, facts.table_stride, Sc};
+  else
+    p.kv = KvMap{call.seqlen_k.data(), call.batch_row.empty() ? nullptr : call.batch_row.data(),
+                 call.start.empty() ? nullptr : call.start.data(), paged ? call.table.data() : nullptr, max_blocks, Sc};
   kp.k_cache = in4<Out4>(vk);
   kp.v_cache = in4<Out4>(vv);
   kp.s_new = s_new;
@@ -996,9 +1031,10 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
     kp.k_new = in4<In4>(bshd_as_bhsd(*kv.k_new));
     kp.v_new = in4<In4>(bshd_as_bhsd(*kv.v_new));
   }
-  kp.first_new = call.first_new.data();
+  kp.first_new = facts.on ? nullptr : call.first_new.data();
   kp.num_splits = kv.num_splits;
-  kp.pos0 = call.pos0.data();
+  kp.pos0 = facts.on ? nullptr : call.pos0.data();
+  kp.check = facts;
   if (rotary)
     kp.rotary = KvRotary{kv.rotary_cos->data, kv.rotary_sin->data, kv.rotary_cos->stride[0], kv.rotary_sin->stride[0],
                          2 * kv.rotary_cos->shape[1], kv.rotary_interleaved, q_advances};

@@ -36,6 +36,13 @@ BackwardParams make_backward_params_varlen(const Tensor& q, const Tensor& k, con
 void check_sequence_values(const int32_t* cq, const int32_t* ck, const int32_t* used, int64_t batch, int64_t total_q,
                            int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k);
 
+// A KV-cache call's index rules on host copies of its arrays (table: [B, f.max_blocks] dense, or
+// nullptr when not paged): throws the InvalidArgument naming the first broken entry. Validation
+// applies them to host reads; the CUDA backend's check on the stream (KvCheck) applies the same
+// rules and calls this for the message when they fail.
+void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const int32_t* seqlens, const int32_t* start,
+                           const int32_t* batch_row, const int32_t* table);
+
 // A validated KV-cache call: its params and the host copies of the index arrays they point into
 // (so the struct must stay where it is while the params are used).
 struct KvcacheCall {

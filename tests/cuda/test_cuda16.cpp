@@ -1,7 +1,8 @@
 // The CUDA backend's float16 / bfloat16 kernels against the float64 reference, forward (out, lse)
-// and backward (dq, dk, dv) in both backward designs: split (deterministic = 1: a dQ pass and a
-// dK/dV pass) and atomic (deterministic = 0 with FLASHATTN_CUDA_BWD=atomic: one pass, dQ summed
-// by float32 atomics).
+// and backward (dq, dk, dv) in the three backward designs: split (deterministic = 1 with
+// FLASHATTN_CUDA_BWD=split: a dQ pass and a dK/dV pass), atomic (deterministic = 0 with
+// FLASHATTN_CUDA_BWD=atomic: one pass, dQ summed by float32 atomics) and ordered (deterministic = 1,
+// the default there: the sm_90a single pass with dQ added in a fixed key-block order).
 //
 // Accuracy criterion (FlashAttention's): on the same 16-bit inputs,
 //   max|got - ref64| <= 2 x max|naive - ref64|   for out
@@ -188,9 +189,9 @@ struct Design {
   bool deterministic;
   const char* env;  // FLASHATTN_CUDA_BWD
 };
-// "ordered": deterministic on the sm_90a single pass, dQ added in key-block order (FLASHATTN_CUDA_BWD
-// = ordered; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step).
-constexpr Design kDesigns[] = {{"split", true, nullptr}, {"atomic", false, "atomic"}, {"ordered", true, "ordered"}};
+// "ordered": deterministic on the sm_90a single pass, dQ added in key-block order (deterministic = 1
+// with no knob; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step).
+constexpr Design kDesigns[] = {{"split", true, "split"}, {"atomic", false, "atomic"}, {"ordered", true, nullptr}};
 
 Options options16(const ProblemConfig& c, const Design& d) {
   Options o = options_for(c);
@@ -403,9 +404,8 @@ INSTANTIATE_TEST_SUITE_P(Small16, CudaSanitize16, ::testing::ValuesIn(sanitize16
                          [](const ::testing::TestParamInfo<Case16>& i) { return i.param.name; });
 
 // ---- determinism -----------------------------------------------------------------------------
-// deterministic = 1: forward and split backward bitwise identical run to run on a long GQA
-// problem (many key blocks per dQ row, two query heads per kv head), also with
-// FLASHATTN_CUDA_BWD=atomic set (deterministic wins).
+// deterministic = 1 with FLASHATTN_CUDA_BWD=split: forward and split backward bitwise identical run
+// to run on a long GQA problem (many key blocks per dQ row, two query heads per kv head).
 TEST(Cuda16Determinism, SplitBackwardBitwiseAcrossRuns) {
   REQUIRE_GPU();
   for (const DType dt : kDtypes16) {
@@ -416,7 +416,7 @@ TEST(Cuda16Determinism, SplitBackwardBitwiseAcrossRuns) {
     ASSERT_TRUE(d.ok());
     const Options o = options16(c, kDesigns[0]);
     std::vector<Snapshot> runs;
-    const char* const envs[] = {nullptr, "atomic", nullptr, nullptr};
+    const char* const envs[] = {"split", "split", "split"};
     for (const char* env : envs) {
       EnvScope scope("FLASHATTN_CUDA_BWD", env);
       d.poison();
@@ -436,14 +436,14 @@ TEST(Cuda16Determinism, SplitBackwardBitwiseAcrossRuns) {
     for (size_t r = 1; r < runs.size(); ++r)
       for (int t = 4; t < 9; ++t)  // snapshot order: q k v dout out lse dq dk dv
         EXPECT_TRUE(runs[0].bytes[t] == runs[r].bytes[t])
-            << short_dtype(dt) << " run " << r << " (FLASHATTN_CUDA_BWD="
-            << (r == 1 ? "atomic" : "unset") << "): " << kNames[t - 4] << " differs from run 0";
+            << short_dtype(dt) << " run " << r << ": " << kNames[t - 4] << " differs from run 0";
   }
 }
 
-// The ordered single pass (FLASHATTN_CUDA_BWD=ordered, deterministic = 1): bitwise identical run
-// to run on problems with many key blocks per query tile (GQA, causal, a window, Sq != Skv, every
-// sm_90a head dim), where the unordered atomic design's dQ differs between runs.
+// The ordered single pass (deterministic = 1 on sm_90a, also with FLASHATTN_CUDA_BWD=ordered or
+// =atomic set: deterministic wins): bitwise identical run to run on problems with many key blocks
+// per query tile (GQA, causal, a window, Sq != Skv, every sm_90a head dim), where the unordered
+// atomic design's dQ differs between runs.
 TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
   REQUIRE_GPU();
   struct Shape16 {
@@ -465,9 +465,9 @@ TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
       DeviceProblem d(p);
       ASSERT_TRUE(d.ok());
       const Options o = options16(c, kDesigns[2]);
-      EnvScope scope("FLASHATTN_CUDA_BWD", "ordered");
       std::vector<Snapshot> runs;
-      for (int r = 0; r < 3; ++r) {
+      for (const char* env : {static_cast<const char*>(nullptr), "ordered", "atomic"}) {
+        EnvScope scope("FLASHATTN_CUDA_BWD", env);
         d.poison();
         if (!call("forward", c.describe(), [&] { d.forward(o); })) return;
         if (!call("backward", c.describe(), [&] { d.backward(o); })) return;

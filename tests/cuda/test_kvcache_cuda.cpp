@@ -34,6 +34,10 @@ struct DeviceRun {
   // show what was written).
   bool graph = false;
   Status refused = Status::Ok;
+  // catch_errors: a call that throws leaves its status and message here and the downloads still
+  // run (to show that nothing was written).
+  bool catch_errors = false;
+  std::string message;
 
   Tensor upload(const Tensor& host, const void* bytes, size_t n) {
     bufs.push_back(std::make_unique<DeviceBuffer>(n + 32));
@@ -82,6 +86,7 @@ struct DeviceRun {
         forward_kvcache(q, kc, vc, out, lse, kv, o);
       } catch (const Error& e) {
         refused = e.status();
+        message = e.what();
       }
       ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(st, &g));
       if (refused == Status::Ok) {
@@ -93,6 +98,13 @@ struct DeviceRun {
       }
       if (g != nullptr) ASSERT_EQ(cudaSuccess, cudaGraphDestroy(g));
       ASSERT_EQ(cudaSuccess, cudaStreamDestroy(st));
+    } else if (catch_errors) {
+      try {
+        forward_kvcache(q, kc, vc, out, lse, kv, o);
+      } catch (const Error& e) {
+        refused = e.status();
+        message = e.what();
+      }
     } else {
       forward_kvcache(q, kc, vc, out, lse, kv, o);
     }
@@ -178,12 +190,14 @@ TEST(KvCacheCuda, GqaMqaAndBothCtaShapes) {
   }
 }
 
-// The index arrays travel in the kernels' parameters up to 384 entries (3 per sequence here, 5
-// with batch rows and left pads) and are copied to the device beyond: both routes, with splits
-// and the append, against the reference; a batch of 200 with batch rows and left pads takes the
-// copy.
+// Read on the host (FLASHATTN_CUDA_KV_CHECK=host; by default device-resident arrays are checked on
+// the stream instead), the index arrays travel in the kernels' parameters up to 384 entries (3 per
+// sequence here, 5 with batch rows and left pads) and are copied to the device beyond: both
+// routes, with splits and the append, against the reference; a batch of 200 with batch rows and
+// left pads takes the copy.
 TEST(KvCacheCuda, IndexArraysInParametersAndCopied) {
   REQUIRE_GPU();
+  EnvScope scope("FLASHATTN_CUDA_KV_CHECK", "host");
   for (int64_t b : {int64_t{5}, int64_t{128}, int64_t{200}}) {
     SCOPED_TRACE("B " + std::to_string(b));
     KvCase c;
@@ -199,14 +213,18 @@ TEST(KvCacheCuda, IndexArraysInParametersAndCopied) {
 }
 
 // Captured into a CUDA graph: a call whose index arrays travel in the kernels' parameters runs
-// from the graph (with splits and their dependent launches) and matches the reference;
-// one that would copy them from host memory (a paged cache) refuses the capture, writing nothing.
+// from the graph (with splits and their dependent launches) and matches the reference; so does one
+// with cache_seqlens in device memory (every decoding step; here with an append into pages),
+// whose index check is captured with its kernels. Arrays that break a rule make the replay write
+// nothing (out, lse, either cache) and count one failure (cuda_take_check_failures). With the
+// host read (FLASHATTN_CUDA_KV_CHECK=host) such a call refuses the capture, writing nothing.
 TEST(KvCacheCuda, GraphCapture) {
   REQUIRE_GPU();
+  EXPECT_GE(cuda_take_check_failures(0), 0);  // (a clean count)
   for (int32_t splits : {1, 4}) {
     SCOPED_TRACE("num_splits " + std::to_string(splits));
-    // (No cache_seqlens: as a device tensor they are read on the host, which a capture refuses;
-    // hence no append either. The whole cache is attended.)
+    // (No cache_seqlens, hence no append: the whole cache is attended, the index arrays in the
+    // kernels' parameters.)
     KvCase c;
     c.dtype = DType::BFloat16, c.B = 2, c.Hq = 8, c.Hkv = 2, c.D = 64, c.S_cache = 250, c.s_new = 0;
     c.num_splits = splits;
@@ -214,15 +232,31 @@ TEST(KvCacheCuda, GraphCapture) {
   }
   KvCase c;
   c.dtype = DType::BFloat16, c.block_size = 16, c.max_blocks = 8, c.seqlens = {17, 100}, c.s_new = 2, c.Sq = 2;
+  check_case(c, on_gpu(0, true));
+  KvCase sp;
+  sp.dtype = DType::BFloat16, sp.B = 2, sp.Hq = 8, sp.Hkv = 2, sp.D = 128, sp.seqlens = {3000, 70}, sp.S_cache = 3100;
+  sp.s_new = 1, sp.num_splits = 0, sp.rotary_dim = 32;
+  check_case(sp, on_gpu(0, true));
+  EXPECT_EQ(cuda_take_check_failures(0), 0);
+  {
+    Harness h(c);
+    h.seqlens[1] = 127;  // + S_new = 129 > the 128 rows of 8 pages of 16
+    const auto before = h.snapshot();
+    DeviceRun r;
+    r.graph = true;
+    r(h);
+    EXPECT_EQ(r.refused, Status::Ok) << r.message;
+    EXPECT_TRUE(before == h.snapshot()) << "a replay with broken index arrays wrote something";
+    EXPECT_EQ(cuda_take_check_failures(0), 1);
+  }
+  EnvScope scope("FLASHATTN_CUDA_KV_CHECK", "host");
   Harness h(c);
-  const std::vector<unsigned char> out0 = h.out, kc0 = h.kc, vc0 = h.vc;
+  const auto before = h.snapshot();
   DeviceRun r;
   r.graph = true;
   r(h);
   EXPECT_EQ(r.refused, Status::Unsupported);
-  EXPECT_EQ(h.out, out0) << "out written by a refused call";
-  EXPECT_EQ(h.kc, kc0) << "k_cache written by a refused call";
-  EXPECT_EQ(h.vc, vc0) << "v_cache written by a refused call";
+  EXPECT_TRUE(before == h.snapshot()) << "written by a refused call";
 }
 
 TEST(KvCacheCuda, HeadDims) {
@@ -388,6 +422,100 @@ TEST(KvCacheCuda, DeterministicAndPagedBitwise) {
     for (size_t i = 0; i < a1.second.size(); ++i) worst = std::max(worst, std::fabs(double(a1.second[i]) - o.second[i]));
     EXPECT_LE(worst, 1e-4) << "lse: auto splits against none";
   }
+}
+
+// Index arrays in device memory are checked on the stream by default (the call's kernels queue
+// behind the check and write nothing when it fails); FLASHATTN_CUDA_KV_CHECK=host reads and checks
+// them on the host instead. Both ways: the suite's kinds of calls against the reference (append and
+// rotary, batch rows and left pads, pages, split-KV), then every rule broken once: the host check's
+// own error, and not a byte of out, lse or either cache written.
+static void index_arrays_checked(bool on_device) {
+  {
+    KvCase c;
+    c.seqlens = {17, 40};
+    check_gpu(c);
+  }
+  {
+    KvCase c;
+    c.B = 3, c.batch_idx = true, c.seqlens = {10, 20, 33}, c.leftpad = {0, 7, 33}, c.S_cache = 40, c.Sq = 2,
+    c.s_new = 2, c.mask = Mask::CausalBottomRight, c.rotary_dim = 32;
+    check_gpu(c);
+  }
+  for (int32_t splits : {0, 1, 7}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    KvCase p;
+    p.B = 2, p.Hq = 8, p.Hkv = 2, p.D = 128, p.seqlens = {3000, 70}, p.S_cache = 3100, p.s_new = 1;
+    p.num_splits = splits;
+    check_gpu(p);
+    p.block_size = 64, p.max_blocks = 50, p.Sq = 4, p.s_new = 4, p.mask = Mask::CausalBottomRight;
+    check_gpu(p);
+  }
+  auto small = [] {
+    KvCase c;
+    c.dtype = DType::BFloat16;
+    c.seqlens = {5, 10};
+    c.S_cache = 16;
+    c.D = 16;
+    c.Hq = 4;
+    return c;
+  };
+  auto expect_refused = [](const KvCase& c, auto&& mutate, const std::vector<std::string>& needles) {
+    Harness h(c);
+    mutate(h);
+    const auto before = h.snapshot();
+    DeviceRun r;
+    r.catch_errors = true;
+    r(h);
+    EXPECT_EQ(r.refused, Status::InvalidArgument) << r.message;
+    for (const std::string& n : needles)
+      EXPECT_NE(r.message.find(n), std::string::npos) << "\"" << r.message << "\" lacks \"" << n << "\"";
+    EXPECT_TRUE(before == h.snapshot()) << "a refused call wrote something";
+  };
+  expect_refused(small(), [](Harness& h) { h.seqlens[1] = 16; }, {"cache_seqlens[1] + S_new = 16 + 1 = 17", "capacity 16"});
+  expect_refused(small(), [](Harness& h) { h.seqlens[0] = -1; }, {"cache_seqlens[0] = -1"});
+  KvCase paged = small();
+  paged.block_size = 16, paged.max_blocks = 2;
+  expect_refused(paged, [](Harness& h) { h.seqlens[0] = 32; }, {"cache_seqlens[0] + S_new = 32 + 1 = 33", "capacity 32"});
+  expect_refused(paged, [](Harness& h) { h.table[0] = static_cast<int32_t>(h.num_blocks); }, {"block_table[0, 0] = 7"});
+  expect_refused(paged, [](Harness& h) { h.table[2] = -1; }, {"block_table[1, 0] = -1"});
+  KvCase bi = small();
+  bi.batch_idx = true;
+  expect_refused(bi, [](Harness& h) { h.bidx[1] = 3; }, {"cache_batch_idx[1] = 3", "[0, 3)"});
+  expect_refused(bi, [](Harness& h) { h.bidx[1] = h.bidx[0]; }, {"cache_batch_idx names cache row 2 for two sequences"});
+  KvCase lp = small();
+  lp.leftpad = {0, 3};
+  expect_refused(lp, [](Harness& h) { h.leftpad[1] = 11; }, {"cache_leftpad[1] = 11", "cache_seqlens[1] = 10"});
+  KvCase ro = small();
+  ro.rotary_dim = 8;
+  expect_refused(ro, [](Harness& h) { h.tcos.shape[0] = 10, h.tsin.shape[0] = 10; },
+                 {"rotary_cos.shape[0] = 10 is too short", "positions up to 10"});
+  // The good arrays again: the call runs (a refused call leaves nothing behind).
+  check_gpu(small());
+  // The path asked for was taken: under capture the device check is captured (and the call
+  // matches the reference from the graph), the host read refuses.
+  KvCase cap = small();
+  if (on_device) {
+    check_case(cap, on_gpu(0, true));
+  } else {
+    Harness h(cap);
+    DeviceRun r;
+    r.graph = true;
+    r(h);
+    EXPECT_EQ(r.refused, Status::Unsupported);
+    EXPECT_NE(r.message.find("reads its index tensors"), std::string::npos) << r.message;
+  }
+}
+
+TEST(KvCacheCuda, IndexArraysCheckedOnDevice) {  // the default
+  REQUIRE_GPU();
+  EnvScope scope("FLASHATTN_CUDA_KV_CHECK", nullptr);
+  index_arrays_checked(true);
+}
+
+TEST(KvCacheCuda, IndexArraysCheckedOnHost) {
+  REQUIRE_GPU();
+  EnvScope scope("FLASHATTN_CUDA_KV_CHECK", "host");
+  index_arrays_checked(false);
 }
 
 // ---- NaN, refusals ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "cuda/host/select.hpp"
@@ -56,6 +57,7 @@ DeviceCaps dev(int major, int minor) {
   d.cc_minor = minor;
   d.smem_optin = major >= 9 ? 232448 : major == 8 ? 166912 : 232448;
   d.sms = major >= 9 ? 132 : 108;
+  d.resident_sms = d.sms;
   d.tma = major >= 9;
   return d;
 }
@@ -293,13 +295,29 @@ TEST(CudaSelect, Fp32ForwardChunksLongKeySequences) {
   EXPECT_THROW(ov(scoped_vars()), Error) << "a chunk that is not a multiple of 128";
 }
 
-// FLASHATTN_CUDA_BWD=ordered: deterministic calls on the sm_90a single pass with its counters
-// (one per sequence, query head, query tile, warpgroup) after the dQ accumulator; the split
-// passes where that kernel does not run (sm_80, the per-entry step, D = 96).
+// deterministic = 1 (and FLASHATTN_CUDA_BWD=ordered, and deterministic with =atomic: deterministic
+// wins): the sm_90a single pass with its counters (one per sequence, query head, query tile,
+// warpgroup) after the dQ accumulator; the split passes where that kernel does not run (sm_80,
+// the per-entry step, D = 96) or with FLASHATTN_CUDA_BWD=split.
 TEST(CudaSelect, OrderedBackwardIsTheDeterministicSm90SinglePass) {
-  OverrideScope e("FLASHATTN_CUDA_BWD", "ordered");
   Numerics n = num(DType::BFloat16);
   n.deterministic = true;
+  for (const char* knob : {static_cast<const char*>(nullptr), "ordered", "atomic", "split"}) {
+    SCOPED_TRACE(knob ? knob : "no knob");
+    std::optional<OverrideScope> e;
+    if (knob != nullptr) e.emplace("FLASHATTN_CUDA_BWD", knob);
+    const Selected<BackwardPlan> bp = select_backward(bparams(shape(1000, 128), n), dev(9, 0), ov(scoped_vars()));
+    ASSERT_TRUE(bp.ok) << bp.why;
+    const bool split = knob != nullptr && std::string(knob) == "split";
+    EXPECT_EQ(bp.plan.kernel, split ? BwdKernel::Sm80Mma16Split : BwdKernel::Sm90Wgmma16Atomic);
+    EXPECT_EQ(bp.plan.dq_locks >= 0, !split);
+    Numerics nd = n;
+    nd.deterministic = false;  // the knob alone: ordered asks for it, atomic and split are designs
+    const Selected<BackwardPlan> bn = select_backward(bparams(shape(1000, 128), nd), dev(9, 0), ov(scoped_vars()));
+    ASSERT_TRUE(bn.ok) << bn.why;
+    EXPECT_EQ(bn.plan.dq_locks >= 0, knob != nullptr && std::string(knob) == "ordered");
+  }
+  OverrideScope e("FLASHATTN_CUDA_BWD", "ordered");
   for (int64_t d : {64, 128, 256}) {
     SCOPED_TRACE(d);
     const Shape s = shape(1000, d);
@@ -316,6 +334,35 @@ TEST(CudaSelect, OrderedBackwardIsTheDeterministicSm90SinglePass) {
     EXPECT_EQ(b80.plan.kernel, BwdKernel::Sm80Mma16Split);
     EXPECT_EQ(b80.plan.dq_locks, -1);
   }
+  // Without a mask and with every key block of a head on the GPU at once (132 SMs here, 128 keys
+  // a block at D = 128), the blocks start at spread tiles (dq_rotate); a mask, a window or more
+  // key blocks than SMs keep the common start.
+  auto rotates = [&](Mask m, int64_t sq, int64_t skv, int64_t wl) {
+    Numerics nm = n;
+    nm.mask = m;
+    nm.window_left = wl;
+    const Selected<BackwardPlan> r = select_backward(bparams(shape(sq, 128, skv), nm), dev(9, 0), ov(scoped_vars()));
+    EXPECT_TRUE(r.ok && r.plan.dq_locks >= 0) << r.why;
+    return r.plan.dq_rotate;
+  };
+  EXPECT_TRUE(rotates(Mask::None, 1000, 1000, -1));
+  EXPECT_TRUE(rotates(Mask::None, 64, 132 * 128, -1));
+  EXPECT_FALSE(rotates(Mask::None, 64, 132 * 128 + 1, -1)) << "133 key blocks on 132 SMs";
+  EXPECT_FALSE(rotates(Mask::CausalBottomRight, 1000, 1000, -1));
+  EXPECT_FALSE(rotates(Mask::None, 1000, 1000, 256));
+  // The SMs the process can hold (a green context's share; none known under MPS), not the device's.
+  for (int resident : {0, 7, 8}) {
+    DeviceCaps d = dev(9, 0);
+    d.resident_sms = resident;
+    const Selected<BackwardPlan> r = select_backward(bparams(shape(1000, 128), n), d, ov(scoped_vars()));
+    ASSERT_TRUE(r.ok) << r.why;
+    EXPECT_EQ(r.plan.dq_rotate, resident >= 8) << resident << " resident SMs, 8 key blocks";
+  }
+  // The two-CTA shape at D = 64 (short causal rows) is the unordered pass's only
+  // (TwoCtaBackwardOnlyForShortCausalAtD64).
+  Numerics nc = n;
+  nc.mask = Mask::CausalTopLeft;
+  EXPECT_EQ(select_backward(bparams(shape(512, 64), nc), dev(9, 0), ov(scoped_vars())).plan.sm90_variant, 0);
   Numerics nx = n;
   nx.softcap = 30.0f;
   const Selected<BackwardPlan> bx = select_backward(bparams(shape(1000, 128), nx), dev(9, 0), ov(scoped_vars()));
@@ -378,16 +425,25 @@ TEST(CudaSelect, TwoCtaBackwardOnlyForShortCausalAtD64) {
   }
 }
 
-TEST(CudaSelect, DeterministicMeansTheSplitBackward) {
-  for (int cc : {8, 9}) {
-    const Sel c = sel(shape(4096, 64), num(DType::BFloat16, Mask::None, Precision::Fp32, true), cc, 0);
-    ASSERT_TRUE(c.ok);
-    EXPECT_FALSE(c.atomic_bwd) << "sm_" << cc << "0";
-    EXPECT_FALSE(c.sm90_bwd) << "sm_" << cc << "0";
-  }
+// deterministic = 1: before sm_90 (and at D = 96) the split passes; on sm_90a the single pass with
+// ordered dQ counters (OrderedBackwardIsTheDeterministicSm90SinglePass) - never unordered atomics.
+TEST(CudaSelect, DeterministicMeansNoUnorderedAtomics) {
+  const Numerics det = num(DType::BFloat16, Mask::None, Precision::Fp32, true);
+  const Sel c80 = sel(shape(4096, 64), det, 8, 0);
+  ASSERT_TRUE(c80.ok);
+  EXPECT_FALSE(c80.atomic_bwd);
+  EXPECT_FALSE(c80.sm90_bwd);
+  const Sel c90 = sel(shape(4096, 64), det, 9, 0);
+  ASSERT_TRUE(c90.ok);
+  EXPECT_TRUE(c90.sm90_bwd);
+  EXPECT_GE(c90.bwd().dq_locks, 0) << "the ordered counters";
+  const Sel d96 = sel(shape(4096, 96), det, 9, 0);
+  ASSERT_TRUE(d96.ok);
+  EXPECT_FALSE(d96.atomic_bwd) << "no sm_90a pass at D = 96: split";
   // ... whatever FLASHATTN_CUDA_BWD says.
   OverrideScope e("FLASHATTN_CUDA_BWD", "atomic");
-  EXPECT_FALSE(sel(shape(4096, 128), num(DType::BFloat16, Mask::None, Precision::Fp32, true), 9, 0).atomic_bwd);
+  EXPECT_GE(sel(shape(4096, 128), det, 9, 0).bwd().dq_locks, 0);
+  EXPECT_FALSE(sel(shape(4096, 128), det, 8, 0).atomic_bwd);
   EXPECT_TRUE(sel(shape(4096, 128), num(DType::BFloat16), 8, 0).atomic_bwd);
 }
 
@@ -844,7 +900,7 @@ TEST(CudaSelect, WorkspaceOfEachPlan) {
   ASSERT_TRUE(atomic.atomic_bwd);
   EXPECT_EQ(atomic.bwd().workspace, (delta + rows * 64) * sizeof(float));
   EXPECT_EQ(atomic.fwd().workspace, 0u);
-  const Sel split = sel(s, num(DType::BFloat16, Mask::None, Precision::Fp32, true), 9, 0);
+  const Sel split = sel(s, num(DType::BFloat16, Mask::None, Precision::Fp32, true), 8, 0);
   EXPECT_EQ(split.bwd().workspace, delta * sizeof(float));
   const Sel x3 = sel(s, num(DType::Float32), 9, 0);
   ASSERT_EQ(x3.fwd().kernel, FwdKernel::Sm90X3);
@@ -1079,6 +1135,59 @@ TEST(KvcacheSelect, Stages) {
   EXPECT_EQ(r.plan.stages, 3);
   EXPECT_LE(r.plan.smem, h200.smem_optin);
   EXPECT_GT(decode_smem_bytes(256, 4, false, 4), h200.smem_optin);
+}
+
+// CTAs per multiprocessor that keep the memory busy with the whole-tile loader (kv_streams): one
+// on an H100 (2619 MHz x 5120 bits: 25 GB/s per SM), two on an H200 (3201 MHz x 6144 bits: 37),
+// one when the bandwidth is unknown. B16 4k (128 row blocks): one split on the H100, two (256
+// CTAs, two per SM, at a stage count that leaves two slots) on the H200; B64 4k: one on both.
+TEST(KvcacheSelect, StreamsPerMultiprocessor) {
+  DeviceCaps h100 = dev(9, 0), h200 = dev(9, 0);
+  h100.mem_gbps = 2.0 * 2619e6 * 640 / 1e9;
+  h200.mem_gbps = 2.0 * 3201e6 * 768 / 1e9;
+  EXPECT_EQ(kv_streams(h100), 1);
+  EXPECT_EQ(kv_streams(h200), 2);
+  EXPECT_EQ(kv_streams(dev(9, 0)), 1);
+  const KvcacheParams b16 = kv_call(DType::BFloat16, 16, 1, 32, 8, 4096, 128);
+  EXPECT_EQ(select_kvcache(b16, h100).plan.splits, 1);
+  const auto r = select_kvcache(b16, h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_EQ(r.plan.splits, 2);
+  EXPECT_GE((h200.smem_optin + 1024) / (r.plan.smem + 1024), 2);
+  const KvcacheParams b64 = kv_call(DType::BFloat16, 64, 1, 32, 8, 4096, 128);
+  EXPECT_EQ(select_kvcache(b64, h100).plan.splits, 1);
+  EXPECT_EQ(select_kvcache(b64, h200).plan.splits, 1);
+  // The caller's num_splits is kept either way; the knob sets the CTAs per SM.
+  KvcacheParams asked = b16;
+  asked.num_splits = 5;
+  EXPECT_EQ(select_kvcache(asked, h200).plan.splits, 5);
+  Overrides ov;
+  ov.decode_streams = 1;
+  EXPECT_EQ(select_kvcache(b16, h200, ov).plan.splits, 1);
+  ov.decode_streams = 2;
+  EXPECT_EQ(select_kvcache(b16, h100, ov).plan.splits, 2);
+}
+
+// Index arrays checked on the stream (KvCheck): nothing of them in the parameters or copied; the
+// check's derived arrays and verdict ([3 B + 1] int32) at the workspace's start, the partials after.
+TEST(KvcacheSelect, DeviceCheckLayout) {
+  const DeviceCaps h200 = dev(9, 0);
+  KvcacheParams k = kv_call(DType::BFloat16, 4, 1, 32, 8, 8192, 128);
+  k.check.on = true;
+  k.check.batch = 4;
+  const auto r = select_kvcache(k, h200);
+  ASSERT_TRUE(r.ok) << r.why;
+  EXPECT_FALSE(r.plan.idx_inline);
+  EXPECT_EQ(r.plan.idx_ints, 0u);
+  EXPECT_EQ(r.plan.check, 0);
+  const size_t after = (13 * 4 + 15) / 16 * 16;
+  if (r.plan.splits > 1) {
+    EXPECT_EQ(r.plan.o_part, static_cast<int64_t>(after));
+  } else {
+    EXPECT_EQ(r.plan.workspace, after);
+  }
+  k.check.on = false;
+  EXPECT_EQ(select_kvcache(k, h200).plan.check, -1);
 }
 
 TEST(KvcacheSelect, Refusals) {

@@ -87,6 +87,19 @@ struct DeviceVarRun {
     backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, vl, o);
     download();
   }
+  // Whether every output byte on the device is still poison() (0xff): nothing was written.
+  bool untouched() {
+    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const Tensor* o[] = {&out, &lse, &dq, &dk, &dv};
+    const Buf* h[] = {&r.out, &r.lse, &r.dq, &r.dk, &r.dv};
+    for (int i = 0; i < 5; ++i) {
+      std::vector<unsigned char> b(h[i]->bytes.size());
+      EXPECT_EQ(cudaSuccess, cudaMemcpy(b.data(), o[i]->data, b.size(), cudaMemcpyDeviceToHost));
+      for (unsigned char x : b)
+        if (x != 0xff) return false;
+    }
+    return true;
+  }
   void download() {
     ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
     const Tensor* o[] = {&out, &lse, &dq, &dk, &dv};
@@ -260,18 +273,6 @@ TEST(VarlenCudaBadInput, SequenceArrays) {
       VarRun r(c);
       DeviceVarRun d(r);
       ASSERT_TRUE(d.ok);
-      auto untouched = [&] {
-        EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
-        const Tensor* o[] = {&d.out, &d.lse, &d.dq, &d.dk, &d.dv};
-        const Buf* h[] = {&r.out, &r.lse, &r.dq, &r.dk, &r.dv};
-        for (int i = 0; i < 5; ++i) {
-          std::vector<unsigned char> b(h[i]->bytes.size());
-          EXPECT_EQ(cudaSuccess, cudaMemcpy(b.data(), o[i]->data, b.size(), cudaMemcpyDeviceToHost));
-          for (unsigned char x : b)
-            if (x != 0xff) return false;  // (poison(): every byte 0xff)
-        }
-        return true;
-      };
       const Options o = d.options(false, Precision::Fp32);
       auto expect_error = [&](const Varlen& vl, const std::string& fragment) {
         for (int pass = 0; pass < 2; ++pass) {
@@ -287,7 +288,7 @@ TEST(VarlenCudaBadInput, SequenceArrays) {
             EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
             EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
           }
-          EXPECT_TRUE(untouched()) << "an output was written";
+          EXPECT_TRUE(d.untouched()) << "an output was written";
         }
       };
       {
@@ -324,43 +325,67 @@ TEST(VarlenCudaBadInput, SequenceArrays) {
       }
       // The good arrays after all that: the call runs and writes its outputs.
       d.run(false);
-      EXPECT_FALSE(untouched());
+      EXPECT_FALSE(d.untouched());
       check_against_reference(r);
     }
 }
 
-// Under CUDA graph capture a packed call is refused (it waits for its arrays' check before it
-// returns), with nothing queued into the capture, and the stream works afterwards.
-TEST(VarlenCudaBadInput, RefusedUnderCapture) {
+// Under CUDA graph capture a packed call's check of its sequence arrays is captured with its
+// kernels (nothing waits for it): the replayed graph computes what the eager calls compute, bit
+// for bit (the same kernels on the same inputs; the deterministic backward); arrays broken on the
+// device before a replay make it write nothing and count one failure per checked call
+// (cuda_take_check_failures), and once mended the same graph computes the same results again.
+TEST(VarlenCudaGraph, CapturedAndReplayed) {
   REQUIRE_GPU();
   VarCase c{"capture", {3, 0, 5}, {4, 2, 5}, {}, 2, 1, 64, DType::BFloat16};
   VarRun r(c);
   DeviceVarRun d(r);
   ASSERT_TRUE(d.ok);
+  EXPECT_GE(cuda_take_check_failures(0), 0);  // (a clean count)
+  d.run(true);
+  check_against_reference(r);
+  const std::vector<unsigned char> out0 = r.out.bytes, lse0 = r.lse.bytes, dq0 = r.dq.bytes, dk0 = r.dk.bytes,
+                                   dv0 = r.dv.bytes;
   cudaStream_t st = nullptr;
   ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  Options o = d.options(false, Precision::Fp32);
+  Options o = d.options(true, Precision::Fp32);
   o.stream = st;
+  cudaGraph_t g = nullptr;
   ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
   try {
     forward_varlen(d.q, d.k, d.v, d.out, d.lse, d.vl, o);
-    ADD_FAILURE() << "accepted under capture";
+    backward_varlen(d.q, d.k, d.v, d.out, d.dout, d.lse, d.dq, d.dk, d.dv, d.vl, o);
   } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("captured into a CUDA graph"), std::string::npos) << e.what();
+    ADD_FAILURE() << "refused under capture: " << e.what();
   }
-  cudaGraph_t g = nullptr;
-  EXPECT_EQ(cudaSuccess, cudaStreamEndCapture(st, &g));
-  size_t nodes = 1;
-  if (g != nullptr) {
-    EXPECT_EQ(cudaSuccess, cudaGraphGetNodes(g, nullptr, &nodes));
-    (void)cudaGraphDestroy(g);
-  }
-  EXPECT_EQ(nodes, 0u) << "the refused call queued work into the capture";
-  d.poison();
-  forward_varlen(d.q, d.k, d.v, d.out, d.lse, d.vl, o);
-  EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(st));
-  (void)cudaStreamDestroy(st);
+  ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(st, &g));
+  cudaGraphExec_t ex = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaGraphInstantiate(&ex, g, 0));
+  auto replay = [&] {
+    d.poison();
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    ASSERT_EQ(cudaSuccess, cudaGraphLaunch(ex, st));
+    ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(st));
+    d.download();
+  };
+  replay();
+  EXPECT_TRUE(r.out.bytes == out0 && r.lse.bytes == lse0) << "the replayed forward differs from the eager one";
+  EXPECT_TRUE(r.dq.bytes == dq0 && r.dk.bytes == dk0 && r.dv.bytes == dv0)
+      << "the replayed backward differs from the eager one";
+  EXPECT_EQ(cuda_take_check_failures(0), 0);
+  // cu_seqlens_q decreasing, written into the captured array.
+  const std::vector<int32_t> bad = {0, 3, 2, 8};
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(d.cq.data, bad.data(), bad.size() * 4, cudaMemcpyHostToDevice));
+  replay();
+  EXPECT_TRUE(d.untouched()) << "a replay with broken arrays wrote an output";
+  EXPECT_EQ(cuda_take_check_failures(0), 2) << "the forward's and the backward's checks";
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(d.cq.data, r.cu_q.data(), r.cu_q.size() * 4, cudaMemcpyHostToDevice));
+  replay();
+  EXPECT_TRUE(r.out.bytes == out0 && r.dq.bytes == dq0 && r.dk.bytes == dk0 && r.dv.bytes == dv0);
+  EXPECT_EQ(cuda_take_check_failures(0), 0);
+  EXPECT_EQ(cudaSuccess, cudaGraphExecDestroy(ex));
+  EXPECT_EQ(cudaSuccess, cudaGraphDestroy(g));
+  EXPECT_EQ(cudaSuccess, cudaStreamDestroy(st));
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // key block visits (exactly the tiles holding a visible entry, none for a block that sees nothing),
 // which tiles skip per-entry masking (only those whose every entry is visible), the per-lane
 // column bounds that mask the others (exactly the visible entries), and which rows and keys have no
-// visible entry at all. Masks none, causal top-left
+// visible entry at all, and the ordered dQ reduction's turns (a model of the blocks taking them:
+// arrival order, no deadlock). Masks none, causal top-left
 // and bottom-right, sliding windows with and without causal, Sq != Skv, tiles of 16 to 128.
 // Host code only: runs in CI.
 #include <gtest/gtest.h>
@@ -291,6 +292,129 @@ TEST(CudaWork, WindowsSkipTilesOnBothSides) {
   EXPECT_TRUE(qt.t_begin == qb.t_begin && qt.ntiles == qb.ntiles);
   const KeyBlock kt = key_block<128, 64>(s, n, 0, 0, 2);
   EXPECT_TRUE(kt.t_begin == kb.t_begin && kt.t_end == kb.t_end && kt.ntiles == kb.ntiles);
+}
+
+// ---- the ordered dQ reduction's turns (turn_highest_first, turn_rotated) -------------------------
+// A model of the sm_90a ordered pass: key blocks, launched in the given order into at most `slots`
+// resident places (a finished block's place goes to the next one), walk their lists of entries;
+// an entry takes `cost` ticks of work, the last of them adding into it when the entry's counter
+// equals the block's turn (else the block waits there, tick by tick), which counts it. Returns the ticks until every block finished, or -1 when a tick
+// passes in which no block could do anything (they all wait: a deadlock). `counters` ends with
+// how many blocks added into each entry.
+struct TurnBlock {
+  std::vector<int> entry, turn;  // per step of the walk: the entry's counter and this block's place
+  int cost = 1;
+};
+int64_t simulate_turns(const std::vector<TurnBlock>& launch, int n_entries, size_t slots, std::vector<int>& counters) {
+  counters.assign(static_cast<size_t>(n_entries), 0);
+  struct Live {
+    size_t b, pos;
+    int timer;
+  };
+  std::vector<Live> live;
+  size_t next = 0, done = 0;
+  for (int64_t tick = 0;; ++tick) {
+    while (live.size() < slots && next < launch.size()) live.push_back({next, 0, launch[next].cost - 1}), ++next;
+    if (done == launch.size()) return tick;
+    bool moved = false;
+    for (Live& l : live) {
+      const TurnBlock& tb = launch[l.b];
+      if (l.pos == tb.entry.size()) continue;  // (finished: leaves below)
+      if (l.timer > 0) {
+        --l.timer, moved = true;
+        continue;
+      }
+      if (counters[tb.entry[l.pos]] != tb.turn[l.pos]) continue;  // waiting for its turn
+      ++counters[tb.entry[l.pos]], ++l.pos, l.timer = tb.cost - 1, moved = true;
+    }
+    for (size_t i = 0; i < live.size();)
+      if (live[i].pos == launch[live[i].b].entry.size()) live.erase(live.begin() + i), ++done, moved = true;
+      else ++i;
+    if (!moved && done < launch.size()) return -1;
+  }
+}
+
+// Rotated turns: at every entry of the list a permutation of the blocks, in the order of the step
+// at which each reaches it (block y starts at entry y * step).
+TEST(CudaWork, RotatedTurnsAreTheArrivalOrder) {
+  for (int nk = 1; nk <= 24; ++nk)
+    for (int n = nk; n <= 3 * nk + 3; ++n) {
+      const int step = n / nk;
+      for (int x = 0; x < n; ++x) {
+        std::vector<int> at(static_cast<size_t>(nk), -1);
+        for (int k = 0; k < nk; ++k) {
+          const int t = turn_rotated(x, k, nk, step);
+          ASSERT_TRUE(t >= 0 && t < nk) << nk << " blocks, " << n << " entries";
+          ASSERT_EQ(at[t], -1) << "two blocks at place " << t;
+          at[t] = k;
+        }
+        auto arrival = [&](int k) { return ((x - k * step) % n + n) % n; };
+        for (int t = 1; t < nk; ++t) ASSERT_LT(arrival(at[t - 1]), arrival(at[t])) << nk << " blocks, entry " << x;
+      }
+    }
+}
+
+// The rotated walk (no mask): with every block resident nobody ever waits (n ticks for n entries
+// at one tick each); with uneven speeds it still finishes; with one place fewer than blocks it
+// deadlocks - why the plan asks for all key blocks of a head to fit on the GPU at once.
+TEST(CudaWork, RotatedWalkNeedsEveryBlockResident) {
+  for (int nk : {1, 2, 3, 8, 13}) {
+    for (int n : {nk, nk + 1, 2 * nk + 1, 4 * nk}) {
+      const int step = n / nk;
+      std::vector<TurnBlock> launch;
+      for (int k = nk - 1; k >= 0; --k) {  // (the kernel's launch order: highest key block first)
+        TurnBlock tb;
+        for (int it = 0; it < n; ++it) {
+          const int x = (it + k * step) % n;
+          tb.entry.push_back(x);
+          tb.turn.push_back(turn_rotated(x, k, nk, step));
+        }
+        launch.push_back(tb);
+      }
+      std::vector<int> counters;
+      EXPECT_EQ(simulate_turns(launch, n, static_cast<size_t>(nk), counters), n) << nk << " blocks, " << n << " entries";
+      for (int c : counters) EXPECT_EQ(c, nk);
+      for (size_t i = 0; i < launch.size(); ++i) launch[i].cost = 1 + static_cast<int>((i * 7 + 3) % 4);
+      EXPECT_GT(simulate_turns(launch, n, static_cast<size_t>(nk), counters), 0) << nk << " blocks, uneven";
+      if (nk > 1) EXPECT_EQ(simulate_turns(launch, n, static_cast<size_t>(nk - 1), counters), -1) << nk << " blocks";
+    }
+  }
+}
+
+// Highest first under every band of the grid: every block finishes whatever the number of
+// resident places (one included) and speeds, and each (query head, query tile) counter ends at the
+// number of key blocks that see it - a block only ever waits for blocks launched before it.
+TEST(CudaWork, HighestFirstTurnsNeverDeadlock) {
+  for_each_problem([](const Band& m, const MaskRule& rule, int64_t sq, int64_t skv, const Grid&) {
+    const int64_t group = 2;
+    const Shape s{1, 2 * group, 2, sq, skv, 64};
+    for (const auto& tile : kTiles) {
+      const int bm = tile[0], bn = tile[1];
+      const int64_t nx = (skv + bm - 1) / bm, nq = (sq + bn - 1) / bn;
+      std::vector<TurnBlock> launch;
+      std::vector<int> expect(static_cast<size_t>(2 * group * nq), 0);
+      for (int64_t x = nx - 1; x >= 0; --x) {
+        const KeyBlock kb = key_block_at(s, rule, 0, 1, x, bm, bn);
+        TurnBlock tb;
+        tb.cost = 1 + static_cast<int>(x % 3);
+        for (int it = 0; it < kb.ntiles; ++it) {
+          const int64_t h = kb.head(it), n0 = kb.q0(it, bn);
+          const int qrows = static_cast<int>(sq - n0 < bn ? sq - n0 : bn);
+          const int e = static_cast<int>(h * nq + n0 / bn);
+          tb.entry.push_back(e);
+          tb.turn.push_back(turn_highest_first(key_tiles(rule, n0, qrows, skv, bm), x));
+          ++expect[static_cast<size_t>(e)];
+        }
+        launch.push_back(tb);
+      }
+      for (size_t slots : {size_t{1}, size_t{2}, static_cast<size_t>(nx)}) {
+        std::vector<int> counters;
+        ASSERT_GE(simulate_turns(launch, static_cast<int>(expect.size()), slots, counters), 0)
+            << what(m, sq, skv, bm, bn) << ", " << slots << " resident";
+        ASSERT_EQ(counters, expect) << what(m, sq, skv, bm, bn);
+      }
+    }
+  });
 }
 
 }  // namespace

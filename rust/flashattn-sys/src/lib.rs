@@ -257,4 +257,8 @@ extern "C" {
 
     /// 1 when this build has the CUDA backend and a usable CUDA device, else 0.
     pub fn flashattn_cuda_available() -> c_int;
+
+    /// Waits for the device; stores (and resets) how many graph replays of packed or KV-cache
+    /// calls found index arrays that break a rule (they wrote nothing).
+    pub fn flashattn_cuda_take_check_failures(device: i32, failures: *mut i64) -> c_int;
 }

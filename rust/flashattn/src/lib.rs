@@ -237,3 +237,14 @@ pub fn cuda_available() -> bool {
     // SAFETY: no arguments; never fails.
     unsafe { sys::flashattn_cuda_available() != 0 }
 }
+
+/// Packed (varlen) and KV-cache calls check their index arrays on the device. Called eagerly, a
+/// call whose arrays break a rule returns an error and writes nothing; captured into a CUDA graph,
+/// the check runs at every replay, where nothing can return an error: such a replay writes nothing
+/// and is counted. Waits for the device, returns the count since the last call and resets it.
+pub fn cuda_take_check_failures(device: i32) -> Result<i64, Error> {
+    let mut n: i64 = 0;
+    // SAFETY: `n` outlives the call, which writes one i64 through the pointer.
+    Error::check(unsafe { sys::flashattn_cuda_take_check_failures(device, &mut n) })?;
+    Ok(n)
+}

@@ -234,3 +234,13 @@ fn error_display_has_the_status_and_message() {
     let boxed: Box<dyn std::error::Error> = Box::new(e);
     assert!(boxed.to_string().contains("does not divide"));
 }
+
+#[test]
+fn check_failures_count_needs_a_device() {
+    let e = flashattn::cuda_take_check_failures(-1).expect_err("device -1");
+    assert_err(&e, ErrorKind::InvalidArgument, &["device = -1"]);
+    match flashattn::cuda_take_check_failures(0) {
+        Ok(n) => assert!(flashattn::cuda_available() && n >= 0, "{n}"),
+        Err(e) => assert!(!flashattn::cuda_available(), "{e}"),
+    }
+}

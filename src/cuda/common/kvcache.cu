@@ -48,7 +48,11 @@ __device__ void rotate_row(const KvRotary& r, int64_t pos, const uint16_t* src, 
 // rotated q rows (q_rot only).
 template <Half16 H>
 __global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
-  pdl_trigger();  // (the decode kernel waits for this one's completion before it reads anything)
+  // (A dependent launch after the index check, whose verdict and derived arrays it reads; the
+  // decode kernel waits for this one's completion before it reads anything.)
+  pdl_wait();
+  pdl_trigger();
+  if (a.ok != nullptr && *a.ok == 0) return;  // (the index arrays broke a rule: nothing is written)
   const KvcacheParams& kp = a.kp;
   const KvMap kv = kv_map_at(a.kv, a.idx);
   const int32_t* first_new = a.idx.n > 0 ? a.idx.v + a.idx.at_first : a.first_new;
@@ -93,6 +97,7 @@ constexpr int kCombineWarps = 4, kCombineBatch = 8;
 template <Half16 H>
 __global__ void __launch_bounds__(32 * kCombineWarps) kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
   pdl_wait();  // (launched as a dependent of the decode kernel: its partials must be complete)
+  if (a.ok != nullptr && *a.ok == 0) return;
   constexpr int W = kCombineWarps, NB = kCombineBatch, kPerLane = (kMaxKvSplits + 31) / 32;
   constexpr int kMaxChunks = 2;  // float4 chunks per lane: head dims up to 256
   __shared__ float4 s_acc[W][32 * kMaxChunks];
@@ -196,8 +201,8 @@ bool launch_kv_prepare(const KvPrepArgs& a, cudaStream_t stream) {
   const int64_t rows = s.batch * a.kp.s_new * s.heads_kv + (a.q_rot != nullptr ? s.batch * s.seq_q * s.heads_q : 0);
   if (rows == 0) return false;
   with_half(a.kp.fwd.num.dtype, [&](auto h) {
-    launch_checked(dev::kv_prepare_kernel<decltype(h)::value>, dim3(grid_blocks(rows, kRowsPerBlock)),
-                   32 * kRowsPerBlock, 0, stream, a, "KV-cache append / rotary kernel launch");
+    launch_checked_pdl(dev::kv_prepare_kernel<decltype(h)::value>, dim3(grid_blocks(rows, kRowsPerBlock)),
+                       32 * kRowsPerBlock, 0, stream, a, "KV-cache append / rotary kernel launch", a.pdl);
   });
   return true;
 }

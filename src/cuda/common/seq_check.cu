@@ -8,10 +8,27 @@
 
 #include "core/backend.hpp"
 #include "core/validate.hpp"
+#include "cuda/common/device.cuh"
 #include "cuda/host/check.hpp"
+#include "cuda/host/launch.hpp"
 
 namespace flashattn::cuda {
 namespace dev {
+
+// Failed checks in graph replays, per device (this module's copy on each): the check kernels of
+// captured calls add to it (they have no host to report to), take_captured_failures reads it.
+__device__ int g_captured_failures = 0;
+
+// A check's verdict, by its thread 0: into the call's pinned word (1 valid, 2 not), or, captured
+// (host nullptr: no host waits), a failure into the device's count.
+__device__ __forceinline__ void publish_verdict(volatile int* host, bool ok) {
+  if (host != nullptr) {
+    *host = ok ? 1 : 2;
+    __threadfence_system();
+  } else if (!ok) {
+    atomicAdd(&g_captured_failures, 1);
+  }
+}
 
 constexpr int kSeqCheckThreads = 1024;
 
@@ -44,12 +61,73 @@ __global__ void __launch_bounds__(kSeqCheckThreads) seq_check_kernel(const __gri
   }
   if (threadIdx.x == 0) {
     used[B] = ok ? 1 : 0;
-    *j.host = ok ? 1 : 2;
-    __threadfence_system();
+    publish_verdict(j.host, ok);
+  }
+}
+
+// The index rules of check_kv_index_values (core/validate.cpp), entry by entry over one CTA, then
+// one verdict: cache_seqlens in [0, capacity - S_new] and within int32 with S_new; cache_leftpad
+// in [0, cache_seqlens]; cache_batch_idx in [0, B_cache) and, when appending, without repeats;
+// the block-table entries of each sequence's used pages in [0, num_blocks); the rotary tables
+// long enough for the last position used.
+constexpr int kKvCheckThreads = 1024;
+__global__ void __launch_bounds__(kKvCheckThreads) kv_check_kernel(const __grid_constant__ KvCheckJob j) {
+  pdl_trigger();  // (the next kernel of the call may start: it waits for this one's completion)
+  const KvCheck& f = j.f;
+  const int64_t B = f.batch;
+  bool bad = false;
+  for (int64_t b = threadIdx.x; b < B; b += kKvCheckThreads) {
+    const int64_t sl = f.cache_seqlens[b];
+    bad |= sl < 0 || sl > f.capacity || j.s_new > f.capacity - sl || sl + j.s_new > 0x7fffffff;
+    if (f.start != nullptr) bad |= f.start[b] < 0 || f.start[b] > sl;
+    if (f.batch_row != nullptr) {
+      const int32_t r = f.batch_row[b];
+      bad |= r < 0 || r >= f.cache_batch;
+      if (j.append)
+        for (int64_t c = b + 1; c < B; ++c) bad |= f.batch_row[c] == r;
+    }
+    if (f.rotary_rows > 0) bad |= sl + f.rotary_ahead > f.rotary_rows;
+  }
+  // Pages: the entries of each sequence's used pages only (entries past them are never read),
+  // a sequence per thread.
+  if (f.table != nullptr)
+    for (int64_t b = threadIdx.x; b < B; b += kKvCheckThreads) {
+      const int64_t sl = f.cache_seqlens[b];
+      if (sl < 0 || sl > f.capacity) continue;  // (already bad)
+      const int64_t used = (sl + j.s_new + f.block_rows - 1) / f.block_rows;
+      const int32_t* row = f.table + b * f.table_stride;
+      for (int64_t i = 0; i < used && i < f.max_blocks; ++i) bad |= row[i] < 0 || row[i] >= f.cache_batch;
+    }
+  const bool ok = __syncthreads_or(bad) == 0;
+  int32_t* seqlen_k = j.out;
+  int32_t* first_new = seqlen_k + B;
+  int32_t* pos0 = first_new + B;
+  for (int64_t b = threadIdx.x; b < B; b += kKvCheckThreads) {
+    const int32_t sl = f.cache_seqlens[b], st = f.start != nullptr ? f.start[b] : 0;
+    seqlen_k[b] = ok ? static_cast<int32_t>(sl + j.s_new - st) : 0;
+    first_new[b] = ok ? sl - st : 0;
+    pos0[b] = ok ? sl : 0;
+  }
+  if (threadIdx.x == 0) {
+    pos0[B] = ok ? 1 : 0;
+    publish_verdict(j.host, ok);
   }
 }
 
 }  // namespace dev
+
+void launch_kv_check(const KvCheckJob& j, cudaStream_t stream) {
+  launch_checked(dev::kv_check_kernel, dim3(1), dev::kKvCheckThreads, 0, stream, j, "KV-cache index check launch");
+}
+
+int64_t take_captured_failures() {
+  int n = 0;
+  const int zero = 0;
+  FLASHATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  FLASHATTN_CUDA_CHECK(cudaMemcpyFromSymbol(&n, dev::g_captured_failures, sizeof(int)));
+  FLASHATTN_CUDA_CHECK(cudaMemcpyToSymbol(dev::g_captured_failures, &zero, sizeof(int)));
+  return n;
+}
 
 namespace {
 
@@ -92,37 +170,64 @@ void give_slot(int device, const VerdictSlot& s) {
 
 }  // namespace
 
-void SeqCheck::refuse_capture(cudaStream_t stream) {
-  if (capturing(stream))
-    throw Error(Status::Unsupported,
-                "the stream is being captured into a CUDA graph, and a packed-batch call waits for the check of "
-                "its sequence arrays (cu_seqlens, seqused_k) before it returns; capture dense calls only, or "
-                "make these calls outside the capture");
+PendingVerdict::PendingVerdict() {
+  FLASHATTN_CUDA_CHECK(cudaGetDevice(&device_));
+  slot_ = take_slot(device_);
+  held_ = true;
+  *slot_.host = 0;
+}
+
+PendingVerdict::~PendingVerdict() {
+  if (!held_) return;
+  const cudaError_t e = recorded_ ? cudaEventSynchronize(slot_.event) : cudaSuccess;
+  (void)cudaGetLastError();
+  if (e == cudaSuccess) give_slot(device_, slot_);
+}
+
+volatile int* PendingVerdict::device_word() const { return slot_.mapped; }
+
+void PendingVerdict::record(cudaStream_t stream) {
+  const cudaError_t e = cudaEventRecord(slot_.event, stream);
+  if (e == cudaSuccess) {
+    recorded_ = true;
+    return;
+  }
+  abandon(stream);
+  throw_cuda(e, "recording a check's event");
+}
+
+// (A slot whose writer may still be pending - the wait failed - is not given back: leaked, so
+// that a late write never lands in a later call's word.)
+void PendingVerdict::abandon(cudaStream_t stream) {
+  if (!held_) return;
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  (void)cudaGetLastError();
+  if (e == cudaSuccess) give_slot(device_, slot_);
+  held_ = false;
+}
+
+int PendingVerdict::wait() {
+  const cudaError_t e = cudaEventSynchronize(slot_.event);
+  const int word = *slot_.host;
+  if (e == cudaSuccess) give_slot(device_, slot_);
+  held_ = false;
+  if (e != cudaSuccess) throw_cuda(e, "waiting for a check's verdict");
+  return word;
 }
 
 SeqCheck::SeqCheck(Packing& pk, const Shape& s, void* ws, cudaStream_t stream)
     : user_(pk), shape_(s), stream_(stream) {
   FLASHATTN_CUDA_CHECK(cudaGetDevice(&device_));
-  slot_ = take_slot(device_);
-  *slot_.host = 0;
   SeqCheckJob j;
   j.pk = pk;
   j.batch = s.batch;
   j.max_q = s.seq_q;
   j.max_k = s.seq_kv;
   j.out = static_cast<int32_t*>(ws);
-  j.host = slot_.mapped;
-  try {
+  launch_with_verdict(verdict_, stream, [&](volatile int* host) {
+    j.host = host;
     launch_checked(dev::seq_check_kernel, dim3(1), dev::kSeqCheckThreads, 0, stream, j, "seq_check kernel launch");
-    FLASHATTN_CUDA_CHECK(cudaEventRecord(slot_.event, stream));
-  } catch (...) {
-    // The kernel may be queued all the same (a launch check can report an earlier error, and the
-    // event record fail after a good launch): the slot goes back only once it cannot be written.
-    (void)cudaStreamSynchronize(stream);
-    (void)cudaGetLastError();
-    give_slot(device_, slot_);
-    throw;
-  }
+  });
   const int32_t* copies = j.out;
   pk.cu_q = copies;
   pk.cu_k = copies + s.batch + 1;
@@ -131,20 +236,13 @@ SeqCheck::SeqCheck(Packing& pk, const Shape& s, void* ws, cudaStream_t stream)
   ok_ = copies + 2 * (s.batch + 1) + s.batch;
 }
 
-SeqCheck::~SeqCheck() {
-  if (done_) return;
-  (void)cudaEventSynchronize(slot_.event);
-  (void)cudaGetLastError();
-  give_slot(device_, slot_);
-}
+SeqCheck::~SeqCheck() = default;
 
 void SeqCheck::finish() {
   if (done_) return;
   done_ = true;
-  const cudaError_t e = cudaEventSynchronize(slot_.event);
-  const int verdict = *slot_.host;
-  give_slot(device_, slot_);
-  if (e != cudaSuccess) throw_cuda(e, "waiting for the sequence arrays' check");
+  if (!verdict_) return;  // (captured: nothing to wait for)
+  const int verdict = verdict_->wait();
   if (verdict == 1) return;
   if (verdict != 2)
     throw Error(Status::Backend, "the check of the sequence arrays (seq_check kernel) completed without a verdict (" +

@@ -156,6 +156,22 @@ FLASHATTN_HD KeyBlock key_block(const Shape& s, const Numerics& n, int64_t b, in
   return key_block_at(s, mask_rule(s, n), b, hk, x, BM, BN);
 }
 
+// The ordered (deterministic) dQ reduction's turns (sm90/kernels16.cuh, ORD; docs/ALGORITHM.md):
+// key block kx's place among the key blocks that add into one entry of its walk list (a query
+// head's query tile), 0 first. Highest first (any band): the blocks that see the tile are the
+// range kt of key_tiles() and go from its last down, each a step after the one above it reached
+// the tile. Rotated (no mask: all nk blocks see every one of the list's entries, and block y
+// starts its walk at entry y * step, so it reaches entry x at step (x - y step) mod entries):
+// arrival order, y0 = min(x / step, nk - 1) down to 0, then nk - 1 down to y0 + 1.
+FLASHATTN_HD int turn_highest_first(const TileRange& kt, int64_t kx) {
+  return static_cast<int>(kt.begin + kt.count - 1 - kx);
+}
+FLASHATTN_HD int turn_rotated(int x, int64_t kx, int nk, int step) {
+  const int y0 = x / step < nk - 1 ? x / step : nk - 1;
+  const int d = y0 - static_cast<int>(kx);
+  return d < 0 ? d + nk : d;
+}
+
 // The persistent kernels' work list (the pair kernels): item i of nx row blocks x heads x batch
 // is row block i % nx of head i / nx % heads, batch i / (nx heads) - the order of the
 // non-persistent grid (row blocks fastest), so that the CTAs running at one time work on the

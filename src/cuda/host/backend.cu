@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/validate.hpp"
 #include "cuda/common/config.hpp"
 #include "cuda/common/seq_check.hpp"
 #include "cuda/host/check.hpp"
@@ -95,6 +96,21 @@ DeviceCaps device_caps(int device) {
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
   d.tma = tma_encoder_available();
+  // Peak memory bandwidth (the KV-cache split rule, select.cpp kv_streams): unknown stays 0.
+  int clock_khz = 0, bus_bits = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess)
+    d.mem_gbps = 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
+  else
+    (void)cudaGetLastError();  // (a failed query only: a caller's pending error stays)
+  // Under MPS this process may hold only a share of the SMs, which it cannot see: none assumed.
+  // (A green context's share is the current context's: backward_plan_for.)
+  int mps = 1;
+  if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    mps = 1;
+  }
+  d.resident_sms = mps != 0 ? 0 : d.sms;
   const std::lock_guard<std::mutex> lock(mutex);
   return known.emplace(device, d).first->second;
 }
@@ -103,6 +119,23 @@ template <class Plan>
 Plan unwrap(Selected<Plan> r) {
   if (!r.ok) throw Error(Status::Unsupported, "CUDA backend: " + r.why);
   return r.plan;
+}
+
+// The backward's plan (the call and its workspace query). A plan whose ordered dQ starts its key
+// blocks spread over the row (dq_rotate) needs them all resident: the context current on this
+// thread may hold fewer SMs than the device (a green context), which costs two driver calls to
+// ask - so only those plans ask, and are chosen again on the context's count when it is smaller.
+BackwardPlan backward_plan_for(const BackwardParams& p) {
+  DeviceCaps caps = device_caps(p.exec.device);
+  BackwardPlan plan = unwrap(select_backward(p, caps, overrides()));
+  if (plan.dq_rotate) {
+    const int c = context_sms();
+    if (c > 0 && c < caps.resident_sms) {
+      caps.resident_sms = c;
+      plan = unwrap(select_backward(p, caps, overrides()));
+    }
+  }
+  return plan;
 }
 
 }  // namespace
@@ -171,7 +204,7 @@ bool side_stream_free(cudaStream_t main) {
   return a == cudaStreamCaptureStatusNone && b == cudaStreamCaptureStatusNone;
 }
 
-cudaMemPool_t workspace_pool() {
+cudaMemPool_t workspace_pool(cudaStream_t stream) {
   int device = 0;
   FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mutex;
@@ -179,6 +212,7 @@ cudaMemPool_t workspace_pool() {
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = pools.find(device);
   if (it != pools.end()) return it->second;
+  if (capturing(stream)) return nullptr;  // (cudaMemPoolCreate is not permitted under capture)
   cudaMemPoolProps props{};
   props.allocType = cudaMemAllocationTypePinned;
   props.location.type = cudaMemLocationTypeDevice;
@@ -218,11 +252,25 @@ void copy_to_host(void* dst, const void* src, size_t bytes, int32_t device, void
   // capture): say so instead.
   if (capturing(st))
     throw Error(Status::Unsupported,
-                "the stream is being captured into a CUDA graph, and packed-batch and KV-cache calls read their "
-                "index tensors (cu_seqlens, seqused_k, cache_seqlens, block_table) on the host to validate them "
-                "before anything is written; capture dense calls only, or make these calls outside the capture");
+                "the stream is being captured into a CUDA graph, and this KV-cache call reads its index tensors "
+                "(block_table, cache_batch_idx, cache_leftpad without cache_seqlens, or any of them with "
+                "FLASHATTN_CUDA_KV_CHECK=host) on the host to validate them before anything is written; pass "
+                "cache_seqlens as a device tensor (then they are checked on the device, which a capture records), "
+                "or make this call outside the capture");
   FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st));
   FLASHATTN_CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
+bool kv_checks_on_device() { return overrides().kv_check != 0; }  // device unless asked otherwise
+
+int64_t take_check_failures(int32_t device) {
+  int n = 0;
+  FLASHATTN_CUDA_CHECK(cudaGetDeviceCount(&n));
+  if (device >= n)
+    throw Error(Status::InvalidArgument,
+                "device = " + std::to_string(device) + " but " + std::to_string(n) + " CUDA device(s) are visible");
+  DeviceGuard guard(device);
+  return take_captured_failures();
 }
 
 void check_device_pointer(const void* ptr, int32_t device, const char* what) {
@@ -257,7 +305,6 @@ namespace {
 // The forward of one plan (the device is current).
 void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
-  if (plan.seq_check >= 0) SeqCheck::refuse_capture(stream);  // (before anything is allocated)
   Workspace ws(plan.workspace, stream, p.exec);
   FwdArgs a{};
   a.p = p;
@@ -375,13 +422,12 @@ void forward(const ForwardParams& p) {
 
 void backward(const BackwardParams& p) {
   DeviceGuard guard(p.exec.device);
-  const BackwardPlan plan = unwrap(select_backward(p, device_caps(p.exec.device), overrides()));
+  const BackwardPlan plan = backward_plan_for(p);
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   const Shape& s = p.shape;
   // Workspace (BackwardPlan::workspace): D [B*Hq*Sq] floats, then, 16-byte aligned, the float32 dQ
   // accumulator [B*Hq*Sq, DP] of the atomic design (zeroed on the stream) or the float32 sm_90a
   // backward's operand copies.
-  if (plan.seq_check >= 0) SeqCheck::refuse_capture(stream);  // (before anything is allocated)
   Workspace ws(plan.workspace, stream, p.exec);
   const bool packed = p.packing.on();
   const size_t after_delta = delta_floats(s, p.packing);
@@ -407,6 +453,7 @@ void backward(const BackwardParams& p) {
   a.convert_ctas = plan.convert_ctas;
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   a.dq_locks = plan.dq_locks >= 0 ? reinterpret_cast<int*>(reinterpret_cast<char*>(ws.get()) + plan.dq_locks) : nullptr;
+  a.dq_rotate = plan.dq_rotate;
   a.ws_sb = packed ? 0 : s.heads_q * s.seq_q;
   a.ws_sh = packed ? p.packing.total_q : s.seq_q;
   // The row passes (D, dQ conversion) see a packed batch as one sequence of total_q rows: its
@@ -475,6 +522,30 @@ void backward(const BackwardParams& p) {
 
 // A KV-cache call: the index arrays to the device (one copy), the append and rotated q, the
 // attention over the caches, the merge of its splits.
+// A KV-cache call whose index arrays failed the check on the stream: they are read back (an error
+// path) for validation's own message; nothing was written.
+[[noreturn]] void kv_index_error(const KvcacheParams& kp, cudaStream_t stream) {
+  const KvCheck& f = kp.check;
+  const int32_t device = kp.fwd.exec.device;
+  const size_t B = static_cast<size_t>(f.batch);
+  std::vector<int32_t> seqlens(B), start, batch_row, table;
+  copy_to_host(seqlens.data(), f.cache_seqlens, B * 4, device, stream);
+  if (f.start != nullptr) start.resize(B), copy_to_host(start.data(), f.start, B * 4, device, stream);
+  if (f.batch_row != nullptr) batch_row.resize(B), copy_to_host(batch_row.data(), f.batch_row, B * 4, device, stream);
+  if (f.table != nullptr) {
+    table.resize(B * static_cast<size_t>(f.max_blocks));
+    for (size_t b = 0; b < B; ++b)
+      copy_to_host(&table[b * f.max_blocks], f.table + b * f.table_stride, static_cast<size_t>(f.max_blocks) * 4,
+                   device, stream);
+  }
+  check_kv_index_values(f, kp.s_new, kp.k_new.ptr != nullptr, seqlens.data(), start.empty() ? nullptr : start.data(),
+                        batch_row.empty() ? nullptr : batch_row.data(), table.empty() ? nullptr : table.data());
+  throw Error(Status::InvalidArgument,
+              "the KV-cache index arrays (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) failed the "
+              "check of their contents on the device but passed when read again: were they written during the "
+              "call? Nothing was written.");
+}
+
 void forward_kvcache(const KvcacheParams& kp) {
   const ForwardParams& p = kp.fwd;
   DeviceGuard guard(p.exec.device);
@@ -483,21 +554,42 @@ void forward_kvcache(const KvcacheParams& kp) {
   auto stream = static_cast<cudaStream_t>(p.exec.stream);
   const Shape& s = p.shape;
   const KvMap& m = p.kv;
+  const bool check = kp.check.on;
+  // The host's index arrays (validation read them), for the kernels' parameters or one copy.
   std::vector<int32_t> idx;
-  idx.reserve(plan.idx_ints);
-  auto put = [&](const int32_t* a, int64_t n) -> size_t {
-    const size_t at = idx.size();
-    idx.insert(idx.end(), a, a + n);
-    return at;
-  };
-  const size_t at_sk = put(m.seqlen_k, s.batch), at_first = put(kp.first_new, s.batch), at_pos = put(kp.pos0, s.batch);
-  const size_t at_row = m.batch_row ? put(m.batch_row, s.batch) : 0, at_start = m.start ? put(m.start, s.batch) : 0;
-  const size_t at_table = m.block_table ? put(m.block_table, s.batch * m.bt_stride) : 0;
+  size_t at_sk = 0, at_first = 0, at_pos = 0, at_row = 0, at_start = 0, at_table = 0;
+  if (!check) {
+    idx.reserve(plan.idx_ints);
+    auto put = [&](const int32_t* a, int64_t n) -> size_t {
+      const size_t at = idx.size();
+      idx.insert(idx.end(), a, a + n);
+      return at;
+    };
+    at_sk = put(m.seqlen_k, s.batch), at_first = put(kp.first_new, s.batch), at_pos = put(kp.pos0, s.batch);
+    at_row = m.batch_row ? put(m.batch_row, s.batch) : 0, at_start = m.start ? put(m.start, s.batch) : 0;
+    at_table = m.block_table ? put(m.block_table, s.batch * m.bt_stride) : 0;
+  }
   Workspace ws(plan.workspace, stream, p.exec);
   char* base = reinterpret_cast<char*>(ws.get());
   KvMap dm = m;
   KvPrepArgs prep{};
-  if (plan.idx_inline) {  // in the kernels' parameters: nothing to copy
+  // KvCheck: the arrays checked on the stream first; the kernels read the derived arrays it writes
+  // and its verdict, and the host waits for that verdict once they are all queued.
+  std::optional<PendingVerdict> verdict;
+  const int* ok = nullptr;
+  if (check) {
+    // (Under capture nothing waits for the verdict: a replay whose arrays break a rule writes
+    // nothing and counts a failure, take_captured_failures.)
+    auto* d = reinterpret_cast<int32_t*>(base + plan.check);
+    launch_with_verdict(verdict, stream, [&](volatile int* host) {
+      launch_kv_check(KvCheckJob{kp.check, kp.s_new, kp.k_new.ptr != nullptr, d, host}, stream);
+    });
+    dm.seqlen_k = d;
+    prep.first_new = d + s.batch;
+    prep.pos0 = d + 2 * s.batch;
+    ok = d + 3 * s.batch;
+    prep.ok = ok;
+  } else if (plan.idx_inline) {  // in the kernels' parameters: nothing to copy
     KvIndex& x = prep.idx;
     x.n = static_cast<int32_t>(idx.size());
     std::copy(idx.begin(), idx.end(), x.v);
@@ -532,6 +624,7 @@ void forward_kvcache(const KvcacheParams& kp) {
   prep.kv = dm;
   prep.q_rot = plan.q_rot >= 0 ? reinterpret_cast<uint16_t*>(base + plan.q_rot) : nullptr;
   prep.q_rot_ld = plan.q_rot_ld;
+  prep.pdl = check && caps.cc_major >= 9;
   const bool prepared = launch_kv_prepare(prep, stream);
 
   DecodeArgs a{};
@@ -550,7 +643,8 @@ void forward_kvcache(const KvcacheParams& kp) {
   a.dp = plan.dp;
   a.idx = prep.idx;
   a.pdl = caps.cc_major >= 9;
-  a.after_prepare = prepared;
+  a.after_own = prepared || check;
+  a.ok = ok;
   dispatch_dim<kDecodeHeadDims16>(plan.dp, [&](auto dp) {
     dispatch_half(plan.h, [&](auto h) {
       dispatch_xf(plan.xf, [&](auto xf) {
@@ -562,6 +656,14 @@ void forward_kvcache(const KvcacheParams& kp) {
     });
   });
   if (plan.splits > 1) launch_kv_combine(a, stream);
+  if (verdict) {
+    const int v = verdict->wait();
+    if (v == 1) return;
+    if (v != 2)
+      throw Error(Status::Backend, "the check of the KV-cache index arrays completed without a verdict (" +
+                                       std::to_string(v) + ")");
+    kv_index_error(kp, stream);
+  }
 }
 
 uint64_t forward_workspace(const ForwardParams& p) {
@@ -571,7 +673,7 @@ uint64_t forward_workspace(const ForwardParams& p) {
 }
 uint64_t backward_workspace(const BackwardParams& p) {
   DeviceGuard guard(p.exec.device);
-  return unwrap(select_backward(p, device_caps(p.exec.device), overrides())).workspace;
+  return backward_plan_for(p).workspace;
 }
 uint64_t kvcache_workspace(const KvcacheParams& p) {
   DeviceGuard guard(p.fwd.exec.device);

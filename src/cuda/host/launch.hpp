@@ -56,8 +56,9 @@ struct BwdArgs {
   int convert_ctas;  // CTAs writing the Q/dO copies on a side stream (0: in order on the stream)
   void* seq_maps;    // as FwdArgs::seq_maps
   // The sm_90a dK/dV kernel's ordered (deterministic) dQ reduction: its counters, zeroed
-  // (BackwardPlan::dq_locks); nullptr: reductions in any order.
+  // (BackwardPlan::dq_locks); nullptr: reductions in any order. dq_rotate: BackwardPlan's.
   int* dq_locks;
+  bool dq_rotate;
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 
@@ -101,9 +102,12 @@ struct DecodeArgs {
   int64_t part_rows;     // B Hq Sq
   int dp;                // the kernel's padded head dim (o_part's row length)
   KvIndex idx;           // the index arrays, when in the parameters (p.kv's otherwise)
-  bool pdl;              // sm_90+: the decode kernel after the prepare pass, and the combine after
-                         // the decode kernel, as programmatic dependent launches
-  bool after_prepare;    // the prepare pass ran just before the decode kernel
+  bool pdl;              // sm_90+: the decode kernel after the call's prepare pass or index check,
+                         // and the combine after the decode kernel, as programmatic dependent launches
+  bool after_own;        // the prepare pass or the index check ran just before the decode kernel
+  // The index arrays checked on the stream (KvCheck): the check's verdict, 0 when a rule broke -
+  // then no kernel of the call writes anything. nullptr: checked on the host.
+  const int* ok;
 };
 // What precedes a KV-cache attention on CUDA (common/kvcache.cu): the append of k_new / v_new into
 // the caches at relative rows first_new[b] + j (keys rotated at position pos0[b] + j), and the
@@ -117,7 +121,24 @@ struct KvPrepArgs {
   uint16_t* q_rot;
   int64_t q_rot_ld;
   KvIndex idx;  // as DecodeArgs::idx (first_new and pos0 too)
+  const int* ok;  // as DecodeArgs::ok
+  bool pdl;       // sm_90+ after the index check: a programmatic dependent launch of it
 };
+// The check of a KV-cache call's device-resident index arrays on the stream (KvCheck, core/
+// params.hpp; common/seq_check.cu): the rules of check_kv_index_values, one CTA; writes the derived
+// arrays (keys per sequence after the append, the append's first relative row, cache_seqlens:
+// zeros when a rule broke) and the verdict (1 / 0) into `out` ([3 B + 1] int32 in the workspace),
+// and 1 / 2 into `host` (pinned, mapped) - or, captured into a graph (host nullptr), a failure
+// adds 1 to the device's count (take_captured_failures, seq_check.hpp). The kernel lives in
+// common/seq_check.cu, beside that count.
+struct KvCheckJob {
+  KvCheck f;
+  int64_t s_new;
+  bool append;
+  int32_t* out;
+  volatile int* host;
+};
+void launch_kv_check(const KvCheckJob& j, cudaStream_t stream);
 
 // The arguments of sequence b of a packed call (at_sequence, core/params.hpp): also ALiBi's
 // diagonal (Skv - Sq of the sequence) and, in the backward, the per-row workspaces from its

@@ -25,6 +25,10 @@
 // |                                 |                              | bulk: sm_90, 16-byte rows, D = DP; else rows)       |
 // | FLASHATTN_CUDA_DECODE_STAGES    | 2, 3, 4                      | KV-cache kernel's K/V pipeline stages (fewer where  |
 // |                                 |                              | shared memory does not hold them)                   |
+// | FLASHATTN_CUDA_KV_CHECK         | host, device                 | KV-cache index arrays in device memory: read and    |
+// |                                 |                              | checked on the host, or on the stream (the default) |
+// | FLASHATTN_CUDA_DECODE_STREAMS   | 1, 2, 3, 4                   | whole-tile KV CTAs per SM the split rule aims at    |
+// |                                 |                              | (default: kv_streams, from the memory bandwidth)    |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -54,6 +58,8 @@ struct Overrides {
   long key_chunk = -1;   // keys per chunk of the float32 fp32-mode forward (0: never chunked)
   int decode_loader = -1;  // a DecodeShape::Loader: 0 bulk, 1 rows, 2 generic
   int decode_stages = -1;  // 0, 1, 2: 2, 3, 4 stages
+  int kv_check = -1;       // 0 host, 1 device
+  int decode_streams = -1; // 1..4: CTAs per SM for the whole-tile loader's split rule (kv_streams)
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

@@ -20,7 +20,10 @@ namespace flashattn::cuda {
 // the tf32 backward's 0.9 GB of operand copies again cost ~1.5 ms per call at S = 1k, about as
 // much as the call's kernels, measured on an H200.) A private pool leaves the caller's default-pool
 // settings alone; what it holds is at most the largest scratch of one call in flight per stream.
-cudaMemPool_t workspace_pool();
+// nullptr instead when the pool does not exist yet and `stream` is being captured into a CUDA
+// graph, where creating one is not permitted (a process whose first such call is captured): the
+// caller then allocates from the device's current pool (cudaMallocAsync, capturable).
+cudaMemPool_t workspace_pool(cudaStream_t stream);
 
 // Device scratch of a call (a plan's workspace: D, the dQ accumulator, operand copies): stream-ordered
 // memory from workspace_pool(), freed on the stream on every path out (also when a later step
@@ -40,7 +43,12 @@ class Workspace {
       owned_ = false;
       return;
     }
-    if (bytes > 0) FLASHATTN_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes, workspace_pool(), stream));
+    if (bytes == 0) return;
+    cudaMemPool_t pool = workspace_pool(stream);
+    if (pool != nullptr)
+      FLASHATTN_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr_, bytes, pool, stream));
+    else
+      FLASHATTN_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream));
   }
   ~Workspace() {
     if (ptr_ != nullptr && owned_) (void)cudaFreeAsync(ptr_, stream_);

@@ -5,6 +5,7 @@
 #include "cuda/host/select.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace flashattn::cuda {
@@ -19,11 +20,12 @@ bool atomic_default(int dp, bool sm90) { return dp <= 64 || (sm90 && has_sm90(Pa
 // The sm_90a dK/dV kernel's CTA shape: variant 1 (D = 64: one consumer warpgroup, 64 keys, two
 // CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop): 3-10% faster with
 // a causal mask at S <= 1024, where CTAs have few and unequal tiles; 2-12% slower elsewhere (dQ is
-// added twice as often per key).
-int sm90_bwd_variant(const Shape& s, Mask mask, int dp, const Overrides& ov) {
+// added twice as often per key). Not with ordered dQ: twice the key blocks take turns at every
+// query tile (H100, causal S 1k: ordered 135.7 TFLOP/s in variant 1, 167.3 in variant 0).
+int sm90_bwd_variant(const Shape& s, Mask mask, int dp, bool ordered, const Overrides& ov) {
   if (!has_sm90_variant(Pass::Dkv, dp, 1)) return 0;
   if (ov.sm90_variant >= 0) return ov.sm90_variant;
-  return mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
+  return !ordered && mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
 }
 
 // Ping-pong scheduling of the sm_90a forward's two consumer warpgroups: faster at D = 64 at every
@@ -271,9 +273,11 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   if (half) {
     bool atomic = atomic_default(b.dp, sm90_allowed(dev, ov));
     if (ov.bwd >= 0) atomic = ov.bwd >= 1;
-    // FLASHATTN_CUDA_BWD = ordered: the sm_90a single pass with dQ added in key-block order, which
-    // is deterministic too (not with the per-entry score step; elsewhere the split passes).
-    const bool ordered = ov.bwd == 2 && maps && has_sm90(Pass::Dkv, b.dp) && !b.xf;
+    // deterministic = 1 (or FLASHATTN_CUDA_BWD = ordered): the sm_90a single pass with each query
+    // tile's dQ added by its key blocks in a fixed order, where that kernel runs (no per-entry
+    // score step); 0.85-0.99x the default backward on an H100 (docs/PERF.md), 1.3-2x the split
+    // passes it replaced there. Elsewhere, or with FLASHATTN_CUDA_BWD = split, the split passes.
+    const bool ordered = (ov.bwd == 2 || (n.deterministic && ov.bwd != 0)) && maps && has_sm90(Pass::Dkv, b.dp) && !b.xf;
     if (n.deterministic && !ordered) atomic = false;  // the split passes: every sum in a fixed order
     if (ov.bwd == 2 && !ordered) atomic = false;
     if (!atomic) {
@@ -282,7 +286,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       b.smem_dkv = smem_bytes16(Pass::Dkv, b.dp, b.big);
     } else if (maps && has_sm90(Pass::Dkv, b.dp)) {
       b.kernel = BwdKernel::Sm90Wgmma16Atomic;
-      b.sm90_variant = sm90_bwd_variant(s, n.mask, b.dp, ov);
+      b.sm90_variant = sm90_bwd_variant(s, n.mask, b.dp, ordered, ov);
       b.smem_dkv = smem_bytes90(Pass::Dkv, b.dp, b.sm90_variant);
     } else {
       b.kernel = BwdKernel::Sm80Mma16Atomic;
@@ -296,6 +300,14 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       b.dq_locks = static_cast<int64_t>(b.workspace);
       b.dq_lock_count = s.batch * s.heads_q * ((s.seq_q + c.block_n - 1) / c.block_n) * c.warpgroups;
       b.workspace += static_cast<size_t>(b.dq_lock_count) * sizeof(int);
+      // Without a mask every key block sees every query tile and, all starting at tile 0, the
+      // blocks of a head would hand each tile's turn down a chain once per wave of CTAs (0.75-0.82x
+      // the default at S <= 4k, H100). Starting them at tiles spread over the row, with turns in
+      // arrival order, no block waits - but a block may then wait for blocks launched after it,
+      // which is safe only when all key blocks of a head fit on the GPU at once (one CTA per SM
+      // of those the process can hold: none known under MPS).
+      const int64_t key_blocks = (s.seq_kv + c.block_m - 1) / c.block_m;
+      b.dq_rotate = n.mask == Mask::None && !n.has_window() && key_blocks <= dev.resident_sms;
     }
     if (packed && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       b.seq_maps = static_cast<int64_t>(seq_maps_at(b.workspace));
@@ -345,6 +357,11 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
   return r;
 }
 
+
+int kv_streams(const DeviceCaps& dev) {
+  if (dev.mem_gbps <= 0 || dev.sms <= 0) return 1;
+  return static_cast<int>(std::max(1.0, std::min(4.0, std::ceil(dev.mem_gbps / dev.sms / kKvCtaGBps - 1e-9))));
+}
 
 int kv_splits(int64_t blocks, int64_t tiles, int64_t slots, int requested) {
   const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(tiles, kMaxKvSplits));
@@ -421,11 +438,13 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
     return static_cast<int64_t>(std::max(1, std::min(16, (dev.smem_optin + 1024) / (decode_smem_bytes(k.dp, k.kw, bulk, st) + 1024))));
   };
   if (k.loader == DecodeShape::kRows && tiles_whole) {
-    // Streaming whole tiles, one CTA per multiprocessor reads at the copy's rate (bench/decode.py,
-    // docs/PERF.md): the keys are split only until the CTAs cover the multiprocessors evenly (a
-    // split costs its partials and the combine), and the stages chosen so that the CTAs fill
-    // whole waves of the CTA slots they allow (fewest stages on a tie: more CTAs resident).
-    k.splits = kv_splits(blocks, tiles, sms, kp.num_splits);
+    // Streaming whole tiles, kv_streams CTAs per multiprocessor read at the copy's rate (one on an
+    // H100, two on an H200: bench/decode.py, docs/PERF.md): the keys are split only until the CTAs
+    // cover those slots evenly (a split costs its partials and the combine), and the stages chosen
+    // so that the CTAs fill whole waves of the CTA slots they allow (fewest stages on a tie: more
+    // CTAs resident).
+    const int streams = ov.decode_streams >= 1 ? ov.decode_streams : kv_streams(dev);
+    k.splits = kv_splits(blocks, tiles, sms * streams, kp.num_splits);
     const int64_t ctas = blocks * k.splits;
     k.stages = DecodeShape::kMinStages;
     if (ctas > sms) {
@@ -454,11 +473,19 @@ Selected<KvcachePlan> select_kvcache(const KvcacheParams& kp, const DeviceCaps& 
     return r;
   }
   // Workspace: the index arrays, then (16-byte aligned) the rotated q, then the partials.
-  k.idx_ints = static_cast<size_t>(s.batch) * (3 + (m.batch_row ? 1 : 0) + (m.start ? 1 : 0)) +
-               (m.block_table ? static_cast<size_t>(s.batch * m.bt_stride) : 0);
-  k.idx_inline = m.block_table == nullptr && k.idx_ints <= static_cast<size_t>(kKvIndexMax);
+  // (KvCheck: the arrays stay where the caller has them, device memory; the check's derived arrays
+  // and verdict take the workspace's start instead.)
+  const bool check = kp.check.on;
+  k.idx_ints = check ? 0
+                     : static_cast<size_t>(s.batch) * (3 + (m.batch_row ? 1 : 0) + (m.start ? 1 : 0)) +
+                           (m.block_table ? static_cast<size_t>(s.batch * m.bt_stride) : 0);
+  k.idx_inline = !check && m.block_table == nullptr && k.idx_ints <= static_cast<size_t>(kKvIndexMax);
   auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };
   size_t at = k.idx_inline ? 0 : align16(k.idx_ints * 4);
+  if (check) {
+    k.check = static_cast<int64_t>(at);
+    at = align16(at + static_cast<size_t>(3 * s.batch + 1) * 4);
+  }
   if (rotary) {
     k.q_rot = static_cast<int64_t>(at);
     at = align16(at + static_cast<size_t>(s.batch * s.heads_q * s.seq_q * k.q_rot_ld) * 2);

@@ -25,6 +25,12 @@ struct DeviceCaps {
   int smem_optin = 0;  // bytes of shared memory one block may opt into
   int sms = 0;         // multiprocessors
   bool tma = false;    // the driver encodes tensor maps (cuTensorMapEncodeTiled found)
+  double mem_gbps = 0; // peak memory bandwidth, GB/s (2 x memory clock x bus width; 0: unknown)
+  // Multiprocessors this process's kernels can be sure to hold at once (the ordered backward's
+  // dq_rotate needs all key blocks of a head resident): the device's, 0 under MPS (a client's share
+  // of the device is not visible) or where unknown; the backward narrows it to the current
+  // context's (a green context's share) when its plan depends on it (backend.cu backward_plan_for).
+  int resident_sms = 0;
   bool sm90a() const { return cc_major == 9 && cc_minor == 0; }  // "a" features: exactly 9.0
   bool big() const { return cc_major >= 9; }  // runs the sm_90 cubin: tile_config(..., big = true)
 };
@@ -96,10 +102,14 @@ struct BackwardPlan {
   size_t workspace = 0;     // device scratch, bytes (D, the dQ accumulator; Sm90Wgmma32 adds its copies)
   int64_t seq_maps = -1;    // a packed batch on Sm90Wgmma16Atomic: the per-sequence maps' offset, bytes
   int64_t seq_check = -1;   // a packed batch with unchecked arrays: the check's offset (seq_check.hpp), bytes
-  // Sm90Wgmma16Atomic with the dQ sums in key-block order (deterministic; FLASHATTN_CUDA_BWD =
-  // ordered until measured): the counters' offset in the workspace (bytes) and size (ints); -1: none.
+  // Sm90Wgmma16Atomic with the dQ sums in a fixed key-block order (deterministic = 1, or
+  // FLASHATTN_CUDA_BWD = ordered): the counters' offset in the workspace (bytes) and size (ints);
+  // -1: none.
   int64_t dq_locks = -1;
   int64_t dq_lock_count = 0;
+  // ... without a mask, with every key block of a head on the GPU at once: the blocks start at
+  // query tiles spread over the row and take turns in the order they arrive (docs/ALGORITHM.md).
+  bool dq_rotate = false;
   bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
 };
 
@@ -123,6 +133,7 @@ struct KvcachePlan {
   bool idx_inline = false;    // in the kernels' parameters (KvIndex: no block table, <= kKvIndexMax)
   int64_t q_rot = -1;         // byte offset of the rotated q ([B, Hq, Sq, q_rot_ld] 16-bit), -1: none
   int64_t q_rot_ld = 0;
+  int64_t check = -1;         // KvCheck: the check's derived arrays and verdict ([3 B + 1] int32), bytes
   int64_t o_part = -1;        // byte offsets of the partials (splits > 1)
   int64_t lse_part = -1;
 };
@@ -132,6 +143,14 @@ constexpr int kKvIndexMax = 384;
 // split when the library chooses.
 constexpr int kMaxKvSplits = 128;
 constexpr int kMinKvTilesPerSplit = 2;
+// What one CTA of the whole-tile KV loader streams at most, GB/s (H200: 128 such CTAs, one per
+// multiprocessor, read 3675 GB/s, 28.7 each, against the copy's 4278; on the H100 one per
+// multiprocessor reaches the copy's ~3000). A device whose bandwidth per multiprocessor is above
+// it needs more CTAs than multiprocessors (kv_streams).
+constexpr double kKvCtaGBps = 30.0;
+// CTAs per multiprocessor that keep the device's memory busy with the whole-tile loader: 1 on an
+// H100 (25 GB/s per SM), 2 on an H200 (37); 1 when the bandwidth is unknown.
+int kv_streams(const DeviceCaps& dev);
 // The split count: `requested` (the caller's num_splits) when > 0, bounded by the key tiles;
 // otherwise one split from 4 waves of row blocks on the device's CTA slots, else the fewest splits
 // (each of at least kMinKvTilesPerSplit tiles) whose waves are at least 90% full, or the fullest.

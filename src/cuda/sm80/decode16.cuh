@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   // this kernel's completion itself.)
   pdl_wait();
   pdl_trigger();
+  if (a.ok != nullptr && *a.ok == 0) return;  // (the index arrays broke a rule: nothing is written)
   const ForwardParams& p = a.p;
   const KvMap kv = kv_map_at(p.kv, a.idx);
   // x = (row block, split, kv head), the kv head fastest: CTAs launched together read the same

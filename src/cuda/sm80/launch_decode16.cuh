@@ -35,7 +35,7 @@ void launch_decode16(const DecodeArgs& a, cudaStream_t stream) {
   const dim3 grid(grid_blocks(s.seq_q * s.group(), bm) * static_cast<unsigned>(a.splits) *
                       static_cast<unsigned>(s.heads_kv),
                   1u, static_cast<unsigned>(s.batch));
-  const bool pdl = a.pdl && a.after_prepare;
+  const bool pdl = a.pdl && a.after_own;
   if (a.loader == DecodeShape::kBulk && decode16_bulk_built<DP, H, XF, KW>()) {
     launch_checked_pdl(dev::decode16_kernel<DP, H, XF, KW, true>, grid, DecodeShape::kThreads,
                        decode_smem_bytes(DP, KW, true, a.stages), stream, a, "decode16 kernel launch", pdl);

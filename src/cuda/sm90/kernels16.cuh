@@ -334,10 +334,22 @@ struct Sm90BwdArgs {
 };
 
 // The ordered dQ reduction (ORD, deterministic): the key blocks that see a query tile add their
-// dQ into its accumulator rows one after another in key-block order, so every float sum has one
-// order (bitwise reproducible); the counter of (tile, warpgroup) holds how many have added. A key
-// block only waits for lower key blocks of its head, which the grid launches (x fastest) before
-// it, so a waiting CTA never holds a multiprocessor one it waits for needs.
+// dQ into its accumulator rows one after another, highest key block first, so every float sum
+// has one order (bitwise reproducible); the counter of (tile, warpgroup) holds how many have
+// added. Highest first is the order in which the blocks reach a tile: every block walks its query
+// tiles upwards from the first it sees, and a higher key block's first tile is no lower (causal,
+// windows), so under a band each block finds its turn already there instead of every block
+// waiting for key block 0 (which reaches tile q last, q tiles in). The grid runs the key blocks
+// of a head in reverse (x = gridDim.x - 1 - blockIdx.x), so a block only waits for blocks launched
+// before it: a waiting CTA never holds a multiprocessor one it waits for needs. Without a mask
+// all blocks would start at tile 0 and pass each tile's turn down a chain; with dq_rotate
+// (BackwardPlan: no mask, and a head's key blocks all fit on the GPU at once, the condition for
+// waiting on blocks launched later) they start at tiles spread over the row and take turns in
+// the order they arrive (turn_of).
+// The waiting and the release are a producer warp's (one per consumer warpgroup): it polls the
+// counter, lets the warpgroup add through a named barrier, and after a second barrier (the adds
+// issued) fences and counts - so the consumers never stall on the fence that waits for their adds
+// to land in L2 (a thread that fenced and released itself held its whole warpgroup's next wgmma).
 __device__ __forceinline__ void wait_turn(const int* lock, int order) {
 #if defined(__CUDA_ARCH__)
   for (;;) {
@@ -390,16 +402,34 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const BwdArgs a = at_sequence(A.f, blockIdx.z, DP);
   const BackwardParams& p = a.p;
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
-  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num);
+  // (ORD: the key blocks of a head in reverse launch order, see wait_turn.)
+  const int64_t kx = ORD ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, blockIdx.z, blockIdx.y, kx);
   if (kb.rows <= 0) return;
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
   // Every key block of a head adds into the same dQ rows; starting each CTA at a different query
-  // tile spreads those reductions over different addresses at any moment. (ORD: every CTA in the
-  // same order, each a tile behind the key block before it.)
-  const int rot = !ORD && ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0;
+  // tile spreads those reductions over different addresses at any moment. (ORD: every CTA walks
+  // its tiles upwards from its first, in the order the counters take them; with dq_rotate - no
+  // mask, so all nk key blocks see all ntiles tiles - block kx starts kx * step tiles in, see
+  // turn_of.)
+  const int nk = static_cast<int>((Skv + BK - 1) / BK);
+  const bool ord_rot = ORD && A.f.dq_rotate && ntiles >= nk;
+  const int step = ord_rot ? ntiles / nk : 1;  // (read only when ord_rot)
+  const int rot = ord_rot ? static_cast<int>(kx) * step : (!ORD && ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0);
   auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
+  // ORD: this block's place in the turns at entry x of the walk's list (work.hpp): after the
+  // key blocks that reach it first - every one of them got there at least a step earlier.
+  [[maybe_unused]] auto turn_of = [&](int x, int64_t n0) -> int {
+    if (ord_rot) return turn_rotated(x, kx, nk, step);
+    const int qrows = static_cast<int>(Sq - n0 < BQ ? Sq - n0 : BQ);
+    return turn_highest_first(key_tiles(rule, n0, qrows, Skv, BK), kx);
+  };
+  // ORD: the named barriers between consumer warpgroup w and its turn warp (producer warp 2 + w):
+  // kTurnBar + w "the turn is yours", kAddedBar + w "the adds are issued"; 128 + 32 threads.
+  constexpr int kTurnBar = 6, kAddedBar = 8, kTurnThreads = 128 + 32;
+  static_assert(!ORD || NWG <= 2, "a turn warp per consumer warpgroup: producer warps 2 and 3");
 
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);  // empty: every consumer thread (see below)
 
@@ -435,6 +465,24 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
         fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, h, n0);
         mbar_arrive(full + st);
+      }
+    } else if (ORD && pw >= 2 && pw - 2 < NWG) {
+      // ORD: warpgroup w = pw - 2's turns (turn_of).
+      const int w = pw - 2;
+      for (int it = 0; it < ntiles; ++it) {
+        const int x = tile_of(it);
+        const int64_t h = kb.head(x), n0 = kb.q0(x, BQ);
+        int* lock = A.locks + ((b * p.shape.heads_q + h) * A.lock_tiles + n0 / BQ) * NWG + w;
+        if (lane == 0) wait_turn(lock, turn_of(x, n0));
+        __syncwarp();
+        named_barrier(kTurnBar + w, kTurnThreads);
+        named_barrier(kAddedBar + w, kTurnThreads);  // (the warpgroup's reductions are issued)
+        // The barrier orders every consumer thread's reductions before this lane's fence, which
+        // waits for them to be performed at the device; then the count.
+        if (lane == 0) {
+          __threadfence();
+          pass_turn(lock);
+        }
       }
     }
     return;
@@ -543,15 +591,6 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     }
     float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + DQN * wg;
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
-    // ORD: this warpgroup's turn at the tile's columns: after the key blocks below this one that
-    // see the tile (their count: this block's index minus the tile's first key block).
-    [[maybe_unused]] int* lock = nullptr;
-    [[maybe_unused]] int order = 0;
-    if constexpr (ORD) {
-      lock = A.locks + ((b * p.shape.heads_q + h) * A.lock_tiles + n0 / BQ) * NWG + wg;
-      const int qrows = static_cast<int>(Sq - n0 < BQ ? Sq - n0 : BQ);
-      order = static_cast<int>(blockIdx.x) - key_tiles(rule, n0, qrows, Skv, BK).begin;
-    }
 #pragma unroll
     for (int c = 0; c < DQN / QC; ++c) {
       const bool last = c + 1 == DQN / QC;
@@ -568,10 +607,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       }
       fence_regs(dq[0]);
       if constexpr (ORD) {
-        if (c == 0) {
-          if (threadIdx.x % 128 == 0) wait_turn(lock, order);
-          named_barrier(2 + wg, 128);
-        }
+        if (c == 0) named_barrier(kTurnBar + wg, kTurnThreads);  // this warpgroup's turn at the tile
       }
       if (last) {
         fence_regs(dv[0]);
@@ -592,13 +628,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
                    dq[0][j][2 * r + 1]);
       }
       if constexpr (ORD) {
-        if (last) {
-          // Every thread's reductions before the count: each orders its own, the barrier
-          // gathers them, one thread releases.
-          __threadfence();
-          named_barrier(2 + wg, 128);
-          if (threadIdx.x % 128 == 0) pass_turn(lock);
-        }
+        if (last) named_barrier(kAddedBar + wg, kTurnThreads);  // (the turn warp fences and counts)
       }
     }
   };

@@ -39,6 +39,16 @@ PFN_cuCtxGetCurrent_v4000 ctx_getter() {
 
 }  // namespace
 
+int context_sms() {
+  static const auto res = driver_entry<PFN_cuCtxGetDevResource_v12040>("cuCtxGetDevResource", 12040);
+  const PFN_cuCtxGetCurrent_v4000 get = ctx_getter();
+  CUcontext ctx = nullptr;
+  if (res == nullptr || get == nullptr || get(&ctx) != CUDA_SUCCESS || ctx == nullptr) return -1;
+  CUdevResource r{};
+  if (res(ctx, &r, CU_DEV_RESOURCE_TYPE_SM) != CUDA_SUCCESS || r.type != CU_DEV_RESOURCE_TYPE_SM) return -1;
+  return static_cast<int>(r.sm.smCount);
+}
+
 void bind_context(int device) {
   const PFN_cuCtxGetCurrent_v4000 get = ctx_getter();
   CUcontext ctx = nullptr;

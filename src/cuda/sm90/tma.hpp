@@ -30,6 +30,9 @@ bool make_tensor_map32(CUtensorMap* map, const In4& op, int64_t batch, int64_t h
 // workspace (so no allocation first), e.g. PyTorch's autograd thread with torch's scratch, has
 // none, and cuTensorMapEncodeTiled returned CUDA_ERROR_INVALID_CONTEXT (201) there on an H100.
 void bind_context(int device);
+// The multiprocessors of the context current on the calling thread (a green context's share, the
+// device's for its primary context); -1 when there is none or the driver cannot say.
+int context_sms();
 // What the last failed make_tensor_map* call of this thread was given and why it failed (the
 // driver's result, the address, dims and strides): the detail of an internal error's message.
 std::string last_map_failure();
