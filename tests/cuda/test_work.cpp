@@ -338,8 +338,8 @@ int64_t simulate_turns(const std::vector<TurnBlock>& launch, int n_entries, size
 // at which each reaches it (block y starts at entry y * step).
 TEST(CudaWork, RotatedTurnsAreTheArrivalOrder) {
   for (int nk = 1; nk <= 24; ++nk)
-    for (int n = nk; n <= 3 * nk + 3; ++n) {
-      const int step = n / nk;
+    for (int n = nk; n <= 3 * nk + 3; ++n)
+      for (int step = 1; step <= n / nk; ++step)  // (any step with step * nk <= n; the kernel's: rotation_step)
       for (int x = 0; x < n; ++x) {
         std::vector<int> at(static_cast<size_t>(nk), -1);
         for (int k = 0; k < nk; ++k) {
@@ -349,9 +349,9 @@ TEST(CudaWork, RotatedTurnsAreTheArrivalOrder) {
           at[t] = k;
         }
         auto arrival = [&](int k) { return ((x - k * step) % n + n) % n; };
-        for (int t = 1; t < nk; ++t) ASSERT_LT(arrival(at[t - 1]), arrival(at[t])) << nk << " blocks, entry " << x;
+        for (int t = 1; t < nk; ++t)
+          ASSERT_LT(arrival(at[t - 1]), arrival(at[t])) << nk << " blocks, step " << step << ", entry " << x;
       }
-    }
 }
 
 // The rotated walk (no mask): with every block resident nobody ever waits (n ticks for n entries
@@ -359,8 +359,8 @@ TEST(CudaWork, RotatedTurnsAreTheArrivalOrder) {
 // deadlocks - why the plan asks for all key blocks of a head to fit on the GPU at once.
 TEST(CudaWork, RotatedWalkNeedsEveryBlockResident) {
   for (int nk : {1, 2, 3, 8, 13}) {
-    for (int n : {nk, nk + 1, 2 * nk + 1, 4 * nk}) {
-      const int step = n / nk;
+    for (int n : {nk, nk + 1, 2 * nk + 1, 4 * nk, 16 * nk + 5})
+    for (int step : {1, rotation_step(n, nk), n / nk}) {
       std::vector<TurnBlock> launch;
       for (int k = nk - 1; k >= 0; --k) {  // (the kernel's launch order: highest key block first)
         TurnBlock tb;
@@ -415,6 +415,34 @@ TEST(CudaWork, HighestFirstTurnsNeverDeadlock) {
       }
     }
   });
+}
+
+// The kernel's step: at most 2, at least 1, step * nk within the list (the arrival order above);
+// and what it is for: at any step of the walk the entries some but not all blocks have added
+// into (dQ tiles live in L2) number at most 2 * step * nk, however long the list - under GQA the
+// list is G x longer, and with the step entries / nk they were most of it.
+TEST(CudaWork, RotationStepKeepsFewEntriesLive) {
+  for (int nk = 1; nk <= 40; ++nk)
+    for (int n = nk; n <= 64 * nk; n += 1 + n / 8) {
+      const int step = rotation_step(n, nk);
+      EXPECT_GE(step, 1) << nk << " blocks, " << n << " entries";
+      EXPECT_LE(step, 2) << nk << " blocks, " << n << " entries";
+      EXPECT_LE(step * nk, n) << nk << " blocks, " << n << " entries";
+      std::vector<int> first(static_cast<size_t>(n), n), last(static_cast<size_t>(n), -1);
+      for (int x = 0; x < n; ++x)
+        for (int k = 0; k < nk; ++k) {
+          const int a = ((x - k * step) % n + n) % n;  // the step at which block k adds into x
+          first[static_cast<size_t>(x)] = a < first[static_cast<size_t>(x)] ? a : first[static_cast<size_t>(x)];
+          last[static_cast<size_t>(x)] = a > last[static_cast<size_t>(x)] ? a : last[static_cast<size_t>(x)];
+        }
+      int most = 0;
+      for (int t = 0; t < n; ++t) {
+        int live = 0;
+        for (int x = 0; x < n; ++x) live += first[static_cast<size_t>(x)] <= t && t < last[static_cast<size_t>(x)];
+        most = live > most ? live : most;
+      }
+      EXPECT_LE(most, 2 * step * nk) << nk << " blocks, " << n << " entries";
+    }
 }
 
 }  // namespace

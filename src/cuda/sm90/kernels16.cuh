@@ -416,7 +416,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   // turn_of.)
   const int nk = static_cast<int>((Skv + BK - 1) / BK);
   const bool ord_rot = ORD && A.f.dq_rotate && ntiles >= nk;
-  const int step = ord_rot ? ntiles / nk : 1;  // (read only when ord_rot)
+  const int step = ord_rot ? rotation_step(ntiles, nk) : 1;  // (read only when ord_rot)
   const int rot = ord_rot ? static_cast<int>(kx) * step : (!ORD && ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0);
   auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
   // ORD: this block's place in the turns at entry x of the walk's list (work.hpp): after the
