@@ -795,6 +795,19 @@ void check_rotary(const Named& cos, const Named& sin, DType dtype, int64_t D) {
 
 }  // namespace
 
+std::vector<int32_t> read_index_rows(const int32_t* data, int64_t rows, int64_t stride, int64_t cols, int32_t device,
+                                     void* stream) {
+  std::vector<int32_t> h(static_cast<size_t>(rows * cols));
+  const size_t row_bytes = static_cast<size_t>(cols) * sizeof(int32_t);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (device < 0)
+      std::memcpy(&h[static_cast<size_t>(r * cols)], data + r * stride, row_bytes);
+    else
+      cuda::copy_to_host(&h[static_cast<size_t>(r * cols)], data + r * stride, row_bytes, device, stream);
+  }
+  return h;
+}
+
 void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const int32_t* seqlens, const int32_t* start,
                            const int32_t* batch_row, const int32_t* table) {
   const bool paged = table != nullptr;
@@ -976,19 +989,9 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
     if (kv.cache_seqlens == nullptr) std::fill(seqlens.begin(), seqlens.end(), static_cast<int32_t>(capacity));
     call.start = kv.cache_leftpad ? read_index(*kv.cache_leftpad, o.stream) : std::vector<int32_t>();
     call.batch_row = kv.cache_batch_idx ? read_index(*kv.cache_batch_idx, o.stream) : std::vector<int32_t>();
-    if (paged) {
-      // The entries of the pages each sequence may use, copied dense ([B, max_blocks]).
+    if (paged) {  // (the entries of the pages each sequence may use, [B, max_blocks])
       const Tensor& t = *kv.block_table;
-      std::vector<int32_t> table(static_cast<size_t>(B * max_blocks), 0);
-      for (int64_t b = 0; b < B; ++b) {
-        if (t.device < 0)
-          std::memcpy(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
-                      static_cast<size_t>(max_blocks) * sizeof(int32_t));
-        else
-          cuda::copy_to_host(&table[b * max_blocks], static_cast<const int32_t*>(t.data) + b * t.stride[0],
-                             static_cast<size_t>(max_blocks) * sizeof(int32_t), t.device, o.stream);
-      }
-      call.table = std::move(table);
+      call.table = read_index_rows(static_cast<const int32_t*>(t.data), B, t.stride[0], max_blocks, t.device, o.stream);
     }
     check_kv_index_values(facts, s_new, append, seqlens.data(), call.start.empty() ? nullptr : call.start.data(),
                           call.batch_row.empty() ? nullptr : call.batch_row.data(),

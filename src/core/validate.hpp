@@ -43,6 +43,12 @@ void check_sequence_values(const int32_t* cq, const int32_t* ck, const int32_t* 
 void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const int32_t* seqlens, const int32_t* start,
                            const int32_t* batch_row, const int32_t* table);
 
+// rows x cols int32 at `data` (rows `stride` elements apart; host memory when device < 0, else
+// memory of CUDA device `device`, read after the work queued on `stream`), copied dense: the
+// block table's host copy (validation's read, and the CUDA backend's read-back for the message).
+std::vector<int32_t> read_index_rows(const int32_t* data, int64_t rows, int64_t stride, int64_t cols, int32_t device,
+                                     void* stream);
+
 // A validated KV-cache call: its params and the host copies of the index arrays they point into
 // (so the struct must stay where it is while the params are used).
 struct KvcacheCall {

@@ -520,24 +520,17 @@ void backward(const BackwardParams& p) {
 }
 
 
-// A KV-cache call: the index arrays to the device (one copy), the append and rotated q, the
-// attention over the caches, the merge of its splits.
 // A KV-cache call whose index arrays failed the check on the stream: they are read back (an error
 // path) for validation's own message; nothing was written.
 [[noreturn]] void kv_index_error(const KvcacheParams& kp, cudaStream_t stream) {
   const KvCheck& f = kp.check;
   const int32_t device = kp.fwd.exec.device;
-  const size_t B = static_cast<size_t>(f.batch);
-  std::vector<int32_t> seqlens(B), start, batch_row, table;
-  copy_to_host(seqlens.data(), f.cache_seqlens, B * 4, device, stream);
-  if (f.start != nullptr) start.resize(B), copy_to_host(start.data(), f.start, B * 4, device, stream);
-  if (f.batch_row != nullptr) batch_row.resize(B), copy_to_host(batch_row.data(), f.batch_row, B * 4, device, stream);
-  if (f.table != nullptr) {
-    table.resize(B * static_cast<size_t>(f.max_blocks));
-    for (size_t b = 0; b < B; ++b)
-      copy_to_host(&table[b * f.max_blocks], f.table + b * f.table_stride, static_cast<size_t>(f.max_blocks) * 4,
-                   device, stream);
-  }
+  auto read = [&](const int32_t* a) {  // ([B] int32 on the device)
+    return a != nullptr ? read_index_rows(a, 1, 0, f.batch, device, stream) : std::vector<int32_t>();
+  };
+  const std::vector<int32_t> seqlens = read(f.cache_seqlens), start = read(f.start), batch_row = read(f.batch_row);
+  std::vector<int32_t> table;
+  if (f.table != nullptr) table = read_index_rows(f.table, f.batch, f.table_stride, f.max_blocks, device, stream);
   check_kv_index_values(f, kp.s_new, kp.k_new.ptr != nullptr, seqlens.data(), start.empty() ? nullptr : start.data(),
                         batch_row.empty() ? nullptr : batch_row.data(), table.empty() ? nullptr : table.data());
   throw Error(Status::InvalidArgument,
@@ -546,6 +539,8 @@ void backward(const BackwardParams& p) {
               "call? Nothing was written.");
 }
 
+// A KV-cache call: the index arrays checked on the stream, or in the parameters, or copied to the
+// device once; the append and rotated q, the attention over the caches, the merge of its splits.
 void forward_kvcache(const KvcacheParams& kp) {
   const ForwardParams& p = kp.fwd;
   DeviceGuard guard(p.exec.device);

@@ -276,7 +276,8 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     // deterministic = 1 (or FLASHATTN_CUDA_BWD = ordered): the sm_90a single pass with each query
     // tile's dQ added by its key blocks in a fixed order, where that kernel runs (no per-entry
     // score step); 0.85-0.99x the default backward on an H100 with MHA (GQA causal lower:
-    // docs/PERF.md), 1.3-2x the split passes it replaced there. Elsewhere, or with FLASHATTN_CUDA_BWD = split, the split passes.
+    // docs/PERF.md), 1.3-2x the split passes it replaced there. Elsewhere, or with
+    // FLASHATTN_CUDA_BWD = split, the split passes.
     const bool ordered = (ov.bwd == 2 || (n.deterministic && ov.bwd != 0)) && maps && has_sm90(Pass::Dkv, b.dp) && !b.xf;
     if (n.deterministic && !ordered) atomic = false;  // the split passes: every sum in a fixed order
     if (ov.bwd == 2 && !ordered) atomic = false;
