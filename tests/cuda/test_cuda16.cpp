@@ -249,17 +249,32 @@ void run_and_check(Problem& p, Dev& d, const Expected& e, const char* label = ""
   std::vector<double> got[5];
   // Both forward families where the device has two: the mma.sync kernels (FLASHATTN_CUDA_ARCH=sm80)
   // and the default (the sm_90a wgmma kernels on compute capability 9.0), the latter last so that
-  // the backward below starts from the default forward's out and lse.
-  for (const char* arch : {"sm80", static_cast<const char*>(nullptr)}) {
+  // the backward below starts from the default forward's out and lse. Between them the sm_90a
+  // forward with 3 CTAs walking all row blocks (FLASHATTN_CUDA_FWD_CTAS; blocks of every length,
+  // none under a mask, in one CTA's pipeline): the same products per block, so the same bits as
+  // one CTA per block.
+  struct Fwd {
+    const char *arch, *ctas, *name;
+  };
+  std::vector<unsigned char> walk_out, walk_lse, block_out, block_lse;
+  for (const Fwd f : {Fwd{"sm80", nullptr, "fwd80"}, Fwd{nullptr, "3", "fwd-walk3"}, Fwd{nullptr, "0", "fwd-blocks"},
+                      Fwd{nullptr, nullptr, "fwd"}}) {
     EnvScope env("FLASHATTN_CUDA_BWD", nullptr);
-    EnvScope env_arch("FLASHATTN_CUDA_ARCH", arch);
+    EnvScope env_arch("FLASHATTN_CUDA_ARCH", f.arch);
+    EnvScope env_ctas("FLASHATTN_CUDA_FWD_CTAS", f.ctas);
     d.poison_outputs();
     if (!call("forward", info, [&] { d.forward(options16(c, kDesigns[0])); })) return;
     p.poison_outputs();
     d.download();
     for (int i : {0, 1}) got[i] = p.to_double(i == 0 ? p.out : p.lse);
-    check_tensors(c, e, got, 0, 1, arch ? "fwd80" : "fwd", info, rep);
+    check_tensors(c, e, got, 0, 1, f.name, info, rep);
+    if (f.ctas != nullptr) {
+      (f.ctas[0] == '3' ? walk_out : block_out) = p.out.bytes;
+      (f.ctas[0] == '3' ? walk_lse : block_lse) = p.lse.bytes;
+    }
   }
+  EXPECT_TRUE(walk_out == block_out && walk_lse == block_lse)
+      << "the forward walked by 3 CTAs differs from one CTA per row block\n" << info;
   const std::vector<unsigned char> out_bytes = p.out.bytes, lse_bytes = p.lse.bytes;
   for (const Design& des : kDesigns) {
     EnvScope env("FLASHATTN_CUDA_BWD", des.env);

@@ -651,6 +651,42 @@ TEST(CudaSelect, PingPongRule) {
   EXPECT_TRUE(pp(shape(8192, 128)));
 }
 
+TEST(CudaSelect, ForwardWalkWhileRowsSeeFewKeys) {
+  // The 16-bit sm_90a forward walks the row blocks with one CTA per multiprocessor on dense calls
+  // whose rows see fewer than 8192 keys on average (the band's width; half the keys under one
+  // edge); the other forwards (and packed calls) keep one CTA per block.
+  auto walk = [](int64_t s, Numerics n) { return sel(shape(s, 128), n, 9, 0).fwd().walk_ctas; };
+  const Numerics none = num(DType::BFloat16), causal = num(DType::Float16, Mask::CausalBottomRight);
+  EXPECT_EQ(walk(4096, none), 132);
+  EXPECT_EQ(walk(8191, none), 132);
+  EXPECT_EQ(walk(8192, none), 0);
+  EXPECT_EQ(walk(8192, causal), 132);
+  EXPECT_EQ(walk(16384, causal), 0);
+  Numerics window = causal;
+  window.window_left = 1024;
+  EXPECT_EQ(walk(16384, window), 132);
+  EXPECT_EQ(walk(65536, window), 132);
+  Numerics wide = none;
+  wide.window_left = wide.window_right = 8192;
+  EXPECT_EQ(walk(65536, wide), 0);
+  Numerics left_only = none;
+  left_only.window_left = 100;  // one edge: half the keys, roughly
+  EXPECT_EQ(walk(16383, left_only), 132);
+  EXPECT_EQ(walk(16384, left_only), 0);
+  EXPECT_EQ(walk(4096, num(DType::Float32)), 0);  // the float32 kernels: one CTA per block
+  EXPECT_EQ(sel(shape(4096, 128), none, 8, 0).fwd().walk_ctas, 0);  // the mma.sync forward
+  {
+    OverrideScope e("FLASHATTN_CUDA_FWD_CTAS", "3");
+    EXPECT_EQ(walk(16384, causal), 3);
+  }
+  {
+    OverrideScope e("FLASHATTN_CUDA_FWD_CTAS", "0");
+    EXPECT_EQ(walk(4096, none), 0);
+  }
+  OverrideScope e("FLASHATTN_CUDA_FWD_CTAS", "sms");
+  EXPECT_EQ(walk(16384, none), 132);
+}
+
 TEST(CudaSelect, PersistentCtas) {
   // By default one CTA per block; the override runs a count, one per multiprocessor, or one per
   // block (0).
@@ -932,6 +968,7 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
                           {"FLASHATTN_CUDA_FP32_BWD", "wgmma"},
                           {"FLASHATTN_CUDA_PERSISTENT_CTAS", "sms"},
                           {"FLASHATTN_CUDA_CONVERT_CTAS", "7"},
+                          {"FLASHATTN_CUDA_FWD_CTAS", "sms"},
                           {"FLASHATTN_CUDA_DECODE_LOADER", "rows"}});
   EXPECT_EQ(o.arch, 0);
   EXPECT_EQ(o.math, static_cast<int>(Math::Fma));
@@ -944,6 +981,8 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
   EXPECT_EQ(o.fp32_bwd, 1);
   EXPECT_EQ(o.persistent_ctas, -2);
   EXPECT_EQ(o.convert_ctas, 7);
+  EXPECT_EQ(o.fwd_ctas, -2);
+  EXPECT_EQ(ov({{"FLASHATTN_CUDA_FWD_CTAS", "5"}}).fwd_ctas, 5);
   EXPECT_EQ(o.decode_loader, DecodeShape::kRows);
   EXPECT_EQ(ov({{"FLASHATTN_CUDA_DECODE_LOADER", "bulk"}}).decode_loader, DecodeShape::kBulk);
   const Overrides none = ov();

@@ -294,6 +294,75 @@ TEST(CudaWork, WindowsSkipTilesOnBothSides) {
   EXPECT_TRUE(kt.t_begin == kb.t_begin && kt.t_end == kb.t_end && kt.ntiles == kb.ntiles);
 }
 
+// ---- the forward's walk (FwdWalk) ------------------------------------------------------------------
+// G CTAs walking a grid (CTA c: both blocks of units c, c + G, ...) do every block exactly once, for
+// any G, with the units in launch order (p fastest, then y, then z).
+TEST(CudaWork, ForwardWalkDoesEveryBlockOnce) {
+  const int64_t grids[][3] = {{1, 1, 1}, {8, 16, 2}, {17, 3, 5}, {1, 40, 1}, {129, 1, 1}, {2, 3, 1}};
+  for (const auto& gd : grids) {
+    const FwdWalk w{gd[0], gd[1], gd[2]};
+    ASSERT_EQ(w.units(), (gd[0] + 1) / 2 * gd[1] * gd[2]);
+    for (int64_t ctas : {int64_t{1}, int64_t{3}, int64_t{7}, w.units() - 1, w.units(), int64_t{132}}) {
+      if (ctas < 1) continue;
+      std::vector<int> seen(static_cast<size_t>(gd[0] * gd[1] * gd[2]), 0);
+      for (int64_t c = 0; c < ctas; ++c)
+        for (int64_t u = c; u < w.units(); u += ctas)
+          for (int half = 0; half < 2; ++half) {
+            int64_t x, y, z;
+            if (!w.at(u, half, &x, &y, &z)) {
+              EXPECT_EQ(half, 1);
+              EXPECT_EQ(gd[0] % 2, 1) << "only an odd row of blocks has a unit of one";
+              continue;
+            }
+            ASSERT_TRUE(x >= 0 && x < gd[0] && y >= 0 && y < gd[1] && z >= 0 && z < gd[2]);
+            EXPECT_EQ(u, (half == 0 ? x : gd[0] - 1 - x) + (gd[0] + 1) / 2 * (y + gd[1] * z)) << "not the launch order";
+            ++seen[static_cast<size_t>(x + gd[0] * (y + gd[1] * z))];
+          }
+      for (int n : seen) ASSERT_EQ(n, 1) << "grid " << gd[0] << "x" << gd[1] << "x" << gd[2] << ", " << ctas << " CTAs";
+    }
+  }
+}
+
+// Why a static order balances: the two blocks of a unit see key tiles adding up to the same count
+// for every unit under each band of the forward (aside: units holding a block whose window is
+// still filling at the first rows, and an odd row's middle block, a unit of its own), within one
+// tile per block of rounding.
+TEST(CudaWork, ForwardWalkUnitsCostAlike) {
+  struct C {
+    Band m;
+    int64_t sq, skv;
+  };
+  const C cases[] = {{{0, -1, -1}, 4096, 4096}, {{1, -1, -1}, 4096, 4096}, {{2, -1, -1}, 4096, 4096},
+                     {{2, -1, -1}, 2048, 4096}, {{2, 1024, -1}, 4096, 4096}, {{0, 1024, -1}, 4096, 4096},
+                     {{0, 256, 256}, 4096, 4096}, {{1, -1, -1}, 1920, 1920}};
+  for (const C& c : cases) {
+    const Shape s{1, 1, 1, c.sq, c.skv, 128};
+    const MaskRule rule = make_mask_rule(c.m.mask, s.seq_q, s.seq_kv, c.m.left, c.m.right);
+    const FwdWalk w{(c.sq + 127) / 128, 1, 1};
+    int lo = 1 << 30, hi = 0;
+    for (int64_t u = 0; u < w.units(); ++u) {
+      int tiles = 0;
+      bool edge = false;
+      for (int half = 0; half < 2; ++half) {
+        int64_t x, y, z;
+        if (!w.at(u, half, &x, &y, &z)) {
+          edge = true;  // the middle block of an odd row alone: half a unit
+          continue;
+        }
+        const QueryBlock qb = query_block_at(s, rule, 0, 0, x, 128, 128);
+        tiles += qb.ntiles;
+        // A window's left side is clamped at key 0 for the first rows: those units are cheaper.
+        edge = edge || (rule.bounded_below() && rule.key_begin(qb.m0) <= 0);
+      }
+      if (edge) continue;
+      lo = tiles < lo ? tiles : lo;
+      hi = tiles > hi ? tiles : hi;
+    }
+    EXPECT_LE(hi - lo, 2) << "mask " << c.m.mask << " window (" << c.m.left << ", " << c.m.right << ") Sq "
+                          << c.sq << " Skv " << c.skv << ": units of " << lo << ".." << hi << " tiles";
+  }
+}
+
 // ---- the ordered dQ reduction's turns (turn_highest_first, turn_rotated) -------------------------
 // A model of the sm_90a ordered pass: key blocks, launched in the given order into at most `slots`
 // resident places (a finished block's place goes to the next one), walk their lists of entries;

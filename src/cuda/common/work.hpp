@@ -118,6 +118,29 @@ FLASHATTN_HD QueryBlock query_block(const Shape& s, const Numerics& n, int64_t b
   return query_block_at(s, mask_rule(s, n), b, h, x, BM, BN);
 }
 
+// A forward CTA walking several row blocks (the sm_90a 16-bit forward, ForwardPlan::walk_ctas):
+// the blocks of the grid it replaces, (x, head, batch), in units of two: row blocks x = p and
+// nx - 1 - p of one (head, batch), whose key tiles add up to the same count for every p under
+// any band whose edges move with the row (none, causal, windows: the count is linear in x up to
+// the clamps), so units cost alike and a static order balances: CTA c does units c, c + G,
+// c + 2G, ... (G = gridDim.x), no counter to zero per call. Units go p fastest, then head, then
+// batch - the order the hardware would launch the blocks in, so the CTAs running at once share a
+// head's K and V in L2. The CTA's next block's Q and first K/V tiles are copied while this
+// block's last products and epilogue run: the pipeline is filled once per CTA, not per block.
+struct FwdWalk {
+  int64_t nx = 0, ny = 0, nz = 0;  // the grid walked; nx = 0: none (CTA = blockIdx)
+  FLASHATTN_HD int64_t units() const { return (nx + 1) / 2 * ny * nz; }
+  // Block `half` (0, 1) of unit u as the grid's (x, y, z); false: the unit has one block (the
+  // middle one of an odd nx).
+  FLASHATTN_HD bool at(int64_t u, int half, int64_t* x, int64_t* y, int64_t* z) const {
+    const int64_t nu = (nx + 1) / 2, p = u % nu, col = u / nu;
+    *y = col % ny;
+    *z = col / ny;
+    *x = half == 0 ? p : nx - 1 - p;
+    return half == 0 || nx - 1 - p != p;
+  }
+};
+
 // A CTA of the dK/dV pass: BM key rows of one (batch, kv head) and, for each query head of its
 // group, the BN-query tiles [t_begin, t_end) that hold every query seeing those keys. Iteration x
 // (in [0, ntiles)) is query tile t_begin + x % per_head of query head hk * G + x / per_head.

@@ -29,6 +29,7 @@ struct FwdArgs {
   // grid_blocks CTAs, written by the maps' pre-pass ({-1, 0} past the real blocks); else nullptr.
   int2* block_table;
   int64_t grid_blocks;
+  int walk_ctas;  // the sm_90a 16-bit forward: CTAs walking the row blocks (ForwardPlan::walk_ctas)
 };
 struct BwdArgs {
   BackwardParams p;

@@ -50,6 +50,8 @@ bool apply(Overrides& o, const char* var, const char* v) {
   else if (is("FLASHATTN_CUDA_FP32_BWD")) o.fp32_bwd = choice(var, v, {"mma", "wgmma"});
   else if (is("FLASHATTN_CUDA_PERSISTENT_CTAS"))
     o.persistent_ctas = count(var, v, 1000000, true, "a count or 'sms' (0: one CTA per block)");
+  else if (is("FLASHATTN_CUDA_FWD_CTAS"))
+    o.fwd_ctas = count(var, v, 1000000, true, "a count or 'sms' (0: one CTA per block)");
   else if (is("FLASHATTN_CUDA_CONVERT_CTAS")) o.convert_ctas = count(var, v, 100000, false, "a count (0: no side stream)");
   else if (is("FLASHATTN_CUDA_PACKED_GRID")) o.packed_grid = choice(var, v, {"dense", "compact"});
   else if (is("FLASHATTN_CUDA_DECODE_LOADER")) o.decode_loader = choice(var, v, {"bulk", "rows", "generic"});
@@ -68,7 +70,7 @@ constexpr const char* kVars[] = {
     "FLASHATTN_CUDA_ARCH",    "FLASHATTN_CUDA_MATH",     "FLASHATTN_CUDA_BWD",
     "FLASHATTN_CUDA_SM90_VARIANT", "FLASHATTN_CUDA_PINGPONG", "FLASHATTN_CUDA_TF32_FWD_COPIES",
     "FLASHATTN_CUDA_FP32_FWD", "FLASHATTN_CUDA_TF32_BWD", "FLASHATTN_CUDA_FP32_BWD",
-    "FLASHATTN_CUDA_PERSISTENT_CTAS", "FLASHATTN_CUDA_CONVERT_CTAS", "FLASHATTN_CUDA_PACKED_GRID",
+    "FLASHATTN_CUDA_PERSISTENT_CTAS", "FLASHATTN_CUDA_CONVERT_CTAS", "FLASHATTN_CUDA_FWD_CTAS", "FLASHATTN_CUDA_PACKED_GRID",
     "FLASHATTN_CUDA_KEY_CHUNK", "FLASHATTN_CUDA_DECODE_LOADER", "FLASHATTN_CUDA_DECODE_STAGES", "FLASHATTN_CUDA_KV_CHECK",
     "FLASHATTN_CUDA_DECODE_STREAMS"};
 

@@ -19,6 +19,8 @@
 // | FLASHATTN_CUDA_FP32_BWD         | mma, wgmma                   | fp32 (3xTF32) backward family on 9.0                |
 // | FLASHATTN_CUDA_PERSISTENT_CTAS  | N, sms (0: one per block)    | CTAs of the sm_90a float32 pair kernels             |
 // | FLASHATTN_CUDA_CONVERT_CTAS     | N (0: no side stream)        | CTAs copying Q/dO beside the float32 dQ pass        |
+// | FLASHATTN_CUDA_FWD_CTAS         | N, sms (0: one per block)    | CTAs walking the 16-bit sm_90a forward's row blocks |
+// |                                 |                              | (dense calls; default: sms where blocks cost alike) |
 // | FLASHATTN_CUDA_PACKED_GRID      | dense, compact               | packed 16-bit sm_90a forward: CTAs per real block   |
 // | FLASHATTN_CUDA_KEY_CHUNK        | N (multiple of 128, 0: none) | keys per chunk of the fp32-mode forward (16384)     |
 // | FLASHATTN_CUDA_DECODE_LOADER    | bulk, rows, generic          | KV-cache kernel's K/V loads (DecodeShape::Loader;   |
@@ -54,6 +56,7 @@ struct Overrides {
   int fp32_bwd = -1;
   long persistent_ctas = -1;  // -2: "sms" (one per multiprocessor)
   long convert_ctas = -1;
+  long fwd_ctas = -1;  // -2: "sms"
   int packed_grid = -1;  // 1: compact (the packed sm_90a forward's grid of real row blocks)
   long key_chunk = -1;   // keys per chunk of the float32 fp32-mode forward (0: never chunked)
   int decode_loader = -1;  // a DecodeShape::Loader: 0 bulk, 1 rows, 2 generic

@@ -62,6 +62,10 @@ struct ForwardPlan {
   // max_seqlen_q, CTAs past a sequence's rows return).
   int64_t block_table = -1;
   int64_t grid_blocks = 0;
+  // Sm90Wgmma16 on a dense call: at most this many CTAs, each walking row blocks in a static order
+  // (FwdWalk, work.hpp: where the blocks cost about the same, one per multiprocessor); 0: one CTA
+  // per row block in the hardware's order.
+  int walk_ctas = 0;
   // > 0: the float32 forward in the fp32 mode over key chunks of this many keys, each chunk's
   // (O, LSE) folded into float64 row sums (backend.cu forward_chunked), so that no float32 sum
   // of a row runs over more than key_chunk / 64 tiles (docs/ALGORITHM.md, "Long key sequences").

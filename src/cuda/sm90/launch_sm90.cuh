@@ -100,11 +100,16 @@ void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
                               a.block_table, a.grid_blocks, c.block_m);
   args.blocks = a.block_table;
   // The dense grid (row blocks of max_seqlen_q x heads x sequences), or the compact one: one CTA
-  // per entry of the block table x heads.
-  const dim3 grid = a.block_table != nullptr
-                        ? dim3(static_cast<unsigned>(a.grid_blocks), static_cast<unsigned>(s.heads_q), 1)
-                        : dim3(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
-                               static_cast<unsigned>(s.batch));
+  // per entry of the block table x heads; or walk_ctas CTAs walking the row blocks of that grid.
+  dim3 grid = a.block_table != nullptr
+                  ? dim3(static_cast<unsigned>(a.grid_blocks), static_cast<unsigned>(s.heads_q), 1)
+                  : dim3(grid_blocks(s.seq_q, c.block_m), static_cast<unsigned>(s.heads_q),
+                         static_cast<unsigned>(s.batch));
+  const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  if (a.walk_ctas > 0 && blocks > a.walk_ctas) {
+    args.walk = dev::FwdWalk{grid.x, grid.y, grid.z};
+    grid = dim3(static_cast<unsigned>(std::min<int64_t>(a.walk_ctas, args.walk.units())), 1, 1);
+  }
   launch_checked(dev::forward_sm90_kernel<DP, H, XF>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
 }

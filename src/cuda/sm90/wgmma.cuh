@@ -423,8 +423,11 @@ __device__ __forceinline__ void tma_load_stage(const void* map, unsigned char* b
 }
 // The forward kernels' copy schedule, run by one producer thread: Q once (full_q), then K_0, and
 // K_{t+1} before V_t (the order the consumers need them), each tile into stage t & 1 of its ring.
-// t counts the block's iterations (stages and barrier phases follow it); iteration t copies key
-// tile t_begin + t (QueryBlock), keys from n0 = (t_begin + t) BN.
+// t counts the block's iterations; iteration t copies key tile t_begin + t (QueryBlock), keys from
+// n0 = (t_begin + t) BN, into stage g0 + t (stages and barrier phases follow g0 + t: a CTA walking
+// several blocks keeps one count of its tiles, g0 = the tiles of its blocks before this one). Q
+// waits for empty_q (nullptr: no wait), released by the consumers of the CTA's previous block;
+// kq counts the CTA's blocks (Q's barrier phases).
 // TQ/TK: the shared-memory tile types (one box of 128 bytes' columns per column block); BN keys per
 // tile; coordinates (column, row, head, batch). load_v(t, n0) copies V's tile of iteration t (as
 // stored: copy_forward_tiles below; the tf32 forward's transposed copy: tf32_fwd.cuh).
@@ -432,16 +435,19 @@ template <class TQ, class TK, int DP, int BN, class LoadV>
 __device__ __forceinline__ void copy_forward_tiles_with(const void* tq, const void* tk, unsigned char* sQ,
                                                         unsigned char* sK, uint64_t* full_q, uint64_t* full_k,
                                                         uint64_t* empty_k, int m0, int h, int hk, int b, int t_begin,
-                                                        int ntiles, LoadV load_v) {
+                                                        int ntiles, LoadV load_v, int g0 = 0,
+                                                        uint64_t* empty_q = nullptr, int kq = 0) {
   constexpr int kBlocks = TQ::kBytes / TQ::kBlockBytes, kCols = DP / kBlocks;  // boxes per row, their width
+  const int n_first = t_begin * BN;
+  // K's first tile before Q when Q's tile is still in use: the copy engine fetches it meanwhile.
+  if (ntiles > 0) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, g0, 0, n_first, hk, b);
+  if (empty_q != nullptr) mbar_wait(empty_q, (kq & 1) ^ 1);
   mbar_expect_tx(full_q, TQ::kBytes);
 #pragma unroll
   for (int blk = 0; blk < kBlocks; ++blk) tma_load_4d(sQ + blk * TQ::kBlockBytes, tq, full_q, kCols * blk, m0, h, b);
-  const int n_first = t_begin * BN;
-  if (ntiles > 0) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, 0, 0, n_first, hk, b);
   for (int t = 0; t < ntiles; ++t) {
-    if (t + 1 < ntiles) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, t + 1, 0, n_first + (t + 1) * BN, hk, b);
-    load_v(t, n_first + t * BN);
+    if (t + 1 < ntiles) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, g0 + t + 1, 0, n_first + (t + 1) * BN, hk, b);
+    load_v(g0 + t, n_first + t * BN);
   }
 }
 // The same with V's tiles as stored (rows = keys), into their own ring.
@@ -450,11 +456,11 @@ __device__ __forceinline__ void copy_forward_tiles(const void* tq, const void* t
                                                    unsigned char* sK, unsigned char* sV, uint64_t* full_q,
                                                    uint64_t* full_k, uint64_t* empty_k, uint64_t* full_v,
                                                    uint64_t* empty_v, int m0, int h, int hk, int b, int t_begin,
-                                                   int ntiles) {
+                                                   int ntiles, int g0 = 0, uint64_t* empty_q = nullptr, int kq = 0) {
   constexpr int kCols = DP / (TQ::kBytes / TQ::kBlockBytes);
   copy_forward_tiles_with<TQ, TK, DP, BN>(
       tq, tk, sQ, sK, full_q, full_k, empty_k, m0, h, hk, b, t_begin, ntiles,
-      [&](int t, int n0) { tma_load_stage<TK, kCols>(tv, sV, full_v, empty_v, t, 0, n0, hk, b); });
+      [&](int g, int n0) { tma_load_stage<TK, kCols>(tv, sV, full_v, empty_v, g, 0, n0, hk, b); }, g0, empty_q, kq);
 }
 
 // Registers per thread of this warpgroup from here on (the kernel starts with an even split).
