@@ -187,6 +187,17 @@ struct KvCheck {
   int64_t capacity;                        // rows a sequence can hold
   int64_t rotary_rows;                     // rotary_cos.shape[0] (0: no rotary)
   int64_t rotary_ahead;                    // rows past cache_seqlens[b] the rotary tables must cover
+
+  // The rules, entry by entry: one definition for the host's check (check_kv_index_values, which
+  // says which rule broke) and the device's (kv_check_kernel, a verdict only). sl = cache_seqlens[b].
+  FLASHATTN_HD bool fits(int64_t sl, int64_t s_new) const {  // the prefix and the append fit the cache
+    return sl >= 0 && sl <= capacity && s_new <= capacity - sl;
+  }
+  FLASHATTN_HD static bool positions_fit(int64_t sl, int64_t s_new) { return sl + s_new <= 0x7fffffff; }  // int32 rows
+  FLASHATTN_HD static bool start_ok(int64_t start, int64_t sl) { return start >= 0 && start <= sl; }  // cache_leftpad
+  FLASHATTN_HD bool row_ok(int64_t r) const { return r >= 0 && r < cache_batch; }  // a cache row, a page
+  FLASHATTN_HD int64_t pages_used(int64_t sl, int64_t s_new) const { return (sl + s_new + block_rows - 1) / block_rows; }
+  FLASHATTN_HD bool rotary_ok(int64_t sl) const { return rotary_rows <= 0 || sl + rotary_ahead <= rotary_rows; }
 };
 
 struct KvcacheParams {

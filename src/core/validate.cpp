@@ -816,17 +816,17 @@ void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const i
   for (int64_t b = 0; b < B; ++b) {
     const std::string sb = "[" + std::to_string(b) + "]";
     if (seqlens[b] < 0) fail("cache_seqlens" + sb + " = " + std::to_string(seqlens[b]) + " is negative");
-    if (seqlens[b] > capacity || s_new > capacity - seqlens[b])
+    if (!f.fits(seqlens[b], s_new))
       fail("cache_seqlens" + sb + " + S_new = " + std::to_string(seqlens[b]) + " + " + std::to_string(s_new) + " = " +
            std::to_string(static_cast<unsigned long long>(seqlens[b]) + static_cast<unsigned long long>(s_new)) +
            " exceeds the cache capacity " + std::to_string(capacity) + " (" + cap_what + ")");
-    if (int64_t{seqlens[b]} + s_new > INT32_MAX)
+    if (!KvCheck::positions_fit(seqlens[b], s_new))
       fail("cache_seqlens" + sb + " + S_new = " + std::to_string(int64_t{seqlens[b]} + s_new) +
            " exceeds the int32 range of cache positions");
-    if (start != nullptr && (start[b] < 0 || start[b] > seqlens[b]))
+    if (start != nullptr && !KvCheck::start_ok(start[b], seqlens[b]))
       fail("cache_leftpad" + sb + " = " + std::to_string(start[b]) + " is outside [0, cache_seqlens" + sb + " = " +
            std::to_string(seqlens[b]) + "]");
-    if (batch_row != nullptr && (batch_row[b] < 0 || batch_row[b] >= f.cache_batch))
+    if (batch_row != nullptr && !f.row_ok(batch_row[b]))
       fail("cache_batch_idx" + sb + " = " + std::to_string(batch_row[b]) + " is outside [0, " +
            std::to_string(f.cache_batch) + ") (k_cache.shape[0])");
   }
@@ -841,10 +841,10 @@ void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const i
   if (paged) {
     // The pages each sequence uses ([0, cache_seqlens + S_new) rows); table is [B, max_blocks].
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t used = (int64_t{seqlens[b]} + s_new + f.block_rows - 1) / f.block_rows;
+      const int64_t used = f.pages_used(seqlens[b], s_new);
       for (int64_t i = 0; i < used; ++i) {
         const int32_t e = table[b * f.max_blocks + i];
-        if (e < 0 || e >= f.cache_batch)
+        if (!f.row_ok(e))
           fail("block_table[" + std::to_string(b) + ", " + std::to_string(i) + "] = " + std::to_string(e) +
                " is outside [0, " + std::to_string(f.cache_batch) + ") (k_cache.shape[0], the number of blocks)");
       }
@@ -852,8 +852,12 @@ void check_kv_index_values(const KvCheck& f, int64_t s_new, bool append, const i
   }
   if (f.rotary_rows > 0) {
     int64_t need = 0;
-    for (int64_t b = 0; b < B; ++b) need = std::max(need, int64_t{seqlens[b]} + f.rotary_ahead);
-    if (f.rotary_rows < need)
+    bool short_tables = false;
+    for (int64_t b = 0; b < B; ++b) {
+      need = std::max(need, int64_t{seqlens[b]} + f.rotary_ahead);
+      short_tables = short_tables || !f.rotary_ok(seqlens[b]);
+    }
+    if (short_tables)
       fail("rotary_cos.shape[0] = " + std::to_string(f.rotary_rows) + " is too short: positions up to " +
            std::to_string(need - 1) + " are used (max over b of cache_seqlens[b] + " + std::to_string(f.rotary_ahead) +
            " - 1)");

@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kSeqCheckThreads) seq_check_kernel(const __gri
   }
 }
 
-// The index rules of check_kv_index_values (core/validate.cpp), entry by entry over one CTA, then
-// one verdict: cache_seqlens in [0, capacity - S_new] and within int32 with S_new; cache_leftpad
+// The index rules of check_kv_index_values (core/validate.cpp; both through KvCheck's predicates,
+// core/params.hpp), entry by entry over one CTA, then one verdict: cache_seqlens in [0, capacity - S_new] and within int32 with S_new; cache_leftpad
 // in [0, cache_seqlens]; cache_batch_idx in [0, B_cache) and, when appending, without repeats;
 // the block-table entries of each sequence's used pages in [0, num_blocks); the rotary tables
 // long enough for the last position used.
@@ -78,25 +78,25 @@ __global__ void __launch_bounds__(kKvCheckThreads) kv_check_kernel(const __grid_
   bool bad = false;
   for (int64_t b = threadIdx.x; b < B; b += kKvCheckThreads) {
     const int64_t sl = f.cache_seqlens[b];
-    bad |= sl < 0 || sl > f.capacity || j.s_new > f.capacity - sl || sl + j.s_new > 0x7fffffff;
-    if (f.start != nullptr) bad |= f.start[b] < 0 || f.start[b] > sl;
+    bad |= !f.fits(sl, j.s_new) || !KvCheck::positions_fit(sl, j.s_new);
+    if (f.start != nullptr) bad |= !KvCheck::start_ok(f.start[b], sl);
     if (f.batch_row != nullptr) {
       const int32_t r = f.batch_row[b];
-      bad |= r < 0 || r >= f.cache_batch;
+      bad |= !f.row_ok(r);
       if (j.append)
         for (int64_t c = b + 1; c < B; ++c) bad |= f.batch_row[c] == r;
     }
-    if (f.rotary_rows > 0) bad |= sl + f.rotary_ahead > f.rotary_rows;
+    bad |= !f.rotary_ok(sl);
   }
   // Pages: the entries of each sequence's used pages only (entries past them are never read),
   // a sequence per thread.
   if (f.table != nullptr)
     for (int64_t b = threadIdx.x; b < B; b += kKvCheckThreads) {
       const int64_t sl = f.cache_seqlens[b];
-      if (sl < 0 || sl > f.capacity) continue;  // (already bad)
-      const int64_t used = (sl + j.s_new + f.block_rows - 1) / f.block_rows;
+      if (!f.fits(sl, j.s_new)) continue;  // (already bad)
+      const int64_t used = f.pages_used(sl, j.s_new);
       const int32_t* row = f.table + b * f.table_stride;
-      for (int64_t i = 0; i < used && i < f.max_blocks; ++i) bad |= row[i] < 0 || row[i] >= f.cache_batch;
+      for (int64_t i = 0; i < used && i < f.max_blocks; ++i) bad |= !f.row_ok(row[i]);
     }
   const bool ok = __syncthreads_or(bad) == 0;
   int32_t* seqlen_k = j.out;
