@@ -647,6 +647,14 @@ TEST(CudaSelect, PingPongRule) {
   EXPECT_TRUE(pp(shape(4096, 128)));
   EXPECT_FALSE(pp(shape(8192, 128)));
   EXPECT_FALSE(pp(shape(512, 256, 8192)));
+  // By keys per row: causal at 8k sees 4k on average, a window its width.
+  auto ppn = [](const Shape& sh, Numerics n) { return sel(sh, n, 9, 0).fwd().pingpong; };
+  Numerics causal = num(DType::BFloat16, Mask::CausalBottomRight);
+  EXPECT_TRUE(ppn(shape(8192, 128), causal));
+  EXPECT_FALSE(ppn(shape(16384, 128), causal));
+  causal.window_left = 1024;
+  EXPECT_TRUE(ppn(shape(16384, 128), causal));
+  EXPECT_TRUE(ppn(shape(65536, 256), causal));
   OverrideScope e("FLASHATTN_CUDA_PINGPONG", "1");
   EXPECT_TRUE(pp(shape(8192, 128)));
 }

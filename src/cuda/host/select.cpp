@@ -29,23 +29,28 @@ int sm90_bwd_variant(const Shape& s, Mask mask, int dp, bool ordered, const Over
   return !ordered && mask != Mask::None && s.seq_q <= 1024 && s.seq_kv <= 1024 ? 1 : 0;
 }
 
+// Keys a query row sees on average, roughly: the band's width where it has two edges, half the
+// keys under one edge (causal; a window's one side), all with none. The forward's choices below
+// follow it rather than Skv: they depend on how many key tiles a row block runs through.
+int64_t keys_per_row(const Shape& s, const Numerics& n) {
+  const MaskRule r = mask_rule(s, n);
+  return r.bounded_above() && r.bounded_below() ? std::min<int64_t>(r.hi - r.lo + 1, s.seq_kv)
+       : r.bounded_above() || r.bounded_below() ? s.seq_kv / 2
+                                               : s.seq_kv;
+}
+
 // Ping-pong scheduling of the sm_90a forward's two consumer warpgroups: faster at D = 64 at every
-// length and at Skv <= 4096 for D = 128 and 256, slower beyond.
-bool pingpong_default(const Shape& s, int dp) { return dp <= 64 || s.seq_kv <= 4096; }
+// length and at Skv <= 4096 for D = 128 and 256 without a mask, slower beyond; by keys per row
+// (H100, 2026-12-06: causal S 8k neutral, 0.995x; the S 16k window (1024, 0) forward 4% faster,
+// its cost 1.56 -> 1.50: short rows start both warpgroups on the same tile, and the turns part them).
+bool pingpong_default(const Shape& s, const Numerics& n, int dp) { return dp <= 64 || keys_per_row(s, n) <= 4096; }
 
 // The 16-bit sm_90a forward's walk (FwdWalk): one CTA per multiprocessor doing the row blocks in
-// units of two saves each block's pipeline fill and epilogue, worth 5-18% while the rows see few
-// keys (H100, bf16, 16k tokens: causal S 512-8k +5-18%, no mask S 512-2k +3-13%, causal + window
-// (1024, 0) at S 16k +10%); at 8k or more keys per row that saving is ~1%, below what the static
-// order's tail costs (a CTA may do one unit more than another: causal S 16k 0.98-0.99x). Keys per
-// row: the band's width with both edges, half the keys with one, all with none.
-bool walk_default(const Shape& s, const Numerics& n) {
-  const MaskRule r = mask_rule(s, n);
-  const int64_t keys = r.bounded_above() && r.bounded_below() ? std::min<int64_t>(r.hi - r.lo + 1, s.seq_kv)
-                     : r.bounded_above() || r.bounded_below() ? s.seq_kv / 2
-                                                             : s.seq_kv;
-  return keys < 8192;
-}
+// units of two saves each block's pipeline fill and epilogue, worth 3-19% while the rows see few
+// keys (H100, bf16, 16k tokens: causal S 512-8k +4-19%, no mask S 512-4k +2-15%, causal + window
+// (1024, 0) at S 16k +5-10%); at 8k or more keys per row that saving is ~1%, below what the static
+// order's tail costs (a CTA may do one unit more than another: causal S 16k 0.98-0.99x).
+bool walk_default(const Shape& s, const Numerics& n) { return keys_per_row(s, n) < 8192; }
 
 // A packed call whose arrays validation did not read (device memory): the check's copies and
 // verdict at the end of the workspace (cuda/common/seq_check.hpp), whatever the kernel family.
@@ -210,7 +215,7 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
   if (half) {
     if (sm90 && has_sm90(Pass::Forward, f.dp) && maps_q() && maps_k() && maps_v()) {
       f.kernel = FwdKernel::Sm90Wgmma16;
-      f.pingpong = ov.pingpong >= 0 ? ov.pingpong == 1 : pingpong_default(s, f.dp);
+      f.pingpong = ov.pingpong >= 0 ? ov.pingpong == 1 : pingpong_default(s, n, f.dp);
       f.smem = smem_bytes90(Pass::Forward, f.dp);
       // Dense calls: one CTA per multiprocessor walking the row blocks in pairs of equal cost
       // (FwdWalk, work.hpp), the pipeline filled once per CTA instead of once per block.
