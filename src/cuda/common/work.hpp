@@ -126,7 +126,8 @@ FLASHATTN_HD QueryBlock query_block(const Shape& s, const Numerics& n, int64_t b
 // c + 2G, ... (G = gridDim.x), no counter to zero per call. Units go p fastest, then head, then
 // batch - the order the hardware would launch the blocks in, so the CTAs running at once share a
 // head's K and V in L2. The CTA's next block's Q and first K/V tiles are copied while this
-// block's last products and epilogue run: the pipeline is filled once per CTA, not per block.
+// block's last products and epilogue run (D <= 128; at D = 256 K_0 only): the pipeline is filled
+// once per CTA, not per block.
 struct FwdWalk {
   int64_t nx = 0, ny = 0, nz = 0;  // the grid walked; nx = 0: none (CTA = blockIdx)
   FLASHATTN_HD int64_t units() const { return (nx + 1) / 2 * ny * nz; }

@@ -125,7 +125,9 @@ __device__ __forceinline__ void logits_at(float (&s)[NS][4], const ScoreTransfor
 // their phases run on over the CTA's tiles of all its blocks, Q has an "empty" barrier of its own,
 // released after the block's last S = Q K^T (O staged in its own tile, fwd90_own_o) or after the
 // epilogue read O back from Q's tile (D = 256), so the producer copies the next block's Q and
-// first K and V tiles while this block's last products and epilogue run.
+// first K and V tiles while this block's last products and epilogue run (at D = 256 its K_0 only:
+// Q, then V_0 and K_1, wait for the epilogue). The CTA's counts g0 (tiles) and kq (blocks) are int;
+// the launcher keeps the grid where a CTA's walk could pass 2^31 tiles.
 // ================================================================================================
 
 template <int DP, Half16 H, bool XF>

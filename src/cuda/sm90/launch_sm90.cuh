@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
 
 #include "cuda/host/check.hpp"
@@ -107,8 +108,15 @@ void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
                          static_cast<unsigned>(s.batch));
   const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y * grid.z;
   if (a.walk_ctas > 0 && blocks > a.walk_ctas) {
-    args.walk = dev::FwdWalk{grid.x, grid.y, grid.z};
-    grid = dim3(static_cast<unsigned>(std::min<int64_t>(a.walk_ctas, args.walk.units())), 1, 1);
+    const dev::FwdWalk w{grid.x, grid.y, grid.z};
+    const int64_t ctas = std::min<int64_t>(a.walk_ctas, w.units());
+    // (The kernel counts a CTA's tiles and blocks in int: at most two blocks of every key tile
+    // per unit. Only a forced handful of CTAs on a huge call could pass 2^31; it keeps the grid.)
+    const int64_t tiles = ((w.units() + ctas - 1) / ctas) * 2 * ((s.seq_kv + c.block_n - 1) / c.block_n);
+    if (tiles < INT32_MAX) {
+      args.walk = w;
+      grid = dim3(static_cast<unsigned>(ctas), 1, 1);
+    }
   }
   launch_checked(dev::forward_sm90_kernel<DP, H, XF>, grid, c.threads(), smem_bytes90(Pass::Forward, DP), stream, args,
                  "forward_sm90 kernel launch");
