@@ -4,7 +4,6 @@
 // docs/PERF.md, the runs behind each rule in docs/perf-log/); each rule says what it won and where.
 #include "cuda/host/select.hpp"
 
-
 #include <algorithm>
 #include <cmath>
 #include <string>
