@@ -498,6 +498,49 @@ TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
     }
 }
 
+// ---- the forward's walk at scale --------------------------------------------------------------
+// Grids of more row blocks than the GPU has multiprocessors, where the library's own choice walks
+// them (FwdWalk: one CTA per SM, units of two blocks): out and lse bitwise equal to one CTA per
+// block (FLASHATTN_CUDA_FWD_CTAS=0), which the grid above checks against the float64 reference,
+// and finite. Causal, no mask, a window, Sq != Skv, every sm_90a head dim, an odd row of blocks.
+TEST(Cuda16Walk, DefaultWalkEqualsOneCtaPerBlock) {
+  REQUIRE_GPU();
+  struct Shape16 {
+    int64_t b, hq, hkv, sq, skv, d;
+    Mask mask;
+    int64_t wl, wr;
+  };
+  const Shape16 shapes[] = {{4, 16, 4, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
+                            {8, 8, 8, 700, 1500, 64, Mask::None, -1, -1},
+                            {2, 16, 2, 1400, 1400, 256, Mask::CausalTopLeft, 300, -1},
+                            {3, 32, 8, 2000, 1000, 64, Mask::CausalBottomRight, 128, 16}};
+  for (const DType dt : kDtypes16)
+    for (const Shape16& sh : shapes) {
+      ProblemConfig c = make_config(sh.b, sh.hq, sh.hkv, sh.sq, sh.skv, sh.d, sh.mask, dt, testing::Layout::BHSD, 0, 41);
+      c.window_left = sh.wl;
+      c.window_right = sh.wr;
+      SCOPED_TRACE(c.describe());
+      Problem p(c);
+      DeviceProblem d(p);
+      ASSERT_TRUE(d.ok());
+      const Options o = options16(c, kDesigns[0]);
+      std::vector<Snapshot> runs;
+      for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
+        EnvScope scope("FLASHATTN_CUDA_FWD_CTAS", env);
+        d.poison_outputs();
+        if (!call("forward", c.describe(), [&] { d.forward(o); })) return;
+        p.poison_outputs();
+        d.download();
+        runs.push_back(snapshot(p));
+      }
+      const std::vector<double> out = p.to_double(p.out);
+      EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](double y) { return std::isfinite(y); }))
+          << "non-finite or unwritten out";
+      for (int t = 4; t < 6; ++t)  // snapshot order: q k v dout out lse ...
+        EXPECT_TRUE(runs[0].bytes[t] == runs[1].bytes[t]) << kNames[t - 4] << ": the walk differs from one CTA per block";
+    }
+}
+
 // ---- unaligned base pointers, odd strides ----------------------------------------------------
 // Device copies whose 4-d tensors have padded strides: each head-dim row D + row_pad elements
 // after the previous one (row_pad odd: rows start at every 2-byte alignment, never a multiple of
