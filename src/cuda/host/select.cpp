@@ -45,8 +45,8 @@ int64_t keys_per_row(const Shape& s, const Numerics& n) {
 bool pingpong_default(const Shape& s, const Numerics& n, int dp) { return dp <= 64 || keys_per_row(s, n) <= 4096; }
 
 // The 16-bit sm_90a forward's walk (FwdWalk): one CTA per multiprocessor doing the row blocks in
-// units of two saves each block's pipeline fill and epilogue, worth 3-19% while the rows see few
-// keys (H100, bf16, 16k tokens: causal S 512-8k +4-19%, no mask S 512-4k +2-15%, causal + window
+// units of two saves each block's pipeline fill and epilogue, worth up to 19% while the rows see few
+// keys (H100, bf16, 16k tokens: causal S 512-8k +4-19%, no mask S 512-4k +0-15%, causal + window
 // (1024, 0) at S 16k +5-10%); at 8k or more keys per row that saving is ~1%, below what the static
 // order's tail costs (a CTA may do one unit more than another: causal S 16k 0.98-0.99x).
 bool walk_default(const Shape& s, const Numerics& n) { return keys_per_row(s, n) < 8192; }
