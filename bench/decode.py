@@ -18,6 +18,7 @@ flashattn >= 80% of it. flashattn rows:
                    where given (rows:3), S pipeline stages (2, 3, 4)
   flashattn[streams=N]  with --streams: the split rule aiming at N whole-tile CTAs per SM
                    (FLASHATTN_CUDA_DECODE_STREAMS; the default counts them from the memory's bandwidth)
+  base:flashattn[...]  with --base-lib: another build of the library (a change's base), same calls
   flashattn[seqlens]  passing cache_seqlens (checked on the device; [.., host-check] read on the host)
 SDPA gets the same cache as [B, Hkv, S, D] views (no copy) with enable_gqa; sdpa-<backend> rows for
 flash, cuDNN, efficient and math where they run. Each timed in two views (bench/attn_harness):
@@ -68,6 +69,9 @@ def main():
     ap.add_argument("--streams", default="",
                     help="also time the call with the split rule aiming at each of these CTA counts per SM "
                          "(1,2: FLASHATTN_CUDA_DECODE_STREAMS; developer builds), rows flashattn[streams=N]")
+    ap.add_argument("--base-lib", default="",
+                    help="also time another build of the library (e.g. the commit before a change) in the same "
+                         "process and rounds: rows base:flashattn and base:flashattn[seqlens]")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.warmup = 10, 3
@@ -77,6 +81,7 @@ def main():
 
     H.ensure_dir(args.out)
     lib = CtypesLib(os.path.abspath(args.lib), torch)
+    base = CtypesLib(os.path.abspath(args.base_lib), torch) if args.base_lib else None
     dtype = getattr(torch, args.dtype)
     hq, hkv = (int(x) for x in args.heads.split(","))
     d = args.head_dim
@@ -126,6 +131,12 @@ def main():
                 fn = lib.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": splits}, opts)
                 fn()
                 record(name, fn)
+
+            if base is not None:  # (its own copy of the library: separate plans and state)
+                for name, extra in (("base:flashattn", {}), ("base:flashattn[seqlens]", {"cache_seqlens": seqlens})):
+                    fn = base.bind_forward_kvcache(q, kc, vc, out, lse, {"num_splits": 0, **extra}, opts)
+                    fn()
+                    record(name, fn)
 
             # Variants under developer knobs (cabi.EnvSettings: set for the with-block, then back).
             def knobs(**kv):

@@ -455,46 +455,73 @@ TEST(Cuda16Determinism, SplitBackwardBitwiseAcrossRuns) {
   }
 }
 
+// ---- outputs under each value of a knob -----------------------------------------------------
+// Checks that a developer knob (an environment variable the library reads per call) changes how
+// the work is done but not one bit of the result: the problem's outputs once per value, each run
+// on NaN-poisoned outputs, compared bitwise with the first run's.
+struct KnobShape {
+  int64_t b, hq, hkv, sq, skv, d;
+  Mask mask;
+  int64_t wl, wr;
+};
+ProblemConfig knob_config(const KnobShape& sh, DType dt, testing::Layout layout, uint64_t seed) {
+  ProblemConfig c = make_config(sh.b, sh.hq, sh.hkv, sh.sq, sh.skv, sh.d, sh.mask, dt, layout, 0, seed);
+  c.window_left = sh.wl;
+  c.window_right = sh.wr;
+  return c;
+}
+// The snapshots (order: q k v dout out lse dq dk dv) of `pass` (true when its calls succeeded) run
+// once per value of `var` (nullptr: unset); empty when a call failed (call() has said so).
+template <class Pass>
+std::vector<Snapshot> snapshots_under(Problem& p, DeviceProblem& d, const char* var,
+                                      std::initializer_list<const char*> values, Pass&& pass) {
+  std::vector<Snapshot> runs;
+  for (const char* env : values) {
+    EnvScope scope(var, env);
+    d.poison();
+    if (!pass()) return {};
+    p.poison_outputs();
+    d.download();
+    runs.push_back(snapshot(p));
+  }
+  return runs;
+}
+// Snapshot entries [first, last) of every run equal to run 0's, and `finite` (a host tensor of
+// the problem) finite: identical NaN would be identical too, and poison left unwritten is NaN.
+void expect_runs_bitwise(const Problem& p, const std::vector<Snapshot>& runs, int first, int last,
+                         const testing::HostTensor& finite, const char* what) {
+  ASSERT_FALSE(runs.empty());
+  const std::vector<double> x = p.to_double(finite);
+  EXPECT_TRUE(std::all_of(x.begin(), x.end(), [](double y) { return std::isfinite(y); }))
+      << "non-finite or unwritten output";
+  for (size_t r = 1; r < runs.size(); ++r)
+    for (int t = first; t < last; ++t)
+      EXPECT_TRUE(runs[0].bytes[t] == runs[r].bytes[t]) << "run " << r << ": " << kNames[t - 4] << " " << what;
+}
+
 // The ordered single pass (deterministic = 1 on sm_90a, also with FLASHATTN_CUDA_BWD=ordered or
 // =atomic set: deterministic wins): bitwise identical run to run on problems with many key blocks
 // per query tile (GQA, causal, a window, Sq != Skv, every sm_90a head dim), where the unordered
 // atomic design's dQ differs between runs.
 TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
   REQUIRE_GPU();
-  struct Shape16 {
-    int64_t hq, hkv, sq, skv, d;
-    Mask mask;
-    int64_t wl, wr;
-  };
-  const Shape16 shapes[] = {{4, 2, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
-                            {2, 1, 700, 1500, 64, Mask::None, -1, -1},
-                            {2, 2, 900, 600, 256, Mask::CausalTopLeft, -1, -1},
-                            {4, 1, 1100, 1100, 64, Mask::None, 200, 10}};
+  const KnobShape shapes[] = {{1, 4, 2, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
+                              {1, 2, 1, 700, 1500, 64, Mask::None, -1, -1},
+                              {1, 2, 2, 900, 600, 256, Mask::CausalTopLeft, -1, -1},
+                              {1, 4, 1, 1100, 1100, 64, Mask::None, 200, 10}};
   for (const DType dt : kDtypes16)
-    for (const Shape16& sh : shapes) {
-      ProblemConfig c = make_config(1, sh.hq, sh.hkv, sh.sq, sh.skv, sh.d, sh.mask, dt, testing::Layout::BSHD, 0, 37);
-      c.window_left = sh.wl;
-      c.window_right = sh.wr;
+    for (const KnobShape& sh : shapes) {
+      const ProblemConfig c = knob_config(sh, dt, testing::Layout::BSHD, 37);
       SCOPED_TRACE(c.describe());
       Problem p(c);
       DeviceProblem d(p);
       ASSERT_TRUE(d.ok());
       const Options o = options16(c, kDesigns[2]);
-      std::vector<Snapshot> runs;
-      for (const char* env : {static_cast<const char*>(nullptr), "ordered", "atomic"}) {
-        EnvScope scope("FLASHATTN_CUDA_BWD", env);
-        d.poison();
-        if (!call("forward", c.describe(), [&] { d.forward(o); })) return;
-        if (!call("backward", c.describe(), [&] { d.backward(o); })) return;
-        p.poison_outputs();
-        d.download();
-        runs.push_back(snapshot(p));
-      }
-      const std::vector<double> dq = p.to_double(p.dq);
-      EXPECT_TRUE(std::all_of(dq.begin(), dq.end(), [](double y) { return std::isfinite(y); })) << "non-finite dq";
-      for (size_t r = 1; r < runs.size(); ++r)
-        for (int t = 4; t < 9; ++t)
-          EXPECT_TRUE(runs[0].bytes[t] == runs[r].bytes[t]) << "run " << r << ": " << kNames[t - 4] << " differs";
+      const auto runs = snapshots_under(p, d, "FLASHATTN_CUDA_BWD", {nullptr, "ordered", "atomic"}, [&] {
+        return call("forward", c.describe(), [&] { d.forward(o); }) &&
+               call("backward", c.describe(), [&] { d.backward(o); });
+      });
+      expect_runs_bitwise(p, runs, 4, 9, p.dq, "differs between runs of the deterministic backward");
     }
 }
 
@@ -505,39 +532,21 @@ TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
 // and finite. Causal, no mask, a window, Sq != Skv, every sm_90a head dim, an odd row of blocks.
 TEST(Cuda16Walk, DefaultWalkEqualsOneCtaPerBlock) {
   REQUIRE_GPU();
-  struct Shape16 {
-    int64_t b, hq, hkv, sq, skv, d;
-    Mask mask;
-    int64_t wl, wr;
-  };
-  const Shape16 shapes[] = {{4, 16, 4, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
-                            {8, 8, 8, 700, 1500, 64, Mask::None, -1, -1},
-                            {2, 16, 2, 1400, 1400, 256, Mask::CausalTopLeft, 300, -1},
-                            {3, 32, 8, 2000, 1000, 64, Mask::CausalBottomRight, 128, 16}};
+  const KnobShape shapes[] = {{4, 16, 4, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
+                              {8, 8, 8, 700, 1500, 64, Mask::None, -1, -1},
+                              {2, 16, 2, 1400, 1400, 256, Mask::CausalTopLeft, 300, -1},
+                              {3, 32, 8, 2000, 1000, 64, Mask::CausalBottomRight, 128, 16}};
   for (const DType dt : kDtypes16)
-    for (const Shape16& sh : shapes) {
-      ProblemConfig c = make_config(sh.b, sh.hq, sh.hkv, sh.sq, sh.skv, sh.d, sh.mask, dt, testing::Layout::BHSD, 0, 41);
-      c.window_left = sh.wl;
-      c.window_right = sh.wr;
+    for (const KnobShape& sh : shapes) {
+      const ProblemConfig c = knob_config(sh, dt, testing::Layout::BHSD, 41);
       SCOPED_TRACE(c.describe());
       Problem p(c);
       DeviceProblem d(p);
       ASSERT_TRUE(d.ok());
       const Options o = options16(c, kDesigns[0]);
-      std::vector<Snapshot> runs;
-      for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
-        EnvScope scope("FLASHATTN_CUDA_FWD_CTAS", env);
-        d.poison_outputs();
-        if (!call("forward", c.describe(), [&] { d.forward(o); })) return;
-        p.poison_outputs();
-        d.download();
-        runs.push_back(snapshot(p));
-      }
-      const std::vector<double> out = p.to_double(p.out);
-      EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](double y) { return std::isfinite(y); }))
-          << "non-finite or unwritten out";
-      for (int t = 4; t < 6; ++t)  // snapshot order: q k v dout out lse ...
-        EXPECT_TRUE(runs[0].bytes[t] == runs[1].bytes[t]) << kNames[t - 4] << ": the walk differs from one CTA per block";
+      const auto runs = snapshots_under(p, d, "FLASHATTN_CUDA_FWD_CTAS", {nullptr, "0"},
+                                        [&] { return call("forward", c.describe(), [&] { d.forward(o); }); });
+      expect_runs_bitwise(p, runs, 4, 6, p.out, "of the walk differs from one CTA per block");
     }
 }
 

@@ -514,5 +514,38 @@ TEST(CudaWork, RotationStepKeepsFewEntriesLive) {
     }
 }
 
+// The launch-constant divisor (U32Div): n / d and n % d exactly as integer division, for every
+// divisor up to 4096 against numerators at the edges (0, multiples of d and their neighbours, up
+// to 2^31 - 1) and random ones, and for large divisors (powers of two and their neighbours).
+TEST(CudaWork, LaunchConstantDivisionIsExact) {
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d <= 4096; ++d) divisors.push_back(d);
+  for (int s = 12; s <= 30; ++s)
+    for (int64_t e = -3; e <= 3; ++e) divisors.push_back(static_cast<uint32_t>((int64_t{1} << s) + e));
+  divisors.push_back(0x7fffffffu);
+  uint64_t rng = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return static_cast<uint32_t>(rng & 0x7fffffffu);
+  };
+  int64_t checked = 0;
+  for (uint32_t d : divisors) {
+    const U32Div f = U32Div::make(d);
+    std::vector<uint32_t> ns = {0, 1, d - 1, d, d + 1, 2 * d - 1, 0x7fffffffu, 0x7ffffffeu, 0x40000000u};
+    for (uint32_t k : {3u, 7u, 1000u, 65535u}) {
+      const uint64_t m = uint64_t{k} * d;
+      if (m < 0x80000000ull) ns.push_back(static_cast<uint32_t>(m)), ns.push_back(static_cast<uint32_t>(m - 1));
+    }
+    for (int i = 0; i < 64; ++i) ns.push_back(next());
+    for (uint32_t n : ns) {
+      if (n > 0x7fffffffu) continue;
+      ASSERT_EQ(f.div(n), n / d) << "n = " << n << ", d = " << d;
+      ASSERT_EQ(f.mod(n), n % d) << "n = " << n << ", d = " << d;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 300000);
+}
+
 }  // namespace
 }  // namespace flashattn::cuda::dev

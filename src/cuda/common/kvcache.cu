@@ -96,26 +96,55 @@ __global__ void kv_prepare_kernel(const __grid_constant__ KvPrepArgs a) {
 constexpr int kCombineWarps = 4, kCombineBatch = 8;
 template <Half16 H>
 __global__ void __launch_bounds__(32 * kCombineWarps) kv_combine_kernel(const __grid_constant__ DecodeArgs a) {
-  pdl_wait();  // (launched as a dependent of the decode kernel: its partials must be complete)
-  if (a.ok != nullptr && *a.ok == 0) return;
   constexpr int W = kCombineWarps, NB = kCombineBatch, kPerLane = (kMaxKvSplits + 31) / 32;
   constexpr int kMaxChunks = 2;  // float4 chunks per lane: head dims up to 256
   __shared__ float4 s_acc[W][32 * kMaxChunks];
   const int dp = a.dp;
-  const int64_t row = blockIdx.x;
   const ForwardParams& p = a.p;
-  const int64_t Sq = p.shape.seq_q, Hq = p.shape.heads_q, D = p.shape.head_dim;
-  const int64_t i = row % Sq, h = row / Sq % Hq, b = row / (Sq * Hq);
-  const int64_t Skv = kv_map_at(p.kv, a.idx).seqlen_k[b];
-  const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
-  const bool sees = i >= rule.live_rows_begin(Sq) && i < rule.live_rows_end(Sq, Skv);
+  const int64_t D = p.shape.head_dim;
+  // The row from launch constants (B Hq Sq < 2^31 where there are splits: select_kvcache), while
+  // the decode kernel may still run.
+  const uint32_t row32 = blockIdx.x, bh = a.sq_div.div(row32);
+  const int64_t row = row32, i = row32 - bh * a.sq_div.d, h = bh - a.hq_div.div(bh) * a.hq_div.d,
+                b = a.hq_div.div(bh);
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x / 32);
+  // Lane t's columns: [4t, 4t + 4) and [128 + 4t, ..) where they start below D (the partials' rows
+  // are dp floats, dp a multiple of 32: 16-byte aligned; the decode kernel writes their columns
+  // below round8(D), so a chunk starting below D is written whole, and the rest is never read).
+  bool col_ok[kMaxChunks];
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) col_ok[c] = 4 * (lane + 32 * c) < D;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // The partials of splits s0 + W j (zero past the splits; every read is inside the workspace).
+  auto load_batch = [&](int s0, float4 (&v)[NB][kMaxChunks]) {
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      const int sp = s0 + W * j;
+      const bool in = sp < a.splits;
+      const float4* o = reinterpret_cast<const float4*>(a.o_part + ((in ? sp : 0) * a.part_rows + row) * dp);
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) v[j][c] = in && col_ok[c] ? o[lane + 32 * c] : zero4;
+    }
+  };
+
+  pdl_wait();  // (launched as a dependent of the decode kernel: its partials must be complete)
+  // Every read the row needs first, all in flight together (each is a memory latency; one after
+  // another they were most of this kernel's time at B = 1): the verdict, the sequence's length,
+  // the splits' LSEs and the first batch of partial rows.
+  const int ok = a.ok != nullptr ? *a.ok : 1;
+  const int64_t Skv = kv_map_at(p.kv, a.idx).seqlen_k[b];
   float ls[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int sp = lane + 32 * k;
     ls[k] = sp < a.splits ? a.lse_part[sp * a.part_rows + row] : -INFINITY;
   }
+  float4 v[NB][kMaxChunks];
+  load_batch(warp, v);
+  if (ok == 0) return;
+  const int64_t Sq = p.shape.seq_q;
+  const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
+  const bool sees = i >= rule.live_rows_begin(Sq) && i < rule.live_rows_end(Sq, Skv);
   float m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) m = fmaxf(m, ls[k]);
@@ -136,30 +165,15 @@ __global__ void __launch_bounds__(32 * kCombineWarps) kv_combine_kernel(const __
     float x = 0.0f;
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
-      const float v = __shfl_sync(0xffffffffu, w[k], sp & 31);
-      if ((sp >> 5) == k) x = v;
+      const float wl = __shfl_sync(0xffffffffu, w[k], sp & 31);
+      if ((sp >> 5) == k) x = wl;
     }
     return x;
   };
-  // Lane t's columns: [4t, 4t + 4) and [128 + 4t, ..) where they start below D (the partials' rows
-  // are dp floats, dp a multiple of 32: 16-byte aligned; the decode kernel writes their columns
-  // below round8(D), so a chunk starting below D is written whole, and the rest is never read).
-  bool col_ok[kMaxChunks];
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) col_ok[c] = 4 * (lane + 32 * c) < D;
-  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float4 acc[kMaxChunks] = {zero4, zero4};
   if (sees) {
     for (int s0 = warp; s0 < a.splits; s0 += W * NB) {
-      float4 v[NB][kMaxChunks];
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        const int sp = s0 + W * j;
-        const bool in = sp < a.splits;
-        const float4* o = reinterpret_cast<const float4*>(a.o_part + ((in ? sp : 0) * a.part_rows + row) * dp);
-#pragma unroll
-        for (int c = 0; c < kMaxChunks; ++c) v[j][c] = in && col_ok[c] ? o[lane + 32 * c] : zero4;
-      }
+      if (s0 != warp) load_batch(s0, v);
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
         const float wk = weight(s0 + W * j);  // (0 past the splits: their LSE is -inf)

@@ -23,6 +23,32 @@
 
 namespace flashattn::cuda::dev {
 
+// Division by a launch constant (a head count, a split count, a group size), made once on the
+// host: n / d as a high multiply, an add and a shift (the round-up method: shift = ceil(log2 d),
+// mul = floor(2^32 (2^shift - d) / d) + 1), exact for every n < 2^31 and 1 <= d < 2^31. A
+// division by a runtime value is ~20 dependent instructions with a reciprocal on the device; the
+// decoding kernel's prologue did eight before its first load (docs/perf-log/data/
+// decode-b1-sass-h100-2026-12-06.md).
+struct U32Div {
+  uint32_t d = 1, mul = 0, shift = 0;
+  static U32Div make(uint32_t d) {
+    U32Div r;
+    r.d = d < 1 ? 1 : d;
+    while (r.shift < 31 && (uint32_t{1} << r.shift) < r.d) ++r.shift;
+    r.mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << r.shift) - r.d)) / r.d + 1);
+    return r;
+  }
+  FLASHATTN_HD uint32_t div(uint32_t n) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(n, mul);
+#else
+    const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(n) * mul) >> 32);
+#endif
+    return (hi + n) >> shift;
+  }
+  FLASHATTN_HD uint32_t mod(uint32_t n) const { return n - div(n) * d; }
+};
+
 // The band's lower edge (a window's left side) as the ranges below use it. Without a window the
 // rule's lo is the constant -kUnbounded (make_mask_rule's default), so testing bounded_below()
 // first lets the compiler drop that side's arithmetic altogether: the kernels of the masks without

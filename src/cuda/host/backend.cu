@@ -641,6 +641,13 @@ void forward_kvcache(const KvcacheParams& kp) {
   a.pdl = caps.cc_major >= 9;
   a.after_own = prepared || check;
   a.ok = ok;
+  // (Grid x is at most 2^31 - 1 (select_kvcache), and so are the splits and head counts.)
+  a.hkv_div = dev::U32Div::make(static_cast<uint32_t>(s.heads_kv));
+  a.split_div = dev::U32Div::make(static_cast<uint32_t>(plan.splits));
+  a.g_div = dev::U32Div::make(static_cast<uint32_t>(s.group()));
+  a.sq_div = dev::U32Div::make(static_cast<uint32_t>(std::max<int64_t>(1, std::min<int64_t>(s.seq_q, 0x7fffffff))));
+  a.hq_div = dev::U32Div::make(static_cast<uint32_t>(s.heads_q));
+  a.rows32 = s.seq_q * s.heads_q < 0x7fffffff;
   dispatch_dim<kDecodeHeadDims16>(plan.dp, [&](auto dp) {
     dispatch_half(plan.h, [&](auto h) {
       dispatch_xf(plan.xf, [&](auto xf) {

@@ -10,6 +10,7 @@
 #include "core/params.hpp"
 #include "core/score.hpp"
 #include "cuda/common/config.hpp"
+#include "cuda/common/work.hpp"  // U32Div
 #include "cuda/host/select.hpp"  // vec_ok, persistent_ctas
 
 namespace flashattn::cuda {
@@ -92,6 +93,17 @@ FLASHATTN_HD KvMap kv_map_at(const KvMap& m, const KvIndex& idx) {
 // rows' normalised partial O (float32, dp columns) and LSE at row
 // split * part_rows + (b Hq + h) Sq + i of o_part / lse_part, and launch_kv_combine merges them.
 struct DecodeArgs {
+  // The values the kernels' prologues need before their first loads, first in the parameter block:
+  // each 64-byte line of it a kernel touches is a constant-cache miss on every multiprocessor
+  // (the block is ~2 KiB with idx), and the decode kernel's rows and splits come from divisions
+  // by these launch constants (U32Div, common/work.hpp).
+  const int* ok;         // (see below)
+  dev::U32Div hkv_div;        // heads_kv
+  dev::U32Div split_div;      // splits
+  dev::U32Div g_div;          // heads_q / heads_kv
+  dev::U32Div sq_div;         // seq_q
+  dev::U32Div hq_div;         // heads_q
+  bool rows32;           // seq_q * heads_q < 2^31: (query row, head) pair indices fit U32Div
   ForwardParams p;
   ScoreTransform score;  // diag is set per sequence (seqlen_k[b] - Sq)
   bool vec16;            // q, out and both caches: 16-byte rows
@@ -106,9 +118,8 @@ struct DecodeArgs {
   bool pdl;              // sm_90+: the decode kernel after the call's prepare pass or index check,
                          // and the combine after the decode kernel, as programmatic dependent launches
   bool after_own;        // the prepare pass or the index check ran just before the decode kernel
-  // The index arrays checked on the stream (KvCheck): the check's verdict, 0 when a rule broke -
-  // then no kernel of the call writes anything. nullptr: checked on the host.
-  const int* ok;
+  // ok (first): the index arrays checked on the stream (KvCheck): the check's verdict, 0 when a
+  // rule broke - then no kernel of the call writes anything. nullptr: checked on the host.
 };
 // What precedes a KV-cache attention on CUDA (common/kvcache.cu): the append of k_new / v_new into
 // the caches at relative rows first_new[b] + j (keys rotated at position pos0[b] + j), and the

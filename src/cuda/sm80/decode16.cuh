@@ -172,33 +172,48 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   float* s_l = s_m + W * 16;                                      // [KW][BM] row sum
   uint64_t* bars = reinterpret_cast<uint64_t*>(s_l + W * 16);     // BULK: a barrier per stage
 
+  // The prologue is this kernel's fixed cost (B = 1 decoding reads only a few tiles per CTA), so
+  // it is ordered for latency: the CTA's place from launch constants (U32Div) while the previous
+  // kernel may still run, then every index read at once (a verdict, the sequence's length and
+  // cache row: each a dependent memory or parameter read), then the first K/V tiles' copies
+  // before the Q gather.
+  const ForwardParams& p = a.p;
+  // x = (row block, split, kv head), the kv head fastest: CTAs launched together read the same
+  // key range of every kv head, which in a [B, S, Hkv, D] cache is one contiguous span of rows
+  // (each head's 2 D bytes of a row are a slice of it), not Hkv spans far apart.
+  const int64_t Hkv = p.shape.heads_kv, b = blockIdx.z;
+  const uint32_t xs = a.hkv_div.div(blockIdx.x), xb = a.split_div.div(xs);
+  const int64_t hk = blockIdx.x - xs * a.hkv_div.d;
+  const int split = static_cast<int>(xs - xb * a.split_div.d);
+  const int64_t R0 = static_cast<int64_t>(xb) * BM;
+  const int64_t G = a.rows32 ? static_cast<int64_t>(a.g_div.d) : p.shape.heads_q / Hkv, Sq = p.shape.seq_q;
+  // (query row, head) pair R of the kv head -> query row R / G, head hk G + R % G.
+  auto row_of = [&](int64_t R) -> int64_t { return a.rows32 ? a.g_div.div(static_cast<uint32_t>(R)) : R / G; };
+  auto head_of = [&](int64_t R) -> int64_t {
+    return hk * G + (a.rows32 ? a.g_div.mod(static_cast<uint32_t>(R)) : R % G);
+  };
+  if constexpr (BULK) {
+    if (threadIdx.x == 0) dec_bar_init(bars, NST);
+  }
   // (A dependent launch after the prepare pass: the appended rows and the rotated q must be
   // written. The combine kernel may start as soon as every CTA of this one has: it waits for
   // this kernel's completion itself.)
   pdl_wait();
   pdl_trigger();
-  if (a.ok != nullptr && *a.ok == 0) return;  // (the index arrays broke a rule: nothing is written)
-  const ForwardParams& p = a.p;
+  const int ok = a.ok != nullptr ? *a.ok : 1;
   const KvMap kv = kv_map_at(p.kv, a.idx);
-  // x = (row block, split, kv head), the kv head fastest: CTAs launched together read the same
-  // key range of every kv head, which in a [B, S, Hkv, D] cache is one contiguous span of rows
-  // (each head's 2 D bytes of a row are a slice of it), not Hkv spans far apart.
-  const int64_t Hkv = p.shape.heads_kv, b = blockIdx.z, hk = blockIdx.x % Hkv;
-  const int64_t xs = blockIdx.x / Hkv;
-  const int split = static_cast<int>(xs % a.splits);
-  const int64_t R0 = (xs / a.splits) * BM;
-  const int64_t G = p.shape.heads_q / p.shape.heads_kv, Sq = p.shape.seq_q, Skv = kv.seqlen_k[b];
+  const int64_t Skv = kv.seqlen_k[b];
+  const CacheRows kr = cache_rows(kv, p.k, b, hk), vr = cache_rows(kv, p.v, b, hk);
+  if (ok == 0) return;  // (the index arrays broke a rule: nothing is written)
   const int D = static_cast<int>(p.shape.head_dim);
   const int rows = static_cast<int>(Sq * G - R0 < BM ? Sq * G - R0 : BM);
   const MaskRule rule = mask_rule(Shape{1, 1, 1, Sq, Skv, D}, p.num);
   // The query rows of this CTA and the key tiles they see, then this split's share of them.
-  const int64_t i_first = R0 / G, i_last = (R0 + rows - 1) / G;
+  const int64_t i_first = row_of(R0), i_last = row_of(R0 + rows - 1);
   const TileRange all = key_tiles(rule, i_first, static_cast<int>(i_last - i_first + 1), Skv, BN);
-  const int per = (all.count + a.splits - 1) / a.splits;
+  const int per = static_cast<int>(a.split_div.div(static_cast<uint32_t>(all.count + a.splits - 1)));
   const int t_begin = all.begin + split * per;
   const int t_end = t_begin + per < all.begin + all.count ? t_begin + per : all.begin + all.count;
-
-  const CacheRows kr = cache_rows(kv, p.k, b, hk), vr = cache_rows(kv, p.v, b, hk);
   // Whole tiles at a fixed row stride: contiguous caches, or pages holding whole tiles.
   const bool full_rows =
       a.loader == DecodeShape::kRows && a.vec16 && D == DP && (kr.table == nullptr || kr.block % BN == 0);
@@ -236,25 +251,26 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
     load_rows16<TK, T>(sK + stage * TK::kBytes, [&](int r) { return kr.row(n0 + r); }, p.k.ptr, n, D, a.vec16);
     load_rows16<TK, T>(sV + stage * TK::kBytes, [&](int r) { return vr.row(n0 + r); }, p.v.ptr, n, D, a.vec16);
   };
-  if constexpr (BULK) {
-    if (threadIdx.x == 0) dec_bar_init(bars, NST);
-    __syncthreads();
-  }
-  load_rows16<TQ, T>(
-      sQ,
-      [&](int r) {
-        const int64_t R = R0 + r;
-        return static_cast<const uint16_t*>(p.q.ptr) + b * p.q.sb + (hk * G + R % G) * p.q.sh + (R / G) * p.q.ss;
-      },
-      p.q.ptr, rows, D, a.vec16);
-  cp_async_commit();
+  if constexpr (BULK) __syncthreads();  // (the barriers' initialisation)
   // The pipeline's fill: tiles t_begin .. t_begin + NST - 2 (a cp.async group each, empty past
-  // the range, so that group counting is the same in every iteration).
+  // the range, so that group counting is the same in every iteration), the Q gather after the
+  // first tile's copies and in its group (waited for with it).
+  auto load_q = [&] {
+    load_rows16<TQ, T>(
+        sQ,
+        [&](int r) {
+          const int64_t R = R0 + r;
+          return static_cast<const uint16_t*>(p.q.ptr) + b * p.q.sb + head_of(R) * p.q.sh + row_of(R) * p.q.ss;
+        },
+        p.q.ptr, rows, D, a.vec16);
+  };
   for (int i = 0; i < NST - 1; ++i) {
     if constexpr (BULK) {
       if (t_begin + i < t_end) load_kv_bulk(t_begin + i, i);
+      if (i == 0) load_q(), cp_async_commit();
     } else {
       if (t_begin + i < t_end) load_kv(t_begin + i, i);
+      if (i == 0) load_q();
       cp_async_commit();
     }
   }
@@ -271,8 +287,8 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
   for (int r = 0; r < 2; ++r) {
     const int64_t R = R0 + rw * 16 + (lane >> 2) + 8 * r;
     const bool in = R < R0 + rows;
-    qi[r] = in ? R / G : Sq;
-    if constexpr (XF) hd[r] = sc.head(b, hk * G + (in ? R % G : 0));
+    qi[r] = in ? row_of(R) : Sq;
+    if constexpr (XF) hd[r] = sc.head(b, in ? head_of(R) : hk * G);
   }
   float o[1][NO][4];
   zero(o);
@@ -364,7 +380,7 @@ __global__ void __launch_bounds__(DecodeShape::kThreads) decode16_kernel(const _
       f[k] = exp2f(s_m[k * BM + r] - m_use);
       l += s_l[k * BM + r] * f[k];
     }
-    const int64_t R = R0 + r, i = R / G, h = hk * G + R % G;
+    const int64_t R = R0 + r, i = row_of(R), h = head_of(R);
     // A row no key is visible to by the band: O = 0, LSE = -inf (never decided from l). A split's
     // partial O of a row that saw none of its keys is 0 too (l = 0: its weight in the combine is
     // 0, and 0 * NaN would be NaN).
