@@ -216,13 +216,20 @@ class EnvSettings:
     def __init__(self, settings):
         self.settings = dict(settings)
 
+    @staticmethod
+    def _libs():
+        # (A build without the knobs loaded beside a developer build - e.g. a change's base in an
+        # A/B - is left alone; with none that has them, set_override says so.)
+        with_knobs = [lib for lib in _LOADED if hasattr(lib, "flashattn_dev_set_override")]
+        return with_knobs or _LOADED
+
     def __enter__(self):
-        for lib in _LOADED:
+        for lib in self._libs():
             for k, v in self.settings.items():
                 set_override(lib, k, v)
         return self
 
     def __exit__(self, *exc):
-        for lib in _LOADED:
+        for lib in self._libs():
             for k in self.settings:
                 set_override(lib, k, None)

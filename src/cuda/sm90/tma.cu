@@ -3,8 +3,6 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include <cstdint>
-#include <cstring>
 #include <string>
 
 #include "cuda/sm90/tma.hpp"
@@ -65,26 +63,6 @@ namespace {
 // What the last encode that failed on this thread was given (last_map_failure()).
 thread_local std::string g_last_failure;
 
-// The maps this thread encoded last, direct-mapped by a hash of their arguments (a slot holds the
-// latest map whose arguments hash to it; a colliding call re-encodes and takes the slot over).
-// 64 slots: a forward and backward use 4-8 maps per layer call, the cache is per thread, and a
-// miss costs only the encoding it replaces.
-struct MapCache {
-  static constexpr int kWords = 10, kSlots = 64;
-  struct Slot {
-    uint64_t key[kWords];
-    CUtensorMap map;
-    bool used = false;
-  };
-  Slot slots[kSlots];
-  Slot& slot(const uint64_t (&key)[kWords]) {
-    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the words
-    for (uint64_t w : key) h = (h ^ w) * 0x100000001b3ull;
-    return slots[(h ^ (h >> 29)) % kSlots];
-  }
-};
-thread_local MapCache g_maps;
-
 bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, int elem_bytes, int64_t batch,
                      int64_t heads, int64_t seq, int64_t head_dim, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
@@ -109,26 +87,9 @@ bool make_tensor_map(CUtensorMap* map, const In4& op, CUtensorMapDataType type, 
   // One box row is 128 bytes: the 128-byte swizzle's span.
   cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows), 1, 1};
   cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  // A training step calls with the same tensors' addresses and shapes again and again (the
-  // framework's caching allocator hands the same blocks back), so the maps of recent calls are
-  // kept: the encoding is a pure function of these arguments, and a hit is a 128-byte copy
-  // instead of a driver call (bench/host_calls.cpp times both; issue: host time per call).
-  const uint64_t key[MapCache::kWords] = {reinterpret_cast<uintptr_t>(op.ptr), dims[0], dims[1], dims[2], dims[3],
-                                          strides[0], strides[1], strides[2],
-                                          (uint64_t{box[0]} << 32) | box[1], static_cast<uint64_t>(type)};
-  MapCache::Slot& slot = g_maps.slot(key);
-  if (slot.used && std::memcmp(slot.key, key, sizeof key) == 0) {
-    *map = slot.map;
-    return true;
-  }
   const CUresult r = encode(map, type, 4, const_cast<void*>(op.ptr), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r == CUDA_SUCCESS) {
-    std::memcpy(slot.key, key, sizeof key);
-    slot.map = *map;
-    slot.used = true;
-  }
   if (r != CUDA_SUCCESS) {
     g_last_failure = "cuTensorMapEncodeTiled returned " + std::to_string(static_cast<int>(r)) + " for address " +
                      std::to_string(reinterpret_cast<uintptr_t>(op.ptr)) + ", dims (" + std::to_string(dims[0]) + ", " +

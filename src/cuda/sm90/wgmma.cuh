@@ -440,24 +440,14 @@ __device__ __forceinline__ void copy_forward_tiles_with(const void* tq, const vo
   constexpr int kBlocks = TQ::kBytes / TQ::kBlockBytes, kCols = DP / kBlocks;  // boxes per row, their width
   const int n_first = t_begin * BN;
   // K's first tile before Q when Q's tile is still in use: the copy engine fetches it meanwhile.
-  // When Q waits for the previous block (empty_q: a walking CTA), V_0 and K_1 go before it too:
-  // at D = 256 Q's tile is free only after that block's epilogue (O is staged in it). Their
-  // stages were released inside the previous block's loop (its consumers need nothing more from
-  // this warp to get there), so these waits cannot hold up the epilogue that frees Q.
-  const int early = empty_q != nullptr ? (ntiles < 2 ? ntiles : 2) : (ntiles > 0 ? 1 : 0);  // K tiles issued
   if (ntiles > 0) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, g0, 0, n_first, hk, b);
-  if (empty_q != nullptr) {
-    if (ntiles > 0) load_v(g0, n_first);
-    if (ntiles > 1) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, g0 + 1, 0, n_first + BN, hk, b);
-    mbar_wait(empty_q, (kq & 1) ^ 1);
-  }
+  if (empty_q != nullptr) mbar_wait(empty_q, (kq & 1) ^ 1);
   mbar_expect_tx(full_q, TQ::kBytes);
 #pragma unroll
   for (int blk = 0; blk < kBlocks; ++blk) tma_load_4d(sQ + blk * TQ::kBlockBytes, tq, full_q, kCols * blk, m0, h, b);
   for (int t = 0; t < ntiles; ++t) {
-    if (t + 1 < ntiles && t + 1 >= early)
-      tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, g0 + t + 1, 0, n_first + (t + 1) * BN, hk, b);
-    if (t > 0 || empty_q == nullptr) load_v(g0 + t, n_first + t * BN);
+    if (t + 1 < ntiles) tma_load_stage<TK, kCols>(tk, sK, full_k, empty_k, g0 + t + 1, 0, n_first + (t + 1) * BN, hk, b);
+    load_v(g0 + t, n_first + t * BN);
   }
 }
 // The same with V's tiles as stored (rows = keys), into their own ring.
