@@ -23,8 +23,7 @@ __device__ int g_captured_failures = 0;
 // (host nullptr: no host waits), a failure into the device's count.
 __device__ __forceinline__ void publish_verdict(volatile int* host, bool ok) {
   if (host != nullptr) {
-    *host = ok ? 1 : 2;
-    __threadfence_system();
+    *host = ok ? 1 : 2;  // (no system fence: the host reads the word until it changes)
   } else if (!ok) {
     atomicAdd(&g_captured_failures, 1);
   }
@@ -179,22 +178,13 @@ PendingVerdict::PendingVerdict() {
 
 PendingVerdict::~PendingVerdict() {
   if (!held_) return;
-  const cudaError_t e = recorded_ ? cudaEventSynchronize(slot_.event) : cudaSuccess;
+  // (Not waited for: an exception after the launch. The check may still write the word.)
+  const cudaError_t e = launched_ ? cudaStreamSynchronize(stream_) : cudaSuccess;
   (void)cudaGetLastError();
   if (e == cudaSuccess) give_slot(device_, slot_);
 }
 
 volatile int* PendingVerdict::device_word() const { return slot_.mapped; }
-
-void PendingVerdict::record(cudaStream_t stream) {
-  const cudaError_t e = cudaEventRecord(slot_.event, stream);
-  if (e == cudaSuccess) {
-    recorded_ = true;
-    return;
-  }
-  abandon(stream);
-  throw_cuda(e, "recording a check's event");
-}
 
 // (A slot whose writer may still be pending - the wait failed - is not given back: leaked, so
 // that a late write never lands in a later call's word.)
@@ -206,12 +196,32 @@ void PendingVerdict::abandon(cudaStream_t stream) {
   held_ = false;
 }
 
-int PendingVerdict::wait() {
-  const cudaError_t e = cudaEventSynchronize(slot_.event);
-  const int word = *slot_.host;
-  if (e == cudaSuccess) give_slot(device_, slot_);
+int PendingVerdict::wait(cudaStream_t stream) {
+  cudaError_t e = cudaEventRecord(slot_.event, stream);
+  // The word, read until written; every 32 reads the event says whether the stream is past the
+  // check (then the word is final: 0 when the check never ran).
+  int word = 0;
+  for (int spin = 0; e == cudaSuccess; ++spin) {
+    word = *slot_.host;
+    if (word != 0) break;
+    if (spin % 32 == 31) {
+      e = cudaEventQuery(slot_.event);
+      if (e == cudaSuccess) {
+        word = *slot_.host;
+        break;
+      }
+      if (e == cudaErrorNotReady) e = cudaSuccess;
+    }
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    abandon(stream);
+    throw_cuda(e, "waiting for a check's verdict");
+  }
+  // (Written once, by the check: no later write can land in the word, so the slot is free even
+  // though the stream may still run the call's kernels.)
+  give_slot(device_, slot_);
   held_ = false;
-  if (e != cudaSuccess) throw_cuda(e, "waiting for a check's verdict");
   return word;
 }
 
@@ -242,7 +252,7 @@ void SeqCheck::finish() {
   if (done_) return;
   done_ = true;
   if (!verdict_) return;  // (captured: nothing to wait for)
-  const int verdict = verdict_->wait();
+  const int verdict = verdict_->wait(stream_);
   if (verdict == 1) return;
   if (verdict != 2)
     throw Error(Status::Backend, "the check of the sequence arrays (seq_check kernel) completed without a verdict (" +

@@ -41,17 +41,22 @@ struct SeqCheckJob {
 // device-wide wait is not for a thread whose own capture is in progress.
 int64_t take_captured_failures();
 
-// A pinned, mapped verdict word and the event recorded after the kernel that writes it.
+// A pinned, mapped verdict word and an event for the stream's progress.
 struct VerdictSlot {
   volatile int* host = nullptr;
   int* mapped = nullptr;
   cudaEvent_t event = nullptr;
 };
 
-// A verdict word a call's own check kernel writes into pinned, mapped host memory, and the event
-// after that kernel: the host waits for it once the call's other kernels are queued. Slots come
-// from a pool per device, reused call after call; one is a call's from its construction to its
-// wait() (or destruction, which waits too, so that a later call never sees this call's write).
+// A verdict word a call's own check kernel writes into pinned, mapped host memory: the host waits
+// for it once the call's other kernels are queued. Nothing of the host's goes into the stream
+// between the check and the kernels after it (an event recorded there kept the next kernel from
+// starting early as a programmatic dependent launch: the decode step's kernels wait for the check
+// anyway, the launch latency need not be added): wait() records its event after the call's last
+// kernel and reads the word until it is written, the event telling a check that never ran (an
+// earlier error) from one still to come. Slots come from a pool per device, reused call after
+// call; one is a call's from its construction to its wait() (or destruction, which waits for the
+// stream, so that a later call never sees this call's write).
 class PendingVerdict {
  public:
   PendingVerdict();  // on the current device; the word set to 0 (not written)
@@ -59,11 +64,15 @@ class PendingVerdict {
   PendingVerdict(const PendingVerdict&) = delete;
   PendingVerdict& operator=(const PendingVerdict&) = delete;
   volatile int* device_word() const;  // for the kernel
-  // After the writer kernel's launch: records the event; on failure (the kernel may be queued
-  // all the same) waits for the stream, gives the slot back and throws.
-  void record(cudaStream_t stream);
-  // Waits for the event and returns the word (the slot is given back).
-  int wait();
+  // The writer kernel was queued on `stream` (the destructor waits for it there).
+  void launched(cudaStream_t stream) {
+    stream_ = stream;
+    launched_ = true;
+  }
+  // Once the call's kernels are queued on `stream`: returns the word as soon as the check has
+  // written it (1 valid, 2 not), or 0 when the stream got past the check without a write; the
+  // slot is given back. Throws (keeping the slot) when the stream reports an error.
+  int wait(cudaStream_t stream);
   // The writer's launch failed (it may be queued all the same): waits for the stream, gives the
   // slot back.
   void abandon(cudaStream_t stream);
@@ -71,15 +80,16 @@ class PendingVerdict {
  private:
   int device_ = 0;
   VerdictSlot slot_;
+  cudaStream_t stream_ = nullptr;
   bool held_ = false;
-  bool recorded_ = false;
+  bool launched_ = false;
 };
 
 // A check kernel's launch with its verdict (the packed check, the KV-cache index check):
 // launch(host word) queues the kernel; unless `stream` is being captured, `verdict` takes a slot
-// first (the word) and records its event after the launch; captured, the word is nullptr and
-// nothing will wait (a failing replay counts on the device). A failed launch abandons the slot
-// (the kernel may be queued all the same: a launch check can report an earlier error).
+// first (the word); captured, the word is nullptr and nothing will wait (a failing replay counts
+// on the device). A failed launch abandons the slot (the kernel may be queued all the same: a
+// launch check can report an earlier error).
 template <class Launch>
 void launch_with_verdict(std::optional<PendingVerdict>& verdict, cudaStream_t stream, Launch&& launch) {
   if (!capturing(stream)) verdict.emplace();
@@ -89,7 +99,7 @@ void launch_with_verdict(std::optional<PendingVerdict>& verdict, cudaStream_t st
     if (verdict) verdict->abandon(stream);
     throw;
   }
-  if (verdict) verdict->record(stream);
+  if (verdict) verdict->launched(stream);
 }
 
 // One packed call's check (backend.cu: forward_plan / backward_plan). The constructor launches the
