@@ -1,6 +1,7 @@
 // The device-side check of a packed call's sequence arrays (seq_check.hpp).
 #include "cuda/common/seq_check.hpp"
 
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <string>
@@ -199,13 +200,17 @@ void PendingVerdict::abandon(cudaStream_t stream) {
 int PendingVerdict::wait(cudaStream_t stream) {
   cudaError_t e = cudaEventRecord(slot_.event, stream);
   // The word, read until written; every 32 reads the event says whether the stream is past the
-  // check (then the word is final: 0 when the check never ran).
+  // check (then the word is final: 0 when the check never ran). After a millisecond (much work
+  // queued before the check) the thread waits for the event as the runtime's scheduling flags
+  // say (a blocking wait where the application asked for one) instead of spinning on.
   int word = 0;
+  const auto start = std::chrono::steady_clock::now();
   for (int spin = 0; e == cudaSuccess; ++spin) {
     word = *slot_.host;
     if (word != 0) break;
     if (spin % 32 == 31) {
-      e = cudaEventQuery(slot_.event);
+      const bool waited = std::chrono::steady_clock::now() - start > std::chrono::milliseconds(1);
+      e = waited ? cudaEventSynchronize(slot_.event) : cudaEventQuery(slot_.event);
       if (e == cudaSuccess) {
         word = *slot_.host;
         break;
