@@ -1,7 +1,8 @@
 // CPU calls on a caller's thread team (flashattn_set_cpu_team_runner): results are bitwise those
 // of the library's own pools whatever the team does within its contract (all members, one member,
 // members beyond the count asked, thread numbers out of range), a runner that never calls the body
-// still gets every output written, the runner is really used, and NULL restores the pools.
+// still gets every output written, the runner is really used (and not for calls too small to be
+// worth a team), and NULL restores the pools.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -87,6 +88,28 @@ TEST(CpuTeamRunner, BitwiseAsThePoolsForEveryTeamShape) {
       EXPECT_GT(g_runs.load(), 0) << k.name << ": the runner was not used";
     }
   }
+}
+
+// A call smaller than a team's wake-up is worth (under 2^22 forward FLOPs: serial_if_small,
+// cpu_backend.cpp) runs on the calling thread: the runner is never called, and the outputs are
+// bitwise those of a one-thread call; a call above the bound still goes to the team.
+TEST(CpuTeamRunner, TinyCallsRunOnTheCallingThread) {
+  const ProblemConfig tiny[] = {
+      make_config(1, 1, 1, 16, 16, 16, Mask::CausalBottomRight, DType::Float32, testing::Layout::BSHD, 0.0f, 8),
+      make_config(2, 2, 1, 17, 33, 64, Mask::None, DType::BFloat16, testing::Layout::BHSD, 0.0f, 9),
+  };
+  for (const ProblemConfig& c : tiny) {
+    SCOPED_TRACE(c.describe());
+    const Snapshot one = run_problem(c, 1);
+    RunnerScope scope(&spawn_runner<0, false>);
+    g_runs = 0;
+    expect_same(run_problem(c, 3), one, "tiny call with a team of 3");
+    EXPECT_EQ(g_runs.load(), 0) << "a tiny call woke the team";
+  }
+  RunnerScope scope(&spawn_runner<0, false>);
+  g_runs = 0;
+  (void)run_problem(kCfgs[1], 3);  // 4 B H Sq Skv D = 7.0e6 forward FLOPs: above the bound
+  EXPECT_GT(g_runs.load(), 0) << "a call above the bound did not use the team";
 }
 
 TEST(CpuTeamRunner, NullRestoresThePools) {

@@ -266,6 +266,22 @@ void with_parallel(const Exec& e, Call&& call) {
   }
 }
 
+// A call whose work is smaller than what waking a team of threads costs runs on the calling
+// thread: a wake-up is a futex round trip per thread - for PyTorch's intra-op team on the 2-core
+// VM a tiny forward+backward took 186 us on 2 threads against 86 on one (SDPA: 54), 2026-12-06,
+// bench/host_overhead.py --device cpu --shape 1,1,16,16. Below 2^22 forward FLOPs (~50 us on one
+// core at the kernels' ~90 GFLOP/s; PyTorch keeps its own small ops serial by a grain size too)
+// the call's threads are one. (Packed and KV-cache calls count their padded extents: an upper
+// bound.)
+constexpr double kSerialFlops = 4194304.0;
+Exec serial_if_small(const Exec& e, const Shape& s) {
+  Exec r = e;
+  const double flops = 4.0 * static_cast<double>(s.batch) * static_cast<double>(s.heads_q) *
+                       static_cast<double>(s.seq_q) * static_cast<double>(s.seq_kv) * static_cast<double>(s.head_dim);
+  if (flops < kSerialFlops) r.num_threads = 1;
+  return r;
+}
+
 // The mask the API asked for (mask and sliding window), as the band every kernel iterates and
 // masks by. (Softcap and ALiBi reach the kernels through p.num.)
 MaskRule rule_of(const Shape& s, const Numerics& n) { return mask_rule(s, n); }
@@ -293,17 +309,17 @@ const KernelSet& select_kernel() {
 // (Concurrent calls lease pools, or scratch, of their own: with_parallel.)
 void forward(const ForwardParams& p) {
   const KernelSet& k = select_kernel();
-  with_parallel(p.exec, [&](Parallel& par) { k.forward(p, rule_of(p.shape, p.num), par); });
+  with_parallel(serial_if_small(p.exec, p.shape), [&](Parallel& par) { k.forward(p, rule_of(p.shape, p.num), par); });
 }
 
 void forward_kvcache(const KvcacheParams& kp) {
   const KernelSet& k = select_kernel();
-  with_parallel(kp.fwd.exec, [&](Parallel& par) { run_kvcache(k, kp, par); });
+  with_parallel(serial_if_small(kp.fwd.exec, kp.fwd.shape), [&](Parallel& par) { run_kvcache(k, kp, par); });
 }
 
 void backward(const BackwardParams& p) {
   const KernelSet& k = select_kernel();
-  with_parallel(p.exec, [&](Parallel& par) { k.backward(p, rule_of(p.shape, p.num), par); });
+  with_parallel(serial_if_small(p.exec, p.shape), [&](Parallel& par) { k.backward(p, rule_of(p.shape, p.num), par); });
 }
 
 void set_team_runner(TeamRunner run, void* ctx) {
