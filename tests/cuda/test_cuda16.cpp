@@ -499,30 +499,43 @@ void expect_runs_bitwise(const Problem& p, const std::vector<Snapshot>& runs, in
       EXPECT_TRUE(runs[0].bytes[t] == runs[r].bytes[t]) << "run " << r << ": " << kNames[t - 4] << " " << what;
 }
 
+// Every shape in both 16-bit dtypes: `pass(d, o)` run under each value of `var`, snapshot entries
+// [first, last) bitwise equal across the values and `finite` (a member of Problem) finite.
+template <class Pass>
+void check_bitwise_under_knob(std::initializer_list<KnobShape> shapes, testing::Layout layout, uint64_t seed,
+                              const Design& design, const char* var, std::initializer_list<const char*> values,
+                              int first, int last, testing::HostTensor Problem::*finite, const char* what,
+                              Pass&& pass) {
+  for (const DType dt : kDtypes16)
+    for (const KnobShape& sh : shapes) {
+      const ProblemConfig c = knob_config(sh, dt, layout, seed);
+      SCOPED_TRACE(c.describe());
+      Problem p(c);
+      DeviceProblem d(p);
+      ASSERT_TRUE(d.ok());
+      const Options o = options16(c, design);
+      const auto runs = snapshots_under(p, d, var, values, [&] { return pass(c, d, o); });
+      expect_runs_bitwise(p, runs, first, last, p.*finite, what);
+    }
+}
+
 // The ordered single pass (deterministic = 1 on sm_90a, also with FLASHATTN_CUDA_BWD=ordered or
 // =atomic set: deterministic wins): bitwise identical run to run on problems with many key blocks
 // per query tile (GQA, causal, a window, Sq != Skv, every sm_90a head dim), where the unordered
 // atomic design's dQ differs between runs.
 TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
   REQUIRE_GPU();
-  const KnobShape shapes[] = {{1, 4, 2, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
-                              {1, 2, 1, 700, 1500, 64, Mask::None, -1, -1},
-                              {1, 2, 2, 900, 600, 256, Mask::CausalTopLeft, -1, -1},
-                              {1, 4, 1, 1100, 1100, 64, Mask::None, 200, 10}};
-  for (const DType dt : kDtypes16)
-    for (const KnobShape& sh : shapes) {
-      const ProblemConfig c = knob_config(sh, dt, testing::Layout::BSHD, 37);
-      SCOPED_TRACE(c.describe());
-      Problem p(c);
-      DeviceProblem d(p);
-      ASSERT_TRUE(d.ok());
-      const Options o = options16(c, kDesigns[2]);
-      const auto runs = snapshots_under(p, d, "FLASHATTN_CUDA_BWD", {nullptr, "ordered", "atomic"}, [&] {
-        return call("forward", c.describe(), [&] { d.forward(o); }) &&
-               call("backward", c.describe(), [&] { d.backward(o); });
-      });
-      expect_runs_bitwise(p, runs, 4, 9, p.dq, "differs between runs of the deterministic backward");
-    }
+  check_bitwise_under_knob({{1, 4, 2, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
+                            {1, 2, 1, 700, 1500, 64, Mask::None, -1, -1},
+                            {1, 2, 2, 900, 600, 256, Mask::CausalTopLeft, -1, -1},
+                            {1, 4, 1, 1100, 1100, 64, Mask::None, 200, 10}},
+                           testing::Layout::BSHD, 37, kDesigns[2], "FLASHATTN_CUDA_BWD",
+                           {nullptr, "ordered", "atomic"}, 4, 9, &Problem::dq,
+                           "differs between runs of the deterministic backward",
+                           [](const ProblemConfig& c, DeviceProblem& d, const Options& o) {
+                             return call("forward", c.describe(), [&] { d.forward(o); }) &&
+                                    call("backward", c.describe(), [&] { d.backward(o); });
+                           });
 }
 
 // ---- the forward's walk at scale --------------------------------------------------------------
@@ -532,22 +545,15 @@ TEST(Cuda16Determinism, OrderedBackwardBitwiseAcrossRuns) {
 // and finite. Causal, no mask, a window, Sq != Skv, every sm_90a head dim, an odd row of blocks.
 TEST(Cuda16Walk, DefaultWalkEqualsOneCtaPerBlock) {
   REQUIRE_GPU();
-  const KnobShape shapes[] = {{4, 16, 4, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
-                              {8, 8, 8, 700, 1500, 64, Mask::None, -1, -1},
-                              {2, 16, 2, 1400, 1400, 256, Mask::CausalTopLeft, 300, -1},
-                              {3, 32, 8, 2000, 1000, 64, Mask::CausalBottomRight, 128, 16}};
-  for (const DType dt : kDtypes16)
-    for (const KnobShape& sh : shapes) {
-      const ProblemConfig c = knob_config(sh, dt, testing::Layout::BHSD, 41);
-      SCOPED_TRACE(c.describe());
-      Problem p(c);
-      DeviceProblem d(p);
-      ASSERT_TRUE(d.ok());
-      const Options o = options16(c, kDesigns[0]);
-      const auto runs = snapshots_under(p, d, "FLASHATTN_CUDA_FWD_CTAS", {nullptr, "0"},
-                                        [&] { return call("forward", c.describe(), [&] { d.forward(o); }); });
-      expect_runs_bitwise(p, runs, 4, 6, p.out, "of the walk differs from one CTA per block");
-    }
+  check_bitwise_under_knob({{4, 16, 4, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
+                            {8, 8, 8, 700, 1500, 64, Mask::None, -1, -1},
+                            {2, 16, 2, 1400, 1400, 256, Mask::CausalTopLeft, 300, -1},
+                            {3, 32, 8, 2000, 1000, 64, Mask::CausalBottomRight, 128, 16}},
+                           testing::Layout::BHSD, 41, kDesigns[0], "FLASHATTN_CUDA_FWD_CTAS", {nullptr, "0"}, 4,
+                           6, &Problem::out, "of the walk differs from one CTA per block",
+                           [](const ProblemConfig& c, DeviceProblem& d, const Options& o) {
+                             return call("forward", c.describe(), [&] { d.forward(o); });
+                           });
 }
 
 // ---- unaligned base pointers, odd strides ----------------------------------------------------
