@@ -104,9 +104,8 @@ __global__ void __launch_bounds__(32 * kCombineWarps) kv_combine_kernel(const __
   const int64_t D = p.shape.head_dim;
   // The row from launch constants (B Hq Sq < 2^31 where there are splits: select_kvcache), while
   // the decode kernel may still run.
-  const uint32_t row32 = blockIdx.x, bh = a.sq_div.div(row32);
-  const int64_t row = row32, i = row32 - bh * a.sq_div.d, h = bh - a.hq_div.div(bh) * a.hq_div.d,
-                b = a.hq_div.div(bh);
+  const uint32_t row32 = blockIdx.x, bh = a.sq_div.div(row32), b32 = a.hq_div.div(bh);
+  const int64_t row = row32, i = row32 - bh * a.sq_div.d, h = bh - b32 * a.hq_div.d, b = b32;
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x / 32);
   // Lane t's columns: [4t, 4t + 4) and [128 + 4t, ..) where they start below D (the partials' rows
   // are dp floats, dp a multiple of 32: 16-byte aligned; the decode kernel writes their columns

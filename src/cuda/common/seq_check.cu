@@ -197,8 +197,8 @@ void PendingVerdict::abandon(cudaStream_t stream) {
   held_ = false;
 }
 
-int PendingVerdict::wait(cudaStream_t stream) {
-  cudaError_t e = cudaEventRecord(slot_.event, stream);
+int PendingVerdict::wait() {
+  cudaError_t e = cudaEventRecord(slot_.event, stream_);
   // The word, read until written; every 32 reads the event says whether the stream is past the
   // check (then the word is final: 0 when the check never ran). After a millisecond (much work
   // queued before the check) the thread waits for the event as the runtime's scheduling flags
@@ -220,7 +220,7 @@ int PendingVerdict::wait(cudaStream_t stream) {
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    abandon(stream);
+    abandon(stream_);
     throw_cuda(e, "waiting for a check's verdict");
   }
   // (Written once, by the check: no later write can land in the word, so the slot is free even
@@ -257,7 +257,7 @@ void SeqCheck::finish() {
   if (done_) return;
   done_ = true;
   if (!verdict_) return;  // (captured: nothing to wait for)
-  const int verdict = verdict_->wait(stream_);
+  const int verdict = verdict_->wait();
   if (verdict == 1) return;
   if (verdict != 2)
     throw Error(Status::Backend, "the check of the sequence arrays (seq_check kernel) completed without a verdict (" +

@@ -69,10 +69,11 @@ class PendingVerdict {
     stream_ = stream;
     launched_ = true;
   }
-  // Once the call's kernels are queued on `stream`: returns the word as soon as the check has
-  // written it (1 valid, 2 not), or 0 when the stream got past the check without a write; the
-  // slot is given back. Throws (keeping the slot) when the stream reports an error.
-  int wait(cudaStream_t stream);
+  // Once the call's kernels are queued on the writer's stream: returns the word as soon as the
+  // check has written it (1 valid, 2 not), or 0 when the stream got past the check without a
+  // write; the slot is given back. Throws when the stream reports an error (the slot is kept
+  // unless the stream then completes: abandon()).
+  int wait();
   // The writer's launch failed (it may be queued all the same): waits for the stream, gives the
   // slot back.
   void abandon(cudaStream_t stream);

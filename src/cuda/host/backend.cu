@@ -660,7 +660,7 @@ void forward_kvcache(const KvcacheParams& kp) {
   });
   if (plan.splits > 1) launch_kv_combine(a, stream);
   if (verdict) {
-    const int v = verdict->wait(stream);
+    const int v = verdict->wait();
     if (v == 1) return;
     if (v != 2)
       throw Error(Status::Backend, "the check of the KV-cache index arrays completed without a verdict (" +
