@@ -23,7 +23,8 @@ The last column times, in one more round, the host time spent inside the extensi
 library's C++ path: validation, planning, scratch, launches); the rest of a row is Python and
 autograd around it. flashattn.torch's C++ eager ops (flash_attn_func and attention by default
 where they are built) call the library without the extension: "-" there; the "(Python path)"
-rows time the same calls through the Python autograd path in the same process, and
+rows time the same calls through the Python autograd path in the same process, the "(C++ op via
+the dispatcher)" row the C++ op called through PyTorch's dispatcher instead of its direct entry, and
 bench/host_calls.cpp times the library's own part through the C ABI.
 
 usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR] [--profile ENTRY]
@@ -122,6 +123,14 @@ def main():
         finally:
             fat.use_eager_ops(prev)
 
+    @contextlib.contextmanager
+    def dispatcher():  # the C++ ops called through PyTorch's dispatcher, not their direct entry
+        prev, fat._FAST_FORWARD = fat._FAST_FORWARD, None
+        try:
+            yield
+        finally:
+            fat._FAST_FORWARD = prev
+
     entries = [
         entry("flash_attn_func", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do),
         entry("flash_attn_qkvpacked_func", lambda x: flash_attn_qkvpacked_func(x, causal=True), (qkv,), do),
@@ -132,6 +141,8 @@ def main():
     ]
     if fat.eager_ops_available():  # the same calls through the Python path, in the same process
         entries += [
+            entry("flash_attn_func (C++ op via the dispatcher)",
+                  lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do, dispatcher),
             entry("flash_attn_func (Python path)", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True),
                   (q, k, v), do, python_path),
             entry("flashattn.torch.attention (Python path)",

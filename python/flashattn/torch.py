@@ -688,8 +688,11 @@ def _load_eager_ops():
         return None
     if built_for != torch.__version__:
         return None
+    global _FAST_FORWARD
     try:
-        torch.ops.load_library(os.path.join(here, "_torch_ops.so"))
+        # The import loads the library, which registers torch.ops.flashattn_eager.
+        from . import _torch_ops
+        _FAST_FORWARD = _torch_ops.forward
         ops = torch.ops.flashattn_eager
         # fwd and bshd_fwd: one op, the layout ([B, S, H, D] or not) as an argument.
         table = {"fwd": (ops.fwd.default, (False,)), "bshd_fwd": (ops.fwd.default, (True,)),
@@ -698,16 +701,28 @@ def _load_eager_ops():
             for part in ("fwd", "bwd"):
                 table[f"{name}_{part}"] = (getattr(ops, f"{name}_{part}").default, ())
         return table
-    except (OSError, RuntimeError, AttributeError):
+    except (ImportError, OSError, RuntimeError, AttributeError):
+        _FAST_FORWARD = None
         return None
 
 
+# The C++ ops' direct entry (python/src/torch_fastcall.cpp): forward(kind, *inputs,
+# torch_scratch) runs a forward op's Autograd-key work without the dispatcher, which at tiny
+# shapes is a third of a call's host time, or returns None where the call needs the dispatcher
+# (tensor subclasses, modes, inference mode, autocast, functorch); then _cpp calls the op.
+_FAST_FORWARD = None
+_FAST_KIND = {"fwd": 0, "bshd_fwd": 1, "qkvpacked_fwd": 2, "kvpacked_fwd": 3, "varlen_fwd": 4}
 _EAGER_OPS = _load_eager_ops()
 _EAGER_ON = _EAGER_OPS is not None
 
 
 def _cpp(name, *inputs):
     """The C++ op for flashattn.torch's op `name` (its inputs in the same order)."""
+    kind = _FAST_KIND.get(name)
+    if kind is not None and _FAST_FORWARD is not None:
+        r = _FAST_FORWARD(kind, *inputs, _WS_TORCH)
+        if r is not None:
+            return r
     op, extra = _EAGER_OPS[name]
     return op(*inputs, *extra, _WS_TORCH)
 

@@ -308,3 +308,160 @@ def test_attention_codes_cache_agrees_with_validation():
     for _ in range(2):  # (the second round from a warm cache)
         for args in variants:
             assert outcome(fat._codes_cached, args) == outcome(fat._codes, args), args
+
+
+# ---- the ops' direct entry (python/src/torch_fastcall.cpp) against the dispatcher ---------------
+
+
+class _OpCalls:
+    """Counts the C++ ops called through the dispatcher (flashattn.torch._cpp's fallback); with
+    refuse=True a dispatcher call fails the test instead."""
+
+    def __init__(self, refuse=False):
+        self.calls, self.refuse, self.saved = 0, refuse, None
+
+    def __enter__(self):
+        self.saved = dict(fat._EAGER_OPS)
+
+        def spy(op):
+            def call(*a):
+                assert not self.refuse, "the op was called through the dispatcher"
+                self.calls += 1
+                return op(*a)
+            return call
+
+        for name, (op, extra) in self.saved.items():
+            fat._EAGER_OPS[name] = (spy(op), extra)
+        return self
+
+    def __exit__(self, *exc):
+        fat._EAGER_OPS.update(self.saved)
+
+
+def _without_direct_entry(fn):
+    prev, fat._FAST_FORWARD = fat._FAST_FORWARD, None
+    try:
+        return fn()
+    finally:
+        fat._FAST_FORWARD = prev
+
+
+def _every_forward_kind(device, dtype):
+    """One training step per forward op kind (fwd via attention(), bshd_fwd, qkvpacked, kvpacked,
+    varlen): out, lse where returned, and the gradients."""
+    q0, k0, v0 = _inputs(device, dtype, hq=2, hkv=2)
+    dout = torch.randn(q0.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    slopes = _slopes("h", q0.shape[0], q0.shape[2], device)
+    cu = torch.tensor([0, 13, 26], dtype=torch.int32, device=device)
+    cuk = torch.tensor([0, 17, 34], dtype=torch.int32, device=device)
+
+    def leaf(x):
+        return x.clone().requires_grad_()
+
+    def step(call, *inputs):
+        leaves = [leaf(x) for x in inputs]
+        out = call(*leaves)
+        res = list(out) if isinstance(out, tuple) else [out]
+        res[0].backward(dout.reshape(res[0].shape) if res[0].shape != dout.shape else dout)
+        return [r for r in res if r is not None] + [x.grad for x in leaves]
+
+    r = []
+    r += step(lambda q, k, v: fat.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            mask="causal").transpose(1, 2), q0, k0, v0)
+    r += step(lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=(4, -1), softcap=2.0,
+                                              alibi_slopes=slopes, return_attn_probs=True), q0, k0, v0)
+    r += step(lambda qkv: flash_attn_qkvpacked_func(qkv, softmax_scale=0.3),
+              torch.stack([q0, q0.flip(1), q0.flip(2)], dim=2))
+    r += step(lambda q, kv: flash_attn_kvpacked_func(q, kv, deterministic=True), q0, torch.stack([k0, v0], dim=2))
+    r += step(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cuk, 13, 17, causal=True),
+              q0.reshape(-1, *q0.shape[2:]), k0.reshape(-1, *k0.shape[2:]), v0.reshape(-1, *v0.shape[2:]))
+    return r
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_entry_serves_plain_calls_as_the_dispatcher(device):
+    """A plain eager call of every forward kind never goes through the dispatcher, and gives what
+    the op through the dispatcher gives, outputs and gradients, bit for bit."""
+    with _OpCalls(refuse=True):
+        direct = _every_forward_kind(device, torch.bfloat16 if device == "cuda" else torch.float32)
+    with _OpCalls() as spy:
+        via_op = _without_direct_entry(
+            lambda: _every_forward_kind(device, torch.bfloat16 if device == "cuda" else torch.float32))
+    assert spy.calls == 5
+    assert len(direct) == len(via_op)
+    for i, (a, b) in enumerate(zip(direct, via_op)):
+        assert torch.isfinite(a).all(), f"result {i}"
+        assert torch.equal(a, b), f"result {i}"
+
+
+class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # (vmap's fallback for ops without a rule)
+def test_calls_that_need_the_dispatcher_get_it():
+    """Dispatch and torch-function modes, inference mode, autocast, functorch and tensor subclasses
+    act through the dispatcher: the direct entry declines them (the op runs, the mode sees it) and
+    the results are the plain call's."""
+    q, k, v = _inputs("cpu", torch.float32)
+    ref = flash_attn_func(q, k, v, causal=True)
+
+    with _OpCalls() as spy, _SeenOps() as seen:
+        out = flash_attn_func(q, k, v, causal=True)
+    assert spy.calls == 1 and "aten.empty.memory_format" in seen.names  # (the op's allocations)
+    assert torch.equal(out, ref)
+
+    class _Fn(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    cases = {
+        "torch function mode": lambda: _Fn(),
+        "inference mode": lambda: torch.inference_mode(),
+        "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=True),
+    }
+    for name, ctx in cases.items():
+        with _OpCalls() as spy, ctx():
+            out = flash_attn_func(q, k, v, causal=True)
+        assert spy.calls == 1, name
+        assert torch.equal(out, ref), name
+
+    with _OpCalls() as spy:
+        out = flash_attn_func(q.as_subclass(_Sub), k, v, causal=True)
+    assert spy.calls == 1 and torch.equal(out.as_subclass(torch.Tensor), ref)
+
+    with _OpCalls() as spy:  # vmap over a batch of 2 calls (functorch's batched tensors)
+        outs = torch.func.vmap(lambda a: flash_attn_func(a, k, v, causal=True))(torch.stack([q, q]))
+    assert spy.calls >= 1 and torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
+
+
+def test_direct_entry_errors_as_the_dispatcher():
+    q, k, v = _inputs("cpu", torch.float32)
+    bad = [((q.double(), k, v), {}, TypeError), ((q[..., :8], k, v), {}, ValueError),
+           ((q, k[:, :, :1], v), {}, ValueError), ((q, k, v), dict(softmax_scale=1e-50), ValueError)]
+    for args, kw, exc in bad:
+        msgs = []
+        for direct in (True, False):
+            def run():
+                with pytest.raises(exc) as e:
+                    flash_attn_func(*args, **kw)
+                return str(e.value)
+            msgs.append(run() if direct else _without_direct_entry(run))
+        assert msgs[0] == msgs[1]
+
+
+def test_direct_entry_is_seen_by_the_profiler():
+    q, k, v = _inputs("cpu", torch.float32)
+    with _OpCalls(refuse=True), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flash_attn_func(q, k, v)
+    assert any(e.name == "flashattn_eager::fwd" for e in prof.events())

@@ -1,0 +1,185 @@
+// The direct Python entry of flashattn.torch's eager forward ops: flashattn._torch_ops.forward(kind,
+// *op_inputs, torch_scratch) runs what the op flashattn_eager::<kind> runs at its Autograd key
+// (forward_with_autograd, torch_ops.cpp) without going through PyTorch's dispatcher, or returns
+// None where the call needs the dispatcher, and flashattn.torch then calls the op.
+//
+// Why: from Python an op call parses its arguments against the schema, boxes them and walks the
+// dispatch keys; at tiny shapes that is about a third of a forward's host time (bench/
+// host_overhead.py: the op alone 10.2 us of flash_attn_func's 17.0 on the CPU, while an ATen op
+// through the same Python path costs 2.3 us more than its direct binding). PyTorch's own Python
+// bindings (torch.mul, F.scaled_dot_product_attention) call C++ directly too.
+//
+// When the dispatcher is needed, the result is None and nothing has run: a tensor that is not
+// exactly a torch.Tensor (subclasses and their __torch_function__ / __torch_dispatch__), a tensor
+// with a dispatch key beyond a dense CPU or CUDA tensor's (functorch wrappers, conjugate or
+// negative views, meta, sparse, nested), a torch function or dispatch mode, any change of the
+// thread's dispatch-key state (inference mode, autocast, functorch transforms, below-autograd
+// guards), or an argument of another Python type than the op's schema takes (the op then reports
+// it). Errors in the call itself are raised exactly as the op raises them (the same C++ checks,
+// translated by PyTorch's own handler), and profilers see the call under the op's name.
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/python_headers.h>
+
+#include <optional>
+
+#include "torch_ops.hpp"
+
+namespace {
+
+using namespace flashattn_torch;
+
+// What each kind's op takes before its options (flashattn.torch's op order): data tensors, then
+// for varlen the sequence arrays and their maxima.
+enum Kind : long { kFwd = 0, kBshdFwd = 1, kQkvpackedFwd = 2, kKvpackedFwd = 3, kVarlenFwd = 4, kKinds };
+constexpr int kDataTensors[kKinds] = {3, 3, 1, 2, 3};
+
+// The dispatch keys of a dense CPU or CUDA tensor (its backend, autograd, in-place/view tracking,
+// autocast): any other key needs the dispatcher.
+const c10::DispatchKeySet kPlainKeys =
+    c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::AutogradCPU,
+                         c10::DispatchKey::AutogradCUDA, c10::DispatchKey::ADInplaceOrView,
+                         c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
+
+bool thread_state_is_plain() {
+  const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
+  return tls.included_ == c10::default_included_set && tls.excluded_ == c10::default_excluded_set &&
+         !at::impl::torch_function_mode_enabled() && !c10::impl::TorchDispatchModeTLS::any_modes_set();
+}
+
+// Argument parsing: false = not the type the schema takes (the op gets the call).
+bool tensor_arg(PyObject* o, at::Tensor& t) {
+  if (!THPVariable_CheckExact(o)) return false;
+  t = THPVariable_Unpack(o);
+  return (t.key_set().raw_repr() & ~kPlainKeys.raw_repr()) == 0;
+}
+
+bool optional_tensor_arg(PyObject* o, std::optional<at::Tensor>& t) {
+  if (o == Py_None) return true;
+  at::Tensor x;
+  if (!tensor_arg(o, x)) return false;
+  t = std::move(x);
+  return true;
+}
+
+bool int_arg(PyObject* o, int64_t& v) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  return overflow == 0 && !(v == -1 && PyErr_Occurred());
+}
+
+bool float_arg(PyObject* o, double& v) {
+  if (PyFloat_CheckExact(o)) {
+    v = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  int64_t i = 0;
+  if (!int_arg(o, i)) return false;
+  v = static_cast<double>(i);
+  return true;
+}
+
+bool bool_arg(PyObject* o, bool& v) {
+  if (!PyBool_Check(o)) return false;
+  v = o == Py_True;
+  return true;
+}
+
+// The GIL released for the call (as PyTorch releases it around an op), taken back on any exit.
+struct ReleasedGil {
+  PyThreadState* state = PyEval_SaveThread();
+  ~ReleasedGil() { PyEval_RestoreThread(state); }
+};
+
+constexpr const char* kOpNames[kKinds] = {"flashattn_eager::fwd", "flashattn_eager::fwd", "flashattn_eager::qkvpacked_fwd",
+                                          "flashattn_eager::kvpacked_fwd", "flashattn_eager::varlen_fwd"};
+
+// forward(kind, *inputs, torch_scratch) -> (out, lse), or None (the op must serve the call).
+PyObject* forward(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs < 1 || !PyLong_CheckExact(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "flashattn._torch_ops.forward(kind, *inputs, torch_scratch)");
+    return nullptr;
+  }
+  const long kind = PyLong_AsLong(args[0]);
+  if (kind < 0 || kind >= kKinds) {
+    PyErr_Format(PyExc_ValueError, "flashattn._torch_ops.forward: kind = %ld, expected 0..%d", kind, kKinds - 1);
+    return nullptr;
+  }
+  const Py_ssize_t n_seq = kind == kVarlenFwd ? 5 : 0, n_lead = kDataTensors[kind] + n_seq;
+  if (nargs != 1 + n_lead + 8 + 1 + 1) {
+    PyErr_Format(PyExc_TypeError, "flashattn._torch_ops.forward: kind %ld takes %zd arguments after it, got %zd",
+                 kind, n_lead + 10, nargs - 1);
+    return nullptr;
+  }
+  if (!thread_state_is_plain()) Py_RETURN_NONE;
+
+  PyObject* const* a = args + 1;
+  Operands in;
+  SeqTensors sq;
+  at::Tensor* data[3] = {&in.a, &in.b, &in.c};
+  for (int i = 0; i < kDataTensors[kind]; ++i)
+    if (!tensor_arg(a[i], *data[i])) Py_RETURN_NONE;
+  int64_t max_q = 0, max_k = 0;
+  if (kind == kVarlenFwd) {
+    std::optional<at::Tensor> used_k;
+    if (!tensor_arg(a[3], sq.cu_q) || !tensor_arg(a[4], sq.cu_k) || !optional_tensor_arg(a[5], used_k) ||
+        !int_arg(a[6], max_q) || !int_arg(a[7], max_k))
+      Py_RETURN_NONE;
+    if (used_k) sq.used_k = *used_k;
+  }
+  PyObject* const* opt = a + n_lead;
+  double scale = 0, softcap = 0;
+  int64_t mask = 0, precision = 0, num_threads = 0, window_left = 0, window_right = 0;
+  bool deterministic = false, torch_scratch = true;
+  std::optional<at::Tensor> slopes;
+  if (!float_arg(opt[0], scale) || !int_arg(opt[1], mask) || !int_arg(opt[2], precision) ||
+      !int_arg(opt[3], num_threads) || !bool_arg(opt[4], deterministic) || !int_arg(opt[5], window_left) ||
+      !int_arg(opt[6], window_right) || !float_arg(opt[7], softcap) || !optional_tensor_arg(opt[8], slopes) ||
+      !bool_arg(opt[9], torch_scratch)) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+
+  std::tuple<at::Tensor, at::Tensor> r;
+  {
+    ReleasedGil no_gil;
+    RECORD_FUNCTION(kOpNames[kind], std::vector<c10::IValue>());
+    Opts o = make_opts(scale, mask, precision, num_threads, deterministic, window_left, window_right, softcap,
+                       torch_scratch);
+    o.bshd = kind == kBshdFwd;
+    o.pack = kind == kQkvpackedFwd ? kQkv : kind == kKvpackedFwd ? kKv : kSeparate;
+    o.varlen = kind == kVarlenFwd;
+    o.max_q = max_q;
+    o.max_k = max_k;
+    r = forward_with_autograd(in, sq, slopes, o);
+  }
+  PyObject* out = PyTuple_New(2);
+  if (out == nullptr) return nullptr;
+  PyTuple_SET_ITEM(out, 0, THPVariable_Wrap(std::move(std::get<0>(r))));
+  PyTuple_SET_ITEM(out, 1, THPVariable_Wrap(std::move(std::get<1>(r))));
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kMethods[] = {
+    {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
+     "forward(kind, *op_inputs, torch_scratch) -> (out, lse), or None where the op must serve the call"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_torch_ops",
+                       "flashattn.torch's C++ eager ops (registered as torch.ops.flashattn_eager on import) and "
+                       "their direct forward entry",
+                       -1, kMethods};
+
+}  // namespace
+
+// Importing flashattn._torch_ops loads the library, which registers the ops (TORCH_LIBRARY in
+// torch_ops.cpp), and gives the direct entry.
+PyMODINIT_FUNC PyInit__torch_ops() { return PyModule_Create(&kModule); }
