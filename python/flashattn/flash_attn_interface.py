@@ -121,11 +121,13 @@ def _codes(softmax_scale, causal, deterministic, window_size, softcap, seqlen_k)
     if torch.compiler.is_compiling():
         return _codes_uncached(softmax_scale, causal, deterministic, window_size, softcap, seqlen_k)
     try:
-        key = (softmax_scale, type(softmax_scale), causal, type(causal), deterministic,
-               type(deterministic), tuple(window_size), tuple(type(w) for w in window_size),
-               softcap, type(softcap), seqlen_k)
+        # (The pair unpacked into the key: validation reads only its two values; a list gives
+        # the same key as a tuple.)
+        left, right = window_size
+        key = (softmax_scale, causal, deterministic, left, right, softcap, seqlen_k, type(softmax_scale),
+               type(causal), type(deterministic), type(left), type(right), type(softcap))
         hit = _CODES_CACHE.get(key)
-    except TypeError:  # unhashable or not iterable: validate (and refuse) as usual
+    except (TypeError, ValueError):  # unhashable, or not a pair: validate (and refuse) as usual
         return _codes_uncached(softmax_scale, causal, deterministic, window_size, softcap, seqlen_k)
     if hit is None:
         hit = _codes_uncached(softmax_scale, causal, deterministic, window_size, softcap, seqlen_k)
@@ -133,6 +135,14 @@ def _codes(softmax_scale, causal, deterministic, window_size, softcap, seqlen_k)
             _CODES_CACHE.clear()
         _CODES_CACHE[key] = hit
     return hit
+
+
+def _check_ndims(q, k, v, layout):
+    """_check_ndim(x, name, 4, layout) for q, k and v, in one test where all three are fine."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_ndim(x, name, 4, layout)
 
 
 def _check_ndim(x, name, want, layout):
@@ -183,8 +193,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     softmax_scale defaults to 1/sqrt(headdim). Returns out (batch, seqlen_q, nheads, headdim),
     or (out, softmax_lse, None) when return_attn_probs."""
     _check_unsupported(dropout_p)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_ndim(x, name, 4, "(batch, seqlen, nheads, headdim)")
+    _check_ndims(q, k, v, "(batch, seqlen, nheads, headdim)")
 
     codes = _codes(softmax_scale, causal, deterministic, window_size, softcap, k.shape[1])
     out, lse = _ops.call_op("bshd_fwd", q, k, v, *codes, _ops.slopes_value(alibi_slopes))

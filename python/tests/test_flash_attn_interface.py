@@ -504,3 +504,27 @@ def test_flash_attn_func_graph_has_no_view_nodes():
     assert nexts.count("AccumulateGrad") == 3, (type(out.grad_fn).__name__, nexts)
     out.sum().backward()
     assert q.grad.shape == q.shape and q.grad.is_contiguous()
+
+
+def test_codes_cache_agrees_with_validation():
+    """The flash_attn functions remember validated options by value and type: every variant gives
+    what the uncached validation gives, refusals included, whatever was cached before (1 and True
+    are equal keys but not the same option; a list window is the tuple's)."""
+    from flashattn import flash_attn_interface as fi
+    variants = [(None, False, False, (-1, -1), 0.0, 64), (None, 1, False, (-1, -1), 0.0, 64),
+                (None, True, False, [-1, -1], 0.0, 64), (None, True, 1, (-1, -1), 0.0, 64),
+                (0.5, True, True, (3, 0), 1.5, 64), (0.5, False, True, (3, 0), 1.5, 4),
+                (0.5, False, True, (3.0, 0), 1.5, 64), (0.5, False, True, (np.int64(3), 0), 1.5, 64),
+                (0.5, False, True, (3, 0, 1), 1.5, 64), (0.5, False, True, 3, 1.5, 64),
+                (0.5, False, True, (3, 0), -1.0, 64), (float("nan"), False, False, (-1, -1), 0.0, 64),
+                (None, False, False, (-1, -1), 0, 64), (1, False, False, (-1, -1), 0.0, 64)]
+
+    def outcome(fn, args):
+        try:
+            return ("ok", fn(*args))
+        except Exception as e:  # noqa: BLE001 - the type and message are what is compared
+            return (type(e), str(e))
+
+    for _ in range(2):  # (the second round from a warm cache)
+        for args in variants:
+            assert outcome(fi._codes, args) == outcome(fi._codes_uncached, args), args
