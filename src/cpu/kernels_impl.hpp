@@ -1192,20 +1192,24 @@ struct Backward {
       const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
       const int64_t hk = h / (sh.heads_q / sh.heads_kv);
       const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
+      // The query columns the products cover: the block's rows up to whole panels (a short block -
+      // a short sequence's, or the last - computes no padding beyond them). ST and dPT keep their
+      // row stride BQ.
+      const int64_t NQ = round_up(nq, panel_width<C>());
       Carve<C> cv{static_cast<C*>(scratch)};
       const DqTiles t = dq_carve(cv, D);
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
-      const Panels<C> dOT = pack_transposed<S, C>(dout, b, h, i0, nq, D, C(1), t.dot, BQ);
+      const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, NQ);
+      const Panels<C> dOT = pack_transposed<S, C>(dout, b, h, i0, nq, D, C(1), t.dot, NQ);
       const C slope2 = mods.slope2(b, h);
       const C* delta = ctx.delta + ctx.stat(b, h, q0);
-      for (int64_t c = 0; c < BQ; ++c) {
+      for (int64_t c = 0; c < NQ; ++c) {
         // Padding columns get P = 0 (lse2 = +inf) so they stay finite.
         lse2[c] = c < nq ? lse2_of(ctx, b, h, q0, i0 + c) : static_cast<C>(__builtin_inf());
         dlt[c] = c < nq ? delta[i0 + c] : C(0);
       }
-      for (int64_t i = 0; i < BQ * Dp; ++i) dQ[i] = C(0);
+      for (int64_t i = 0; i < nq * Dp; ++i) dQ[i] = C(0);
 
       // The forward's key range: rows without a visible key have P = dS = 0 (masked) and dQ = 0.
       const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
@@ -1214,20 +1218,20 @@ struct Backward {
         const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
         const Rows<C> Vr = rows_of<S, C>(v, b, hk, j0, nk, D, t.vrows);
         const Panels<C> Kp = pack_panels<S, C>(k, b, hk, j0, nk, D, t.kp);
-        gemm<C, false>(nk, BQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
-        gemm<C, false>(nk, BQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
+        gemm<C, false>(nk, NQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
+        gemm<C, false>(nk, NQ / W, D, Vr.ptr, Vr.ld, 1, dOT, dPT, BQ);  // dP^T = V dO^T
         // Under a softcap the step leaves (dP - D) o F in dPT.
         if (mods.on)
-          score_step<C, true>(ST, BQ, nk, BQ, mods, slope2, i0, j0, mods.cap ? dPT : nullptr, dlt);
+          score_step<C, true>(ST, BQ, nk, NQ, mods, slope2, i0, j0, mods.cap ? dPT : nullptr, dlt);
         if (mods.cap) {
           for (int64_t r = 0; r < nk; ++r)
-            for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+            for (int64_t c0 = 0; c0 < NQ; c0 += W) {
               V pv = exp2v<true>(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
               vstore(ST + r * BQ + c0, pv * vload<V>(dPT + r * BQ + c0));
             }
         } else {
           for (int64_t r = 0; r < nk; ++r) {
-            for (int64_t c0 = 0; c0 < BQ; c0 += W) {
+            for (int64_t c0 = 0; c0 < NQ; c0 += W) {
               V pv = exp2v<true>(vload<V>(ST + r * BQ + c0) - vload<V>(lse2 + c0));
               V ds = pv * (vload<V>(dPT + r * BQ + c0) - vload<V>(dlt + c0));
               vstore(ST + r * BQ + c0, ds);
@@ -1236,7 +1240,7 @@ struct Backward {
         }
         // Hidden entries: dS = 0 (after the exponential: see mask_key_rows).
         if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
-          mask_key_rows(ST, BQ, rule, i0, BQ, j0, nk, C(0));
+          mask_key_rows(ST, BQ, rule, i0, NQ, j0, nk, C(0));
         gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
       }
       const C gs = static_cast<C>(ctx.st.grad_scale());
@@ -1297,13 +1301,15 @@ struct Backward {
       const int64_t rows_all = p.packing.on() ? int64_t{p.packing.cu_k[b + 1]} - p.packing.cu_k[b] : Skv;
       const int64_t j0 = kb * BK, nrows = smin(BK, rows_all - j0);
       const int64_t nk = MaskRule::clamp(Skv - j0, 0, nrows);
+      // The key columns the products cover: the block's keys up to whole panels (as dQ's NQ).
+      const int64_t NK = round_up(nk, panel_width<C>());
       Carve<C> cv{static_cast<C*>(scratch)};
       const DkvTiles t = dkv_carve(cv, D);
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> KT = pack_transposed<S, C>(k, b, hk, j0, nk, D, mods.fold, t.kt, BK);
-      const Panels<C> VT = pack_transposed<S, C>(v, b, hk, j0, nk, D, C(1), t.vt, BK);
-      for (int64_t i = 0; i < BK * Dp; ++i) dK[i] = dV[i] = C(0);
+      const Panels<C> KT = pack_transposed<S, C>(k, b, hk, j0, nk, D, mods.fold, t.kt, NK);
+      const Panels<C> VT = pack_transposed<S, C>(v, b, hk, j0, nk, D, C(1), t.vt, NK);
+      for (int64_t i = 0; i < nk * Dp; ++i) dK[i] = dV[i] = C(0);
 
       // The queries that see some key of the block; keys no query sees get dK = dV = 0 (the
       // epilogue).
@@ -1322,15 +1328,15 @@ struct Backward {
             lse2[r] = lse2_of(ctx, b, h, q0, i0 + r);
             dlt[r] = delta[i0 + r];
           }
-          gemm<C, false>(nq, BK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
-          gemm<C, false>(nq, BK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
+          gemm<C, false>(nq, NK / W, D, Q.ptr, Q.ld, 1, KT, Sb, BK);    // S = Q K^T
+          gemm<C, false>(nq, NK / W, D, dO.ptr, dO.ld, 1, VT, dP, BK);  // dP = dO V^T
           // Under a softcap the step leaves (dP - D) o F in dP.
           if (mods.on)
-            score_step<C, false>(Sb, BK, nq, BK, mods, slope2, i0, j0, mods.cap ? dP : nullptr, dlt);
+            score_step<C, false>(Sb, BK, nq, NK, mods, slope2, i0, j0, mods.cap ? dP : nullptr, dlt);
           if (mods.cap) {
             for (int64_t r = 0; r < nq; ++r) {
               const V l2 = vbroadcast<V>(lse2[r]);
-              for (int64_t c0 = 0; c0 < BK; c0 += W) {
+              for (int64_t c0 = 0; c0 < NK; c0 += W) {
                 V pv = exp2v<true>(vload<V>(Sb + r * BK + c0) - l2);
                 vstore(Sb + r * BK + c0, pv);
                 vstore(dP + r * BK + c0, pv * vload<V>(dP + r * BK + c0));
@@ -1339,7 +1345,7 @@ struct Backward {
           } else {
             for (int64_t r = 0; r < nq; ++r) {
               const V l2 = vbroadcast<V>(lse2[r]), dl = vbroadcast<V>(dlt[r]);
-              for (int64_t c0 = 0; c0 < BK; c0 += W) {
+              for (int64_t c0 = 0; c0 < NK; c0 += W) {
                 V pv = exp2v<true>(vload<V>(Sb + r * BK + c0) - l2);
                 vstore(Sb + r * BK + c0, pv);
                 vstore(dP + r * BK + c0, pv * (vload<V>(dP + r * BK + c0) - dl));
@@ -1348,8 +1354,8 @@ struct Backward {
           }
           // Hidden entries: P = dS = 0 (after the exponential: see mask_key_rows).
           if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk)) {
-            mask_query_rows(Sb, BK, rule, j0, BK, i0, nq, C(0));
-            mask_query_rows(dP, BK, rule, j0, BK, i0, nq, C(0));
+            mask_query_rows(Sb, BK, rule, j0, NK, i0, nq, C(0));
+            mask_query_rows(dP, BK, rule, j0, NK, i0, nq, C(0));
           }
           gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
           gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
