@@ -15,7 +15,7 @@ from flashattn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                        flash_attn_qkvpacked_func)
 from flashattn.flash_attn_interface import flash_attn_func as flash_attn_func_2  # noqa: E402
 from conftest import TOL  # noqa: E402
-from torch_helpers import (DEVICES, DTYPE_NAMES, reference64, rel_err,  # noqa: E402
+from torch_helpers import (DEVICES, DTYPE_NAMES, assert_cache_agrees, reference64, rel_err,  # noqa: E402
                            skip_unsupported)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -518,13 +518,4 @@ def test_codes_cache_agrees_with_validation():
                 (0.5, False, True, (3, 0, 1), 1.5, 64), (0.5, False, True, 3, 1.5, 64),
                 (0.5, False, True, (3, 0), -1.0, 64), (float("nan"), False, False, (-1, -1), 0.0, 64),
                 (None, False, False, (-1, -1), 0, 64), (1, False, False, (-1, -1), 0.0, 64)]
-
-    def outcome(fn, args):
-        try:
-            return ("ok", fn(*args))
-        except Exception as e:  # noqa: BLE001 - the type and message are what is compared
-            return (type(e), str(e))
-
-    for _ in range(2):  # (the second round from a warm cache)
-        for args in variants:
-            assert outcome(fi._codes, args) == outcome(fi._codes_uncached, args), args
+    assert_cache_agrees(fi._codes, fi._codes_uncached, variants)

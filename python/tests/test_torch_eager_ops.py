@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import flashattn.torch as fat  # noqa: E402
 from flashattn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
                        flash_attn_varlen_func)
-from torch_helpers import DEVICES  # noqa: E402
+from torch_helpers import DEVICES, assert_cache_agrees  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not fat.eager_ops_available(),
                                 reason="flashattn.torch's C++ eager ops are not built for this torch")
@@ -298,16 +298,7 @@ def test_attention_codes_cache_agrees_with_validation():
                 (0.5, "causal_bottom_right", "tf32", 2, True, (3.0, 0), 1.5),
                 (float("nan"), "none", "fp32", None, False, (-1, -1), 0.0),
                 (None, "bogus", "fp32", None, False, (-1, -1), 0.0)]
-
-    def outcome(fn, args):
-        try:
-            return ("ok", fn(*args))
-        except Exception as e:  # noqa: BLE001 - the type and message are what is compared
-            return (type(e), str(e))
-
-    for _ in range(2):  # (the second round from a warm cache)
-        for args in variants:
-            assert outcome(fat._codes_cached, args) == outcome(fat._codes, args), args
+    assert_cache_agrees(fat._codes_cached, fat._codes, variants)
 
 
 # ---- the ops' direct entry (python/src/torch_fastcall.cpp) against the dispatcher ---------------

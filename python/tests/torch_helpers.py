@@ -94,3 +94,18 @@ def rel_err(got, ref):
     # gradients are 0 (a single visible key), leaving only rounding noise of the O(1) terms.
 
     return ((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1.0)).item()
+
+
+def assert_cache_agrees(cached, uncached, variants):
+    """An options cache against the validation it remembers: for every argument tuple, the same
+    result, or the same exception type and message (refusals are never cached), from a cold
+    cache and again from a warm one."""
+    def outcome(fn, args):
+        try:
+            return ("ok", fn(*args))
+        except Exception as e:  # noqa: BLE001 - the type and message are what is compared
+            return (type(e), str(e))
+
+    for _ in range(2):  # (the second round from a warm cache)
+        for args in variants:
+            assert outcome(cached, args) == outcome(uncached, args), args
