@@ -709,7 +709,7 @@ def _load_eager_ops():
 # The C++ ops' direct entry (python/src/torch_fastcall.cpp): forward(kind, *inputs,
 # torch_scratch) runs a forward op's Autograd-key work without the dispatcher, which at tiny
 # shapes is a third of a call's host time, or returns None where the call needs the dispatcher
-# (tensor subclasses, modes, inference mode, autocast, functorch); then _cpp calls the op.
+# (tensor subclasses, modes, inference mode, autocast, functorch); then call_op calls the op.
 _FAST_FORWARD = None
 _FAST_KIND = {"fwd": 0, "bshd_fwd": 1, "qkvpacked_fwd": 2, "kvpacked_fwd": 3, "varlen_fwd": 4}
 _EAGER_OPS = _load_eager_ops()
@@ -717,12 +717,9 @@ _EAGER_ON = _EAGER_OPS is not None
 
 
 def _cpp(name, *inputs):
-    """The C++ op for flashattn.torch's op `name` (its inputs in the same order)."""
-    kind = _FAST_KIND.get(name)
-    if kind is not None and _FAST_FORWARD is not None:
-        r = _FAST_FORWARD(kind, *inputs, _WS_TORCH)
-        if r is not None:
-            return r
+    """The C++ op for flashattn.torch's op `name` (its inputs in the same order), through the
+    dispatcher: the custom ops' implementations (no autograd) and the eager calls that the direct
+    entry declines."""
     op, extra = _EAGER_OPS[name]
     return op(*inputs, *extra, _WS_TORCH)
 
@@ -748,7 +745,8 @@ def call_op(name, *inputs):
     if torch.compiler.is_compiling():
         return getattr(torch.ops.flashattn, name)(*inputs)
     if _EAGER_ON:
-        # (_cpp written out for the forward ops' direct entry: a frame less per call.)
+        # The forward ops' direct entry first (eager calls only: the custom ops' implementations
+        # call _cpp, below autograd).
         if _FAST_FORWARD is not None:
             kind = _FAST_KIND.get(name)
             if kind is not None:
