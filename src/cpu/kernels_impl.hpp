@@ -939,19 +939,19 @@ struct Forward {
     const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
     const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-    // The query columns the products and the softmax cover: one vector for a block of at most W
-    // rows (a decode step's single row), else the whole tile; W columns instead of BQ cut the
-    // S^T product and the softmax of a decode step by BQ / W. Each column's arithmetic is that of
-    // the full-width tile, so results do not change.
-    const int64_t nqv = nq <= W ? W : BQ;
+    // The query columns the products and the softmax cover: the block's rows up to whole vectors
+    // (one for a decode step's single row) and then up to the softmax's strip count (a power of
+    // two), instead of the whole tile: a short sequence or a last block pays for its rows. Each
+    // column's arithmetic is that of the full-width tile, so results do not change.
+    const int64_t nqv = strip_count(nq) * W;
     Carve<C> cv{static_cast<C*>(scratch)};
     const Tiles t = carve(cv, D);
     C *ST = t.st, *T = t.o, *mrow = t.m;
     double *O = t.od, *lrow = t.l;
 
-    const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, BQ);
+    const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, round_up(nqv, panel_width<C>()));
     const C slope2 = mods.slope2(b, h);
-    for (int64_t i = 0; i < BQ * Dp; ++i) O[i] = 0.0;
+    for (int64_t i = 0; i < nqv * Dp; ++i) O[i] = 0.0;
     for (int64_t c = 0; c < BQ; ++c) {
       mrow[c] = neg_inf<C>();
       lrow[c] = 0.0;
@@ -997,13 +997,25 @@ struct Forward {
   // ST [nk x BQ] holds scores (log2 units) on entry and P^T = exp2(S - m_new) on exit; the
   // running max m, sum l and the accumulator O rows are rescaled by exp2(m_old - m_new) (l and O
   // in double: see Tiles).
-  // Only the first ns column strips are read and updated: BQ / W (the full tile) or 1 (a block of
-  // at most W rows); each a compile-time count, so the strips' chains stay in registers.
+  // Only the first ns column strips are read and updated, ns a power of two up to BQ / W (see
+  // strip_count); each a compile-time count, so the strips' chains stay in registers.
   static void online_softmax(C* ST, int64_t nk, C* mrow, double* lrow, double* O, int64_t Dp, int64_t ns = BQ / W) {
-    if (ns == 1)
-      softmax_strips<1>(ST, nk, mrow, lrow, O, Dp);
-    else
-      softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);
+    switch (ns) {
+      case 1: return softmax_strips<1>(ST, nk, mrow, lrow, O, Dp);
+      case 2: if constexpr (BQ / W >= 2) return softmax_strips<2>(ST, nk, mrow, lrow, O, Dp); break;
+      case 4: if constexpr (BQ / W >= 4) return softmax_strips<4>(ST, nk, mrow, lrow, O, Dp); break;
+      case 8: if constexpr (BQ / W >= 8) return softmax_strips<8>(ST, nk, mrow, lrow, O, Dp); break;
+      case 16: if constexpr (BQ / W >= 16) return softmax_strips<16>(ST, nk, mrow, lrow, O, Dp); break;
+      default: break;
+    }
+    softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);  // the whole tile
+  }
+  // The strips a block of nq query rows needs: nq / W rounded up to a power of two (the counts
+  // online_softmax instantiates), at most the tile's BQ / W.
+  static int64_t strip_count(int64_t nq) {
+    int64_t ns = 1;
+    while (ns * W < nq && ns < BQ / W) ns *= 2;
+    return ns;
   }
   template <int64_t NS>
   static void softmax_strips(C* ST, int64_t nk, C* mrow, double* lrow, double* O, int64_t Dp) {
