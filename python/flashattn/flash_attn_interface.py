@@ -192,6 +192,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     softmax_scale defaults to 1/sqrt(headdim). Returns out (batch, seqlen_q, nheads, headdim),
     or (out, softmax_lse, None) when return_attn_probs."""
+    fast = _ops._FAST_FLASH
+    if fast is not None and not torch.compiler.is_compiling():
+        r = fast(1, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs, _ops._WS_TORCH)
+        if r is not None:  # (None: arguments the C++ entry leaves to this function)
+            return r
     _check_unsupported(dropout_p)
     _check_ndims(q, k, v, "(batch, seqlen, nheads, headdim)")
 
@@ -207,6 +213,12 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """qkv: (batch, seqlen, 3, nheads, headdim). Returns out (batch, seqlen, nheads, headdim),
     or (out, softmax_lse, None) when return_attn_probs. The gradient of qkv is computed into one
     packed buffer (no per-slice accumulation)."""
+    fast = _ops._FAST_FLASH
+    if fast is not None and not torch.compiler.is_compiling():
+        r = fast(2, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs, _ops._WS_TORCH)
+        if r is not None:  # (None: arguments the C++ entry leaves to this function)
+            return r
     _check_unsupported(dropout_p)
     _check_ndim(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
@@ -224,6 +236,12 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim).
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) when
     return_attn_probs."""
+    fast = _ops._FAST_FLASH
+    if fast is not None and not torch.compiler.is_compiling():
+        r = fast(3, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs, _ops._WS_TORCH)
+        if r is not None:  # (None: arguments the C++ entry leaves to this function)
+            return r
     _check_unsupported(dropout_p)
     _check_ndim(q, "q", 4, "(batch, seqlen, nheads, headdim)")
     _check_ndim(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")

@@ -688,11 +688,12 @@ def _load_eager_ops():
         return None
     if built_for != torch.__version__:
         return None
-    global _FAST_FORWARD
+    global _FAST_FORWARD, _FLASH_ENTRY
     try:
         # The import loads the library, which registers torch.ops.flashattn_eager.
         from . import _torch_ops
         _FAST_FORWARD = _torch_ops.forward
+        _FLASH_ENTRY = _torch_ops.flash_attn
         ops = torch.ops.flashattn_eager
         # fwd and bshd_fwd: one op, the layout ([B, S, H, D] or not) as an argument.
         table = {"fwd": (ops.fwd.default, (False,)), "bshd_fwd": (ops.fwd.default, (True,)),
@@ -702,7 +703,7 @@ def _load_eager_ops():
                 table[f"{name}_{part}"] = (getattr(ops, f"{name}_{part}").default, ())
         return table
     except (ImportError, OSError, RuntimeError, AttributeError):
-        _FAST_FORWARD = None
+        _FAST_FORWARD = _FLASH_ENTRY = None
         return None
 
 
@@ -712,8 +713,15 @@ def _load_eager_ops():
 # (tensor subclasses, modes, inference mode, autocast, functorch); then call_op calls the op.
 _FAST_FORWARD = None
 _FAST_KIND = {"fwd": 0, "bshd_fwd": 1, "qkvpacked_fwd": 2, "kvpacked_fwd": 3, "varlen_fwd": 4}
+# Its flash_attn functions' entry: flash_attn(kind, *data, <the function's arguments>,
+# torch_scratch) takes flash_attn_func's (1), flash_attn_qkvpacked_func's (2) and
+# flash_attn_kvpacked_func's (3) own arguments and returns their result, or None where the
+# Python function must serve the call (arguments that need conversion or raise). _FAST_FLASH is
+# the entry while the eager ops are on, else None.
+_FLASH_ENTRY = None
 _EAGER_OPS = _load_eager_ops()
 _EAGER_ON = _EAGER_OPS is not None
+_FAST_FLASH = _FLASH_ENTRY if _EAGER_ON else None
 
 
 def _cpp(name, *inputs):
@@ -733,8 +741,9 @@ def use_eager_ops(enable: bool = True) -> bool:
     """Eager calls of attention(), attention_varlen() and the flash_attn functions (dense, packed,
     varlen) through the C++ ops (the default where they are available), or (False) through the
     Python autograd path. Returns the previous setting."""
-    global _EAGER_ON
+    global _EAGER_ON, _FAST_FLASH
     prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_OPS is not None
+    _FAST_FLASH = _FLASH_ENTRY if _EAGER_ON else None
     return prev
 
 

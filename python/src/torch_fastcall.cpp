@@ -28,6 +28,7 @@
 
 #include <optional>
 
+#include "flashattn/flashattn.h"
 #include "torch_ops.hpp"
 
 namespace {
@@ -100,6 +101,37 @@ struct ReleasedGil {
 constexpr const char* kOpNames[kKinds] = {"flashattn_eager::fwd", "flashattn_eager::fwd", "flashattn_eager::qkvpacked_fwd",
                                           "flashattn_eager::kvpacked_fwd", "flashattn_eager::varlen_fwd"};
 
+// The op's work for a parsed call: Autograd-key forward (C++ node, library call), the GIL released,
+// under the op's name for profilers.
+std::tuple<at::Tensor, at::Tensor> run(long kind, const Operands& in, const SeqTensors& sq,
+                                       const std::optional<at::Tensor>& slopes, Opts o, int64_t max_q, int64_t max_k) {
+  ReleasedGil no_gil;
+  RECORD_FUNCTION(kOpNames[kind], std::vector<c10::IValue>());
+  o.bshd = kind == kBshdFwd;
+  o.pack = kind == kQkvpackedFwd ? kQkv : kind == kKvpackedFwd ? kKv : kSeparate;
+  o.varlen = kind == kVarlenFwd;
+  o.max_q = max_q;
+  o.max_k = max_k;
+  return forward_with_autograd(in, sq, slopes, o);
+}
+
+// What a call returns: the ops' (out, lse); flash_attn's out alone, or (out, lse, None) with
+// return_attn_probs.
+enum Returns { kPair, kOut, kOutLseNone };
+PyObject* wrap(std::tuple<at::Tensor, at::Tensor> r, Returns what) {
+  PyObject* out = THPVariable_Wrap(std::move(std::get<0>(r)));
+  if (out == nullptr || what == kOut) return out;
+  PyObject* lse = THPVariable_Wrap(std::move(std::get<1>(r)));
+  if (lse == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  PyObject* t = what == kOutLseNone ? PyTuple_Pack(3, out, lse, Py_None) : PyTuple_Pack(2, out, lse);
+  Py_DECREF(out);
+  Py_DECREF(lse);
+  return t;
+}
+
 // forward(kind, *inputs, torch_scratch) -> (out, lse), or None (the op must serve the call).
 PyObject* forward(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -147,30 +179,90 @@ PyObject* forward(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
     Py_RETURN_NONE;
   }
 
-  std::tuple<at::Tensor, at::Tensor> r;
-  {
-    ReleasedGil no_gil;
-    RECORD_FUNCTION(kOpNames[kind], std::vector<c10::IValue>());
-    Opts o = make_opts(scale, mask, precision, num_threads, deterministic, window_left, window_right, softcap,
-                       torch_scratch);
-    o.bshd = kind == kBshdFwd;
-    o.pack = kind == kQkvpackedFwd ? kQkv : kind == kKvpackedFwd ? kKv : kSeparate;
-    o.varlen = kind == kVarlenFwd;
-    o.max_q = max_q;
-    o.max_k = max_k;
-    r = forward_with_autograd(in, sq, slopes, o);
+  return wrap(run(kind, in, sq, slopes,
+                  make_opts(scale, mask, precision, num_threads, deterministic, window_left, window_right, softcap,
+                            torch_scratch),
+                  max_q, max_k),
+              kPair);
+  END_HANDLE_TH_ERRORS
+}
+
+// flash_attn(kind, *data, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+// deterministic, return_attn_probs, torch_scratch): flash_attn_func (kind 1: q, k, v),
+// flash_attn_qkvpacked_func (2: qkv) and flash_attn_kvpacked_func (3: q, kv) with their own
+// arguments, for the calls whose arguments need no conversion: exact Python types, dropout_p 0,
+// a scale that float32 keeps nonzero, a finite softcap float32 can hold, no ALiBi shift of the
+// returned LSE. The options are normalised as flash_attn_interface does (window sides < 0 or
+// >= seqlen_k unbounded, the right side free under causal, a negative softcap off) and the call
+// runs as forward() runs it. Anything else returns None before anything has run, and the
+// Python function serves the call (and raises its errors). Why: the Python glue around the op
+// (argument checks, the options cache, call_op) cost ~2.6 us of an 8 us CPU forward.
+PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const long kind = nargs >= 1 && PyLong_CheckExact(args[0]) ? PyLong_AsLong(args[0]) : -1;
+  if (kind < kBshdFwd || kind > kKvpackedFwd || nargs != 1 + kDataTensors[kind] + 9) {
+    PyErr_SetString(PyExc_TypeError,
+                    "flashattn._torch_ops.flash_attn(kind 1..3, *data, dropout_p, softmax_scale, causal, window_size, "
+                    "softcap, alibi_slopes, deterministic, return_attn_probs, torch_scratch)");
+    return nullptr;
   }
-  PyObject* out = PyTuple_New(2);
-  if (out == nullptr) return nullptr;
-  PyTuple_SET_ITEM(out, 0, THPVariable_Wrap(std::move(std::get<0>(r))));
-  PyTuple_SET_ITEM(out, 1, THPVariable_Wrap(std::move(std::get<1>(r))));
-  return out;
+  if (!thread_state_is_plain()) Py_RETURN_NONE;
+  PyObject* const* a = args + 1;
+  Operands in;
+  at::Tensor* data[3] = {&in.a, &in.b, &in.c};
+  for (int i = 0; i < kDataTensors[kind]; ++i)
+    if (!tensor_arg(a[i], *data[i])) Py_RETURN_NONE;
+  // The dimensions the Python function checks (it names the tensor when they are wrong).
+  const int64_t packed_dim = kind == kQkvpackedFwd ? 3 : 2;
+  const at::Tensor& keys = kind == kBshdFwd ? in.b : kind == kQkvpackedFwd ? in.a : in.b;
+  if (kind == kBshdFwd ? in.a.dim() != 4 || in.b.dim() != 4 || in.c.dim() != 4
+                       : keys.dim() != 5 || keys.size(2) != packed_dim || (kind == kKvpackedFwd && in.a.dim() != 4))
+    Py_RETURN_NONE;
+  const int64_t seqlen_k = keys.size(1);
+
+  PyObject* const* opt = a + kDataTensors[kind];
+  double dropout = 1, scale = 0, softcap = 0;
+  bool causal = false, deterministic = false, probs = false, torch_scratch = true;
+  int64_t w[2] = {0, 0};
+  std::optional<at::Tensor> slopes;
+  PyObject* win = opt[3];
+  const bool pair = (PyTuple_CheckExact(win) || PyList_CheckExact(win)) && PySequence_Fast_GET_SIZE(win) == 2;
+  if (!float_arg(opt[0], dropout) || dropout != 0.0 || (opt[1] != Py_None && !PyFloat_CheckExact(opt[1])) ||
+      !bool_arg(opt[2], causal) || !pair || !int_arg(PySequence_Fast_GET_ITEM(win, 0), w[0]) ||
+      !int_arg(PySequence_Fast_GET_ITEM(win, 1), w[1]) || !float_arg(opt[4], softcap) ||
+      !optional_tensor_arg(opt[5], slopes) || !bool_arg(opt[6], deterministic) || !bool_arg(opt[7], probs) ||
+      !bool_arg(opt[8], torch_scratch)) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  if (opt[1] != Py_None) {
+    // None is the library's default (0 in the ABI); a value float32 rounds to 0 is refused there.
+    scale = PyFloat_AS_DOUBLE(opt[1]);
+    if (static_cast<float>(scale) == 0.0f) Py_RETURN_NONE;
+  }
+  if (softcap < 0) softcap = 0;  // flash_attn: only softcap > 0 turns it on
+  constexpr double kFloat32Overflow = (2.0 - 0x1p-24) * 0x1p127;
+  if (!(softcap == 0 || (softcap > 0x1p-150 && softcap < kFloat32Overflow))) Py_RETURN_NONE;
+  // (The Python function shifts the returned LSE by ALiBi's row term where flash_attn's does.)
+  if (probs && slopes) Py_RETURN_NONE;
+  for (int64_t& side : w)
+    if (side < 0 || side >= seqlen_k) side = -1;  // unbounded
+  if (causal) w[1] = -1;  // the causal mask bounds the right side already
+  return wrap(run(kind, in, SeqTensors{}, slopes,
+                  make_opts(scale, causal ? FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT : FLASHATTN_MASK_NONE,
+                            FLASHATTN_PRECISION_FP32, 0, deterministic, w[0], w[1], softcap, torch_scratch),
+                  0, 0),
+              probs ? kOutLseNone : kOut);
   END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef kMethods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
      "forward(kind, *op_inputs, torch_scratch) -> (out, lse), or None where the op must serve the call"},
+    {"flash_attn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(flash_attn)), METH_FASTCALL,
+     "flash_attn(kind, *data, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, "
+     "return_attn_probs, torch_scratch) -> flash_attn's result, or None where the Python function must serve the "
+     "call"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_torch_ops",

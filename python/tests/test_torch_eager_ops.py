@@ -7,6 +7,7 @@ variable-length batches with seqused_k), the same exceptions, and the no-grad / 
 (scripts/test requires it: FLASHATTN_TEST_REQUIRE_TORCH_OPS=1); the float64 reference checks of
 the other test files run through them too, since they are the default eager path."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -330,11 +331,14 @@ class _OpCalls:
 
 
 def _without_direct_entry(fn):
-    prev, fat._FAST_FORWARD = fat._FAST_FORWARD, None
+    """fn() with neither direct entry (the ops' nor the flash_attn functions'): every forward
+    through the Python glue and the dispatcher."""
+    prev = fat._FAST_FORWARD, fat._FAST_FLASH
+    fat._FAST_FORWARD = fat._FAST_FLASH = None
     try:
         return fn()
     finally:
-        fat._FAST_FORWARD = prev
+        fat._FAST_FORWARD, fat._FAST_FLASH = prev
 
 
 def _every_forward_kind(device, dtype):
@@ -456,3 +460,116 @@ def test_direct_entry_is_seen_by_the_profiler():
     with _OpCalls(refuse=True), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         flash_attn_func(q, k, v)
     assert any(e.name == "flashattn_eager::fwd" for e in prof.events())
+
+
+class _GlueCalls:
+    """Counts the flash_attn functions' Python glue (flash_attn_interface._codes, which every call
+    the flash_attn entry leaves to Python reaches); refuse=True fails the test on one."""
+
+    def __init__(self, refuse=False):
+        self.calls, self.refuse = 0, refuse
+
+    def __enter__(self):
+        import flashattn.flash_attn_interface as fai
+        self.fai, self.saved = fai, fai._codes
+
+        def spy(*a):
+            assert not self.refuse, "the call went through the Python glue"
+            self.calls += 1
+            return self.saved(*a)
+        fai._codes = spy
+        return self
+
+    def __exit__(self, *exc):
+        self.fai._codes = self.saved
+
+
+def _flash_calls(device, dtype, **kw):
+    """flash_attn_func, flash_attn_qkvpacked_func and flash_attn_kvpacked_func with the same
+    arguments, each a training step: the results (out or (out, lse)) and the gradients."""
+    q0, k0, v0 = _inputs(device, dtype, hq=2, hkv=2)
+    res = []
+    for fn, inputs in ((flash_attn_func, (q0, k0, v0)),
+                       (flash_attn_qkvpacked_func, (torch.stack([q0, q0.flip(1), q0.flip(2)], dim=2),)),
+                       (flash_attn_kvpacked_func, (q0, torch.stack([k0, v0], dim=2)))):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*leaves, **kw)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        outs[0].sum().backward()
+        res += [r for r in outs if r is not None] + [x.grad for x in leaves]
+    return res
+
+
+# (arguments, whether the C++ entry takes them): what it leaves to the Python function needs a
+# conversion (numpy or int flags, an int scale), raises, or shifts the returned LSE (ALiBi).
+FLASH_ARGS = [
+    (dict(), True),
+    (dict(causal=True, softmax_scale=0.25, window_size=(5, 0), softcap=3.0), True),
+    (dict(window_size=[-7, 40], softcap=-1.0, deterministic=True, return_attn_probs=True), True),
+    (dict(window_size=(2, 2), softcap=2, dropout_p=0), True),
+    (dict(causal=True, window_size=(3, 9)), True),  # (the right side free under causal)
+    (dict(alibi_slopes="h", causal=True), True),
+    (dict(alibi_slopes="h", causal=True, return_attn_probs=True), False),  # LSE shift
+    (dict(deterministic=1), False),
+    (dict(softmax_scale=1), False),
+    (dict(window_size=(np.int64(3), -1)), False),
+    (dict(causal=1), False),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(FLASH_ARGS)))
+def test_flash_entry_serves_plain_arguments_as_the_python_function(device, case):
+    """The flash_attn functions' C++ entry takes the calls whose arguments are plain (no Python
+    glue runs) and gives the Python function's results bit for bit, outputs and gradients; the
+    others it leaves to the Python function."""
+    kw, taken = dict(FLASH_ARGS[case][0]), FLASH_ARGS[case][1]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = _slopes("h", 2, 2, device)
+    with _GlueCalls(refuse=taken) as glue:
+        fast = _flash_calls(device, dtype, **kw)
+    assert taken or glue.calls == 3
+    python = _without_direct_entry(lambda: _flash_calls(device, dtype, **kw))
+    assert len(fast) == len(python)
+    for i, (a, b) in enumerate(zip(fast, python)):
+        assert torch.isfinite(a).all(), f"result {i}"
+        assert torch.equal(a, b), f"result {i}"
+
+
+def test_flash_entry_leaves_bad_arguments_to_the_python_function():
+    """Arguments that raise reach the Python function (the entry declines them before anything
+    runs): the same exception and message as without the entry."""
+    q, k, v = _inputs("cpu", torch.float32)
+    bad = [dict(dropout_p=0.1), dict(softmax_scale=1e-50), dict(softmax_scale=0.0), dict(softcap=float("nan")),
+           dict(softcap=1e300), dict(window_size=(1, 2, 3)), dict(window_size=(1.0, 2)), dict(window_size=(True, -1)),
+           dict(alibi_slopes=[0.5, 0.25]), dict(deterministic="no")]
+    for kw in bad:
+        msgs = []
+        for direct in (True, False):
+            def run():
+                with pytest.raises((TypeError, ValueError, NotImplementedError)) as e:
+                    flash_attn_func(q, k, v, **kw)
+                return type(e.value), str(e.value)
+            msgs.append(run() if direct else _without_direct_entry(run))
+        assert msgs[0] == msgs[1], kw
+    for x, name in ((q[0], "q"), (torch.stack([k, v], dim=2)[:, :, :1], "kv")):
+        with pytest.raises(ValueError, match=name):
+            flash_attn_func(x, k, v) if name == "q" else flash_attn_kvpacked_func(q, x)
+
+
+def test_flash_entry_off_with_the_eager_ops():
+    """use_eager_ops(False) turns the flash_attn functions' entry off with the ops (the Python
+    autograd path serves every call), and back on."""
+    q, k, v = _inputs("cpu", torch.float32)
+    prev = fat.use_eager_ops(False)
+    try:
+        assert fat._FAST_FLASH is None
+        with _GlueCalls() as glue:
+            flash_attn_func(q, k, v)
+        assert glue.calls == 1
+    finally:
+        fat.use_eager_ops(prev)
+    assert fat._FAST_FLASH is not None
+    with _GlueCalls(refuse=True):
+        flash_attn_func(q, k, v)
