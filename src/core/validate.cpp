@@ -1049,20 +1049,23 @@ void make_kvcache_params(const Tensor& q, const Tensor& k_cache, const Tensor& v
 
 void check_workspace(const Options& o, int32_t device, const std::vector<const Tensor*>& tensors) {
   if (o.workspace == nullptr || device < 0) return;
-  std::ostringstream os;
-  os << "options.workspace = " << o.workspace;
-  const std::string what = os.str();
-  if (reinterpret_cast<uintptr_t>(o.workspace) % 256 != 0) fail(what + " is not aligned to 256 bytes");
+  // (The message's start is built only on the way out: this runs on every call given scratch.)
+  auto what = [&] {
+    std::ostringstream os;
+    os << "options.workspace = " << o.workspace;
+    return os.str();
+  };
+  if (reinterpret_cast<uintptr_t>(o.workspace) % 256 != 0) fail(what() + " is not aligned to 256 bytes");
   cuda::check_device_pointer(o.workspace, device, "options.workspace");
   const auto lo = reinterpret_cast<uintptr_t>(o.workspace);
   const uintptr_t hi = lo + o.workspace_bytes;
-  if (hi < lo) fail(what + " + options.workspace_bytes = " + std::to_string(o.workspace_bytes) + " wraps around");
+  if (hi < lo) fail(what() + " + options.workspace_bytes = " + std::to_string(o.workspace_bytes) + " wraps around");
   for (const Tensor* t : tensors) {
     if (t == nullptr || t->data == nullptr) continue;
     const Span s = span_of(*t);
     if (s.lo < hi && lo < s.hi) {
       std::ostringstream m;
-      m << what << " (" << o.workspace_bytes << " bytes) overlaps a tensor of the call at " << t->data
+      m << what() << " (" << o.workspace_bytes << " bytes) overlaps a tensor of the call at " << t->data
         << " (shape " << format_dims(t->shape, t->ndim) << "): the scratch must be memory of its own";
       fail(m.str());
     }
