@@ -688,12 +688,12 @@ def _load_eager_ops():
         return None
     if built_for != torch.__version__:
         return None
-    global _FAST_FORWARD, _FLASH_ENTRY
+    global _FAST_FORWARD, _FLASH_ENTRY, _ATTENTION_ENTRY
     try:
         # The import loads the library, which registers torch.ops.flashattn_eager.
         from . import _torch_ops
         _FAST_FORWARD = _torch_ops.forward
-        _FLASH_ENTRY = _torch_ops.flash_attn
+        _FLASH_ENTRY, _ATTENTION_ENTRY = _torch_ops.flash_attn, _torch_ops.attention
         ops = torch.ops.flashattn_eager
         # fwd and bshd_fwd: one op, the layout ([B, S, H, D] or not) as an argument.
         table = {"fwd": (ops.fwd.default, (False,)), "bshd_fwd": (ops.fwd.default, (True,)),
@@ -703,7 +703,7 @@ def _load_eager_ops():
                 table[f"{name}_{part}"] = (getattr(ops, f"{name}_{part}").default, ())
         return table
     except (ImportError, OSError, RuntimeError, AttributeError):
-        _FAST_FORWARD = _FLASH_ENTRY = None
+        _FAST_FORWARD = _FLASH_ENTRY = _ATTENTION_ENTRY = None
         return None
 
 
@@ -713,15 +713,17 @@ def _load_eager_ops():
 # (tensor subclasses, modes, inference mode, autocast, functorch); then call_op calls the op.
 _FAST_FORWARD = None
 _FAST_KIND = {"fwd": 0, "bshd_fwd": 1, "qkvpacked_fwd": 2, "kvpacked_fwd": 3, "varlen_fwd": 4}
-# Its flash_attn functions' entry: flash_attn(kind, *data, <the function's arguments>,
+# The public functions' own entries: flash_attn(kind, *data, <the function's arguments>,
 # torch_scratch) takes flash_attn_func's (1), flash_attn_qkvpacked_func's (2) and
-# flash_attn_kvpacked_func's (3) own arguments and returns their result, or None where the
-# Python function must serve the call (arguments that need conversion or raise). _FAST_FLASH is
-# the entry while the eager ops are on, else None.
-_FLASH_ENTRY = None
+# flash_attn_kvpacked_func's (3) own arguments, attention(q, k, v, <its arguments>,
+# torch_scratch) attention()'s, and they return the function's result, or None where the Python
+# function must serve the call (arguments that need conversion or raise): the Python glue around
+# the op cost ~2.5-3 us of a 6-9 us CPU call. _FAST_FLASH / _FAST_ATTENTION are the entries
+# while the eager ops are on, else None.
+_FLASH_ENTRY = _ATTENTION_ENTRY = None
 _EAGER_OPS = _load_eager_ops()
 _EAGER_ON = _EAGER_OPS is not None
-_FAST_FLASH = _FLASH_ENTRY if _EAGER_ON else None
+_FAST_FLASH, _FAST_ATTENTION = (_FLASH_ENTRY, _ATTENTION_ENTRY) if _EAGER_ON else (None, None)
 
 
 def _cpp(name, *inputs):
@@ -741,9 +743,9 @@ def use_eager_ops(enable: bool = True) -> bool:
     """Eager calls of attention(), attention_varlen() and the flash_attn functions (dense, packed,
     varlen) through the C++ ops (the default where they are available), or (False) through the
     Python autograd path. Returns the previous setting."""
-    global _EAGER_ON, _FAST_FLASH
+    global _EAGER_ON, _FAST_FLASH, _FAST_ATTENTION
     prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_OPS is not None
-    _FAST_FLASH = _FLASH_ENTRY if _EAGER_ON else None
+    _FAST_FLASH, _FAST_ATTENTION = (_FLASH_ENTRY, _ATTENTION_ENTRY) if _EAGER_ON else (None, None)
     return prev
 
 
@@ -920,6 +922,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale=None, mask="none
     torch.compile (custom ops with fake implementations) and on CPU and CUDA tensors; on the CPU
     it uses torch.get_num_threads() threads unless num_threads is given.
     """
+    fast = _FAST_ATTENTION
+    if fast is not None and not torch.compiler.is_compiling():
+        r = fast(q, k, v, softmax_scale, mask, window_size, softcap, alibi_slopes, precision, num_threads,
+                 deterministic, return_lse, is_causal, scale, enable_gqa, _WS_TORCH)
+        if r is not None:  # (None: arguments the C++ entry leaves to this function)
+            return r
     softmax_scale, mask = _sdpa_names(softmax_scale, mask, is_causal, scale, enable_gqa, q, k)
     empty = _empty_attention(q, k, v)
     if empty is not None:  # Sq = 0 or Skv = 0, as SDPA: empty or zero results, zero gradients

@@ -187,6 +187,92 @@ PyObject* forward(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   END_HANDLE_TH_ERRORS
 }
 
+// One of the strings `names` (exact str), as its index; -1 otherwise.
+template <size_t N>
+int string_arg(PyObject* o, const char* const (&names)[N]) {
+  if (!PyUnicode_CheckExact(o)) return -1;
+  for (size_t i = 0; i < N; ++i)
+    if (PyUnicode_CompareWithASCIIString(o, names[i]) == 0) return static_cast<int>(i);
+  return -1;
+}
+
+// A scale as flashattn.torch takes it: None (0: the library's 1/sqrt(D)) or a float that float32
+// keeps nonzero (others: the Python function converts or refuses them).
+bool scale_arg(PyObject* o, double& v) {
+  if (o == Py_None) return true;
+  if (!PyFloat_CheckExact(o)) return false;
+  v = PyFloat_AS_DOUBLE(o);
+  return static_cast<float>(v) != 0.0f;
+}
+
+// A softcap float32 holds: 0 (none), or finite and in (2^-150, FLT_MAX rounded up).
+bool softcap_ok(double cap) {
+  constexpr double kFloat32Overflow = (2.0 - 0x1p-24) * 0x1p127;
+  return cap == 0 || (cap > 0x1p-150 && cap < kFloat32Overflow);
+}
+
+// window_size as an exact tuple or list of two exact ints.
+bool window_arg(PyObject* o, int64_t (&w)[2]) {
+  if (!((PyTuple_CheckExact(o) || PyList_CheckExact(o)) && PySequence_Fast_GET_SIZE(o) == 2)) return false;
+  return int_arg(PySequence_Fast_GET_ITEM(o, 0), w[0]) && int_arg(PySequence_Fast_GET_ITEM(o, 1), w[1]);
+}
+
+// attention(q, k, v, softmax_scale, mask, window_size, softcap, alibi_slopes, precision,
+// num_threads, deterministic, return_lse, is_causal, scale, enable_gqa, torch_scratch):
+// flashattn.torch.attention with its own arguments, for the calls whose arguments need no
+// conversion (exact types; mask and precision among their names; SDPA's is_causal / scale /
+// enable_gqa where they do not conflict; no empty sequence, which the Python function serves
+// without the library). Returns attention()'s result, or None before anything ran: the Python
+// function then serves the call (and raises its errors).
+PyObject* attention(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 16) {
+    PyErr_SetString(PyExc_TypeError,
+                    "flashattn._torch_ops.attention(q, k, v, softmax_scale, mask, window_size, softcap, alibi_slopes, "
+                    "precision, num_threads, deterministic, return_lse, is_causal, scale, enable_gqa, torch_scratch)");
+    return nullptr;
+  }
+  if (!thread_state_is_plain()) Py_RETURN_NONE;
+  Operands in;
+  if (!tensor_arg(args[0], in.a) || !tensor_arg(args[1], in.b) || !tensor_arg(args[2], in.c)) Py_RETURN_NONE;
+  if (in.a.dim() != 4 || in.b.dim() != 4 || in.c.dim() != 4 || in.a.size(2) == 0 || in.b.size(2) == 0)
+    Py_RETURN_NONE;
+  PyObject* const* opt = args + 3;
+  static const char* const kMasks[] = {"none", "causal", "causal_top_left", "causal_bottom_right"};
+  static const char* const kPrecisions[] = {"fp32", "tf32"};
+  double scale = 0, sdpa_scale = 0, softcap = 0;
+  int64_t w[2] = {0, 0}, num_threads = 0;
+  bool deterministic = false, want_lse = false, causal = false, gqa = true, torch_scratch = true;
+  std::optional<at::Tensor> slopes;
+  const int mask = string_arg(opt[1], kMasks), precision = string_arg(opt[5], kPrecisions);
+  if (!scale_arg(opt[0], scale) || mask < 0 || !window_arg(opt[2], w) || !float_arg(opt[3], softcap) ||
+      !optional_tensor_arg(opt[4], slopes) || precision < 0 ||
+      (opt[6] != Py_None && !int_arg(opt[6], num_threads)) || !bool_arg(opt[7], deterministic) ||
+      !bool_arg(opt[8], want_lse) || (opt[9] != Py_None && !bool_arg(opt[9], causal)) ||
+      !scale_arg(opt[10], sdpa_scale) || (opt[11] != Py_None && !bool_arg(opt[11], gqa)) ||
+      !bool_arg(opt[12], torch_scratch)) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  // What the Python function refuses: both scales, is_causal=True with a mask, differing head
+  // counts without enable_gqa, window sides below -1, a softcap float32 cannot hold, a negative
+  // thread count.
+  if ((opt[0] != Py_None && opt[10] != Py_None) || (causal && mask != 0) || (!gqa && in.a.size(1) != in.b.size(1)) ||
+      w[0] < -1 || w[1] < -1 || !(softcap >= 0) || !softcap_ok(softcap) || num_threads < 0)
+    Py_RETURN_NONE;
+  if (opt[10] != Py_None) scale = sdpa_scale;
+  // mask: "causal" is FlashAttention's (bottom-right); is_causal=True SDPA's (top-left).
+  const int64_t mask_code = causal || mask == 2 ? FLASHATTN_MASK_CAUSAL_TOP_LEFT
+                            : mask == 0         ? FLASHATTN_MASK_NONE
+                                                : FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT;
+  return wrap(run(kFwd, in, SeqTensors{}, slopes,
+                  make_opts(scale, mask_code, precision == 0 ? FLASHATTN_PRECISION_FP32 : FLASHATTN_PRECISION_TF32,
+                            num_threads, deterministic, w[0], w[1], softcap, torch_scratch),
+                  0, 0),
+              want_lse ? kPair : kOut);
+  END_HANDLE_TH_ERRORS
+}
+
 // flash_attn(kind, *data, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
 // deterministic, return_attn_probs, torch_scratch): flash_attn_func (kind 1: q, k, v),
 // flash_attn_qkvpacked_func (2: qkv) and flash_attn_kvpacked_func (3: q, kv) with their own
@@ -225,24 +311,14 @@ PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   bool causal = false, deterministic = false, probs = false, torch_scratch = true;
   int64_t w[2] = {0, 0};
   std::optional<at::Tensor> slopes;
-  PyObject* win = opt[3];
-  const bool pair = (PyTuple_CheckExact(win) || PyList_CheckExact(win)) && PySequence_Fast_GET_SIZE(win) == 2;
-  if (!float_arg(opt[0], dropout) || dropout != 0.0 || (opt[1] != Py_None && !PyFloat_CheckExact(opt[1])) ||
-      !bool_arg(opt[2], causal) || !pair || !int_arg(PySequence_Fast_GET_ITEM(win, 0), w[0]) ||
-      !int_arg(PySequence_Fast_GET_ITEM(win, 1), w[1]) || !float_arg(opt[4], softcap) ||
-      !optional_tensor_arg(opt[5], slopes) || !bool_arg(opt[6], deterministic) || !bool_arg(opt[7], probs) ||
-      !bool_arg(opt[8], torch_scratch)) {
+  if (!float_arg(opt[0], dropout) || dropout != 0.0 || !scale_arg(opt[1], scale) || !bool_arg(opt[2], causal) ||
+      !window_arg(opt[3], w) || !float_arg(opt[4], softcap) || !optional_tensor_arg(opt[5], slopes) ||
+      !bool_arg(opt[6], deterministic) || !bool_arg(opt[7], probs) || !bool_arg(opt[8], torch_scratch)) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
-  if (opt[1] != Py_None) {
-    // None is the library's default (0 in the ABI); a value float32 rounds to 0 is refused there.
-    scale = PyFloat_AS_DOUBLE(opt[1]);
-    if (static_cast<float>(scale) == 0.0f) Py_RETURN_NONE;
-  }
   if (softcap < 0) softcap = 0;  // flash_attn: only softcap > 0 turns it on
-  constexpr double kFloat32Overflow = (2.0 - 0x1p-24) * 0x1p127;
-  if (!(softcap == 0 || (softcap > 0x1p-150 && softcap < kFloat32Overflow))) Py_RETURN_NONE;
+  if (!softcap_ok(softcap)) Py_RETURN_NONE;
   // (The Python function shifts the returned LSE by ALiBi's row term where flash_attn's does.)
   if (probs && slopes) Py_RETURN_NONE;
   for (int64_t& side : w)
@@ -259,6 +335,10 @@ PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
 PyMethodDef kMethods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
      "forward(kind, *op_inputs, torch_scratch) -> (out, lse), or None where the op must serve the call"},
+    {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention)), METH_FASTCALL,
+     "attention(q, k, v, softmax_scale, mask, window_size, softcap, alibi_slopes, precision, num_threads, "
+     "deterministic, return_lse, is_causal, scale, enable_gqa, torch_scratch) -> attention()'s result, or None where "
+     "the Python function must serve the call"},
     {"flash_attn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(flash_attn)), METH_FASTCALL,
      "flash_attn(kind, *data, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, "
      "return_attn_probs, torch_scratch) -> flash_attn's result, or None where the Python function must serve the "

@@ -331,14 +331,14 @@ class _OpCalls:
 
 
 def _without_direct_entry(fn):
-    """fn() with neither direct entry (the ops' nor the flash_attn functions'): every forward
+    """fn() with no direct entry (neither the ops' nor the public functions'): every forward
     through the Python glue and the dispatcher."""
-    prev = fat._FAST_FORWARD, fat._FAST_FLASH
-    fat._FAST_FORWARD = fat._FAST_FLASH = None
+    prev = fat._FAST_FORWARD, fat._FAST_FLASH, fat._FAST_ATTENTION
+    fat._FAST_FORWARD = fat._FAST_FLASH = fat._FAST_ATTENTION = None
     try:
         return fn()
     finally:
-        fat._FAST_FORWARD, fat._FAST_FLASH = prev
+        fat._FAST_FORWARD, fat._FAST_FLASH, fat._FAST_ATTENTION = prev
 
 
 def _every_forward_kind(device, dtype):
@@ -564,12 +564,102 @@ def test_flash_entry_off_with_the_eager_ops():
     q, k, v = _inputs("cpu", torch.float32)
     prev = fat.use_eager_ops(False)
     try:
-        assert fat._FAST_FLASH is None
+        assert fat._FAST_FLASH is None and fat._FAST_ATTENTION is None
         with _GlueCalls() as glue:
             flash_attn_func(q, k, v)
         assert glue.calls == 1
     finally:
         fat.use_eager_ops(prev)
-    assert fat._FAST_FLASH is not None
+    assert fat._FAST_FLASH is not None and fat._FAST_ATTENTION is not None
     with _GlueCalls(refuse=True):
         flash_attn_func(q, k, v)
+
+
+class _AttentionGlue:
+    """Counts attention()'s Python glue (flashattn.torch._sdpa_names, which every call the C++
+    entry leaves to Python reaches); refuse=True fails the test on one."""
+
+    def __init__(self, refuse=False):
+        self.calls, self.refuse = 0, refuse
+
+    def __enter__(self):
+        self.saved = fat._sdpa_names
+
+        def spy(*a):
+            assert not self.refuse, "the call went through the Python glue"
+            self.calls += 1
+            return self.saved(*a)
+        fat._sdpa_names = spy
+        return self
+
+    def __exit__(self, *exc):
+        fat._sdpa_names = self.saved
+
+
+# (arguments, whether the C++ entry takes them), as FLASH_ARGS for attention().
+ATTENTION_ARGS = [
+    (dict(), True),
+    (dict(mask="causal", softmax_scale=0.25, window_size=(5, 0), softcap=3.0, return_lse=True), True),
+    (dict(mask="causal_top_left", window_size=[-1, 4], deterministic=True, num_threads=1), True),
+    (dict(is_causal=True, scale=0.5, enable_gqa=True), True),
+    (dict(is_causal=False, mask="causal_bottom_right", softcap=2, enable_gqa=True), True),
+    (dict(alibi_slopes="h", mask="causal", return_lse=True), True),
+    (dict(precision="tf32"), True),  # (float32 on the CPU: the same arithmetic)
+    (dict(deterministic=1), False),
+    (dict(softmax_scale=1), False),
+    (dict(num_threads=np.int64(1)), False),
+    (dict(window_size=(np.int64(3), -1)), False),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(ATTENTION_ARGS)))
+def test_attention_entry_serves_plain_arguments_as_the_python_function(device, case):
+    """attention()'s C++ entry takes the calls whose arguments are plain (no Python glue runs) and
+    gives the Python function's results bit for bit, outputs and gradients ([B, H, S, D] views of
+    [B, S, H, D] tensors, GQA); the others it leaves to the Python function."""
+    kw, taken = dict(ATTENTION_ARGS[case][0]), ATTENTION_ARGS[case][1]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = _slopes("h", 2, 4, device)
+    if kw.get("precision") == "tf32" and device == "cuda":
+        dtype = torch.float32
+
+    def run():
+        q0, k0, v0 = _inputs(device, dtype)  # Hq 4, Hkv 2
+        leaves = [x.clone().requires_grad_() for x in (q0, k0, v0)]
+        out = fat.attention(*(x.transpose(1, 2) for x in leaves), **kw)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        outs[0].sum().backward()
+        return outs + [x.grad for x in leaves]
+
+    with _AttentionGlue(refuse=taken) as glue:
+        fast = run()
+    assert taken or glue.calls == 1
+    python = _without_direct_entry(run)
+    assert len(fast) == len(python)
+    for i, (a, b) in enumerate(zip(fast, python)):
+        assert not torch.isnan(a).any(), f"result {i}"
+        assert torch.equal(a, b), f"result {i}"
+
+
+def test_attention_entry_leaves_bad_arguments_and_empty_sequences_to_the_python_function():
+    """Arguments that raise reach the Python function: the same exception and message as without
+    the entry; an empty sequence gets the Python function's SDPA-like result."""
+    q, k, v = (x.transpose(1, 2) for x in _inputs("cpu", torch.float32))
+    bad = [dict(softmax_scale=0.5, scale=0.5), dict(is_causal=True, mask="causal"), dict(enable_gqa=False),
+           dict(mask="diagonal"), dict(precision="fp16"), dict(window_size=(-2, 0)), dict(softcap=-1.0),
+           dict(softcap=float("inf")), dict(num_threads=-1), dict(is_causal=1), dict(softmax_scale=1e-50),
+           dict(alibi_slopes=(0.5, 0.5, 0.5, 0.5)), dict(deterministic="yes")]
+    for kw in bad:
+        msgs = []
+        for direct in (True, False):
+            def run():
+                with pytest.raises((TypeError, ValueError)) as e:
+                    fat.attention(q, k, v, **kw)
+                return type(e.value), str(e.value)
+            msgs.append(run() if direct else _without_direct_entry(run))
+        assert msgs[0] == msgs[1], kw
+    with _AttentionGlue() as glue:
+        out, lse = fat.attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    assert glue.calls == 1 and torch.equal(out, torch.zeros_like(q)) and bool((lse == float("-inf")).all())
