@@ -23,9 +23,11 @@ The last column times, in one more round, the host time spent inside the extensi
 library's C++ path: validation, planning, scratch, launches); the rest of a row is Python and
 autograd around it. flashattn.torch's C++ eager ops (flash_attn_func and attention by default
 where they are built) call the library without the extension: "-" there; the "(Python path)"
-rows time the same calls through the Python autograd path in the same process, the "(C++ op via
-the dispatcher)" row the C++ op called through PyTorch's dispatcher instead of its direct entry, and
-bench/host_calls.cpp times the library's own part through the C ABI.
+rows time the same calls through the Python autograd path in the same process, the "(Python
+glue, the op's entry)" rows the functions' Python argument handling before the op's direct entry
+instead of the functions' own C++ entries, the "(C++ op via the dispatcher)" row that glue and the
+C++ op called through PyTorch's dispatcher, and bench/host_calls.cpp times the library's own part
+through the C ABI.
 
 usage: python bench/host_overhead.py [--device cuda|cpu] [--out DIR] [--profile ENTRY]
 """
@@ -124,12 +126,21 @@ def main():
             fat.use_eager_ops(prev)
 
     @contextlib.contextmanager
-    def dispatcher():  # the C++ ops called through PyTorch's dispatcher, not their direct entry
-        prev, fat._FAST_FORWARD = fat._FAST_FORWARD, None
+    def entries_off(names):  # the named direct entries of flashattn.torch off (None) for a row
+        prev = [getattr(fat, n) for n in names]
+        for n in names:
+            setattr(fat, n, None)
         try:
             yield
         finally:
-            fat._FAST_FORWARD = prev
+            for n, p in zip(names, prev):
+                setattr(fat, n, p)
+
+    def python_glue():  # the public functions' Python glue, then the op's direct entry
+        return entries_off(("_FAST_FLASH", "_FAST_ATTENTION"))
+
+    def dispatcher():  # the Python glue, then the C++ op through PyTorch's dispatcher
+        return entries_off(("_FAST_FLASH", "_FAST_ATTENTION", "_FAST_FORWARD"))
 
     entries = [
         entry("flash_attn_func", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do),
@@ -141,6 +152,10 @@ def main():
     ]
     if fat.eager_ops_available():  # the same calls through the Python path, in the same process
         entries += [
+            entry("flash_attn_func (Python glue, the op's entry)",
+                  lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do, python_glue),
+            entry("flashattn.torch.attention (Python glue, the op's entry)",
+                  lambda a, b_, c: fat.attention(a, b_, c, is_causal=True), (qt, kt, vt), dot, python_glue),
             entry("flash_attn_func (C++ op via the dispatcher)",
                   lambda a, b_, c: flash_attn_func(a, b_, c, causal=True), (q, k, v), do, dispatcher),
             entry("flash_attn_func (Python path)", lambda a, b_, c: flash_attn_func(a, b_, c, causal=True),
