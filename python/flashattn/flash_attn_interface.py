@@ -294,6 +294,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q / _k: int32
     (batch + 1,). Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with
     softmax_lse (nheads, total_q) when return_attn_probs."""
+    fast = _ops._FAST_FLASH
+    if fast is not None and block_table is None and not torch.compiler.is_compiling():
+        r = fast(4, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                 causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, _ops._WS_TORCH)
+        if r is not None:  # (None: arguments the C++ entry leaves to this function)
+            return r
     _check_unsupported(dropout_p)
     if block_table is not None:
         raise NotImplementedError("flashattn: block_table (paged KV cache) is not implemented "

@@ -714,8 +714,9 @@ def _load_eager_ops():
 _FAST_FORWARD = None
 _FAST_KIND = {"fwd": 0, "bshd_fwd": 1, "qkvpacked_fwd": 2, "kvpacked_fwd": 3, "varlen_fwd": 4}
 # The public functions' own entries: flash_attn(kind, *data, <the function's arguments>,
-# torch_scratch) takes flash_attn_func's (1), flash_attn_qkvpacked_func's (2) and
-# flash_attn_kvpacked_func's (3) own arguments, attention(q, k, v, <its arguments>,
+# torch_scratch) takes flash_attn_func's (1), flash_attn_qkvpacked_func's (2),
+# flash_attn_kvpacked_func's (3) and flash_attn_varlen_func's (4) own arguments, attention(q, k, v,
+# <its arguments>,
 # torch_scratch) attention()'s, and they return the function's result, or None where the Python
 # function must serve the call (arguments that need conversion or raise): the Python glue around
 # the op cost ~2.5-3 us of a 6-9 us CPU call. _FAST_FLASH / _FAST_ATTENTION are the entries

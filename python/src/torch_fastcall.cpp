@@ -275,8 +275,9 @@ PyObject* attention(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
 
 // flash_attn(kind, *data, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
 // deterministic, return_attn_probs, torch_scratch): flash_attn_func (kind 1: q, k, v),
-// flash_attn_qkvpacked_func (2: qkv) and flash_attn_kvpacked_func (3: q, kv) with their own
-// arguments, for the calls whose arguments need no conversion: exact Python types, dropout_p 0,
+// flash_attn_qkvpacked_func (2: qkv), flash_attn_kvpacked_func (3: q, kv) and
+// flash_attn_varlen_func (4: q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+// with their own arguments, for the calls whose arguments need no conversion: exact Python types, dropout_p 0,
 // a scale that float32 keeps nonzero, a finite softcap float32 can hold, no ALiBi shift of the
 // returned LSE. The options are normalised as flash_attn_interface does (window sides < 0 or
 // >= seqlen_k unbounded, the right side free under causal, a negative softcap off) and the call
@@ -286,27 +287,39 @@ PyObject* attention(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
 PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   const long kind = nargs >= 1 && PyLong_CheckExact(args[0]) ? PyLong_AsLong(args[0]) : -1;
-  if (kind < kBshdFwd || kind > kKvpackedFwd || nargs != 1 + kDataTensors[kind] + 9) {
+  const Py_ssize_t n_seq = kind == kVarlenFwd ? 4 : 0;
+  if (kind < kBshdFwd || kind > kVarlenFwd || nargs != 1 + kDataTensors[kind] + n_seq + 9) {
     PyErr_SetString(PyExc_TypeError,
-                    "flashattn._torch_ops.flash_attn(kind 1..3, *data, dropout_p, softmax_scale, causal, window_size, "
-                    "softcap, alibi_slopes, deterministic, return_attn_probs, torch_scratch)");
+                    "flashattn._torch_ops.flash_attn(kind 1..4, *data, [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+                    "max_seqlen_k,] dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, "
+                    "return_attn_probs, torch_scratch)");
     return nullptr;
   }
   if (!thread_state_is_plain()) Py_RETURN_NONE;
   PyObject* const* a = args + 1;
   Operands in;
+  SeqTensors sq;
+  int64_t max_q = 0, max_k = 0;
   at::Tensor* data[3] = {&in.a, &in.b, &in.c};
   for (int i = 0; i < kDataTensors[kind]; ++i)
     if (!tensor_arg(a[i], *data[i])) Py_RETURN_NONE;
+  if (kind == kVarlenFwd && (!tensor_arg(a[3], sq.cu_q) || !tensor_arg(a[4], sq.cu_k) || !int_arg(a[5], max_q) ||
+                             !int_arg(a[6], max_k))) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   // The dimensions the Python function checks (it names the tensor when they are wrong).
   const int64_t packed_dim = kind == kQkvpackedFwd ? 3 : 2;
-  const at::Tensor& keys = kind == kBshdFwd ? in.b : kind == kQkvpackedFwd ? in.a : in.b;
-  if (kind == kBshdFwd ? in.a.dim() != 4 || in.b.dim() != 4 || in.c.dim() != 4
-                       : keys.dim() != 5 || keys.size(2) != packed_dim || (kind == kKvpackedFwd && in.a.dim() != 4))
-    Py_RETURN_NONE;
-  const int64_t seqlen_k = keys.size(1);
+  const at::Tensor& keys = kind == kQkvpackedFwd ? in.a : in.b;
+  const bool dims_ok = kind == kBshdFwd     ? in.a.dim() == 4 && in.b.dim() == 4 && in.c.dim() == 4
+                       : kind == kVarlenFwd ? in.a.dim() == 3 && in.b.dim() == 3 && in.c.dim() == 3
+                                            : keys.dim() == 5 && keys.size(2) == packed_dim &&
+                                                  (kind == kQkvpackedFwd || in.a.dim() == 4);
+  if (!dims_ok) Py_RETURN_NONE;
+  // (The window's normalisation: a packed batch's by max_seqlen_k, as flash_attn's.)
+  const int64_t seqlen_k = kind == kVarlenFwd ? max_k : keys.size(1);
 
-  PyObject* const* opt = a + kDataTensors[kind];
+  PyObject* const* opt = a + kDataTensors[kind] + n_seq;
   double dropout = 1, scale = 0, softcap = 0;
   bool causal = false, deterministic = false, probs = false, torch_scratch = true;
   int64_t w[2] = {0, 0};
@@ -324,10 +337,10 @@ PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   for (int64_t& side : w)
     if (side < 0 || side >= seqlen_k) side = -1;  // unbounded
   if (causal) w[1] = -1;  // the causal mask bounds the right side already
-  return wrap(run(kind, in, SeqTensors{}, slopes,
+  return wrap(run(kind, in, sq, slopes,
                   make_opts(scale, causal ? FLASHATTN_MASK_CAUSAL_BOTTOM_RIGHT : FLASHATTN_MASK_NONE,
                             FLASHATTN_PRECISION_FP32, 0, deterministic, w[0], w[1], softcap, torch_scratch),
-                  0, 0),
+                  max_q, max_k),
               probs ? kOutLseNone : kOut);
   END_HANDLE_TH_ERRORS
 }
@@ -340,7 +353,7 @@ PyMethodDef kMethods[] = {
      "deterministic, return_lse, is_causal, scale, enable_gqa, torch_scratch) -> attention()'s result, or None where "
      "the Python function must serve the call"},
     {"flash_attn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(flash_attn)), METH_FASTCALL,
-     "flash_attn(kind, *data, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, "
+     "flash_attn(kind, *data, [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,] dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, "
      "return_attn_probs, torch_scratch) -> flash_attn's result, or None where the Python function must serve the "
      "call"},
     {nullptr, nullptr, 0, nullptr}};

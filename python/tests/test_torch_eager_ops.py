@@ -485,13 +485,21 @@ class _GlueCalls:
 
 
 def _flash_calls(device, dtype, **kw):
-    """flash_attn_func, flash_attn_qkvpacked_func and flash_attn_kvpacked_func with the same
-    arguments, each a training step: the results (out or (out, lse)) and the gradients."""
+    """flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func and
+    flash_attn_varlen_func (two sequences of 13 queries, 17 keys) with the same arguments, each a
+    training step: the results (out or (out, lse)) and the gradients."""
     q0, k0, v0 = _inputs(device, dtype, hq=2, hkv=2)
+    cu_q = torch.tensor([0, 13, 26], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 17, 34], dtype=torch.int32, device=device)
+
+    def varlen(q, k, v, **kw):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 17, **kw)
+
     res = []
     for fn, inputs in ((flash_attn_func, (q0, k0, v0)),
                        (flash_attn_qkvpacked_func, (torch.stack([q0, q0.flip(1), q0.flip(2)], dim=2),)),
-                       (flash_attn_kvpacked_func, (q0, torch.stack([k0, v0], dim=2)))):
+                       (flash_attn_kvpacked_func, (q0, torch.stack([k0, v0], dim=2))),
+                       (varlen, tuple(x.reshape(-1, *x.shape[2:]) for x in (q0, k0, v0)))):
         leaves = [x.clone().requires_grad_() for x in inputs]
         out = fn(*leaves, **kw)
         outs = list(out) if isinstance(out, tuple) else [out]
@@ -520,16 +528,16 @@ FLASH_ARGS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(len(FLASH_ARGS)))
 def test_flash_entry_serves_plain_arguments_as_the_python_function(device, case):
-    """The flash_attn functions' C++ entry takes the calls whose arguments are plain (no Python
-    glue runs) and gives the Python function's results bit for bit, outputs and gradients; the
-    others it leaves to the Python function."""
+    """The flash_attn functions' C++ entry (dense, packed qkv / kv, varlen) takes the calls whose
+    arguments are plain (no Python glue runs) and gives the Python function's results bit for
+    bit, outputs and gradients; the others it leaves to the Python function."""
     kw, taken = dict(FLASH_ARGS[case][0]), FLASH_ARGS[case][1]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if kw.get("alibi_slopes") == "h":
         kw["alibi_slopes"] = _slopes("h", 2, 2, device)
     with _GlueCalls(refuse=taken) as glue:
         fast = _flash_calls(device, dtype, **kw)
-    assert taken or glue.calls == 3
+    assert taken or glue.calls == 4
     python = _without_direct_entry(lambda: _flash_calls(device, dtype, **kw))
     assert len(fast) == len(python)
     for i, (a, b) in enumerate(zip(fast, python)):
@@ -556,6 +564,18 @@ def test_flash_entry_leaves_bad_arguments_to_the_python_function():
     for x, name in ((q[0], "q"), (torch.stack([k, v], dim=2)[:, :, :1], "kv")):
         with pytest.raises(ValueError, match=name):
             flash_attn_func(x, k, v) if name == "q" else flash_attn_kvpacked_func(q, x)
+    cu = torch.tensor([0, 13, 26], dtype=torch.int32)
+    qp, kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    for args, exc in (((q, kp, vp, cu, cu, 13, 17), ValueError), ((qp, kp, vp, cu, [0, 17, 34], 13, 17), TypeError),
+                      ((qp, kp, vp, cu, cu, 13.0, 17), TypeError)):
+        msgs = []
+        for direct in (True, False):
+            def run():
+                with pytest.raises(exc) as e:
+                    flash_attn_varlen_func(*args)
+                return str(e.value)
+            msgs.append(run() if direct else _without_direct_entry(run))
+        assert msgs[0] == msgs[1], args
 
 
 def test_flash_entry_off_with_the_eager_ops():
