@@ -130,6 +130,7 @@ def use_torch_allocator(enable: bool = True) -> bool:
     setting."""
     global _WS_TORCH
     prev, _WS_TORCH = _WS_TORCH, bool(enable)
+    _sync_custom_kernels()
     return prev
 
 
@@ -727,6 +728,18 @@ _EAGER_ON = _EAGER_OPS is not None
 _FAST_FLASH, _FAST_ATTENTION = (_FLASH_ENTRY, _ATTENTION_ENTRY) if _EAGER_ON else (None, None)
 
 
+def _sync_custom_kernels():
+    """The custom ops' C++ kernels (CPU, CUDA) on while the eager ops are, with the scratch choice:
+    a compiled graph's op calls then run the C++ op's work directly instead of the Python
+    implementations above and a second dispatcher trip (python/src/torch_ops.cpp)."""
+    if _FLASH_ENTRY is not None:
+        from . import _torch_ops
+        _torch_ops.set_custom_kernels(_EAGER_ON, _WS_TORCH)
+
+
+_sync_custom_kernels()
+
+
 def _cpp(name, *inputs):
     """The C++ op for flashattn.torch's op `name` (its inputs in the same order), through the
     dispatcher: the custom ops' implementations (no autograd) and the eager calls that the direct
@@ -747,6 +760,7 @@ def use_eager_ops(enable: bool = True) -> bool:
     global _EAGER_ON, _FAST_FLASH, _FAST_ATTENTION
     prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_OPS is not None
     _FAST_FLASH, _FAST_ATTENTION = (_FLASH_ENTRY, _ATTENTION_ENTRY) if _EAGER_ON else (None, None)
+    _sync_custom_kernels()
     return prev
 
 

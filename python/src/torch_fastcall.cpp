@@ -345,7 +345,22 @@ PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   END_HANDLE_TH_ERRORS
 }
 
+// set_custom_kernels(on, torch_scratch): see torch_ops.hpp.
+PyObject* set_custom_kernels(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  bool on = false, torch_scratch = true;
+  if (nargs != 2 || !bool_arg(args[0], on) || !bool_arg(args[1], torch_scratch)) {
+    PyErr_SetString(PyExc_TypeError, "flashattn._torch_ops.set_custom_kernels(on: bool, torch_scratch: bool)");
+    return nullptr;
+  }
+  flashattn_torch::set_custom_kernels(on, torch_scratch);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
+    {"set_custom_kernels", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_custom_kernels)),
+     METH_FASTCALL, "set_custom_kernels(on, torch_scratch): C++ kernels for flashattn.torch's custom ops (or not)"},
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
      "forward(kind, *op_inputs, torch_scratch) -> (out, lse), or None where the op must serve the call"},
     {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention)), METH_FASTCALL,

@@ -31,8 +31,10 @@
 #include <torch/library.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -553,9 +555,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   return {g.a, g.b, g.c};
 }
 
+// Kernels of flashattn.torch's custom ops (flashattn::fwd, ...; torch.library.custom_op, whose
+// own kernels are Python) at the CPU and CUDA keys: what their implementations run (the ops
+// above without autograd), called from the dispatcher without the Python implementation, its
+// table lookup and a second trip through the dispatcher (~9 us of a 19 us call of the custom op
+// on the CPU). Under torch.compile these are what a compiled graph's op calls run. The torch
+// scratch choice is flashattn.torch's (set_custom_kernels).
+std::atomic<bool> g_torch_scratch{true};
+
+template <bool Bshd>
+Result custom_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, FLASHATTN_OPTION_PARAMS) {
+  return fwd<false>(q, k, v, FLASHATTN_OPTION_ARGS, slopes, Bshd, g_torch_scratch.load(std::memory_order_relaxed));
+}
+template <bool Bshd>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> custom_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& out, const at::Tensor& lse,
+                                                          FLASHATTN_OPTION_PARAMS) {
+  return bwd(dout, q, k, v, out, lse, FLASHATTN_OPTION_ARGS, slopes, Bshd, g_torch_scratch.load(std::memory_order_relaxed));
+}
+Result custom_qkvpacked_fwd(const at::Tensor& qkv, FLASHATTN_OPTION_PARAMS) {
+  return qkvpacked_fwd<false>(qkv, FLASHATTN_OPTION_ARGS, slopes, g_torch_scratch.load(std::memory_order_relaxed));
+}
+at::Tensor custom_qkvpacked_bwd(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& out,
+                                const at::Tensor& lse, FLASHATTN_OPTION_PARAMS) {
+  return qkvpacked_bwd(dout, qkv, out, lse, FLASHATTN_OPTION_ARGS, slopes, g_torch_scratch.load(std::memory_order_relaxed));
+}
+Result custom_kvpacked_fwd(const at::Tensor& q, const at::Tensor& kv, FLASHATTN_OPTION_PARAMS) {
+  return kvpacked_fwd<false>(q, kv, FLASHATTN_OPTION_ARGS, slopes, g_torch_scratch.load(std::memory_order_relaxed));
+}
+std::tuple<at::Tensor, at::Tensor> custom_kvpacked_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                       const at::Tensor& kv, const at::Tensor& out,
+                                                       const at::Tensor& lse, FLASHATTN_OPTION_PARAMS) {
+  return kvpacked_bwd(dout, q, kv, out, lse, FLASHATTN_OPTION_ARGS, slopes,
+                      g_torch_scratch.load(std::memory_order_relaxed));
+}
+Result custom_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                         const at::Tensor& cu_k, const std::optional<at::Tensor>& used_k, int64_t max_q, int64_t max_k,
+                         FLASHATTN_OPTION_PARAMS) {
+  return varlen_fwd<false>(q, k, v, cu_q, cu_k, used_k, max_q, max_k, FLASHATTN_OPTION_ARGS, slopes,
+                           g_torch_scratch.load(std::memory_order_relaxed));
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> custom_varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, const std::optional<at::Tensor>& used_k,
+    int64_t max_q, int64_t max_k, FLASHATTN_OPTION_PARAMS) {
+  return varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_k, max_q, max_k, FLASHATTN_OPTION_ARGS, slopes,
+                    g_torch_scratch.load(std::memory_order_relaxed));
+}
+
+void register_custom_kernels(torch::Library& m) {
+  m.impl("fwd", &custom_fwd<false>);
+  m.impl("bwd", &custom_bwd<false>);
+  m.impl("bshd_fwd", &custom_fwd<true>);
+  m.impl("bshd_bwd", &custom_bwd<true>);
+  m.impl("qkvpacked_fwd", &custom_qkvpacked_fwd);
+  m.impl("qkvpacked_bwd", &custom_qkvpacked_bwd);
+  m.impl("kvpacked_fwd", &custom_kvpacked_fwd);
+  m.impl("kvpacked_bwd", &custom_kvpacked_bwd);
+  m.impl("varlen_fwd", &custom_varlen_fwd);
+  m.impl("varlen_bwd", &custom_varlen_bwd);
+}
+
+std::mutex g_custom_mutex;
+std::unique_ptr<torch::Library> g_custom_cpu, g_custom_cuda;
+
 }  // namespace
 
 namespace flashattn_torch {
+
+void set_custom_kernels(bool on, bool torch_scratch) {
+  const std::lock_guard<std::mutex> lock(g_custom_mutex);
+  g_torch_scratch.store(torch_scratch, std::memory_order_relaxed);
+  if (on && !g_custom_cpu) {
+    g_custom_cpu = std::make_unique<torch::Library>(torch::Library::IMPL, "flashattn", c10::DispatchKey::CPU,
+                                                     __FILE__, __LINE__);
+    g_custom_cuda = std::make_unique<torch::Library>(torch::Library::IMPL, "flashattn", c10::DispatchKey::CUDA,
+                                                      __FILE__, __LINE__);
+    register_custom_kernels(*g_custom_cpu);
+    register_custom_kernels(*g_custom_cuda);
+  } else if (!on) {
+    g_custom_cpu.reset();
+    g_custom_cuda.reset();
+  }
+}
 
 Opts make_opts(double scale, int64_t mask, int64_t precision, int64_t num_threads, bool deterministic,
                int64_t window_left, int64_t window_right, double softcap, bool torch_scratch) {

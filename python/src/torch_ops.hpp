@@ -74,4 +74,9 @@ Opts make_opts(double scale, int64_t mask, int64_t precision, int64_t num_thread
 std::tuple<at::Tensor, at::Tensor> forward_with_autograd(const Operands& in, const SeqTensors& sq,
                                                          const std::optional<at::Tensor>& slopes, const Opts& o);
 
+// flashattn.torch's custom ops (flashattn::fwd, bwd, bshd_*, qkvpacked_*, kvpacked_*, varlen_*)
+// get C++ kernels at the CPU and CUDA keys (on) or lose them (off: their Python implementations
+// serve them); torch_scratch: where those kernels' CUDA scratch comes from.
+void set_custom_kernels(bool on, bool torch_scratch);
+
 }  // namespace flashattn_torch

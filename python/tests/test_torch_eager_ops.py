@@ -182,6 +182,64 @@ def test_compiled_same_as_python_path(fn):
     _same_on_both_paths(run)
 
 
+class _NoPythonImpl:
+    """Fails the test when a custom op's Python implementation calls the C++ op (flashattn.torch._cpp):
+    with the custom ops' C++ kernels on, the dispatcher runs those instead."""
+
+    def __enter__(self):
+        self.saved = fat._cpp
+
+        def refuse(name, *a):
+            raise AssertionError(f"the Python implementation of flashattn::{name} ran")
+        fat._cpp = refuse
+        return self
+
+    def __exit__(self, *exc):
+        fat._cpp = self.saved
+
+
+@pytest.mark.parametrize("fn", ["func", "qkvpacked", "kvpacked", "varlen", "attention"])
+def test_compiled_graph_runs_the_custom_ops_cpp_kernels(fn):
+    """A compiled training step's op calls (flashattn::* forward and backward) run the C++ kernels
+    registered for the custom ops, not their Python implementations; with the eager ops off
+    (use_eager_ops(False)) the Python implementations serve them, with the same results bit for
+    bit."""
+    g = torch.Generator().manual_seed(9)
+    q0, k0, v0 = (torch.randn(2, 7, 2, 16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    calls = {
+        "func": lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=(3, 0)),
+        "qkvpacked": lambda q, k, v: flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), softcap=2.0),
+        "kvpacked": lambda q, k, v: flash_attn_kvpacked_func(q, torch.stack([k, v], 2), deterministic=True),
+        "varlen": lambda q, k, v: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                         cu, cu, 7, 7, causal=True),
+        "attention": lambda q, k, v: fat.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True),
+    }
+
+    def run(eager_on):
+        torch._dynamo.reset()
+        prev = fat.use_eager_ops(eager_on)
+        try:
+            compiled = torch.compile(calls[fn], backend="aot_eager", fullgraph=True)
+            res = []
+            for _ in range(2):  # (the first call compiles)
+                q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+                out = compiled(q, k, v)
+                out.square().sum().backward()
+                res += [out.detach(), q.grad, k.grad, v.grad]
+            return res
+        finally:
+            fat.use_eager_ops(prev)
+
+    with _NoPythonImpl():
+        cpp = run(True)
+    python = run(False)
+    for i, (a, b) in enumerate(zip(cpp, python)):
+        assert torch.isfinite(a).all(), f"result {i}"
+        assert torch.equal(a, b), f"result {i}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_head_dim_not_contiguous(device):
     """A q whose head dim has stride != 1 (a transposed leaf) is made contiguous for the library in
