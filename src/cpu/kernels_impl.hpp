@@ -1011,11 +1011,11 @@ struct Forward {
     softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);  // the whole tile
   }
   // The strips a block of nq query rows needs: nq / W rounded up to a power of two (the counts
-  // online_softmax instantiates), at most the tile's BQ / W.
+  // online_softmax instantiates), at most the tile's BQ / W (which need not be a power of two).
   static int64_t strip_count(int64_t nq) {
     int64_t ns = 1;
     while (ns * W < nq && ns < BQ / W) ns *= 2;
-    return ns;
+    return ns < BQ / W ? ns : BQ / W;
   }
   template <int64_t NS>
   static void softmax_strips(C* ST, int64_t nk, C* mrow, double* lrow, double* O, int64_t Dp) {
