@@ -756,7 +756,9 @@ def eager_ops_available() -> bool:
 def use_eager_ops(enable: bool = True) -> bool:
     """Eager calls of attention(), attention_varlen() and the flash_attn functions (dense, packed,
     varlen) through the C++ ops (the default where they are available), or (False) through the
-    Python autograd path. Returns the previous setting."""
+    Python autograd path. Returns the previous setting. A setting for the process: it also adds
+    or removes the custom ops' C++ kernels in PyTorch's dispatcher, so change it while no other
+    thread runs flashattn ops."""
     global _EAGER_ON, _FAST_FLASH, _FAST_ATTENTION
     prev, _EAGER_ON = _EAGER_ON, bool(enable) and _EAGER_OPS is not None
     _FAST_FLASH, _FAST_ATTENTION = (_FLASH_ENTRY, _ATTENTION_ENTRY) if _EAGER_ON else (None, None)

@@ -196,20 +196,21 @@ int string_arg(PyObject* o, const char* const (&names)[N]) {
   return -1;
 }
 
+// Where float32 rounds a double to infinity (FLT_MAX and half an ulp).
+constexpr double kFloat32Overflow = (2.0 - 0x1p-24) * 0x1p127;
+
 // A scale as flashattn.torch takes it: None (0: the library's 1/sqrt(D)) or a float that float32
-// keeps nonzero (others: the Python function converts or refuses them).
+// keeps nonzero and finite (others: the Python function converts or refuses them; one that
+// overflows float32 gets NumPy's overflow warning there).
 bool scale_arg(PyObject* o, double& v) {
   if (o == Py_None) return true;
   if (!PyFloat_CheckExact(o)) return false;
   v = PyFloat_AS_DOUBLE(o);
-  return static_cast<float>(v) != 0.0f;
+  return static_cast<float>(v) != 0.0f && !(v >= kFloat32Overflow || v <= -kFloat32Overflow);
 }
 
 // A softcap float32 holds: 0 (none), or finite and in (2^-150, FLT_MAX rounded up).
-bool softcap_ok(double cap) {
-  constexpr double kFloat32Overflow = (2.0 - 0x1p-24) * 0x1p127;
-  return cap == 0 || (cap > 0x1p-150 && cap < kFloat32Overflow);
-}
+bool softcap_ok(double cap) { return cap == 0 || (cap > 0x1p-150 && cap < kFloat32Overflow); }
 
 // window_size as an exact tuple or list of two exact ints.
 bool window_arg(PyObject* o, int64_t (&w)[2]) {

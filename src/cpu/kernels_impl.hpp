@@ -1006,6 +1006,8 @@ struct Forward {
       case 4: if constexpr (BQ / W >= 4) return softmax_strips<4>(ST, nk, mrow, lrow, O, Dp); break;
       case 8: if constexpr (BQ / W >= 8) return softmax_strips<8>(ST, nk, mrow, lrow, O, Dp); break;
       case 16: if constexpr (BQ / W >= 16) return softmax_strips<16>(ST, nk, mrow, lrow, O, Dp); break;
+      case 32: if constexpr (BQ / W >= 32) return softmax_strips<32>(ST, nk, mrow, lrow, O, Dp); break;
+      case 64: if constexpr (BQ / W >= 64) return softmax_strips<64>(ST, nk, mrow, lrow, O, Dp); break;
       default: break;
     }
     softmax_strips<BQ / W>(ST, nk, mrow, lrow, O, Dp);  // the whole tile
