@@ -182,20 +182,31 @@ def test_compiled_same_as_python_path(fn):
     _same_on_both_paths(run)
 
 
-class _NoPythonImpl:
-    """Fails the test when a custom op's Python implementation calls the C++ op (flashattn.torch._cpp):
-    with the custom ops' C++ kernels on, the dispatcher runs those instead."""
+class _Spy:
+    """Counts the calls of module.name (a module-level function the code under test looks up at
+    call time); with refuse (a message) a call fails the test instead."""
+
+    def __init__(self, module, name, refuse=None):
+        self.module, self.name, self.refuse, self.calls = module, name, refuse, 0
 
     def __enter__(self):
-        self.saved = fat._cpp
+        self.saved = getattr(self.module, self.name)
 
-        def refuse(name, *a):
-            raise AssertionError(f"the Python implementation of flashattn::{name} ran")
-        fat._cpp = refuse
+        def spy(*a, **kw):
+            assert self.refuse is None, self.refuse
+            self.calls += 1
+            return self.saved(*a, **kw)
+        setattr(self.module, self.name, spy)
         return self
 
     def __exit__(self, *exc):
-        fat._cpp = self.saved
+        setattr(self.module, self.name, self.saved)
+
+
+def _no_python_impl():
+    """With the custom ops' C++ kernels on, the dispatcher runs those: a custom op's Python
+    implementation calling the C++ op (flashattn.torch._cpp) fails the test."""
+    return _Spy(fat, "_cpp", refuse="a custom op's Python implementation ran")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -234,22 +245,11 @@ def test_compiled_graph_runs_the_custom_ops_cpp_kernels(fn, device):
         finally:
             fat.use_eager_ops(prev)
 
-    with _NoPythonImpl():
+    with _no_python_impl():
         cpp = run(True)
-    counter = {"n": 0}
-    saved = fat._call_fwd, fat._call_fwd_varlen
-
-    def counted(fn):
-        def call(*a, **kw):
-            counter["n"] += 1
-            return fn(*a, **kw)
-        return call
-    fat._call_fwd, fat._call_fwd_varlen = counted(saved[0]), counted(saved[1])
-    try:
+    with _Spy(fat, "_call_fwd") as dense, _Spy(fat, "_call_fwd_varlen") as varlen:
         python = run(False)
-    finally:
-        fat._call_fwd, fat._call_fwd_varlen = saved
-    assert counter["n"] >= 2  # (the two compiled steps' forwards, through the Python implementation)
+    assert dense.calls + varlen.calls >= 2  # (the two compiled steps' forwards, through the Python implementation)
     for i, (a, b) in enumerate(zip(cpp, python)):
         assert torch.isfinite(a).all(), f"result {i}"
         assert torch.equal(a, b), f"result {i}"
@@ -513,19 +513,25 @@ def test_calls_that_need_the_dispatcher_get_it():
     assert spy.calls >= 1 and torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
 
 
+def _same_error_both_routes(call, exc, what=None):
+    """call() raises exc with the same type and message with the direct entries and without them
+    (the Python glue and the dispatcher)."""
+    got = []
+    for direct in (True, False):
+        def run():
+            with pytest.raises(exc) as e:
+                call()
+            return type(e.value), str(e.value)
+        got.append(run() if direct else _without_direct_entry(run))
+    assert got[0] == got[1], what
+
+
 def test_direct_entry_errors_as_the_dispatcher():
     q, k, v = _inputs("cpu", torch.float32)
     bad = [((q.double(), k, v), {}, TypeError), ((q[..., :8], k, v), {}, ValueError),
            ((q, k[:, :, :1], v), {}, ValueError), ((q, k, v), dict(softmax_scale=1e-50), ValueError)]
     for args, kw, exc in bad:
-        msgs = []
-        for direct in (True, False):
-            def run():
-                with pytest.raises(exc) as e:
-                    flash_attn_func(*args, **kw)
-                return str(e.value)
-            msgs.append(run() if direct else _without_direct_entry(run))
-        assert msgs[0] == msgs[1]
+        _same_error_both_routes(lambda: flash_attn_func(*args, **kw), exc, kw)
 
 
 def test_direct_entry_is_seen_by_the_profiler():
@@ -535,26 +541,11 @@ def test_direct_entry_is_seen_by_the_profiler():
     assert any(e.name == "flashattn_eager::fwd" for e in prof.events())
 
 
-class _GlueCalls:
+def _glue_calls(refuse=False):
     """Counts the flash_attn functions' Python glue (flash_attn_interface._codes, which every call
     the flash_attn entry leaves to Python reaches); refuse=True fails the test on one."""
-
-    def __init__(self, refuse=False):
-        self.calls, self.refuse = 0, refuse
-
-    def __enter__(self):
-        import flashattn.flash_attn_interface as fai
-        self.fai, self.saved = fai, fai._codes
-
-        def spy(*a):
-            assert not self.refuse, "the call went through the Python glue"
-            self.calls += 1
-            return self.saved(*a)
-        fai._codes = spy
-        return self
-
-    def __exit__(self, *exc):
-        self.fai._codes = self.saved
+    import flashattn.flash_attn_interface as fai
+    return _Spy(fai, "_codes", refuse="the call went through the Python glue" if refuse else None)
 
 
 def _flash_calls(device, dtype, **kw):
@@ -608,7 +599,7 @@ def test_flash_entry_serves_plain_arguments_as_the_python_function(device, case)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if kw.get("alibi_slopes") == "h":
         kw["alibi_slopes"] = _slopes("h", 2, 2, device)
-    with _GlueCalls(refuse=taken) as glue:
+    with _glue_calls(refuse=taken) as glue:
         fast = _flash_calls(device, dtype, **kw)
     assert taken or glue.calls == 4
     python = _without_direct_entry(lambda: _flash_calls(device, dtype, **kw))
@@ -626,14 +617,7 @@ def test_flash_entry_leaves_bad_arguments_to_the_python_function():
            dict(softcap=1e300), dict(window_size=(1, 2, 3)), dict(window_size=(1.0, 2)), dict(window_size=(True, -1)),
            dict(alibi_slopes=[0.5, 0.25]), dict(deterministic="no")]
     for kw in bad:
-        msgs = []
-        for direct in (True, False):
-            def run():
-                with pytest.raises((TypeError, ValueError, NotImplementedError)) as e:
-                    flash_attn_func(q, k, v, **kw)
-                return type(e.value), str(e.value)
-            msgs.append(run() if direct else _without_direct_entry(run))
-        assert msgs[0] == msgs[1], kw
+        _same_error_both_routes(lambda: flash_attn_func(q, k, v, **kw), (TypeError, ValueError, NotImplementedError), kw)
     for x, name in ((q[0], "q"), (torch.stack([k, v], dim=2)[:, :, :1], "kv")):
         with pytest.raises(ValueError, match=name):
             flash_attn_func(x, k, v) if name == "q" else flash_attn_kvpacked_func(q, x)
@@ -641,14 +625,7 @@ def test_flash_entry_leaves_bad_arguments_to_the_python_function():
     qp, kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
     for args, exc in (((q, kp, vp, cu, cu, 13, 17), ValueError), ((qp, kp, vp, cu, [0, 17, 34], 13, 17), TypeError),
                       ((qp, kp, vp, cu, cu, 13.0, 17), TypeError)):
-        msgs = []
-        for direct in (True, False):
-            def run():
-                with pytest.raises(exc) as e:
-                    flash_attn_varlen_func(*args)
-                return str(e.value)
-            msgs.append(run() if direct else _without_direct_entry(run))
-        assert msgs[0] == msgs[1], args
+        _same_error_both_routes(lambda: flash_attn_varlen_func(*args), exc, args)
 
 
 def test_flash_entry_off_with_the_eager_ops():
@@ -658,35 +635,20 @@ def test_flash_entry_off_with_the_eager_ops():
     prev = fat.use_eager_ops(False)
     try:
         assert fat._FAST_FLASH is None and fat._FAST_ATTENTION is None
-        with _GlueCalls() as glue:
+        with _glue_calls() as glue:
             flash_attn_func(q, k, v)
         assert glue.calls == 1
     finally:
         fat.use_eager_ops(prev)
     assert fat._FAST_FLASH is not None and fat._FAST_ATTENTION is not None
-    with _GlueCalls(refuse=True):
+    with _glue_calls(refuse=True):
         flash_attn_func(q, k, v)
 
 
-class _AttentionGlue:
+def _attention_glue(refuse=False):
     """Counts attention()'s Python glue (flashattn.torch._sdpa_names, which every call the C++
     entry leaves to Python reaches); refuse=True fails the test on one."""
-
-    def __init__(self, refuse=False):
-        self.calls, self.refuse = 0, refuse
-
-    def __enter__(self):
-        self.saved = fat._sdpa_names
-
-        def spy(*a):
-            assert not self.refuse, "the call went through the Python glue"
-            self.calls += 1
-            return self.saved(*a)
-        fat._sdpa_names = spy
-        return self
-
-    def __exit__(self, *exc):
-        fat._sdpa_names = self.saved
+    return _Spy(fat, "_sdpa_names", refuse="the call went through the Python glue" if refuse else None)
 
 
 # (arguments, whether the C++ entry takes them), as FLASH_ARGS for attention().
@@ -726,7 +688,7 @@ def test_attention_entry_serves_plain_arguments_as_the_python_function(device, c
         outs[0].sum().backward()
         return outs + [x.grad for x in leaves]
 
-    with _AttentionGlue(refuse=taken) as glue:
+    with _attention_glue(refuse=taken) as glue:
         fast = run()
     assert taken or glue.calls == 1
     python = _without_direct_entry(run)
@@ -745,14 +707,7 @@ def test_attention_entry_leaves_bad_arguments_and_empty_sequences_to_the_python_
            dict(softcap=float("inf")), dict(num_threads=-1), dict(is_causal=1), dict(softmax_scale=1e-50),
            dict(alibi_slopes=(0.5, 0.5, 0.5, 0.5)), dict(deterministic="yes")]
     for kw in bad:
-        msgs = []
-        for direct in (True, False):
-            def run():
-                with pytest.raises((TypeError, ValueError)) as e:
-                    fat.attention(q, k, v, **kw)
-                return type(e.value), str(e.value)
-            msgs.append(run() if direct else _without_direct_entry(run))
-        assert msgs[0] == msgs[1], kw
-    with _AttentionGlue() as glue:
+        _same_error_both_routes(lambda: fat.attention(q, k, v, **kw), (TypeError, ValueError), kw)
+    with _attention_glue() as glue:
         out, lse = fat.attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
     assert glue.calls == 1 and torch.equal(out, torch.zeros_like(q)) and bool((lse == float("-inf")).all())
