@@ -311,8 +311,12 @@ def table(rows, ours, peers, unit="TFLOP/s", scale=1e12):
 
 def chart(rows, path, title, scale=1e12, unit="TFLOP/s"):
     """PNG: for each (dtype, head dim) a row of panels (passes) x (causal no/yes),
-    TFLOP/s against sequence length, one line per backend."""
-    import matplotlib
+    TFLOP/s against sequence length, one line per backend. Without matplotlib: no chart (said)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no chart ({path}): matplotlib is not installed")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

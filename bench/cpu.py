@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """flashattn next to PyTorch's CPU attention at equal thread counts: same process, same inputs.
 
-Backends: flashattn (flashattn.torch.attention, num_threads = torch's thread count) and
+Backends: flashattn (flashattn.torch.attention, num_threads = torch's thread count; on request
+flashattn-split / flashattn-fused, its backward's two designs forced) and
 F.scaled_dot_product_attention pinned to PyTorch's CPU flash-attention kernel (sdpa-flash) and to
 its math backend (sdpa-math). Each thread count in --threads (default 1, 2 and all cores) is set
 with torch.set_num_threads for both sides.
@@ -36,12 +37,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SDPA = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-math": SDPBackend.MATH}
 
 
+# flashattn with the backward's design fixed (FLASHATTN_CPU_BWD, read per call): both designs give
+# the same bits, so these rows time the library's own choice (the "flashattn" rows) against each.
+DESIGNS = {"flashattn-split": "split", "flashattn-fused": "fused"}
+
+
+@contextlib.contextmanager
+def backward_design(design):
+    old = os.environ.get("FLASHATTN_CPU_BWD")
+    os.environ["FLASHATTN_CPU_BWD"] = design
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASHATTN_CPU_BWD"]
+        else:
+            os.environ["FLASHATTN_CPU_BWD"] = old
+
+
 def context(name):
+    if name in DESIGNS:
+        return backward_design(DESIGNS[name])
     return sdpa_kernel(SDPA[name]) if name in SDPA else contextlib.nullcontext()
 
 
 def make_fn(name, causal):
-    if name == "flashattn":
+    if name == "flashattn" or name in DESIGNS:
         mask = "causal_top_left" if causal else "none"
         return lambda q, k, v: fat.attention(q, k, v, mask=mask)
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -115,7 +136,8 @@ def main():
         sys.exit("nothing was measured")
     H.write_csv(os.path.join(args.out, "cpu.csv"), rows)
     peers = [b for b in SDPA if b in wanted]
-    md = header + "\n\n" + H.table(rows, ["flashattn"], peers, unit="GFLOP/s", scale=1e9)
+    ours = ["flashattn"] + [b for b in DESIGNS if b in wanted]
+    md = header + "\n\n" + H.table(rows, ours, peers, unit="GFLOP/s", scale=1e9)
     if notes:
         md += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes)
     with open(os.path.join(args.out, "cpu.md"), "w") as f:
@@ -124,7 +146,7 @@ def main():
     H.chart(rows, os.path.join(args.out, "cpu.png"),
             f"flashattn vs PyTorch CPU SDPA at equal threads ({cores} cores)", scale=1e9,
             unit="GFLOP/s")
-    print(f"\nwrote {args.out}/cpu.csv, cpu.md, cpu.png")
+    print(f"\nwrote {args.out}/cpu.csv, cpu.md" + (", cpu.png" if os.path.exists(os.path.join(args.out, "cpu.png")) else ""))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 // through the kernel-set seam (cpu/kernels.hpp: the driver builds a MaskRule from the options, the
 // kernels take it as an argument), every instruction set this CPU runs, against a float64
 // computation that applies the same band through MaskRule::visible: forward (out, lse) and
-// backward (dq, dk, dv). (Through the public API, windows are checked against the float64
-// reference by test_cpu_score_mods.cpp.)
+// backward (dq, dk, dv), in both of the backward's designs (fused and split, which must give the
+// same bits). (Through the public API, windows are checked against the float64 reference by
+// test_cpu_score_mods.cpp.)
 //
 // The grid: sequence lengths 1, 17, 97 and beyond one tile (300, 700: several query and key
 // tiles), Sq != Skv both ways, GQA and MQA, windows narrower and wider than a tile, one-sided and
@@ -38,7 +39,7 @@ namespace {
 // filled with NaN, so a kernel that reads scratch it did not write cannot pass.
 class SerialParallel final : public cpu::Parallel {
  public:
-  SerialParallel() = default;
+  explicit SerialParallel(int design = kAuto) : Parallel(1, design) {}
   SerialParallel(const SerialParallel&) = delete;
   SerialParallel& operator=(const SerialParallel&) = delete;
   ~SerialParallel() {
@@ -249,8 +250,9 @@ std::vector<double> widened(const std::vector<T>& x) {
 
 // One forward and one backward through kernel set k, with the band as the kernels' MaskRule.
 // p.num.mask is deliberately None: the kernels must take the mask from the rule alone.
+// design: the backward's (cpu::Parallel::kSplit or kFused).
 template <class T>
-Got run_kernels(const cpu::KernelSet& k, const BandCase& c, const Inputs& in) {
+Got run_kernels(const cpu::KernelSet& k, const BandCase& c, const Inputs& in, int design) {
   const T nan = std::numeric_limits<T>::quiet_NaN();
   const std::vector<T> q = stored<T>(in.q), kk = stored<T>(in.k), v = stored<T>(in.v),
                        dout = stored<T>(in.dout);
@@ -293,7 +295,7 @@ Got run_kernels(const cpu::KernelSet& k, const BandCase& c, const Inputs& in) {
                           out4(dk, c.heads_kv, c.seq_kv),
                           out4(dv, c.heads_kv, c.seq_kv)};
   {
-    SerialParallel par;
+    SerialParallel par(design);
     k.backward(bp, rule, par);
   }
   return Got{widened(out), widened(lse), widened(dq), widened(dk), widened(dv)};
@@ -348,7 +350,19 @@ TEST_P(CpuMaskBand, ForwardBackwardEveryIsa) {
   ASSERT_FALSE(sets.empty());
   for (const cpu::KernelSet* k : sets) {
     SCOPED_TRACE(std::string("kernels ") + k->name);
-    const Got g = f64 ? run_kernels<double>(*k, c, in) : run_kernels<float>(*k, c, in);
+    auto run = [&](int design) {
+      return f64 ? run_kernels<double>(*k, c, in, design) : run_kernels<float>(*k, c, in, design);
+    };
+    const Got g = run(cpu::Parallel::kFused);
+    // The split passes give the same bits (the fused backward's dQ sums the same dS K terms in
+    // the same order).
+    const Got split = run(cpu::Parallel::kSplit);
+    auto same_bits = [](const std::vector<double>& a, const std::vector<double>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+    };
+    EXPECT_TRUE(same_bits(g.dq, split.dq)) << "dq: the fused and split backward differ";
+    EXPECT_TRUE(same_bits(g.dk, split.dk)) << "dk: the fused and split backward differ";
+    EXPECT_TRUE(same_bits(g.dv, split.dv)) << "dv: the fused and split backward differ";
     EXPECT_TRUE(close("out", g.out, e.out, rtol * max_finite_abs(e.out)));
     EXPECT_TRUE(close("lse", g.lse, e.lse, lse_rtol * max_finite_abs(e.lse)));
     EXPECT_TRUE(close("dq", g.dq, e.dq, rtol * e.mag_dq));

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,6 +79,30 @@ inline Reference reference_for(const Problem& p) {
   r.bwd = testing::reference_backward(ref_shape(p.cfg), q, k, v, dout, scale, p.cfg.mask, mods);
   return r;
 }
+
+// FLASHATTN_CPU_BWD (the CPU backward's design: split / fused) set for the guard's lifetime; the
+// driver reads it per call.
+class DesignEnv {
+ public:
+  explicit DesignEnv(const char* design) {
+    const char* old = std::getenv("FLASHATTN_CPU_BWD");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv("FLASHATTN_CPU_BWD", design, 1);
+  }
+  ~DesignEnv() {
+    if (had_)
+      setenv("FLASHATTN_CPU_BWD", old_.c_str(), 1);
+    else
+      unsetenv("FLASHATTN_CPU_BWD");
+  }
+  DesignEnv(const DesignEnv&) = delete;
+  DesignEnv& operator=(const DesignEnv&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
 
 // Raw bytes of every buffer of a problem (inputs and outputs), for "nothing was written" and
 // bitwise-determinism checks.

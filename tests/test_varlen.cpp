@@ -328,5 +328,30 @@ TEST(VarlenCpuDeterminism, ThreadCounts) {
   }
 }
 
+// The backward's two designs (FLASHATTN_CPU_BWD: split passes / fused per (sequence, kv head),
+// test_cpu_backward_designs.cpp) give the same bits on packed batches too: sequences of mixed
+// lengths, empty ones, keys past seqused_k, every score transform of the reference cases.
+TEST(VarlenCpuDesigns, FusedEqualsSplitBitwise) {
+  for (VarCase c : reference_cases()) {
+    SCOPED_TRACE(c.name);
+    VarRun split(c), fused(c);
+    {
+      const DesignEnv env("split");
+      split.run(2);
+    }
+    {
+      const DesignEnv env("fused");
+      fused.run(1);
+    }
+    EXPECT_TRUE(split.dq.bytes == fused.dq.bytes) << "dq";
+    EXPECT_TRUE(split.dk.bytes == fused.dk.bytes) << "dk";
+    EXPECT_TRUE(split.dv.bytes == fused.dv.bytes) << "dv";
+    int64_t unwritten = 0;  // (run() poisons every output with NaN first)
+    for (const Buf* b : {&fused.dq, &fused.dk, &fused.dv})
+      for (int64_t i = 0; i < b->n; ++i) unwritten += std::isnan(b->at(i));
+    EXPECT_EQ(unwritten, 0) << "gradient elements left NaN";
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::test

@@ -58,6 +58,17 @@ const KernelSet& pick_kernel() {
   return generic::kernels;
 }
 
+// FLASHATTN_CPU_BWD = split / fused fixes the backward's design (both give the same bits; tests
+// compare them, benchmarks time them); anything else leaves it to the kernels' cost model. Read per
+// call, so a test can switch it between calls.
+int backward_design_asked() {
+  const char* v = std::getenv("FLASHATTN_CPU_BWD");
+  if (v == nullptr) return Parallel::kAuto;
+  if (std::strcmp(v, "split") == 0) return Parallel::kSplit;
+  if (std::strcmp(v, "fused") == 0) return Parallel::kFused;
+  return Parallel::kAuto;
+}
+
 struct AlignedFree {
   void operator()(void* p) const { ::operator delete(p, std::align_val_t(64)); }
 };
@@ -116,7 +127,8 @@ class CallParallel : public Parallel {
   }
 
  protected:
-  explicit CallParallel(const Exec& e) : cancel_(e.cancel), cancel_arg_(e.cancel_arg) {}
+  CallParallel(const Exec& e, int threads)
+      : Parallel(threads, backward_design_asked()), cancel_(e.cancel), cancel_arg_(e.cancel_arg) {}
   ~CallParallel() = default;
   virtual void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) = 0;
 
@@ -146,7 +158,7 @@ class CallParallel : public Parallel {
 class PoolParallel final : public CallParallel {
  public:
   PoolParallel(const Exec& e, PoolLease& lease)
-      : CallParallel(e), pool_(lease.pool()), scratch_(lease.attached<ScratchCache>()) {}
+      : CallParallel(e, lease.pool().threads()), pool_(lease.pool()), scratch_(lease.attached<ScratchCache>()) {}
 
  private:
   void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
@@ -178,7 +190,8 @@ class PoolParallel final : public CallParallel {
 class TeamParallel final : public CallParallel {
  public:
   TeamParallel(const Exec& e, TeamRunner run, void* ctx, ScratchCache& sc)
-      : CallParallel(e), run_(run), ctx_(ctx), threads_(e.num_threads < 1 ? 1 : e.num_threads), scratch_(sc) {}
+      : CallParallel(e, e.num_threads), run_(run), ctx_(ctx), threads_(e.num_threads < 1 ? 1 : e.num_threads),
+        scratch_(sc) {}
 
  private:
   void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
@@ -333,7 +346,8 @@ std::string describe() {
   os << "isa " << k.name << " (" << k.vector_bytes * 8 << "-bit vectors; built:";
   for (const KernelSet* c : candidates()) os << " " << c->name << (supported(*c) ? "" : "(no cpu)");
   os << "), tiles " << k.block_q << " queries x " << k.block_kv
-     << " keys, kernels: forward (online softmax), backward (D preprocess, dQ pass, dK/dV pass), "
+     << " keys, kernels: forward (online softmax), backward (D preprocess, then dQ and dK/dV passes "
+        "or one fused pass per (batch, kv head), by a cost model), "
         "hardware threads "
      << std::thread::hardware_concurrency()
      << (current_runner().run != nullptr ? ", calls run on a caller's thread team (flashattn_set_cpu_team_runner)"

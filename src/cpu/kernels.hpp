@@ -23,9 +23,21 @@ class Parallel {
   virtual void run(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) = 0;
   // 64-byte aligned memory that lives until the backend call returns.
   virtual void* alloc(size_t bytes) = 0;
+  // The threads run() spreads tasks over (the kernels' choice between designs that give the same
+  // bits, e.g. the backward's split and fused forms, may depend on it; results never do).
+  int threads() const { return threads_; }
+  // The backward's design: kAuto (the cost model's choice), kSplit or kFused (FLASHATTN_CPU_BWD =
+  // split / fused: tests and benchmarks compare the two).
+  enum Design : int { kAuto = 0, kSplit = 1, kFused = 2 };
+  int backward_design() const { return design_; }
 
  protected:
+  Parallel(int threads, int design) : threads_(threads < 1 ? 1 : threads), design_(design) {}
   ~Parallel() = default;
+
+ private:
+  int threads_;
+  int design_;
 };
 
 // The kernels take the mask as a MaskRule (core/mask.hpp) that the driver builds once from

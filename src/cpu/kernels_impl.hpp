@@ -1,6 +1,7 @@
-// The CPU attention kernels: FlashAttention forward (tiled online softmax) and the seed's split
-// backward (D preprocess, dQ over query blocks, dK/dV over key blocks). docs/ALGORITHM.md
-// ("CPU backend") has the pseudocode and the work model.
+// The CPU attention kernels: FlashAttention forward (tiled online softmax) and the backward in two
+// designs with the same bits: the seed's split passes (D preprocess, dQ over query blocks, dK/dV
+// over key blocks) and a fused pass over (sequence, kv head) pairs that takes dQ from the dK/dV
+// pass's dS. docs/ALGORITHM.md ("CPU backend") has the pseudocode and the work model.
 //
 // This file is compiled once per instruction set by kernels_<isa>.cpp, which defines
 //   FLASHATTN_CPU_ISA        the namespace (avx512, avx2, generic)
@@ -604,6 +605,18 @@ Rows<C> rows_of(const T& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64
   return {dst, D};
 }
 
+// Rows [row0, row0 + n) times mul, copied into dst (row stride D) as an A operand: the dQ pass's
+// K with the score fold, so that its products are those of the dK/dV pass (which folds into K^T)
+// bit for bit, and the fused backward's dQ equals the split one's.
+template <class S, class C>
+Rows<C> scaled_rows(const In4& t, int64_t b, int64_t h, int64_t row0, int64_t n, int64_t D, C mul, C* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    const S* src = row_ptr<S>(t, b, h, row0 + r);
+    for (int64_t d = 0; d < D; ++d) dst[r * D + d] = load_as<C>(src + d) * mul;
+  }
+  return {dst, D};
+}
+
 // Columns of a panel-major B operand made from D, rounded up to whole panels.
 template <class C>
 inline int64_t panel_cols(int64_t D) {
@@ -701,7 +714,8 @@ void mask_query_rows(C* T, int64_t ld, const MaskRule& rule, int64_t j0, int64_t
   }
 }
 
-// The score transform is folded into the packed Q (forward, dQ pass) or K^T (dK/dV pass) operand:
+// The score transform is folded into the packed Q (forward) or into K (the backward: K^T in the
+// dK/dV pass, the K rows in the dQ pass, so that both compute the same scores) operand:
 // after ScoreTransform::prescale_as<C>() every product is a log2-unit logit (float64 compute takes
 // the multiplier in double: a float's rounding, up to 3e-8 of every logit, would dominate the
 // float64 path's error, checked to 1e-10 against the reference).
@@ -1214,7 +1228,8 @@ struct Backward {
       const DqTiles t = dq_carve(cv, D);
       C *ST = t.st, *dPT = t.dpt, *dQ = t.dq, *lse2 = t.lse2, *dlt = t.dlt;
 
-      const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, NQ);
+      // (The score fold goes into K, not Q^T: see scaled_rows.)
+      const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, C(1), t.qt, NQ);
       const Panels<C> dOT = pack_transposed<S, C>(dout, b, h, i0, nq, D, C(1), t.dot, NQ);
       const C slope2 = mods.slope2(b, h);
       const C* delta = ctx.delta + ctx.stat(b, h, q0);
@@ -1229,7 +1244,7 @@ struct Backward {
       const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
       for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
         const int64_t nk = smin(BK, kend - j0);
-        const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
+        const Rows<C> K = scaled_rows<S, C>(k, b, hk, j0, nk, D, mods.fold, t.krows);
         const Rows<C> Vr = rows_of<S, C>(v, b, hk, j0, nk, D, t.vrows);
         const Panels<C> Kp = pack_panels<S, C>(k, b, hk, j0, nk, D, t.kp);
         gemm<C, false>(nk, NQ / W, D, K.ptr, K.ld, 1, QT, ST, BQ);      // S^T = K Q^T
@@ -1274,13 +1289,15 @@ struct Backward {
   struct Dkv {
     static constexpr int64_t BQ = FLASHATTN_CPU_DKV_BQ, BK = FLASHATTN_CPU_DKV_BK;
     struct DkvTiles {
-      C *kt, *vt, *qrows, *qp, *dorows, *dop, *s, *dp, *dk, *dv, *lse2, *dlt;
+      C *kt, *vt, *kp, *qrows, *qp, *dorows, *dop, *s, *dp, *dk, *dv, *lse2, *dlt;
     };
-    static DkvTiles dkv_carve(Carve<C>& cv, int64_t D) {
+    // fused: also K as a B operand (the fused backward's dQ += dS K).
+    static DkvTiles dkv_carve(Carve<C>& cv, int64_t D, bool fused) {
       const int64_t Dp = round_up(D, W);
       DkvTiles t;
       t.kt = cv.take(D * BK);
       t.vt = cv.take(D * BK);
+      t.kp = fused ? cv.take(BK * panel_cols<C>(D)) : nullptr;
       t.qrows = cv.take(BQ * D);
       t.qp = cv.take(BQ * panel_cols<C>(D));
       t.dorows = cv.take(BQ * D);
@@ -1294,15 +1311,16 @@ struct Backward {
       return t;
     }
 
-    static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
+    // Key block kb of (sequence b, kv head hk): its rows' dK and dV, written to the outputs. With
+    // dq (the fused backward: [group][Sq][Dp] accumulators of the group's query rows), also
+    // dQ += dS K for every row that sees the block, from the dS this block computes anyway. The
+    // dQ pass computes the same dS (K folded alike) and sums a row's terms in the same key order,
+    // so the two designs agree bit for bit (FusedBackward tests).
+    static void key_block(const Ctx& ctx, const Seq& seq, int64_t b, int64_t hk, int64_t kb, const DkvTiles& t,
+                          C* dq) {
       const BackwardParams& p = *ctx.p;
       const Shape& sh = p.shape;
       const int64_t group = sh.heads_q / sh.heads_kv;
-      // Head-major (threads share the group's Q/dO blocks); causal: early key blocks are seen
-      // by the most queries: they go first.
-      const SeqBlocks::Item it = ctx.dkv_tasks.at(task);
-      const int64_t kb = it.blk, b = it.b, hk = it.h;
-      const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
       const MaskRule& rule = seq.rule;
       const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
       const int64_t q0 = seq.sp.q0;
@@ -1317,12 +1335,11 @@ struct Backward {
       const int64_t nk = MaskRule::clamp(Skv - j0, 0, nrows);
       // The key columns the products cover: the block's keys up to whole panels (as dQ's NQ).
       const int64_t NK = round_up(nk, panel_width<C>());
-      Carve<C> cv{static_cast<C*>(scratch)};
-      const DkvTiles t = dkv_carve(cv, D);
       C *Sb = t.s, *dP = t.dp, *dK = t.dk, *dV = t.dv, *lse2 = t.lse2, *dlt = t.dlt;
 
       const Panels<C> KT = pack_transposed<S, C>(k, b, hk, j0, nk, D, mods.fold, t.kt, NK);
       const Panels<C> VT = pack_transposed<S, C>(v, b, hk, j0, nk, D, C(1), t.vt, NK);
+      const Panels<C> Kp = dq != nullptr ? pack_panels<S, C>(k, b, hk, j0, nk, D, t.kp) : Panels<C>{nullptr, 0};
       for (int64_t i = 0; i < nk * Dp; ++i) dK[i] = dV[i] = C(0);
 
       // The queries that see some key of the block; keys no query sees get dK = dV = 0 (the
@@ -1373,6 +1390,8 @@ struct Backward {
           }
           gemm<C, true>(nk, Dp / W, nq, Sb, 1, BK, dOp, dV, Dp);  // dV += P^T dO
           gemm<C, true>(nk, Dp / W, nq, dP, 1, BK, Qp, dK, Dp);   // dK += dS^T Q
+          if (dq != nullptr)  // dQ += dS K (the first nk columns: the block's keys)
+            gemm<C, true>(nq, Dp / W, nk, dP, BK, 1, Kp, dq + (g * Sq + i0) * Dp, Dp);
         }
       }
       const C gs = static_cast<C>(ctx.st.grad_scale());
@@ -1394,7 +1413,100 @@ struct Backward {
         }
       }
     }
+
+    static void dkv_task(const Ctx& ctx, int64_t task, void* scratch) {
+      const BackwardParams& p = *ctx.p;
+      // Head-major (threads share the group's Q/dO blocks); causal: early key blocks are seen
+      // by the most queries: they go first.
+      const SeqBlocks::Item it = ctx.dkv_tasks.at(task);
+      const Seq seq = seq_of(p.shape, p.num, p.packing, ctx.rule, it.b);
+      Carve<C> cv{static_cast<C*>(scratch)};
+      const DkvTiles t = dkv_carve(cv, p.shape.head_dim, false);
+      key_block(ctx, seq, it.b, it.h, it.blk, t, nullptr);
+    }
   };
+
+  // ---- The fused backward: one task = one (batch or sequence, kv head); its key blocks in
+  // order, each as a dK/dV task computes it, plus dQ += dS K into float32 (compute-type)
+  // accumulators of the group's query rows, written out at the end. Five products per tile
+  // instead of the split passes' seven (S and dP are computed once, not once per pass), at the
+  // price of coarser tasks (B * Hkv of them) and group * Sq * Dp accumulators per thread; the
+  // driver's cost model (use_fused) picks it where enough such tasks keep the threads busy. Its
+  // dQ, dK and dV equal the split passes' bit for bit, so the choice never shows in a result.
+  struct Fused {
+    struct FusedCtx {
+      const Ctx* ctx;
+      int64_t max_q;  // the longest sequence's query rows (the accumulators' extent)
+    };
+    static size_t scratch_bytes(int64_t D, int64_t group, int64_t max_q) {
+      Carve<C> cv{nullptr};
+      Dkv::dkv_carve(cv, D, true);
+      cv.take(group * max_q * round_up(D, W));
+      return cv.bytes();
+    }
+    static void task(const void* vctx, int64_t task, void* scratch) {
+      const FusedCtx& f = *static_cast<const FusedCtx*>(vctx);
+      const Ctx& ctx = *f.ctx;
+      const BackwardParams& p = *ctx.p;
+      const Shape& sh = p.shape;
+      const int64_t group = sh.heads_q / sh.heads_kv, b = task / sh.heads_kv, hk = task % sh.heads_kv;
+      const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
+      const int64_t D = sh.head_dim, Dp = round_up(D, W), Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv;
+      Carve<C> cv{static_cast<C*>(scratch)};
+      const typename Dkv::DkvTiles t = Dkv::dkv_carve(cv, D, true);
+      C* dq = cv.take(group * f.max_q * Dp);
+      for (int64_t i = 0; i < group * Sq * Dp; ++i) dq[i] = C(0);
+      const int64_t rows_all = p.packing.on() ? int64_t{p.packing.cu_k[b + 1]} - p.packing.cu_k[b] : Skv;
+      for (int64_t kb = 0; kb * Dkv::BK < rows_all; ++kb) Dkv::key_block(ctx, seq, b, hk, kb, t, dq);
+      // dQ as the dQ pass writes it: a row without keys exactly 0.
+      const Out4 dqv = from_row<S>(p.dq, seq.sp.q0);
+      const C gs = static_cast<C>(ctx.st.grad_scale());
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < Sq; ++i) {
+          S* dst = row_ptr<S>(dqv, b, hk * group + g, i);
+          const C* src = dq + (g * Sq + i) * Dp;
+          const bool seen = seq.rule.row_sees_keys(i, Skv);
+          for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, seen ? src[d] * gs : C(0));
+        }
+    }
+  };
+
+  // Whether the fused backward serves this call. Its tasks are whole (sequence, kv head) pairs;
+  // the split passes' are blocks, which balance any thread count, but do 7/5 of the products.
+  // The fused makespan is estimated by handing the tasks, in order, to the least loaded of the
+  // threads (as the pool's shared counter does), each weighing its sequence's Sq * Skv; the split
+  // one as the total over the threads times 7/5. The accumulators must fit kFusedScratch per
+  // thread. The choice depends on the thread count; the results do not (Fused).
+  static constexpr double kSplitCost = 7.0 / 5.0;
+  static constexpr size_t kFusedScratch = size_t{64} << 20;
+  static bool use_fused(const BackwardParams& p, Parallel& par, size_t fused_bytes) {
+    if (par.backward_design() == Parallel::kSplit) return false;
+    if (par.backward_design() == Parallel::kFused) return true;
+    if (fused_bytes > kFusedScratch) return false;
+    const Shape& sh = p.shape;
+    const int64_t T = par.threads();
+    if (T == 1) return true;
+    const int64_t n = sh.batch * sh.heads_kv;
+    if (n < T) return false;
+    // Dense: equal tasks, the makespan is ceil(n / T) of them.
+    if (!p.packing.on()) return static_cast<double>((n + T - 1) / T) <= kSplitCost * static_cast<double>(n) / T;
+    if (T > 256 || n * T > (int64_t{1} << 22)) return true;  // (many tasks per thread: balanced)
+    double load[256] = {}, total = 0.0;
+    for (int64_t b = 0; b < sh.batch; ++b) {
+      const SeqSpan sp = seq_span(sh, p.packing, b);
+      const double w = static_cast<double>(sp.seq_q) * static_cast<double>(smax<int64_t>(sp.seq_kv, 1));
+      for (int64_t hk = 0; hk < sh.heads_kv; ++hk) {
+        int64_t m = 0;
+        for (int64_t x = 1; x < T; ++x)
+          if (load[x] < load[m]) m = x;
+        load[m] += w;
+        total += w;
+      }
+    }
+    double makespan = 0.0;
+    for (int64_t x = 0; x < T; ++x) makespan = load[x] > makespan ? load[x] : makespan;
+    return makespan <= kSplitCost * total / static_cast<double>(T);
+  }
 
   // dQ and dK/dV tasks share one parallel run: the dK/dV tasks (the larger ones) come first.
   struct MainCtx {
@@ -1435,10 +1547,21 @@ struct Backward {
       par.run(lc.tasks.count, cv.bytes(), &lse_task, &lc);
       ctx.lse2 = lc.out;
     }
+    int64_t max_q = sh.seq_q;
+    if (p.packing.on()) {
+      max_q = 0;
+      for (int64_t b = 0; b < sh.batch; ++b) max_q = smax(max_q, seq_span(sh, p.packing, b).seq_q);
+    }
+    const size_t fused_bytes = Fused::scratch_bytes(sh.head_dim, sh.heads_q / sh.heads_kv, max_q);
+    if (use_fused(p, par, fused_bytes)) {
+      const typename Fused::FusedCtx f{&ctx, max_q};
+      par.run(sh.batch * sh.heads_kv, fused_bytes, &Fused::task, &f);
+      return;
+    }
     MainCtx m{ctx, ctx.dkv_tasks.count};
     Carve<C> c1{nullptr}, c2{nullptr};
     Dq::dq_carve(c1, sh.head_dim);
-    Dkv::dkv_carve(c2, sh.head_dim);
+    Dkv::dkv_carve(c2, sh.head_dim, false);
     par.run(m.n_dkv + ctx.dq_tasks.count, smax(c1.bytes(), c2.bytes()), &main_task, &m);
   }
 
