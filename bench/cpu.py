@@ -2,7 +2,8 @@
 """flashattn next to PyTorch's CPU attention at equal thread counts: same process, same inputs.
 
 Backends: flashattn (flashattn.torch.attention, num_threads = torch's thread count; on request
-flashattn-split / flashattn-fused, its backward's two designs forced) and
+flashattn-split / flashattn-fused, its backward's two designs forced, and flashattn-pools, its CPU
+calls on the library's own thread pools instead of torch's OpenMP threads) and
 F.scaled_dot_product_attention pinned to PyTorch's CPU flash-attention kernel (sdpa-flash) and to
 its math backend (sdpa-math). Each thread count in --threads (default 1, 2 and all cores) is set
 with torch.set_num_threads for both sides.
@@ -55,14 +56,29 @@ def backward_design(design):
             os.environ["FLASHATTN_CPU_BWD"] = old
 
 
+@contextlib.contextmanager
+def own_pools():
+    # flashattn.torch runs CPU calls on torch's OpenMP threads by default; this row times the
+    # library's own thread pools instead.
+    was = "caller's thread team" in flashattn.build_info()
+    fat.use_torch_threads(False)
+    try:
+        yield
+    finally:
+        if was:
+            fat.use_torch_threads(True)
+
+
 def context(name):
+    if name == "flashattn-pools":
+        return own_pools()
     if name in DESIGNS:
         return backward_design(DESIGNS[name])
     return sdpa_kernel(SDPA[name]) if name in SDPA else contextlib.nullcontext()
 
 
 def make_fn(name, causal):
-    if name == "flashattn" or name in DESIGNS:
+    if name in ("flashattn", "flashattn-pools") or name in DESIGNS:
         mask = "causal_top_left" if causal else "none"
         return lambda q, k, v: fat.attention(q, k, v, mask=mask)
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -136,7 +152,7 @@ def main():
         sys.exit("nothing was measured")
     H.write_csv(os.path.join(args.out, "cpu.csv"), rows)
     peers = [b for b in SDPA if b in wanted]
-    ours = ["flashattn"] + [b for b in DESIGNS if b in wanted]
+    ours = ["flashattn"] + [b for b in ("flashattn-pools", *DESIGNS) if b in wanted]
     md = header + "\n\n" + H.table(rows, ours, peers, unit="GFLOP/s", scale=1e9)
     if notes:
         md += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes)

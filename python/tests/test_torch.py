@@ -430,6 +430,27 @@ def test_first_eager_call_imports_no_dynamo():
 # ---- CPU threads shared with PyTorch -------------------------------------------------------------
 
 
+def test_cpu_calls_run_on_torch_threads_by_default():
+    """`import flashattn.torch` puts the library's CPU calls on torch's OpenMP threads where torch
+    uses OpenMP (its spinning workers and a second pool would compete for the cores);
+    FLASHATTN_TORCH_THREADS=0 keeps the library's own pools."""
+    import os
+    import subprocess
+    import sys
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch does not run its CPU operators on OpenMP")
+    code = ("import flashattn, flashattn.torch; "
+            "print(\"caller's thread team\" in flashattn.build_info())")
+    for env_value, want in ((None, "True"), ("0", "False"), ("1", "True")):
+        env = dict(os.environ)
+        env.pop("FLASHATTN_TORCH_THREADS", None)
+        if env_value is not None:
+            env["FLASHATTN_TORCH_THREADS"] = env_value
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want, (env_value, r.stdout, r.stderr)
+
+
 def test_cpu_calls_on_torch_threads_are_bitwise_the_same():
     """With torch's OpenMP runtime (the default at import where torch uses OpenMP) and with the
     library's own pools, a CPU forward and backward give the same bits (the work is handed out
