@@ -132,6 +132,28 @@ PyObject* wrap(std::tuple<at::Tensor, at::Tensor> r, Returns what) {
   return t;
 }
 
+// The data tensors of a call of `kind` from a[0..], then for varlen cu_seqlens_q, cu_seqlens_k,
+// [seqused_k (with_used_k),] max_seqlen_q, max_seqlen_k. False (no Python error set) when one is
+// not of its exact type: the caller returns None.
+bool data_args(long kind, PyObject* const* a, bool with_used_k, Operands& in, SeqTensors& sq, int64_t& max_q,
+               int64_t& max_k) {
+  at::Tensor* data[3] = {&in.a, &in.b, &in.c};
+  for (int i = 0; i < kDataTensors[kind]; ++i)
+    if (!tensor_arg(a[i], *data[i])) return false;
+  if (kind != kVarlenFwd) return true;
+  PyObject* const* s = a + kDataTensors[kind];
+  std::optional<at::Tensor> used_k;
+  const bool ok = tensor_arg(s[0], sq.cu_q) && tensor_arg(s[1], sq.cu_k) &&
+                  (!with_used_k || optional_tensor_arg(s[2], used_k)) && int_arg(s[2 + with_used_k], max_q) &&
+                  int_arg(s[3 + with_used_k], max_k);
+  if (!ok) {
+    PyErr_Clear();
+    return false;
+  }
+  if (used_k) sq.used_k = *used_k;
+  return true;
+}
+
 // forward(kind, *inputs, torch_scratch) -> (out, lse), or None (the op must serve the call).
 PyObject* forward(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -155,17 +177,8 @@ PyObject* forward(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   PyObject* const* a = args + 1;
   Operands in;
   SeqTensors sq;
-  at::Tensor* data[3] = {&in.a, &in.b, &in.c};
-  for (int i = 0; i < kDataTensors[kind]; ++i)
-    if (!tensor_arg(a[i], *data[i])) Py_RETURN_NONE;
   int64_t max_q = 0, max_k = 0;
-  if (kind == kVarlenFwd) {
-    std::optional<at::Tensor> used_k;
-    if (!tensor_arg(a[3], sq.cu_q) || !tensor_arg(a[4], sq.cu_k) || !optional_tensor_arg(a[5], used_k) ||
-        !int_arg(a[6], max_q) || !int_arg(a[7], max_k))
-      Py_RETURN_NONE;
-    if (used_k) sq.used_k = *used_k;
-  }
+  if (!data_args(kind, a, true, in, sq, max_q, max_k)) Py_RETURN_NONE;
   PyObject* const* opt = a + n_lead;
   double scale = 0, softcap = 0;
   int64_t mask = 0, precision = 0, num_threads = 0, window_left = 0, window_right = 0;
@@ -301,14 +314,7 @@ PyObject* flash_attn(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nar
   Operands in;
   SeqTensors sq;
   int64_t max_q = 0, max_k = 0;
-  at::Tensor* data[3] = {&in.a, &in.b, &in.c};
-  for (int i = 0; i < kDataTensors[kind]; ++i)
-    if (!tensor_arg(a[i], *data[i])) Py_RETURN_NONE;
-  if (kind == kVarlenFwd && (!tensor_arg(a[3], sq.cu_q) || !tensor_arg(a[4], sq.cu_k) || !int_arg(a[5], max_q) ||
-                             !int_arg(a[6], max_k))) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
+  if (!data_args(kind, a, false, in, sq, max_q, max_k)) Py_RETURN_NONE;
   // The dimensions the Python function checks (it names the tensor when they are wrong).
   const int64_t packed_dim = kind == kQkvpackedFwd ? 3 : 2;
   const at::Tensor& keys = kind == kQkvpackedFwd ? in.a : in.b;
