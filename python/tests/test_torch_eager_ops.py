@@ -255,6 +255,76 @@ def test_compiled_graph_runs_the_custom_ops_cpp_kernels(fn, device):
         assert torch.equal(a, b), f"result {i}"
 
 
+def _autograd_kernel_source(op):
+    """Where the op's active Autograd kernel was registered (the dispatcher's own account)."""
+    for line in torch._C._dispatch_dump(op).splitlines():
+        if line.startswith("Autograd[alias]:"):
+            return line
+    return ""
+
+
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 9),
+                    reason="the C++ Autograd kernel needs torch >= 2.9 (the dispatcher's computed kernels)")
+def test_custom_ops_autograd_kernel_in_cpp():
+    """With the eager ops on, every flashattn:: custom op's Autograd key runs the C++ kernel of
+    python/src/torch_ops.cpp (the Python one only for calls that need a gradient); with them off,
+    the custom op machinery's Python kernel again."""
+    names = ["fwd", "bwd", "bshd_fwd", "bshd_bwd", "qkvpacked_fwd", "qkvpacked_bwd", "kvpacked_fwd",
+             "kvpacked_bwd", "varlen_fwd", "varlen_bwd"]
+    for n in names:
+        assert "torch_ops.cpp" in _autograd_kernel_source("flashattn::" + n), n
+    prev = fat.use_eager_ops(False)
+    try:
+        for n in names:
+            src = _autograd_kernel_source("flashattn::" + n)
+            assert src and "torch_ops.cpp" not in src, (n, src)
+    finally:
+        fat.use_eager_ops(prev)
+    assert "torch_ops.cpp" in _autograd_kernel_source("flashattn::fwd")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_op_called_directly_as_with_the_python_kernels(device):
+    """torch.ops.flashattn.* called directly: without a gradient (no_grad, or inputs that need
+    none) the C++ Autograd kernel runs the op below autograd; with one it hands the call to the
+    custom op's Python kernel - the outputs, the gradients (through the registered backward) and
+    the error of the backward op's missing derivative are those of the Python kernels (eager ops
+    off), bit for bit."""
+    g = torch.Generator().manual_seed(21)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q0, k0, v0, do = (torch.randn(2, 9, 3, 16, generator=g).to(device, dtype) for _ in range(4))
+    opts = dict(deterministic=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None)
+
+    def run():
+        res = []
+        with torch.no_grad():
+            res += list(torch.ops.flashattn.bshd_fwd(q0, k0, v0, 0.0, 2, 0, 0, **opts))
+        res += list(torch.ops.flashattn.bshd_fwd(q0, k0, v0, 0.0, 2, 0, 0, **opts))  # (nothing needs grad)
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out, lse = torch.ops.flashattn.bshd_fwd(q, k, v, 0.0, 2, 0, 0, **opts)
+        assert out.grad_fn is not None
+        out.backward(do)
+        res += [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+        # The backward op has no derivative: with an input that needs a gradient, backward through
+        # its outputs fails (the custom op machinery's error).
+        dq, _, _ = torch.ops.flashattn.bshd_bwd(do.clone().requires_grad_(), q0, k0, v0, res[0], res[1],
+                                                 0.0, 2, 0, 0, **opts)
+        with pytest.raises(RuntimeError) as e:
+            dq.sum().backward()
+        return res, type(e.value), str(e.value)
+
+    cpp, cpp_exc, cpp_msg = run()
+    prev = fat.use_eager_ops(False)
+    try:
+        py, py_exc, py_msg = run()
+    finally:
+        fat.use_eager_ops(prev)
+    assert cpp_exc is py_exc and cpp_msg == py_msg
+    for i, (a, b) in enumerate(zip(cpp, py)):
+        assert torch.isfinite(a.float()).all(), f"result {i}"
+        assert torch.equal(a, b), f"result {i}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_head_dim_not_contiguous(device):
     """A q whose head dim has stride != 1 (a transposed leaf) is made contiguous for the library in
