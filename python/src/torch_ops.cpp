@@ -672,18 +672,25 @@ void set_custom_kernels(bool on, bool torch_scratch) {
     register_custom_kernels(*g_custom_cpu);
     register_custom_kernels(*g_custom_cuda);
 #if FLASHATTN_CPP_AUTOGRAD
-    // The Python kernels first, while they are what the keys compute to.
-    auto& dispatcher = c10::Dispatcher::singleton();
-    for (const char* name : kCustomOps) {
-      const c10::OperatorHandle op = dispatcher.findSchemaOrThrow((std::string("flashattn::") + name).c_str(), "");
-      g_py_autograd.insert_or_assign("flashattn::" + std::string(name),
-                                     PyAutograd{op.getComputedKernelForDispatchKey(c10::DispatchKey::AutogradCPU),
-                                                op.getComputedKernelForDispatchKey(c10::DispatchKey::AutogradCUDA)});
+    // The Python kernels first, while they are what the keys compute to. (Any failure here leaves
+    // the Python kernels serving: slower, never wrong.)
+    try {
+      auto& dispatcher = c10::Dispatcher::singleton();
+      std::map<std::string, PyAutograd> py;
+      for (const char* name : kCustomOps) {
+        const c10::OperatorHandle op = dispatcher.findSchemaOrThrow((std::string("flashattn::") + name).c_str(), "");
+        py.insert_or_assign("flashattn::" + std::string(name),
+                            PyAutograd{op.getComputedKernelForDispatchKey(c10::DispatchKey::AutogradCPU),
+                                       op.getComputedKernelForDispatchKey(c10::DispatchKey::AutogradCUDA)});
+      }
+      g_py_autograd = std::move(py);
+      auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "flashattn", c10::DispatchKey::Autograd,
+                                                  __FILE__, __LINE__);
+      for (const char* name : kCustomOps) lib->impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+      g_custom_autograd = std::move(lib);
+    } catch (const std::exception&) {
+      g_custom_autograd.reset();
     }
-    g_custom_autograd = std::make_unique<torch::Library>(torch::Library::IMPL, "flashattn",
-                                                          c10::DispatchKey::Autograd, __FILE__, __LINE__);
-    for (const char* name : kCustomOps)
-      g_custom_autograd->impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
 #endif
   } else if (!on) {
     g_custom_autograd.reset();
