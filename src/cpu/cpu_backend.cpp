@@ -190,23 +190,22 @@ class PoolParallel final : public CallParallel {
 class TeamParallel final : public CallParallel {
  public:
   TeamParallel(const Exec& e, TeamRunner run, void* ctx, ScratchCache& sc)
-      : CallParallel(e, e.num_threads), run_(run), ctx_(ctx), threads_(e.num_threads < 1 ? 1 : e.num_threads),
-        scratch_(sc) {}
+      : CallParallel(e, e.num_threads), run_(run), ctx_(ctx), scratch_(sc) {}
 
  private:
   void run_tasks(int64_t num_tasks, size_t scratch_bytes, TaskFn fn, const void* ctx) override {
     if (num_tasks <= 0) return;
-    scratch_.reserve(static_cast<size_t>(threads_));
+    scratch_.reserve(static_cast<size_t>(threads()));
     Team team;
     team.fn = fn;
     team.ctx = ctx;
     team.scratch_bytes = scratch_bytes;
     team.cache = &scratch_;
     team.num_tasks = num_tasks;
-    team.slots = threads_;
+    team.slots = threads();
     // A single task, or a single thread, runs inline: waking a team costs more than it gives.
-    if (num_tasks == 1 || threads_ == 1) body(&team, 0);
-    else run_(ctx_, threads_, &body, &team);
+    if (num_tasks == 1 || threads() == 1) body(&team, 0);
+    else run_(ctx_, threads(), &body, &team);
     if (team.error) std::rethrow_exception(team.error);
     if (team.next_task.load() < num_tasks) {
       // The runner returned without any member having run (a runner that calls body zero
@@ -248,7 +247,6 @@ class TeamParallel final : public CallParallel {
 
   TeamRunner run_;
   void* ctx_;
-  int threads_;
   ScratchCache& scratch_;
 };
 

@@ -1183,6 +1183,17 @@ struct Backward {
     return static_cast<C>(v) * static_cast<C>(kLog2e);
   }
 
+  // The key rows of sequence b whose dK / dV the backward writes: all of them, also those packed
+  // past seqused_k (attended by nobody: dK = dV = 0), where Skv counts the used ones.
+  static int64_t key_rows(const BackwardParams& p, int64_t b, int64_t Skv) {
+    return p.packing.on() ? int64_t{p.packing.cu_k[b + 1]} - p.packing.cu_k[b] : Skv;
+  }
+  // One row of dQ from its accumulator: times the gradient scale, or exactly 0 for a row without
+  // keys (its dS is 0, but 0 times a NaN or inf in a K row that shares the tile would still be NaN).
+  static void store_dq_row(S* dst, const C* acc, int64_t D, bool seen, C gs) {
+    for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, seen ? acc[d] * gs : C(0));
+  }
+
   // ---- dQ pass: one task = one (batch, query head, query block); keys stream through. ----
   struct Dq {
     static constexpr int64_t BQ = FLASHATTN_CPU_DQ_BQ, BK = FLASHATTN_CPU_DQ_BK;
@@ -1273,13 +1284,8 @@ struct Backward {
         gemm<C, true>(nq, Dp / W, nk, ST, 1, BQ, Kp, dQ, Dp);  // dQ += dS K, dS^T read in place
       }
       const C gs = static_cast<C>(ctx.st.grad_scale());
-      for (int64_t c = 0; c < nq; ++c) {
-        S* dst = row_ptr<S>(dqv, b, h, i0 + c);
-        // A row without keys: exactly 0 (its dS is 0, but 0 times a NaN or inf in a K row that
-        // shares the tile would still be NaN).
-        const bool seen = rule.row_sees_keys(i0 + c, Skv);
-        for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, seen ? dQ[c * Dp + d] * gs : C(0));
-      }
+      for (int64_t c = 0; c < nq; ++c)
+        store_dq_row(row_ptr<S>(dqv, b, h, i0 + c), dQ + c * Dp, D, rule.row_sees_keys(i0 + c, Skv), gs);
     }
   };
 
@@ -1315,7 +1321,7 @@ struct Backward {
     // dq (the fused backward: [group][Sq][Dp] accumulators of the group's query rows), also
     // dQ += dS K for every row that sees the block, from the dS this block computes anyway. The
     // dQ pass computes the same dS (K folded alike) and sums a row's terms in the same key order,
-    // so the two designs agree bit for bit (FusedBackward tests).
+    // so the two designs agree bit for bit (tests/test_cpu_backward_designs.cpp).
     static void key_block(const Ctx& ctx, const Seq& seq, int64_t b, int64_t hk, int64_t kb, const DkvTiles& t,
                           C* dq) {
       const BackwardParams& p = *ctx.p;
@@ -1328,10 +1334,9 @@ struct Backward {
       const In4 k = from_row<S>(p.k, seq.sp.k0), v = from_row<S>(p.v, seq.sp.k0);
       const Out4 dkv = from_row<S>(p.dk, seq.sp.k0), dvv = from_row<S>(p.dv, seq.sp.k0);
       const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
-      // The block's rows [j0, j0 + nrows) of the sequence's keys; packed keys at or past
-      // seqused_k (nk <= rows) are attended by nobody and get dK = dV = 0.
-      const int64_t rows_all = p.packing.on() ? int64_t{p.packing.cu_k[b + 1]} - p.packing.cu_k[b] : Skv;
-      const int64_t j0 = kb * BK, nrows = smin(BK, rows_all - j0);
+      // The block's rows [j0, j0 + nrows) of the sequence's keys (key_rows); those at or past
+      // seqused_k (nk <= nrows) get dK = dV = 0.
+      const int64_t j0 = kb * BK, nrows = smin(BK, key_rows(p, b, Skv) - j0);
       const int64_t nk = MaskRule::clamp(Skv - j0, 0, nrows);
       // The key columns the products cover: the block's keys up to whole panels (as dQ's NQ).
       const int64_t NK = round_up(nk, panel_width<C>());
@@ -1434,40 +1439,34 @@ struct Backward {
   // driver's cost model (use_fused) picks it where enough such tasks keep the threads busy. Its
   // dQ, dK and dV equal the split passes' bit for bit, so the choice never shows in a result.
   struct Fused {
-    struct FusedCtx {
-      const Ctx* ctx;
-      int64_t max_q;  // the longest sequence's query rows (the accumulators' extent)
+    // The tiles and the accumulators, [group][Sq][Dp] for Sq up to the shape's seq_q (a packed
+    // call's max_seqlen_q, which validation makes a bound of every sequence's).
+    struct Tiles {
+      typename Dkv::DkvTiles kv;
+      C* dq;
     };
-    static size_t scratch_bytes(int64_t D, int64_t group, int64_t max_q) {
-      Carve<C> cv{nullptr};
-      Dkv::dkv_carve(cv, D, true);
-      cv.take(group * max_q * round_up(D, W));
-      return cv.bytes();
+    static Tiles carve(Carve<C>& cv, const Shape& sh) {
+      const typename Dkv::DkvTiles kv = Dkv::dkv_carve(cv, sh.head_dim, true);
+      return {kv, cv.take(sh.heads_q / sh.heads_kv * sh.seq_q * round_up(sh.head_dim, W))};
     }
     static void task(const void* vctx, int64_t task, void* scratch) {
-      const FusedCtx& f = *static_cast<const FusedCtx*>(vctx);
-      const Ctx& ctx = *f.ctx;
+      const Ctx& ctx = *static_cast<const Ctx*>(vctx);
       const BackwardParams& p = *ctx.p;
       const Shape& sh = p.shape;
       const int64_t group = sh.heads_q / sh.heads_kv, b = task / sh.heads_kv, hk = task % sh.heads_kv;
       const Seq seq = seq_of(sh, p.num, p.packing, ctx.rule, b);
       const int64_t D = sh.head_dim, Dp = round_up(D, W), Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv;
       Carve<C> cv{static_cast<C*>(scratch)};
-      const typename Dkv::DkvTiles t = Dkv::dkv_carve(cv, D, true);
-      C* dq = cv.take(group * f.max_q * Dp);
+      const Tiles t = carve(cv, sh);
+      C* dq = t.dq;
       for (int64_t i = 0; i < group * Sq * Dp; ++i) dq[i] = C(0);
-      const int64_t rows_all = p.packing.on() ? int64_t{p.packing.cu_k[b + 1]} - p.packing.cu_k[b] : Skv;
-      for (int64_t kb = 0; kb * Dkv::BK < rows_all; ++kb) Dkv::key_block(ctx, seq, b, hk, kb, t, dq);
-      // dQ as the dQ pass writes it: a row without keys exactly 0.
+      for (int64_t kb = 0; kb * Dkv::BK < key_rows(p, b, Skv); ++kb) Dkv::key_block(ctx, seq, b, hk, kb, t.kv, dq);
       const Out4 dqv = from_row<S>(p.dq, seq.sp.q0);
       const C gs = static_cast<C>(ctx.st.grad_scale());
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < Sq; ++i) {
-          S* dst = row_ptr<S>(dqv, b, hk * group + g, i);
-          const C* src = dq + (g * Sq + i) * Dp;
-          const bool seen = seq.rule.row_sees_keys(i, Skv);
-          for (int64_t d = 0; d < D; ++d) store_as<C>(dst + d, seen ? src[d] * gs : C(0));
-        }
+        for (int64_t i = 0; i < Sq; ++i)
+          store_dq_row(row_ptr<S>(dqv, b, hk * group + g, i), dq + (g * Sq + i) * Dp, D,
+                       seq.rule.row_sees_keys(i, Skv), gs);
     }
   };
 
@@ -1547,15 +1546,10 @@ struct Backward {
       par.run(lc.tasks.count, cv.bytes(), &lse_task, &lc);
       ctx.lse2 = lc.out;
     }
-    int64_t max_q = sh.seq_q;
-    if (p.packing.on()) {
-      max_q = 0;
-      for (int64_t b = 0; b < sh.batch; ++b) max_q = smax(max_q, seq_span(sh, p.packing, b).seq_q);
-    }
-    const size_t fused_bytes = Fused::scratch_bytes(sh.head_dim, sh.heads_q / sh.heads_kv, max_q);
-    if (use_fused(p, par, fused_bytes)) {
-      const typename Fused::FusedCtx f{&ctx, max_q};
-      par.run(sh.batch * sh.heads_kv, fused_bytes, &Fused::task, &f);
+    Carve<C> cf{nullptr};
+    Fused::carve(cf, sh);
+    if (use_fused(p, par, cf.bytes())) {
+      par.run(sh.batch * sh.heads_kv, cf.bytes(), &Fused::task, &ctx);
       return;
     }
     MainCtx m{ctx, ctx.dkv_tasks.count};
