@@ -27,7 +27,9 @@ Backends of --suite training (--backends auto picks per dtype):
                     pass with dQ added in a fixed key-block order, bitwise reproducible; what
                     deterministic=1 runs on sm_90a), flashattn-split (deterministic=1,
                     FLASHATTN_CUDA_BWD=split: dQ pass + dK/dV pass, bitwise reproducible; what
-                    it runs elsewhere); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode).
+                    it runs elsewhere); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode);
+                    flashattn-nocross (FLASHATTN_CUDA_FWD_CROSS=0, forward only: a walking
+                    CTA's row blocks one after another, not overlapped at their boundaries).
   The two designs differ only in the backward, so their rows time the backward (and fwd+bwd in
   full mode); the forward is the flashattn row's.
 
@@ -79,8 +81,12 @@ from cabi import CtypesLib, EnvSettings  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
-OURS = ("flashattn", "flashattn-tf32", "flashattn-atomic", "flashattn-split", "flashattn-ordered")
 DESIGNS = ("flashattn-atomic", "flashattn-split", "flashattn-ordered")
+# Forward variants of the 16-bit sm_90a kernel (developer builds' overrides): their rows time the
+# forward only. nocross: a walking CTA starts each row block after the previous one's last P V
+# instead of beside it.
+FWD_VARIANTS = {"flashattn-nocross": {"FLASHATTN_CUDA_FWD_CROSS": "0"}}
+OURS = ("flashattn", "flashattn-tf32") + DESIGNS + tuple(FWD_VARIANTS)
 SDPA_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 # Head dims the CUDA kernels are compiled for; others run padded to the next one.
 COMPILED_HEAD_DIMS = (64, 96, 128, 256)
@@ -110,6 +116,7 @@ class Impl:
         self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered", "flashattn-split": "split"}.get(name)
         self.design = {"flashattn": "default", "flashattn-tf32": "tf32", "flashattn-atomic": "atomic",
                        "flashattn-split": "split", "flashattn-ordered": "ordered"}.get(name, "")
+        self.overrides = FWD_VARIANTS.get(name, {})  # other kernel-selection knobs (C ABI)
 
 
 def backend_names(dname, args):
@@ -126,8 +133,8 @@ def backend_names(dname, args):
     for n in names:
         if n == "flashattn-tf32" and dname != "float32":
             continue  # tf32 is a float32 mode
-        if n in DESIGNS and dname not in LOW:
-            continue  # float32's backward has one design (always deterministic)
+        if (n in DESIGNS or n in FWD_VARIANTS) and dname not in LOW:
+            continue  # float32's backward has one design (always deterministic); 16-bit variants
         keep.append(n)
     # Peers first: their numbers are in when ours are printed, with ratios.
     return [n for n in keep if n not in OURS] + [n for n in keep if n in OURS]
@@ -139,6 +146,8 @@ def impls_for(dname, args):
         passes = list(args.passes)
         if n in DESIGNS:
             passes = [p for p in passes if p != "fwd"]  # same forward as the flashattn row
+        if n in FWD_VARIANTS:
+            passes = [p for p in passes if p == "fwd"]  # same backward
         if passes:
             out.append(Impl(n, passes))
     return out
@@ -312,8 +321,8 @@ class Flashattn:
             kw = {"deterministic": impl.deterministic} if self.pkg_det else {}
             if impl.deterministic and not self.pkg_det:
                 return "the package takes no deterministic= and no library for the C ABI"
-            if impl.env:
-                return ("a backward-design override needs the C ABI of a developer build "
+            if impl.env or impl.overrides:
+                return ("a kernel-selection override needs the C ABI of a developer build "
                         "(--lib with FLASHATTN_DEV_OVERRIDES)")
             fat, prec = self.fat, impl.precision
             return lambda q, k, v: fat.attention(q, k, v, mask=mask, precision=prec, **kw)
@@ -361,12 +370,6 @@ class StreamPool:
         v = ctypes.c_uint64(0)
         rc = self.cu.cuMemPoolGetAttribute(self.pool, self.USED_MEM_HIGH, ctypes.byref(v))
         return v.value if rc == 0 else None
-
-
-def bwd_env(value):
-    """FLASHATTN_CUDA_BWD = value (None: the library's choice) for the duration, in the library
-    loaded through the C ABI (cabi.EnvSettings: a developer build's override call)."""
-    return EnvSettings({ENV_BWD: value})
 
 
 def probe(torch, fn, inputs, pool, repeat):
@@ -431,7 +434,7 @@ def supported(torch, fn, ctx, dtype, d, device, group=1):
 # ---- report --------------------------------------------------------------------------------------
 
 SHORT = {"flashattn": "flashattn", "flashattn-atomic": "atomic", "flashattn-split": "split",
-         "flashattn-ordered": "ordered",
+         "flashattn-ordered": "ordered", "flashattn-nocross": "nocross",
          "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "sdpa-efficient": "efficient",
          "sdpa-math": "math"}
 RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
@@ -467,7 +470,7 @@ def lp_table(rows, p):
     """Markdown: one line per 16-bit case, pass p, TFLOP/s per backend, ours over flash/cuDNN."""
     rows = [r for r in rows if r["dtype"] in LOW]
     has = lambda b: any(r["backend"] == b and r.get(f"{p}_flops_per_s") for r in rows)  # noqa
-    ours = [b for b in ("flashattn",) + DESIGNS if has(b)]
+    ours = [b for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS) if has(b)]
     peers = [b for b in SDPA_NAMES if has(b)]
     if not ours and not peers:
         return ""
@@ -503,7 +506,7 @@ def lp_summary(rows):
     out = []
     all_cases = list(dict.fromkeys(case_key(r) for r in rows))
     for p in H.PASSES:
-        for b in ("flashattn",) + DESIGNS:
+        for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS):
             mine = [r for r in rows if r["backend"] == b and r.get(f"{p}_flops_per_s")]
             if not mine:
                 continue
@@ -1002,7 +1005,7 @@ def main(argv=None):
     def context(impl):
         if impl.name in sdpa:
             return lambda: sdpa_kernel(sdpa[impl.name])  # pinned once around a measurement
-        return lambda: bwd_env(impl.env)
+        return lambda: EnvSettings({ENV_BWD: impl.env, **impl.overrides})
 
     def sdpa_fn(causal, name):
         def call(q, k, v):

@@ -28,8 +28,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402
-from cabi import MASK_CAUSAL_BOTTOM_RIGHT, MASK_NONE, CtypesLib  # noqa: E402
-from gpu import ctypes_attention  # noqa: E402
+from cabi import MASK_CAUSAL_BOTTOM_RIGHT, MASK_NONE, CtypesLib, EnvSettings  # noqa: E402
+from gpu import FWD_VARIANTS, ctypes_attention  # noqa: E402
 
 
 def visible_pairs(s_q, s_kv, causal, window):
@@ -110,17 +110,19 @@ def run_case(torch, args, impls, dtype, b, h, s, d, causal, mods, pairs, timers,
     outs = {}
     for name, impl in impls:
         try:
-            attn = impl.make(causal, mods) if name == "flashattn" else impl.make(s, causal, mods)
+            ours = name.startswith("flashattn")
+            attn = impl.make(causal, mods) if ours else impl.make(s, causal, mods)
         except Exception as e:  # a peer that cannot express the case
             row[f"{name}_error"] = str(e)[:120]
             continue
         q, k, v, _ = sets[0]
-        outs[name] = attn(q, k, v).detach().float()
-        for view, timer in timers.items():
-            ms = H.measure(attn, sets, timer, args.warmup, args.reps, args.budget, passes=("fwd", "bwd"))
-            for p, t in ms.items():
-                row[f"{name}_{p}_{view}_ms"] = t
-                row[f"{name}_{p}_{view}_tflops"] = pass_flops(b, h, d, pairs, p) / (t * 1e-3) / 1e12
+        with EnvSettings(FWD_VARIANTS.get(name, {})):  # (a variant's knobs for its calls only)
+            outs[name] = attn(q, k, v).detach().float()
+            for view, timer in timers.items():
+                ms = H.measure(attn, sets, timer, args.warmup, args.reps, args.budget, passes=("fwd", "bwd"))
+                for p, t in ms.items():
+                    row[f"{name}_{p}_{view}_ms"] = t
+                    row[f"{name}_{p}_{view}_tflops"] = pass_flops(b, h, d, pairs, p) / (t * 1e-3) / 1e12
     if "flashattn" in outs and "flex" in outs:
         ref = outs["flex"]
         row["max_diff_vs_flex"] = float((outs["flashattn"] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
@@ -145,6 +147,10 @@ def main():
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--softcap", type=float, default=30.0)
     ap.add_argument("--quick", action="store_true", help="head dim 128, S 1k/4k for the overhead")
+    ap.add_argument("--variants", default="",
+                    help="also time these forward variants of a developer build in the same runs (comma list "
+                         "of " + ",".join(FWD_VARIANTS) + "): rows <variant>_..., window cost cost_<variant>_...")
+    ap.add_argument("--window-only", action="store_true", help="the window section only")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles per case)")
     ap.add_argument("--flex-dims", default="128", help="head dims FlexAttention runs at (each case compiles)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -159,7 +165,7 @@ def main():
 
     dtype = getattr(torch, args.dtype)
     ours = Ours(torch, args.lib)
-    impls = [("flashattn", ours)]
+    impls = [("flashattn", ours)] + [(v, ours) for v in args.variants.split(",") if v]
     flex = None
     if args.flex:
         try:
@@ -182,17 +188,20 @@ def main():
         rc = run_case(torch, args, use, dtype, 1, h, s, d, True, {}, pc, timers, "window", "causal", rows)
         rw = run_case(torch, args, use, dtype, 1, h, s, d, True, {"window": w}, pw, timers, "window",
                       f"causal+window{w}", rows)
-        for p in ("fwd", "bwd"):
-            for view in timers:
-                key = f"flashattn_{p}_{view}_ms"
-                if key in rc and key in rw:
-                    rw[f"cost_{p}_{view}"] = (rw[key] / rc[key]) / (pw / pc)
+        for name, _ in impls:
+            pre = "" if name == "flashattn" else name + "_"
+            for p in ("fwd", "bwd"):
+                for view in timers:
+                    key = f"{name}_{p}_{view}_ms"
+                    if key in rc and key in rw:
+                        rw[f"cost_{pre}{p}_{view}"] = (rw[key] / rc[key]) / (pw / pc)
+            print(f"window D={d} {name}: pair share {pw / pc:.4f}, cost fwd {fmt(rw.get(f'cost_{pre}fwd_kernel'))} "
+                  f"bwd {fmt(rw.get(f'cost_{pre}bwd_kernel'))} (kernel view; fwd "
+                  f"{fmt(rw.get(f'{name}_fwd_kernel_ms'), 3)} ms)", flush=True)
         rw["pair_share"] = pw / pc
-        print(f"window D={d}: pair share {pw / pc:.4f}, cost fwd {fmt(rw.get('cost_fwd_kernel'))} "
-              f"bwd {fmt(rw.get('cost_bwd_kernel'))} (kernel view)", flush=True)
 
     # overhead of softcap / ALiBi against the same shape without
-    for d in dims:
+    for d in ([] if args.window_only else dims):
         h = max(1, 2048 // d)
         slopes = alibi_slopes(torch, h)
         variants = [("plain", {}), ("softcap", {"softcap": args.softcap}), ("alibi", {"alibi": slopes}),

@@ -24,7 +24,12 @@ __device__ int g_captured_failures = 0;
 // (host nullptr: no host waits), a failure into the device's count.
 __device__ __forceinline__ void publish_verdict(volatile int* host, bool ok) {
   if (host != nullptr) {
-    *host = ok ? 1 : 2;  // (no system fence: the host reads the word until it changes)
+    *host = ok ? 1 : 2;
+    // Pushed out to the host's memory now: without the fence the store may wait in the GPU's
+    // caches until the call's kernels end, and the host, which reads the word until it changes,
+    // then waits for the whole call instead of the check: no launch of the next call overlaps
+    // this one's kernels.
+    __threadfence_system();
   } else if (!ok) {
     atomicAdd(&g_captured_failures, 1);
   }
