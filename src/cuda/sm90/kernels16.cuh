@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   }
   __syncthreads();
 
-  const int wg = threadIdx.x / 128;
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   uint32_t pa[1][BN / 16][4];
   QueryBlock qb;
   int64_t seq;
-  bool have = next_block(&qb, &seq);
+  bool have = __all_sync(0xffffffffu, next_block(&qb, &seq));
   // The block's first key tile already computed (P_0 in pa, its statistics in st) by the previous
   // block's last iteration.
   bool begun = false;
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
     // and refill at every block. (A dense walk: the call's arguments are every block's.)
     QueryBlock nq;
     int64_t nseq = 0;
-    const bool have_next = next_block(&nq, &nseq);
+    const bool have_next = __all_sync(0xffffffffu, next_block(&nq, &nseq));
     const bool cross = NQ > 1 && A.cross && have_next && ntiles > 0 && nq.ntiles > 0;
     SoftmaxState st_next;
     if (cross) {

@@ -93,11 +93,12 @@ __device__ __forceinline__ void keep_live_in_loop(uint32_t (&a)[NT][4], uint32_t
 template <Half16 H, int KD, class TA, class TB, int NT>
 __device__ __forceinline__ void wg_gemm_nt(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
                                            bool accumulate) {
+  // (One descriptor per operand, the k-steps by desc_advance: an add each, not a rebuild.)
+  const uint64_t a0 = desc_sw128(sA + a_row0 * 128, 16, 1024), b0 = desc_sw128(sB + b_row0 * 128, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < KD / 16; ++kk) {
-    const uint32_t a = sA + (kk >> 2) * TA::kBlockBytes + a_row0 * 128 + (kk & 3) * 32;
-    const uint32_t b = sB + (kk >> 2) * TB::kBlockBytes + b_row0 * 128 + (kk & 3) * 32;
-    wgmma_ss<H, 0, 0>(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024), (accumulate || kk > 0) ? 1 : 0);
+    const uint32_t off = (kk >> 2) * TA::kBlockBytes + (kk & 3) * 32, boff = (kk >> 2) * TB::kBlockBytes + (kk & 3) * 32;
+    wgmma_ss<H, 0, 0>(d, desc_advance(a0, off), desc_advance(b0, boff), (accumulate || kk > 0) ? 1 : 0);
   }
 }
 
@@ -106,11 +107,9 @@ __device__ __forceinline__ void wg_gemm_nt(float (&d)[NT][4], uint32_t sA, int a
 template <Half16 H, int NK, class TB, int NT>
 __device__ __forceinline__ void wg_gemm_rn(float (&d)[NT][4], const uint32_t (&pa)[NK][4], uint32_t sB, int b_row0,
                                            int col0) {
+  const uint64_t b0 = desc_sw128(sB + (col0 >> 6) * TB::kBlockBytes + b_row0 * 128, TB::kBlockBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < NK; ++kk) {
-    const uint32_t b = sB + (col0 >> 6) * TB::kBlockBytes + (b_row0 + 16 * kk) * 128;
-    wgmma_rs<H, 1>(d, pa[kk], desc_sw128(b, TB::kBlockBytes, 1024), 1);
-  }
+  for (int kk = 0; kk < NK; ++kk) wgmma_rs<H, 1>(d, pa[kk], desc_advance(b0, 16 * kk * 128), 1);
 }
 
 // D[64 x N] += A[64 x 16*NK] B[16*NK x N]: A a K-major TileSw128 (rows = m from a_row0, columns =
@@ -118,12 +117,11 @@ __device__ __forceinline__ void wg_gemm_rn(float (&d)[NT][4], const uint32_t (&p
 template <Half16 H, int NK, class TA, class TB, int NT>
 __device__ __forceinline__ void wg_gemm_sn(float (&d)[NT][4], uint32_t sA, int a_row0, uint32_t sB, int b_row0,
                                            int col0) {
+  const uint64_t a0 = desc_sw128(sA + a_row0 * 128, 16, 1024);
+  const uint64_t b0 = desc_sw128(sB + (col0 >> 6) * TB::kBlockBytes + b_row0 * 128, TB::kBlockBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < NK; ++kk) {
-    const uint32_t a = sA + (kk >> 2) * TA::kBlockBytes + a_row0 * 128 + (kk & 3) * 32;
-    const uint32_t b = sB + (col0 >> 6) * TB::kBlockBytes + (b_row0 + 16 * kk) * 128;
-    wgmma_ss<H, 0, 1>(d, desc_sw128(a, 16, 1024), desc_sw128(b, TB::kBlockBytes, 1024), 1);
-  }
+  for (int kk = 0; kk < NK; ++kk)
+    wgmma_ss<H, 0, 1>(d, desc_advance(a0, (kk >> 2) * TA::kBlockBytes + (kk & 3) * 32), desc_advance(b0, 16 * kk * 128), 1);
 }
 
 // D[64 x N] (+)= A[64 x 16*NK] B[16*NK x N] with both operands stored k-major by rows: A as an
@@ -134,13 +132,11 @@ __device__ __forceinline__ void wg_gemm_sn(float (&d)[NT][4], uint32_t sA, int a
 template <Half16 H, int NK, class TA, class TB, int NT>
 __device__ __forceinline__ void wg_gemm_tt(float (&d)[NT][4], uint32_t sA, int a_col0, uint32_t sB, int b_col0,
                                            bool accumulate) {
+  const uint64_t a0 = desc_sw128(sA + (a_col0 >> 6) * TA::kBlockBytes + (a_col0 & 63) * 2, TA::kBlockBytes, 1024);
+  const uint64_t b0 = desc_sw128(sB + (b_col0 >> 6) * TB::kBlockBytes + (b_col0 & 63) * 2, TB::kBlockBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < NK; ++kk) {
-    const uint32_t a = sA + (a_col0 >> 6) * TA::kBlockBytes + (a_col0 & 63) * 2 + 16 * kk * 128;
-    const uint32_t b = sB + (b_col0 >> 6) * TB::kBlockBytes + (b_col0 & 63) * 2 + 16 * kk * 128;
-    wgmma_ss<H, 1, 1>(d, desc_sw128(a, TA::kBlockBytes, 1024), desc_sw128(b, TB::kBlockBytes, 1024),
-                      (accumulate || kk > 0) ? 1 : 0);
-  }
+  for (int kk = 0; kk < NK; ++kk)
+    wgmma_ss<H, 1, 1>(d, desc_advance(a0, 16 * kk * 128), desc_advance(b0, 16 * kk * 128), (accumulate || kk > 0) ? 1 : 0);
 }
 
 // ---- tf32 (float32 kernels) -------------------------------------------------------------------
