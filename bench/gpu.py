@@ -28,8 +28,8 @@ Backends of --suite training (--backends auto picks per dtype):
                     deterministic=1 runs on sm_90a), flashattn-split (deterministic=1,
                     FLASHATTN_CUDA_BWD=split: dQ pass + dK/dV pass, bitwise reproducible; what
                     it runs elsewhere); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode);
-                    flashattn-nocross (FLASHATTN_CUDA_FWD_CROSS=0, forward only: a walking
-                    CTA's row blocks one after another, not overlapped at their boundaries).
+                    flashattn-blocks (FLASHATTN_CUDA_FWD_CTAS=0, forward only: one CTA per row
+                    block instead of the walk); base:flashattn (--base-lib: another build).
   The two designs differ only in the backward, so their rows time the backward (and fwd+bwd in
   full mode); the forward is the flashattn row's.
 
@@ -83,10 +83,11 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
 DESIGNS = ("flashattn-atomic", "flashattn-split", "flashattn-ordered")
 # Forward variants of the 16-bit sm_90a kernel (developer builds' overrides): their rows time the
-# forward only. nocross: a walking CTA starts each row block after the previous one's last P V
-# instead of beside it.
-FWD_VARIANTS = {"flashattn-nocross": {"FLASHATTN_CUDA_FWD_CROSS": "0"}}
-OURS = ("flashattn", "flashattn-tf32") + DESIGNS + tuple(FWD_VARIANTS)
+# forward only. blocks: one CTA per row block (no walk).
+FWD_VARIANTS = {"flashattn-blocks": {"FLASHATTN_CUDA_FWD_CTAS": "0"}}
+# --base-lib: the default calls on another build of the library (a change's base), same process.
+BASE = "base:flashattn"
+OURS = ("flashattn", "flashattn-tf32") + DESIGNS + tuple(FWD_VARIANTS) + (BASE,)
 SDPA_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 # Head dims the CUDA kernels are compiled for; others run padded to the next one.
 COMPILED_HEAD_DIMS = (64, 96, 128, 256)
@@ -133,6 +134,8 @@ def backend_names(dname, args):
     for n in names:
         if n == "flashattn-tf32" and dname != "float32":
             continue  # tf32 is a float32 mode
+        if n == BASE and not args.base_lib:
+            continue
         if (n in DESIGNS or n in FWD_VARIANTS) and dname not in LOW:
             continue  # float32's backward has one design (always deterministic); 16-bit variants
         keep.append(n)
@@ -304,6 +307,10 @@ class Flashattn:
             self.via = "ctypes"
             self.lib = CtypesLib(os.path.abspath(lib_path), torch)
             self.fn = ctypes_attention(torch, self.lib)
+        self.base_fn = None
+        if getattr(args, "base_lib", None):
+            self.base_lib = CtypesLib(os.path.abspath(args.base_lib), torch)
+            self.base_fn = ctypes_attention(torch, self.base_lib)
 
     def describe(self):
         if self.via == "package":
@@ -328,6 +335,10 @@ class Flashattn:
             return lambda q, k, v: fat.attention(q, k, v, mask=mask, precision=prec, **kw)
         opts = (1 if causal else 0, 1 if impl.precision == "tf32" else 0, impl.deterministic)
         fn = self.fn
+        if impl.name == BASE:
+            if self.base_fn is None:
+                return "no --base-lib"
+            fn = self.base_fn
         return lambda q, k, v: fn.apply(q, k, v, opts)
 
 
@@ -434,7 +445,7 @@ def supported(torch, fn, ctx, dtype, d, device, group=1):
 # ---- report --------------------------------------------------------------------------------------
 
 SHORT = {"flashattn": "flashattn", "flashattn-atomic": "atomic", "flashattn-split": "split",
-         "flashattn-ordered": "ordered", "flashattn-nocross": "nocross",
+         "flashattn-ordered": "ordered", "flashattn-blocks": "blocks", BASE: "base",
          "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "sdpa-efficient": "efficient",
          "sdpa-math": "math"}
 RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
@@ -470,7 +481,7 @@ def lp_table(rows, p):
     """Markdown: one line per 16-bit case, pass p, TFLOP/s per backend, ours over flash/cuDNN."""
     rows = [r for r in rows if r["dtype"] in LOW]
     has = lambda b: any(r["backend"] == b and r.get(f"{p}_flops_per_s") for r in rows)  # noqa
-    ours = [b for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS) if has(b)]
+    ours = [b for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS) + (BASE,) if has(b)]
     peers = [b for b in SDPA_NAMES if has(b)]
     if not ours and not peers:
         return ""
@@ -506,7 +517,7 @@ def lp_summary(rows):
     out = []
     all_cases = list(dict.fromkeys(case_key(r) for r in rows))
     for p in H.PASSES:
-        for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS):
+        for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS) + (BASE,):
             mine = [r for r in rows if r["backend"] == b and r.get(f"{p}_flops_per_s")]
             if not mine:
                 continue
@@ -904,6 +915,8 @@ def parse_args(argv=None):
                     help="how to call flashattn (auto: the package if it takes deterministic=, "
                     "else the C ABI; --lib alone means the C ABI)")
     ap.add_argument("--lib", help="libflashattn.so for the C ABI path")
+    ap.add_argument("--base-lib", help="another libflashattn.so (a change's base): backend base:flashattn, its "
+                    "default calls in the same process and rounds as flashattn's")
     ap.add_argument("--device", default="cuda",
                     help="'cpu' runs the same script on the CPU (a smoke test of the script)")
     ap.add_argument("--dry-run", action="store_true",

@@ -556,24 +556,6 @@ TEST(Cuda16Walk, DefaultWalkEqualsOneCtaPerBlock) {
                            });
 }
 
-// The walk with a block's first scores issued beside the previous block's last P V (the default
-// at D <= 128) against the walk without (FLASHATTN_CUDA_FWD_CROSS=0): the same products and the
-// same softmax per block, so the same bits. Blocks without keys between blocks with keys (Sq >
-// Skv bottom-right: the first rows see none), row blocks of one and of many key tiles, every head
-// dim that has two Q tiles.
-TEST(Cuda16Walk, CrossBlockStartEqualsBlockByBlock) {
-  REQUIRE_GPU();
-  check_bitwise_under_knob({{4, 16, 4, 1031, 1031, 128, Mask::CausalBottomRight, -1, -1},
-                            {8, 8, 8, 700, 1500, 64, Mask::None, -1, -1},
-                            {2, 16, 2, 1500, 700, 128, Mask::CausalBottomRight, 200, 0},
-                            {3, 32, 8, 2000, 1000, 64, Mask::CausalBottomRight, 128, 16}},
-                           testing::Layout::BHSD, 43, kDesigns[0], "FLASHATTN_CUDA_FWD_CROSS", {nullptr, "0"}, 4,
-                           6, &Problem::out, "with the cross-block start differs from the walk without it",
-                           [](const ProblemConfig& c, DeviceProblem& d, const Options& o) {
-                             return call("forward", c.describe(), [&] { d.forward(o); });
-                           });
-}
-
 // ---- unaligned base pointers, odd strides ----------------------------------------------------
 // Device copies whose 4-d tensors have padded strides: each head-dim row D + row_pad elements
 // after the previous one (row_pad odd: rows start at every 2-byte alignment, never a multiple of

@@ -695,20 +695,6 @@ TEST(CudaSelect, ForwardWalkWhileRowsSeeFewKeys) {
   EXPECT_EQ(walk(16384, none), 132);
 }
 
-TEST(CudaSelect, ForwardCrossesBlocksWhenWalkingWithTwoQTiles) {
-  // A walking CTA issues a block's first scores beside the previous block's last P V where
-  // shared memory holds two Q tiles (D <= 128); not at D = 256, not without the walk.
-  auto plan = [](int64_t s, int64_t d) { return sel(shape(s, d), num(DType::BFloat16), 9, 0).fwd(); };
-  EXPECT_TRUE(plan(4096, 128).cross);
-  EXPECT_TRUE(plan(4096, 64).cross);
-  EXPECT_EQ(plan(4096, 256).walk_ctas, 132);
-  EXPECT_FALSE(plan(4096, 256).cross);
-  EXPECT_FALSE(plan(16384, 128).cross);  // no walk
-  OverrideScope e("FLASHATTN_CUDA_FWD_CROSS", "0");
-  EXPECT_FALSE(plan(4096, 128).cross);
-  EXPECT_EQ(plan(4096, 128).walk_ctas, 132);
-}
-
 TEST(CudaSelect, PersistentCtas) {
   // By default one CTA per block; the override runs a count, one per multiprocessor, or one per
   // block (0).
@@ -991,8 +977,7 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
                           {"FLASHATTN_CUDA_PERSISTENT_CTAS", "sms"},
                           {"FLASHATTN_CUDA_CONVERT_CTAS", "7"},
                           {"FLASHATTN_CUDA_FWD_CTAS", "sms"},
-                          {"FLASHATTN_CUDA_DECODE_LOADER", "rows"},
-                          {"FLASHATTN_CUDA_FWD_CROSS", "0"}});
+                          {"FLASHATTN_CUDA_DECODE_LOADER", "rows"}});
   EXPECT_EQ(o.arch, 0);
   EXPECT_EQ(o.math, static_cast<int>(Math::Fma));
   EXPECT_EQ(o.bwd, 1);
@@ -1007,8 +992,6 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
   EXPECT_EQ(o.fwd_ctas, -2);
   EXPECT_EQ(ov({{"FLASHATTN_CUDA_FWD_CTAS", "5"}}).fwd_ctas, 5);
   EXPECT_EQ(o.decode_loader, DecodeShape::kRows);
-  EXPECT_EQ(o.fwd_cross, 0);
-  EXPECT_EQ(ov({{"FLASHATTN_CUDA_FWD_CROSS", "1"}}).fwd_cross, 1);
   EXPECT_EQ(ov({{"FLASHATTN_CUDA_DECODE_LOADER", "bulk"}}).decode_loader, DecodeShape::kBulk);
   const Overrides none = ov();
   EXPECT_EQ(none.arch, -1);

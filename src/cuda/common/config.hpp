@@ -284,17 +284,17 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90_variant(Pass pass, int dp, int variant
   return variant == 0 ? has_sm90(pass, dp) : pass == Pass::Dkv && dp == 64;
 }
 
-// The forward's Q tiles: two where shared memory holds them (D <= 128), so that a CTA walking
-// several row blocks (FwdWalk, work.hpp) has the next block's Q copied while this one runs and
-// can start its first product beside this one's last; at D = 256 (Q, two stages of K and V:
-// 192 KiB) one. A block's epilogue stages O through its own Q tile, released after that.
-FLASHATTN_CUDA_HD constexpr int fwd90_q_buffers(int dp) { return dp <= 128 ? 2 : 1; }
+// The forward stages O for its 16-byte stores in a tile of its own where shared memory holds one
+// (D <= 128), so that a CTA walking several row blocks (FwdWalk, work.hpp) can copy the next
+// block's Q while this one's epilogue runs; at D = 256 (Q, two stages of K and V: 192 KiB) O goes
+// through Q's tile, which is then released only after the epilogue read it.
+FLASHATTN_CUDA_HD constexpr bool fwd90_own_o(int dp) { return dp <= 128; }
 // Dynamic shared memory: the tiles, 1 KiB so that the kernel can align them to 1024 bytes, and
-// the pipeline's mbarriers. Forward: Q tiles (fwd90_q_buffers), two stages of K and V.
+// the pipeline's mbarriers. Forward: Q, two stages of K and V, O's own tile (fwd90_own_o).
 // dK/dV: K, V; two stages of Q, dO, LSE and D; two dS^T tiles.
 FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0) {
   const TileConfig90 c = tile_config90(pass, dp, variant);
-  return pass == Pass::Forward ? (fwd90_q_buffers(dp) * c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8
+  return pass == Pass::Forward ? ((fwd90_own_o(dp) ? 2 : 1) * c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8
        : pass == Pass::Dkv
            ? (2 * c.block_m + 4 * c.block_n) * dp * 2 + (c.col_split > 1 ? 4 : 2) * c.block_m * c.block_n * 2 +
                  4 * c.block_n * 4 + 1024 + 16 * 8

@@ -322,7 +322,6 @@ void forward_plan(const ForwardParams& p, const ForwardPlan& plan) {
   a.block_table = plan.block_table >= 0 ? reinterpret_cast<int2*>(reinterpret_cast<char*>(ws.get()) + plan.block_table) : nullptr;
   a.grid_blocks = plan.grid_blocks;
   a.walk_ctas = plan.walk_ctas;
-  a.cross = plan.cross;
   [&] {  // (the launches; a case returns when its kernels are queued)
     switch (plan.kernel) {
       case FwdKernel::Sm80Mma32:

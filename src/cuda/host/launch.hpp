@@ -31,7 +31,6 @@ struct FwdArgs {
   int2* block_table;
   int64_t grid_blocks;
   int walk_ctas;  // the sm_90a 16-bit forward: CTAs walking the row blocks (ForwardPlan::walk_ctas)
-  bool cross;     // the same walking: a block's first scores beside the previous block's last P V (ForwardPlan::cross)
 };
 struct BwdArgs {
   BackwardParams p;

@@ -31,8 +31,6 @@
 // |                                 |                              | checked on the host, or on the stream (the default) |
 // | FLASHATTN_CUDA_DECODE_STREAMS   | 1, 2, 3, 4                   | whole-tile KV CTAs per SM the split rule aims at    |
 // |                                 |                              | (default: kv_streams, from the memory bandwidth)    |
-// | FLASHATTN_CUDA_FWD_CROSS        | 0, 1                         | walking 16-bit sm_90a forward: a block's first      |
-// |                                 |                              | scores beside the previous block's last P V         |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -65,7 +63,6 @@ struct Overrides {
   int decode_stages = -1;  // 0, 1, 2: 2, 3, 4 stages
   int kv_check = -1;       // 0 host, 1 device
   int decode_streams = -1; // 1..4: CTAs per SM for the whole-tile loader's split rule (kv_streams)
-  int fwd_cross = -1;      // 0, 1: ForwardPlan::cross off / on
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

@@ -222,7 +222,6 @@ Selected<ForwardPlan> select_forward(const ForwardParams& p, const DeviceCaps& d
         f.walk_ctas = ov.fwd_ctas == -2 ? std::max(1, dev.sms)
                     : ov.fwd_ctas >= 0  ? static_cast<int>(ov.fwd_ctas)
                     : walk_default(s, n) ? dev.sms : 0;
-      f.cross = f.walk_ctas > 0 && fwd90_q_buffers(f.dp) > 1 && ov.fwd_cross != 0;
       if (packed) {
         f.seq_maps = 0;
         f.workspace = seq_maps_bytes(s.batch, 3);  // Q, K, V

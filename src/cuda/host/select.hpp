@@ -66,9 +66,6 @@ struct ForwardPlan {
   // (FwdWalk, work.hpp: where the blocks cost about the same, one per multiprocessor); 0: one CTA
   // per row block in the hardware's order.
   int walk_ctas = 0;
-  // With walk_ctas at D <= 128 (two Q tiles): the next block's first S = Q K^T is issued beside
-  // this block's last P V, so the consumers' pipeline runs on through the block boundary.
-  bool cross = false;
   // > 0: the float32 forward in the fp32 mode over key chunks of this many keys, each chunk's
   // (O, LSE) folded into float64 row sums (backend.cu forward_chunked), so that no float32 sum
   // of a row runs over more than key_chunk / 64 tiles (docs/ALGORITHM.md, "Long key sequences").

@@ -38,9 +38,6 @@ struct Sm90FwdArgs {
   // A CTA walking several row blocks of that grid (FwdWalk, ForwardPlan::walk_ctas); nx = 0:
   // one CTA per block.
   FwdWalk walk;
-  // Walking with two Q tiles (fwd90_q_buffers): a block's first key tile overlaps the previous
-  // block's last (ForwardPlan::cross).
-  bool cross;
 };
 
 // The maps a CTA of sequence b copies its N streamed operands through and the batch coordinate
@@ -125,14 +122,12 @@ __device__ __forceinline__ void logits_at(float (&s)[NS][4], const ScoreTransfor
 // No CTA-wide barrier inside the loop: the two warpgroups drift apart, and one's softmax runs
 // beside the other's products.
 // With a walk (Sm90FwdArgs::walk, FwdWalk) a CTA does several row blocks in turn. The stages and
-// their phases run on over the CTA's tiles of all its blocks. Q has two tiles at D <= 128
-// (fwd90_q_buffers), each with an "empty" barrier released after the epilogue of the block that
-// used it read O back from it (O is staged there), so the producer copies the next block's Q
-// and first K and V tiles while this block runs, and (Sm90FwdArgs::cross) the consumers issue the
-// next block's first S = Q K^T beside this block's last P V and run its softmax meanwhile: the
-// pipeline does not restart at block boundaries. At D = 256 (one Q tile) the next block's K_0
-// only; Q, V_0 and K_1 wait for the epilogue. The CTA's counts g0 (tiles) and kq (blocks) are
-// int; the launcher keeps the grid where a CTA's walk could pass 2^31 tiles.
+// their phases run on over the CTA's tiles of all its blocks, Q has an "empty" barrier of its own,
+// released after the block's last S = Q K^T (O staged in its own tile, fwd90_own_o) or after the
+// epilogue read O back from Q's tile (D = 256), so the producer copies the next block's Q and
+// first K and V tiles while this block's last products and epilogue run (at D = 256 its K_0 only:
+// Q, then V_0 and K_1, wait for the epilogue). The CTA's counts g0 (tiles) and kq (blocks) are int;
+// the launcher keeps the grid where a CTA's walk could pass 2^31 tiles.
 // ================================================================================================
 
 template <int DP, Half16 H, bool XF>
@@ -142,23 +137,21 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   constexpr TileConfig90 C = tile_config90(Pass::Forward, DP);
   constexpr int BM = C.block_m, BN = C.block_n, NWG = C.warpgroups, TC = 128 * NWG;
   constexpr int NS = BN / 8, NO = DP / 8;
-  constexpr int NQ = fwd90_q_buffers(DP);
+  constexpr bool kOwnO = fwd90_own_o(DP);
   using TQ = TileSw128<BM, DP>;
   using TK = TileSw128<BN, DP>;
   extern __shared__ float4 smem4[];
-  unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));  // [NQ][BM x DP]
-  unsigned char* sK = sQ + NQ * TQ::kBytes;  // [2][BN x DP]
-  unsigned char* sV = sK + 2 * TK::kBytes;   // [2][BN x DP]
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * TK::kBytes);
-  uint64_t* full_q = bars;        // [NQ]
-  uint64_t* full_k = bars + 2;    // [2]
-  uint64_t* full_v = bars + 4;    // [2]
-  uint64_t* empty_k = bars + 6;   // [2]
-  uint64_t* empty_v = bars + 8;   // [2]
-  uint64_t* empty_q = bars + 10;  // [NQ]
-  // The CTA's block kq uses Q buffer kq % NQ, for the (kq / NQ)-th time (its barriers' phases).
-  auto q_buf = [](int kq) { return kq % NQ; };
-  auto q_use = [](int kq) { return kq / NQ; };
+  unsigned char* sQ = smem_aligned1024(reinterpret_cast<unsigned char*>(smem4));
+  unsigned char* sK = sQ + TQ::kBytes;      // [2][BN x DP]
+  unsigned char* sV = sK + 2 * TK::kBytes;  // [2][BN x DP]
+  unsigned char* sO = kOwnO ? sV + 2 * TK::kBytes : sQ;  // O's staging tile (BM x DP)
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * TK::kBytes + (kOwnO ? TQ::kBytes : 0));
+  uint64_t* full_q = bars;
+  uint64_t* full_k = bars + 1;   // [2]
+  uint64_t* full_v = bars + 3;   // [2]
+  uint64_t* empty_k = bars + 5;  // [2]
+  uint64_t* empty_v = bars + 7;  // [2]
+  uint64_t* empty_q = bars + 9;
 
   // The CTA's blocks: blockIdx alone, or both blocks of units blockIdx.x, + gridDim.x, ... of the
   // walk (FwdWalk).
@@ -183,30 +176,10 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
     }
     return true;
   };
-  // The CTA's blocks in order, the same for the producer and the consumers: each call moves the
-  // cursor (u, half) to the next block with rows and returns it (false: none left).
-  int64_t cur_u = walking ? blockIdx.x : 0;
-  int cur_half = -1;
-  auto next_block = [&](QueryBlock* qb, int64_t* seq) {
-    for (;;) {
-      if (++cur_half == halves) {
-        cur_half = 0;
-        cur_u += walking ? gridDim.x : 1;
-      }
-      if (cur_u >= nunits) return false;
-      int64_t y, xb;
-      if (!block_of(cur_u, cur_half, seq, &y, &xb)) continue;
-      const FwdArgs a = at_sequence(A.f, *seq);
-      *qb = query_block<BM, BN>(a.p.shape, a.p.num, *seq, y, xb);
-      if (qb->rows > 0) return true;
-    }
-  };
 
   if (threadIdx.x == 0) {
-    for (int i = 0; i < NQ; ++i) {
-      mbar_init(full_q + i, 1);
-      mbar_init(empty_q + i, 4 * NWG);  // lane 0 of every consumer warp
-    }
+    mbar_init(full_q, 1);
+    mbar_init(empty_q, 4 * NWG);  // lane 0 of every consumer warp
     for (int i = 0; i < 2; ++i) {
       mbar_init(full_k + i, 1);
       mbar_init(full_v + i, 1);
@@ -217,20 +190,23 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   }
   __syncthreads();
 
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);  // (uniform datapath)
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
     if (threadIdx.x == TC) {
       int g0 = 0, kq = 0;  // the CTA's tiles and blocks so far
-      QueryBlock qb;
-      int64_t seq;
-      while (next_block(&qb, &seq)) {
+      for (int64_t u = walking ? blockIdx.x : 0; u < nunits; u += walking ? gridDim.x : 1)
+      for (int half = 0; half < halves; ++half) {
+        int64_t seq, y, xb;
+        if (!block_of(u, half, &seq, &y, &xb)) continue;
+        const FwdArgs a = at_sequence(A.f, seq);
+        const QueryBlock qb = query_block<BM, BN>(a.p.shape, a.p.num, seq, y, xb);
+        if (qb.rows <= 0) continue;
         const CtaMaps<3> mp({&A.tq, &A.tk, &A.tv}, A.seq_maps, qb.b);
-        copy_forward_tiles<TQ, TK, DP, BN>(mp.m[0], mp.m[1], mp.m[2], sQ + q_buf(kq) * TQ::kBytes, sK, sV,
-                                           full_q + q_buf(kq), full_k, empty_k, full_v, empty_v,
-                                           static_cast<int>(qb.m0), static_cast<int>(qb.h), static_cast<int>(qb.hk),
-                                           mp.batch, qb.t_begin, qb.ntiles, g0, empty_q + q_buf(kq), q_use(kq));
+        copy_forward_tiles<TQ, TK, DP, BN>(mp.m[0], mp.m[1], mp.m[2], sQ, sK, sV, full_q, full_k, empty_k, full_v,
+                                           empty_v, static_cast<int>(qb.m0), static_cast<int>(qb.h),
+                                           static_cast<int>(qb.hk), mp.batch, qb.t_begin, qb.ntiles, g0, empty_q, kq);
         g0 += qb.ntiles;
         ++kq;
       }
@@ -242,12 +218,10 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   regs_increase<C.consumer_regs()>();
   const int warp = threadIdx.x / 32;
   const int wg_row = wg * 64;  // the warpgroup's first row in the CTA tile
-  const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+  const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), v_addr = smem_addr(sV);
   const bool lane0 = lane_id() == 0;
   auto wait_k = [&](int g) { mbar_wait(full_k + (g & 1), (g >> 1) & 1); };
   auto wait_v = [&](int g) { mbar_wait(full_v + (g & 1), (g >> 1) & 1); };
-  auto wait_q = [&](int kq) { mbar_wait(full_q + q_buf(kq), q_use(kq) & 1); };
-  auto q_addr_of = [&](int kq) { return smem_addr(sQ + q_buf(kq) * TQ::kBytes); };
   auto release = [&](uint64_t* empty, int g) {
     if (lane0) mbar_arrive(empty + (g & 1));
   };
@@ -255,54 +229,48 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   // own signal back (named barriers 2 and 3), so one warpgroup's softmax runs while the other's
   // products occupy the tensor cores. Warpgroup 0 starts; warpgroup 1's last signal of a block
   // starts warpgroup 0's first turn of the next (pp_open: that signal is pending), and the CTA's
-  // last one is taken at its end, so the barriers alternate strictly over the walk. (Both
-  // warpgroups take the same turns: every choice below that adds or removes one is the CTA's.)
+  // last one is taken at its end, so the barriers alternate strictly over the walk.
   bool pp_open = false;
   int g0 = 0, kq = 0;  // as the producer's
-  float o[1][NO][4];
-  SoftmaxState st;
-  float s[1][NS][4];
-  uint32_t pa[1][BN / 16][4];
-  QueryBlock qb;
-  int64_t seq;
-  bool have = __all_sync(0xffffffffu, next_block(&qb, &seq));
-  // The block's first key tile already computed (P_0 in pa, its statistics in st) by the previous
-  // block's last iteration.
-  bool begun = false;
-  while (have) {
+  for (int64_t u = walking ? blockIdx.x : 0; u < nunits; u += walking ? gridDim.x : 1)
+  for (int half = 0; half < halves; ++half) {
+    int64_t seq, y, xb;
+    if (!block_of(u, half, &seq, &y, &xb)) continue;
     const FwdArgs a = at_sequence(A.f, seq);
     const ForwardParams& p = a.p;
     const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
+    const QueryBlock qb = query_block<BM, BN>(p.shape, p.num, seq, y, xb);
+    if (qb.rows <= 0) continue;
     const int64_t b = qb.b, h = qb.h, m0 = qb.m0;
     const int ntiles = qb.ntiles;
     const MaskRule& rule = qb.rule;
     const int64_t row_w = m0 + 16 * warp;  // the warp's first query row
+    float o[1][NO][4];
+    zero(o[0]);
+    SoftmaxState st;
+    float s[1][NS][4];
+    uint32_t pa[1][BN / 16][4];
 
-    // The lane's rows g and g + 8 of a block: keys outside their ranges are hidden from them
-    // (sequence end and both band edges; rows past Sq see none and are never stored).
-    auto row_keys = [&](const QueryBlock& q) { return RowKeys(q.rule, q.m0 + 16 * warp + lane_id() / 4, Sq, Skv); };
-    const RowKeys keys = row_keys(qb);
+    // The lane's rows g and g + 8: keys outside their ranges are hidden from them (sequence end
+    // and both band edges; rows past Sq see none and are never stored).
+    const RowKeys keys(rule, row_w + lane_id() / 4, Sq, Skv);
     const bool fused = a.score.scale > 0.0f;  // uniform: an increasing transform (softmax_rows)
     // XF: the per-entry step (softcap, ALiBi) turns the raw products into log2-unit logits first,
     // before masking (tanh would make a masked -inf finite); the softmax then goes the unfused way
     // with multiplier 1 (after_elementwise), which is exact for either sign of the scale and costs
     // an FADD where the fused path has its FFMA.
-    auto head_of = [&](const QueryBlock& q) { return XF ? a.score.head(q.b, q.h) : ScoreTransform::Head{}; };
-    const ScoreTransform::Head hd = head_of(qb);
+    const ScoreTransform::Head hd = XF ? a.score.head(b, h) : ScoreTransform::Head{};
     const ScoreTransform after = a.score.after_elementwise();
-    // Scores of key tile `it` of block q (its rows' keys k, head hh) in s -> P in s, statistics
-    // sst updated, alpha for O.
-    auto softmax_of = [&](const QueryBlock& q, const RowKeys& k, const ScoreTransform::Head& hh, int it,
-                          SoftmaxState& sst, float(&alpha)[2]) {
-      const int64_t n0 = q.key0(it, BN);
+    // Scores of iteration it's key tile (in s) -> P in s, statistics updated, alpha for O.
+    auto softmax_tile = [&](int it, float(&alpha)[2]) {
+      const int64_t n0 = qb.key0(it, BN);
       if constexpr (XF) {
-        logits_at<false>(s[0], hh, q.m0 + 16 * warp, n0, [](int, int, int, float) {});
-        softmax_tile_sm90<BN>(s[0], sst, alpha, k, n0, q.tile_masked(n0, BN, Skv), false, after);
+        logits_at<false>(s[0], hd, row_w, n0, [](int, int, int, float) {});
+        softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), false, after);
       } else {
-        softmax_tile_sm90<BN>(s[0], sst, alpha, k, n0, q.tile_masked(n0, BN, Skv), fused, a.score);
+        softmax_tile_sm90<BN>(s[0], st, alpha, keys, n0, qb.tile_masked(n0, BN, Skv), fused, a.score);
       }
     };
-    auto softmax_tile = [&](int it, float(&alpha)[2]) { softmax_of(qb, keys, hd, it, st, alpha); };
     const bool pp = a.pingpong && ntiles > 0;
     auto turn_begin = [&] {
       if (pp) named_barrier(2 + wg, TC);
@@ -314,27 +282,22 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
       if (wg == 1) named_barrier_arrive(2, TC);
       pp_open = true;
     }
-    const uint32_t q_addr = q_addr_of(kq);
 
-    if (!begun) {
-      zero(o[0]);
-      st = SoftmaxState{};
-      wait_q(kq);
-      if (ntiles > 0) {
-        wait_k(g0);
-        fence_regs(s[0]);
-        wgmma_fence();
-        turn_begin();
-        wg_gemm_nt<H, DP, TQ, TK>(s[0], q_addr, wg_row, k_addr + (g0 & 1) * TK::kBytes, 0, false);
-        wgmma_commit();
-        turn_end();
-        wgmma_wait<0>();
-        fence_regs(s[0]);
-        release(empty_k, g0);
-        float alpha[2];
-        softmax_tile(0, alpha);
-        to_afrag<H, 1, BN / 16>(pa, s);
-      }
+    mbar_wait(full_q, kq & 1);
+    if (ntiles > 0) {
+      wait_k(g0);
+      fence_regs(s[0]);
+      wgmma_fence();
+      turn_begin();
+      wg_gemm_nt<H, DP, TQ, TK>(s[0], q_addr, wg_row, k_addr + (g0 & 1) * TK::kBytes, 0, false);
+      wgmma_commit();
+      turn_end();
+      wgmma_wait<0>();
+      fence_regs(s[0]);
+      release(empty_k, g0);
+      float alpha[2];
+      softmax_tile(0, alpha);
+      to_afrag<H, 1, BN / 16>(pa, s);
     }
     // All but the last key tile: the next tile's scores overlap this tile's P V. (The last tile is
     // peeled off so that every wgmma in this loop is issued unconditionally: the compiler then sees
@@ -363,42 +326,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
       rescale_rows(o[0], alpha);
       to_afrag<H, 1, BN / 16>(pa, s);
     }
-
-    // The last key tile. Across the block boundary (a walk, Q double-buffered): the next block's
-    // first scores S = Q' K_0'^T are issued with this tile's P V, and their softmax (fresh
-    // statistics) runs while P V does, as inside the loop above - the pipeline does not drain
-    // and refill at every block. (A dense walk: the call's arguments are every block's.)
-    QueryBlock nq;
-    int64_t nseq = 0;
-    const bool have_next = __all_sync(0xffffffffu, next_block(&nq, &nseq));
-    const bool cross = NQ > 1 && A.cross && have_next && ntiles > 0 && nq.ntiles > 0;
-    SoftmaxState st_next;
-    if (cross) {
-      const int g = g0 + ntiles - 1;
-      const RowKeys nkeys = row_keys(nq);
-      const ScoreTransform::Head nhd = head_of(nq);
-      wait_q(kq + 1);
-      wait_k(g + 1);
-      wait_v(g);
-      fence_regs(o[0]);
-      fence_regs(s[0]);
-      wgmma_fence();
-      turn_begin();
-      wg_gemm_nt<H, DP, TQ, TK>(s[0], q_addr_of(kq + 1), wg_row, k_addr + ((g + 1) & 1) * TK::kBytes, 0, false);
-      wgmma_commit();
-      wg_gemm_rn<H, BN / 16, TK>(o[0], pa[0], v_addr + (g & 1) * TK::kBytes, 0, 0);
-      wgmma_commit();
-      turn_end();
-      wgmma_wait<1>();
-      fence_regs(s[0]);
-      release(empty_k, g + 1);
-      float alpha[2];
-      softmax_of(nq, nkeys, nhd, 0, st_next, alpha);
-      wgmma_wait<0>();
-      fence_regs(o[0]);
-      release(empty_v, g);
-      to_afrag<H, 1, BN / 16>(pa, s);
-    } else if (ntiles > 0) {
+    // Every product reading Q has completed: with O's own tile, the next block's Q may come.
+    if (kOwnO && lane0) mbar_arrive(empty_q);
+    if (ntiles > 0) {
       const int g = g0 + ntiles - 1;
       wait_v(g);
       fence_regs(o[0]);
@@ -414,35 +344,29 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
     g0 += ntiles;
 
     // Epilogue: O /= l, LSE = (m + log2 l) ln 2 (a row without visible keys by the band: O = 0,
-    // LSE = -inf), staged as 16-bit values into this warpgroup's own 64 rows of the block's Q
-    // tile (only this warpgroup's products read those rows, and all of them have completed) for
-    // 16-byte stores: the warpgroups never wait for each other here.
-    unsigned char* sO = sQ + q_buf(kq) * TQ::kBytes;
+    // LSE = -inf), staged as 16-bit values into this warpgroup's own 64 rows of O's tile (Q's at
+    // D = 256, where only this warpgroup's products read those rows) for 16-byte stores: the
+    // warpgroups never wait for each other here.
     bool sees[2];
     rows_in(row_w + lane_id() / 4, rule.live_rows_begin(Sq), rule.live_rows_end(Sq, Skv), sees);
     float inv[2], lse[2];
     finish_rows(st, sees, inv, lse);
     normalize_rows(o[0], inv, sees);
     store_lse(p.lse, b, h, row_w, Sq, lse);
-    named_barrier(4 + wg, 128);  // every warp of this warpgroup is past its last product
+    named_barrier(4 + wg, 128);  // every warp of this warpgroup is past its last product (and
+                                 // its previous block's reads of these rows)
     stage_acc_as<H, TQ, 1, NO>(sO, o, 16 * warp, 0, 1.0f);
     named_barrier(4 + wg, 128);
     store_rows16_as<TQ, 64, 128>(out16(p.out, b, h, m0), p.out.ss, sO, wg_row, qb.rows,
                                  static_cast<int>(p.shape.head_dim), true, static_cast<int>(threadIdx.x) - 128 * wg);
-    // O read back from Q's tile (the loads above have returned: their values were stored): the
-    // copy engine may overwrite it after this warp's generic-proxy writes are ordered before it.
-    fence_proxy_async();
-    __syncwarp();
-    if (lane0) mbar_arrive(empty_q + q_buf(kq));
-    ++kq;
-    if (cross) {
-      zero(o[0]);
-      st = st_next;
+    if constexpr (!kOwnO) {
+      // O read back from Q's tile (the loads above have returned: their values were stored): the
+      // copy engine may overwrite it after this warp's generic-proxy writes are ordered before it.
+      fence_proxy_async();
+      __syncwarp();
+      if (lane0) mbar_arrive(empty_q);
     }
-    begun = cross;
-    qb = nq;
-    seq = nseq;
-    have = have_next;
+    ++kq;
   }
   if (pp_open && wg == 0) named_barrier(2, TC);  // the last signal of warpgroup 1, unanswered
 #endif

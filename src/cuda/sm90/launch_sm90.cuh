@@ -115,7 +115,6 @@ void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream) {
     const int64_t tiles = ((w.units() + ctas - 1) / ctas) * 2 * ((s.seq_kv + c.block_n - 1) / c.block_n);
     if (tiles < INT32_MAX) {
       args.walk = w;
-      args.cross = a.cross;
       grid = dim3(static_cast<unsigned>(ctas), 1, 1);
     }
   }
