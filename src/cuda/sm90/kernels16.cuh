@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Forward, DP).threads(), ti
   }
   __syncthreads();
 
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);  // (uniform datapath)
+  const int wg = threadIdx.x / 128;
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
