@@ -25,7 +25,9 @@ Backends of --suite training (--backends auto picks per dtype):
                     one pass over key blocks, dQ accumulated with float32 atomics),
                     flashattn-ordered (deterministic=1, FLASHATTN_CUDA_BWD=ordered: the same
                     pass with dQ added in a fixed key-block order, bitwise reproducible; what
-                    deterministic=1 runs on sm_90a), flashattn-split (deterministic=1,
+                    deterministic=1 runs on sm_90a; under GQA a CTA per query head, dK/dV summed
+                    over the group in head order), flashattn-ordered-kvhead (the same without
+                    that split: FLASHATTN_CUDA_ORD_HEADS=0), flashattn-split (deterministic=1,
                     FLASHATTN_CUDA_BWD=split: dQ pass + dK/dV pass, bitwise reproducible; what
                     it runs elsewhere); sdpa-flash, sdpa-cudnn, sdpa-efficient (full mode);
                     flashattn-blocks (FLASHATTN_CUDA_FWD_CTAS=0, forward only: one CTA per row
@@ -81,7 +83,10 @@ from cabi import CtypesLib, EnvSettings  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
-DESIGNS = ("flashattn-atomic", "flashattn-split", "flashattn-ordered")
+DESIGNS = ("flashattn-atomic", "flashattn-split", "flashattn-ordered", "flashattn-ordered-kvhead")
+# Designs' other kernel-selection knobs (C ABI of a developer build). ordered-kvhead: the ordered
+# backward without its GQA head split (a CTA per kv head walking the group's query heads).
+DESIGN_KNOBS = {"flashattn-ordered-kvhead": {"FLASHATTN_CUDA_ORD_HEADS": "0"}}
 # Forward variants of the 16-bit sm_90a kernel (developer builds' overrides): their rows time the
 # forward only. blocks: one CTA per row block (no walk).
 FWD_VARIANTS = {"flashattn-blocks": {"FLASHATTN_CUDA_FWD_CTAS": "0"}}
@@ -112,12 +117,15 @@ class Impl:
         self.ours = name in OURS
         self.passes = passes
         self.precision = "tf32" if name == "flashattn-tf32" else "fp32"
-        self.deterministic = name in ("flashattn-split", "flashattn-ordered")
+        self.deterministic = name in ("flashattn-split", "flashattn-ordered", "flashattn-ordered-kvhead")
         # The default row runs with the variable removed, so it shows the library's own choice.
-        self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered", "flashattn-split": "split"}.get(name)
+        self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered", "flashattn-split": "split",
+                    "flashattn-ordered-kvhead": "ordered"}.get(name)
         self.design = {"flashattn": "default", "flashattn-tf32": "tf32", "flashattn-atomic": "atomic",
-                       "flashattn-split": "split", "flashattn-ordered": "ordered"}.get(name, "")
-        self.overrides = FWD_VARIANTS.get(name, {})  # other kernel-selection knobs (C ABI)
+                       "flashattn-split": "split", "flashattn-ordered": "ordered",
+                       "flashattn-ordered-kvhead": "ordered-kvhead"}.get(name, "")
+        # other kernel-selection knobs (C ABI)
+        self.overrides = FWD_VARIANTS.get(name) or DESIGN_KNOBS.get(name) or {}
 
 
 def backend_names(dname, args):
@@ -180,13 +188,21 @@ def padded_head_dim(d):
     return next((c for c in COMPILED_HEAD_DIMS if c >= d), d)
 
 
-def scratch_bytes(impl_name, dname, b, hq, sq, d):
+def scratch_bytes(impl_name, dname, b, hq, sq, d, hkv=None):
     """The library's backward scratch by design (docs/ALGORITHM.md): D = rowsum(dO * O) in
     float32 for every design; the atomic design adds its float32 dQ accumulator at the padded
-    head dim. None for the default row (whichever design the library picks) and for peers."""
+    head dim; the ordered one under GQA (hkv < hq) the group's float32 dK and dV sums (128-key
+    blocks, 64 at D = 256). None for the default row (whichever design the library picks) and for
+    peers."""
     d_ws = b * hq * sq * 4
-    if impl_name in ("flashattn-atomic", "flashattn-ordered"):  # (ordered: + one int per 64-row tile)
-        return d_ws + b * hq * sq * padded_head_dim(d) * 4
+    if impl_name in ("flashattn-atomic", "flashattn-ordered", "flashattn-ordered-kvhead"):
+        # (ordered: + one int per 64-row tile)
+        dp = padded_head_dim(d)
+        acc = 0
+        if impl_name == "flashattn-ordered" and hkv is not None and hkv < hq:
+            bk = 64 if dp > 128 else 128
+            acc = 2 * b * hkv * ((sq + bk - 1) // bk) * bk * dp * 4
+        return d_ws + b * hq * sq * dp * 4 + acc
     if impl_name == "flashattn-split" or (dname == "float32" and impl_name in OURS):
         return d_ws
     return None
@@ -445,7 +461,8 @@ def supported(torch, fn, ctx, dtype, d, device, group=1):
 # ---- report --------------------------------------------------------------------------------------
 
 SHORT = {"flashattn": "flashattn", "flashattn-atomic": "atomic", "flashattn-split": "split",
-         "flashattn-ordered": "ordered", "flashattn-blocks": "blocks", BASE: "base",
+         "flashattn-ordered": "ordered", "flashattn-ordered-kvhead": "kvhead", "flashattn-blocks": "blocks",
+         BASE: "base",
          "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "sdpa-efficient": "efficient",
          "sdpa-math": "math"}
 RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
@@ -1102,7 +1119,7 @@ def main(argv=None):
                 row[f"{p}_reps"] = stats[p]["n"]
                 row[f"{p}_flops_per_s"] = H.flops(b, h, s, d, causal, p) / (ms[p] * 1e-3)
                 row[f"{p}_tflops"] = round(row[f"{p}_flops_per_s"] / 1e12, 2)
-            sb = scratch_bytes(impl.name, dname, b, h, s, d)
+            sb = scratch_bytes(impl.name, dname, b, h, s, d, hkv)
             row["scratch_formula_mib"] = round(sb / 2**20, 3) if sb is not None else None
             pool_mib = pr["pool_mib"]
             row["lib_pool_high_mib"] = round(pool_mib, 3) if pool_mib is not None else None

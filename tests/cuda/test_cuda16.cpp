@@ -187,11 +187,17 @@ int64_t mask_violations(const ProblemConfig& c, const std::vector<double>* got, 
 struct Design {
   const char* name;
   bool deterministic;
-  const char* env;  // FLASHATTN_CUDA_BWD
+  const char* env;                 // FLASHATTN_CUDA_BWD
+  const char* ord_heads = nullptr;  // FLASHATTN_CUDA_ORD_HEADS
 };
 // "ordered": deterministic on the sm_90a single pass, dQ added in key-block order (deterministic = 1
-// with no knob; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step).
-constexpr Design kDesigns[] = {{"split", true, "split"}, {"atomic", false, "atomic"}, {"ordered", true, nullptr}};
+// with no knob; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step);
+// under GQA a CTA per (key block, query head), the group's dK/dV summed in head order.
+// "ordered-kvhead": the same without that head split (a CTA per kv head walking the group).
+constexpr Design kDesigns[] = {{"split", true, "split"},
+                               {"atomic", false, "atomic"},
+                               {"ordered", true, nullptr},
+                               {"ordered-kvhead", true, nullptr, "0"}};
 
 Options options16(const ProblemConfig& c, const Design& d) {
   Options o = options_for(c);
@@ -278,6 +284,7 @@ void run_and_check(Problem& p, Dev& d, const Expected& e, const char* label = ""
   const std::vector<unsigned char> out_bytes = p.out.bytes, lse_bytes = p.lse.bytes;
   for (const Design& des : kDesigns) {
     EnvScope env("FLASHATTN_CUDA_BWD", des.env);
+    EnvScope env_heads("FLASHATTN_CUDA_ORD_HEADS", des.ord_heads);
     d.poison_grads();
     if (!call(des.name, info, [&] { d.backward(options16(c, des)); })) continue;
     p.poison_outputs();
@@ -734,6 +741,7 @@ TEST(Cuda16Stream, CallsAreQueuedOnTheOptionsStream) {
       d.poison();
       CUDA_OK(cudaDeviceSynchronize());
       EnvScope env("FLASHATTN_CUDA_BWD", des.env);
+      EnvScope env_heads("FLASHATTN_CUDA_ORD_HEADS", des.ord_heads);
       Options o = options16(c, des);
       o.stream = s;
       CUDA_OK(cudaLaunchHostFunc(s, hold_stream, nullptr));

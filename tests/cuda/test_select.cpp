@@ -695,6 +695,51 @@ TEST(CudaSelect, ForwardWalkWhileRowsSeeFewKeys) {
   EXPECT_EQ(walk(16384, none), 132);
 }
 
+// The ordered backward under GQA on dense calls: a CTA per (key block, query head), the group's
+// dK/dV sums in a float32 accumulator (two blocks of B Hkv nk 128 rows of DP floats, 16-byte
+// aligned) after the counters, whose count includes one per (batch, kv head, key block) - zeroed
+// with the dQ ones. Not for MHA, packed calls or with FLASHATTN_CUDA_ORD_HEADS=0.
+TEST(CudaSelect, OrderedBackwardSplitsTheGroupsQueryHeads) {
+  Numerics n = num(DType::BFloat16, Mask::CausalBottomRight);
+  n.deterministic = true;
+  auto plan = [&](const Shape& s) {
+    const Selected<BackwardPlan> r = select_backward(bparams(s, n), dev(9, 0), ov(scoped_vars()));
+    EXPECT_TRUE(r.ok) << r.why;
+    return r.plan;
+  };
+  for (int64_t d : {64, 128, 256}) {
+    SCOPED_TRACE(d);
+    const Shape gqa{2, 8, 2, 1000, 1000, d};
+    const BackwardPlan p = plan(gqa);
+    const TileConfig90 c = tile_config90(Pass::Dkv, p.dp, p.sm90_variant);
+    const int64_t nk = (1000 + c.block_m - 1) / c.block_m, dq_count = 2 * 8 * ((1000 + c.block_n - 1) / c.block_n) * c.warpgroups;
+    ASSERT_GE(p.dq_locks, 0);
+    EXPECT_EQ(p.dkv_locks, p.dq_locks + dq_count * static_cast<int64_t>(sizeof(int)));
+    EXPECT_EQ(p.dq_lock_count, dq_count + 2 * 2 * nk);
+    EXPECT_EQ(p.dkv_acc % 16, 0);
+    EXPECT_GE(p.dkv_acc, p.dkv_locks + 2 * 2 * nk * static_cast<int64_t>(sizeof(int)));
+    EXPECT_EQ(p.dkv_acc_rows, 2 * 2 * nk * c.block_m);
+    EXPECT_EQ(p.workspace, static_cast<size_t>(p.dkv_acc) + 2 * p.dkv_acc_rows * p.dp * sizeof(float));
+    EXPECT_EQ(plan(Shape{2, 8, 8, 1000, 1000, d}).dkv_acc, -1) << "MHA";
+  }
+  {
+    OverrideScope e("FLASHATTN_CUDA_ORD_HEADS", "0");
+    const BackwardPlan p = plan(Shape{2, 8, 2, 1000, 1000, 128});
+    EXPECT_GE(p.dq_locks, 0);
+    EXPECT_EQ(p.dkv_acc, -1);
+    EXPECT_EQ(p.dkv_locks, -1);
+  }
+  static const int32_t cu[3] = {0, 100, 300};  // never read by selection
+  BackwardParams b = bparams(Shape{2, 8, 2, 4096, 4096, 128}, n);
+  for (auto* x : {&b.q, &b.k, &b.v, &b.out, &b.dout}) x->sb = 0;
+  for (auto* x : {&b.dq, &b.dk, &b.dv}) x->sb = 0;
+  b.packing = Packing{cu, cu, nullptr, 300, 300};
+  const Selected<BackwardPlan> packed = select_backward(b, dev(9, 0), ov(scoped_vars()));
+  ASSERT_TRUE(packed.ok) << packed.why;
+  EXPECT_GE(packed.plan.dq_locks, 0);
+  EXPECT_EQ(packed.plan.dkv_acc, -1) << "packed calls keep a CTA per kv head";
+}
+
 TEST(CudaSelect, PersistentCtas) {
   // By default one CTA per block; the override runs a count, one per multiprocessor, or one per
   // block (0).
@@ -977,7 +1022,8 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
                           {"FLASHATTN_CUDA_PERSISTENT_CTAS", "sms"},
                           {"FLASHATTN_CUDA_CONVERT_CTAS", "7"},
                           {"FLASHATTN_CUDA_FWD_CTAS", "sms"},
-                          {"FLASHATTN_CUDA_DECODE_LOADER", "rows"}});
+                          {"FLASHATTN_CUDA_DECODE_LOADER", "rows"},
+                          {"FLASHATTN_CUDA_ORD_HEADS", "0"}});
   EXPECT_EQ(o.arch, 0);
   EXPECT_EQ(o.math, static_cast<int>(Math::Fma));
   EXPECT_EQ(o.bwd, 1);
@@ -992,6 +1038,7 @@ TEST(CudaSelect, OverridesParseEveryKnobAndRejectUnknownValues) {
   EXPECT_EQ(o.fwd_ctas, -2);
   EXPECT_EQ(ov({{"FLASHATTN_CUDA_FWD_CTAS", "5"}}).fwd_ctas, 5);
   EXPECT_EQ(o.decode_loader, DecodeShape::kRows);
+  EXPECT_EQ(o.ord_heads, 0);
   EXPECT_EQ(ov({{"FLASHATTN_CUDA_DECODE_LOADER", "bulk"}}).decode_loader, DecodeShape::kBulk);
   const Overrides none = ov();
   EXPECT_EQ(none.arch, -1);

@@ -177,8 +177,14 @@ struct KeyBlock {
   int rows;       // valid key rows (<= BM)
   int t_begin, t_end, per_head, ntiles;
   int64_t group;  // query heads per kv head
+  int64_t head0;  // the first query head walked (hk * group; one_head() narrows the walk)
   MaskRule rule;
-  FLASHATTN_HD int64_t head(int x) const { return hk * group + x / per_head; }
+  FLASHATTN_HD int64_t head(int x) const { return head0 + x / per_head; }
+  // The walk over query head h of the group only (the ordered backward's head split).
+  FLASHATTN_HD void one_head(int64_t h) {
+    head0 = h;
+    ntiles = per_head;
+  }
   FLASHATTN_HD int64_t q0(int x, int bn) const { return static_cast<int64_t>(t_begin + x % per_head) * bn; }
   // Fully visible when in range and inside the mask's band.
   FLASHATTN_HD bool tile_masked(int64_t n0, int bn, int bm, int64_t sq, int64_t skv) const {
@@ -199,6 +205,7 @@ FLASHATTN_HD KeyBlock key_block_at(const Shape& s, const MaskRule& rule, int64_t
   k.t_end = t.begin + t.count;
   k.per_head = t.count;
   k.ntiles = static_cast<int>(k.group) * k.per_head;
+  k.head0 = hk * k.group;
   return k;
 }
 template <int BM, int BN>

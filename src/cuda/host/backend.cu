@@ -455,6 +455,9 @@ void backward(const BackwardParams& p) {
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   a.dq_locks = plan.dq_locks >= 0 ? reinterpret_cast<int*>(reinterpret_cast<char*>(ws.get()) + plan.dq_locks) : nullptr;
   a.dq_rotate = plan.dq_rotate;
+  a.dkv_acc = plan.dkv_acc >= 0 ? reinterpret_cast<float*>(reinterpret_cast<char*>(ws.get()) + plan.dkv_acc) : nullptr;
+  a.dkv_acc_rows = plan.dkv_acc_rows;
+  a.dkv_locks = plan.dkv_locks >= 0 ? reinterpret_cast<int*>(reinterpret_cast<char*>(ws.get()) + plan.dkv_locks) : nullptr;
   a.ws_sb = packed ? 0 : s.heads_q * s.seq_q;
   a.ws_sh = packed ? p.packing.total_q : s.seq_q;
   // The row passes (D, dQ conversion) see a packed batch as one sequence of total_q rows: its

@@ -61,6 +61,11 @@ struct BwdArgs {
   // (BackwardPlan::dq_locks); nullptr: reductions in any order. dq_rotate: BackwardPlan's.
   int* dq_locks;
   bool dq_rotate;
+  // ... the head split (BackwardPlan::dkv_acc): the group's dK/dV sums and their counters;
+  // nullptr: one CTA per kv head.
+  float* dkv_acc;
+  int64_t dkv_acc_rows;
+  int* dkv_locks;
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 

@@ -114,6 +114,13 @@ struct BackwardPlan {
   // ... without a mask, with every key block of a head on the GPU at once: the blocks start at
   // query tiles spread over the row and take turns in the order they arrive (docs/ALGORITHM.md).
   bool dq_rotate = false;
+  // ... under GQA (dense calls): one CTA per (key block, query head) instead of per kv head, the
+  // group's dK/dV partials summed in query-head order in a float32 accumulator ([B, Hkv, nk
+  // block_m rows, DP] for dK, then dV; offset in bytes, -1: none) with a counter per (batch, kv
+  // head, key block) after dq_locks' (inside dq_lock_count, zeroed with them).
+  int64_t dkv_acc = -1;
+  int64_t dkv_acc_rows = 0;   // B Hkv nk block_m: dV's part starts this many rows after dK's
+  int64_t dkv_locks = -1;     // bytes
   bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
 };
 

@@ -395,6 +395,13 @@ struct Sm90BwdArgs {
   // lock_tiles query tiles per head (of the call's Sq, or max_seqlen_q when packed).
   int* locks;
   int64_t lock_tiles;
+  // ORD under GQA with the head split (BackwardPlan::dkv_acc; nullptr: none): CTA (key block x,
+  // query head y); the G CTAs of a key block add their dK/dV into dkv_acc in query-head order
+  // (rows (b Hkv + hk) nk BK + key, dK's then dV's dkv_acc_rows later; DP floats each), counted
+  // in dkv_locks[(b Hkv + hk) nk + x]; the last writes the sums as dK and dV.
+  float* dkv_acc;
+  int64_t dkv_acc_rows;
+  int* dkv_locks;
 };
 
 // The ordered dQ reduction (ORD, deterministic): the key blocks that see a query tile add their
@@ -468,7 +475,11 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   // (ORD: the key blocks of a head in reverse launch order, see wait_turn.)
   const int64_t kx = ORD ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, blockIdx.z, blockIdx.y, kx);
+  // ORD head split: blockIdx.y is a query head, which walks its own query tiles only.
+  const bool hsplit = ORD && A.dkv_acc != nullptr;
+  const int64_t G = p.shape.heads_q / p.shape.heads_kv;
+  KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, blockIdx.z, hsplit ? blockIdx.y / G : blockIdx.y, kx);
+  if (hsplit) kb.one_head(blockIdx.y);
   if (kb.rows <= 0) return;
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int ntiles = kb.ntiles;
@@ -716,6 +727,49 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   rows_in(row_w + lane / 4, rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
   zero_rows_unless(dk[0], seen);
   zero_rows_unless(dv[0], seen);
+  if constexpr (ORD) {
+    if (hsplit) {
+      // The head split: this head's partial dK/dV joins the group's sum in head order (g = its
+      // place): g = 0 stores, 0 < g < G - 1 adds and stores, the last adds and writes the result
+      // below. Each float sum is (earlier heads' sum) + this head's: one order, bitwise
+      // reproducible. The counter is waited for by one thread and passed on after a barrier
+      // that orders every consumer's stores before its fence (as the dQ turns); the partials go
+      // through L2 (.cg: another SM wrote them, this SM's L1 may hold stale lines).
+      const int64_t g = blockIdx.y - hk * G;
+      int* lock = A.dkv_locks + (b * p.shape.heads_kv + hk) * nk + kx;
+      const int64_t row0 = (b * p.shape.heads_kv + hk) * nk * BK + m0 + krow + lane / 4;
+      float* acc_k = A.dkv_acc + row0 * DP + cg * DW + 2 * (lane & 3);
+      float* acc_v = acc_k + A.dkv_acc_rows * DP;
+      if (threadIdx.x == 0) wait_turn(lock, static_cast<int>(g));
+      named_barrier(1, TC);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+          const int64_t at = 8 * r * DP + 8 * j;
+          if (g > 0) {
+            const float2 pk = __ldcg(reinterpret_cast<const float2*>(acc_k + at));
+            const float2 pv = __ldcg(reinterpret_cast<const float2*>(acc_v + at));
+            dk[0][j][2 * r] = pk.x + dk[0][j][2 * r];
+            dk[0][j][2 * r + 1] = pk.y + dk[0][j][2 * r + 1];
+            dv[0][j][2 * r] = pv.x + dv[0][j][2 * r];
+            dv[0][j][2 * r + 1] = pv.y + dv[0][j][2 * r + 1];
+          }
+          if (g + 1 < G) {
+            __stcg(reinterpret_cast<float2*>(acc_k + at), make_float2(dk[0][j][2 * r], dk[0][j][2 * r + 1]));
+            __stcg(reinterpret_cast<float2*>(acc_v + at), make_float2(dv[0][j][2 * r], dv[0][j][2 * r + 1]));
+          }
+        }
+      if (g + 1 < G) {
+        named_barrier(1, TC);
+        if (threadIdx.x == 0) {
+          __threadfence();
+          pass_turn(lock);
+        }
+        return;
+      }
+    }
+  }
   named_barrier(1, TC);
   stage_acc<H, BK, DP, 1, NO>(sQ, dk, krow, cg * DW, a.score.grad_scale());
   stage_acc<H, BK, DP, 1, NO>(sdO, dv, krow, cg * DW, 1.0f);
