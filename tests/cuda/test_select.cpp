@@ -695,10 +695,12 @@ TEST(CudaSelect, ForwardWalkWhileRowsSeeFewKeys) {
   EXPECT_EQ(walk(16384, none), 132);
 }
 
-// The ordered backward under GQA on dense calls: a CTA per (key block, query head), the group's
-// dK/dV sums in a float32 accumulator (two blocks of B Hkv nk 128 rows of DP floats, 16-byte
-// aligned) after the counters, whose count includes one per (batch, kv head, key block) - zeroed
-// with the dQ ones. Not for MHA, packed calls or with FLASHATTN_CUDA_ORD_HEADS=0.
+// The ordered backward under GQA on dense banded calls (causal, windows) past 1024 keys, or at
+// D = 256: a CTA per (key block, query head), the group's dK/dV sums in a float32 accumulator
+// (two blocks of B Hkv nk block_m rows of DP floats, 16-byte aligned) after the counters, whose
+// count includes one per (batch, kv head, key block) - zeroed with the dQ ones. Not for MHA,
+// packed calls, without a mask, short rows at D <= 128, or with FLASHATTN_CUDA_ORD_HEADS=0;
+// =1 splits every dense GQA call.
 TEST(CudaSelect, OrderedBackwardSplitsTheGroupsQueryHeads) {
   Numerics n = num(DType::BFloat16, Mask::CausalBottomRight);
   n.deterministic = true;
@@ -709,10 +711,10 @@ TEST(CudaSelect, OrderedBackwardSplitsTheGroupsQueryHeads) {
   };
   for (int64_t d : {64, 128, 256}) {
     SCOPED_TRACE(d);
-    const Shape gqa{2, 8, 2, 1000, 1000, d};
+    const Shape gqa{2, 8, 2, 2000, 2000, d};
     const BackwardPlan p = plan(gqa);
     const TileConfig90 c = tile_config90(Pass::Dkv, p.dp, p.sm90_variant);
-    const int64_t nk = (1000 + c.block_m - 1) / c.block_m, dq_count = 2 * 8 * ((1000 + c.block_n - 1) / c.block_n) * c.warpgroups;
+    const int64_t nk = (2000 + c.block_m - 1) / c.block_m, dq_count = 2 * 8 * ((2000 + c.block_n - 1) / c.block_n) * c.warpgroups;
     ASSERT_GE(p.dq_locks, 0);
     EXPECT_EQ(p.dkv_locks, p.dq_locks + dq_count * static_cast<int64_t>(sizeof(int)));
     EXPECT_EQ(p.dq_lock_count, dq_count + 2 * 2 * nk);
@@ -720,14 +722,26 @@ TEST(CudaSelect, OrderedBackwardSplitsTheGroupsQueryHeads) {
     EXPECT_GE(p.dkv_acc, p.dkv_locks + 2 * 2 * nk * static_cast<int64_t>(sizeof(int)));
     EXPECT_EQ(p.dkv_acc_rows, 2 * 2 * nk * c.block_m);
     EXPECT_EQ(p.workspace, static_cast<size_t>(p.dkv_acc) + 2 * p.dkv_acc_rows * p.dp * sizeof(float));
-    EXPECT_EQ(plan(Shape{2, 8, 8, 1000, 1000, d}).dkv_acc, -1) << "MHA";
+    EXPECT_EQ(plan(Shape{2, 8, 8, 2000, 2000, d}).dkv_acc, -1) << "MHA";
+    EXPECT_EQ(plan(Shape{2, 8, 2, 1024, 1024, d}).dkv_acc >= 0, d == 256) << "short rows";
   }
+  Numerics none = n;
+  none.mask = Mask::None;
+  const Shape gqa{2, 8, 2, 4096, 4096, 128};
+  EXPECT_EQ(select_backward(bparams(gqa, none), dev(9, 0), ov(scoped_vars())).plan.dkv_acc, -1) << "no mask";
+  Numerics window = none;
+  window.window_left = 512;
+  EXPECT_GE(select_backward(bparams(gqa, window), dev(9, 0), ov(scoped_vars())).plan.dkv_acc, 0) << "a window";
   {
     OverrideScope e("FLASHATTN_CUDA_ORD_HEADS", "0");
-    const BackwardPlan p = plan(Shape{2, 8, 2, 1000, 1000, 128});
+    const BackwardPlan p = plan(gqa);
     EXPECT_GE(p.dq_locks, 0);
     EXPECT_EQ(p.dkv_acc, -1);
     EXPECT_EQ(p.dkv_locks, -1);
+  }
+  {
+    OverrideScope e("FLASHATTN_CUDA_ORD_HEADS", "1");
+    EXPECT_GE(select_backward(bparams(gqa, none), dev(9, 0), ov(scoped_vars())).plan.dkv_acc, 0);
   }
   static const int32_t cu[3] = {0, 100, 300};  // never read by selection
   BackwardParams b = bparams(Shape{2, 8, 2, 4096, 4096, 128}, n);

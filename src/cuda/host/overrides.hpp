@@ -31,8 +31,8 @@
 // |                                 |                              | checked on the host, or on the stream (the default) |
 // | FLASHATTN_CUDA_DECODE_STREAMS   | 1, 2, 3, 4                   | whole-tile KV CTAs per SM the split rule aims at    |
 // |                                 |                              | (default: kv_streams, from the memory bandwidth)    |
-// | FLASHATTN_CUDA_ORD_HEADS        | 0, 1                         | ordered 16-bit backward under GQA: 0 = a CTA per    |
-// |                                 |                              | kv head (no head split, BackwardPlan::dkv_acc)      |
+// | FLASHATTN_CUDA_ORD_HEADS        | 0, 1                         | ordered 16-bit backward under GQA: a CTA per query  |
+// |                                 |                              | head (1, BackwardPlan::dkv_acc) or per kv head (0)  |
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -65,7 +65,7 @@ struct Overrides {
   int decode_stages = -1;  // 0, 1, 2: 2, 3, 4 stages
   int kv_check = -1;       // 0 host, 1 device
   int decode_streams = -1; // 1..4: CTAs per SM for the whole-tile loader's split rule (kv_streams)
-  int ord_heads = -1;      // 0: the ordered backward without the head split under GQA
+  int ord_heads = -1;      // the ordered backward's head split under GQA: 0 never, 1 always (dense calls)
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).
