@@ -60,7 +60,7 @@ def backward_design(design):
 def own_pools():
     # flashattn.torch runs CPU calls on torch's OpenMP threads by default; this row times the
     # library's own thread pools instead.
-    was = "caller's thread team" in flashattn.build_info()
+    was = fat.torch_threads_in_use()
     fat.use_torch_threads(False)
     try:
         yield

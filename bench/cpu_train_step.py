@@ -31,7 +31,7 @@ args = ap.parse_args()
 
 torch.manual_seed(0)
 B, S, Dm, H = args.batch, 256, 256, 4
-on_torch_threads = "caller's thread team" in flashattn.build_info()
+on_torch_threads = fat.torch_threads_in_use()
 
 sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
 ours = lambda q, k, v: fat.attention(q, k, v, is_causal=True)  # noqa: E731

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from . import _api, _ext
 
-__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads", "use_torch_allocator",
-           "use_eager_ops", "eager_ops_available"]
+__all__ = ["attention", "attention_varlen", "FlashAttnFunction", "use_torch_threads", "torch_threads_in_use",
+           "use_torch_allocator", "use_eager_ops", "eager_ops_available"]
 
 
 _stream = _api.torch_stream
@@ -96,13 +96,24 @@ def use_torch_threads(enable: bool = True) -> bool:
     those very threads, torch.get_num_threads() of them. Applies to every CPU call of the library in
     this process; results are the same bits either way. Returns whether torch's threads are in use
     (False where torch does not use OpenMP)."""
+    global _on_torch_threads
     if not enable:
         _ext.use_own_threads()
+        _on_torch_threads = False
         return False
     path = _torch_openmp_path()
-    return bool(path) and _ext.use_openmp_runtime(path)
+    _on_torch_threads = bool(path) and _ext.use_openmp_runtime(path)
+    return _on_torch_threads
 
 
+def torch_threads_in_use() -> bool:
+    """Whether CPU calls currently run on PyTorch's threads (use_torch_threads): True after
+    `import flashattn.torch` where torch uses OpenMP, unless FLASHATTN_TORCH_THREADS=0 or
+    use_torch_threads(False)."""
+    return _on_torch_threads
+
+
+_on_torch_threads = False
 if os.environ.get("FLASHATTN_TORCH_THREADS", "1") != "0":
     use_torch_threads(True)
 

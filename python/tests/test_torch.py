@@ -439,8 +439,10 @@ def test_cpu_calls_run_on_torch_threads_by_default():
     import sys
     if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("this torch does not run its CPU operators on OpenMP")
-    code = ("import flashattn, flashattn.torch; "
-            "print(\"caller's thread team\" in flashattn.build_info())")
+    # (The library's own report and the package's getter must agree.)
+    code = ("import flashattn, flashattn.torch as fat; "
+            "on = \"caller's thread team\" in flashattn.build_info(); "
+            "assert on == fat.torch_threads_in_use(), on; print(on)")
     for env_value, want in ((None, "True"), ("0", "False"), ("1", "True")):
         env = dict(os.environ)
         env.pop("FLASHATTN_TORCH_THREADS", None)
@@ -461,6 +463,7 @@ def test_cpu_calls_on_torch_threads_are_bitwise_the_same():
     if not on:
         pytest.skip("this torch does not run its CPU operators on OpenMP (or not on Linux)")
     assert "caller's thread team" in flashattn.build_info()
+    assert fat.torch_threads_in_use()
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 4, 97, 40, generator=g) for _ in range(4))
 
@@ -474,6 +477,7 @@ def test_cpu_calls_on_torch_threads_are_bitwise_the_same():
         shared = run()
         fat.use_torch_threads(False)
         assert "thread pools" in flashattn.build_info()
+        assert not fat.torch_threads_in_use()
         own = run()
     finally:
         fat.use_torch_threads(True)
