@@ -188,18 +188,18 @@ def padded_head_dim(d):
     return next((c for c in COMPILED_HEAD_DIMS if c >= d), d)
 
 
-def scratch_bytes(impl_name, dname, b, hq, sq, d, hkv=None):
+def scratch_bytes(impl_name, dname, b, hq, sq, d, hkv=None, causal=False):
     """The library's backward scratch by design (docs/ALGORITHM.md): D = rowsum(dO * O) in
     float32 for every design; the atomic design adds its float32 dQ accumulator at the padded
-    head dim; the ordered one under GQA (hkv < hq) the group's float32 dK and dV sums (128-key
-    blocks, 64 at D = 256). None for the default row (whichever design the library picks) and for
-    peers."""
+    head dim; the ordered one under GQA (hkv < hq) with its head split (causal past 1024 keys,
+    or causal at D = 256: select.cpp) the group's float32 dK and dV sums (128-key blocks, 64 at
+    D = 256). None for the default row (whichever design the library picks) and for peers."""
     d_ws = b * hq * sq * 4
     if impl_name in ("flashattn-atomic", "flashattn-ordered", "flashattn-ordered-kvhead"):
         # (ordered: + one int per 64-row tile)
         dp = padded_head_dim(d)
         acc = 0
-        if impl_name == "flashattn-ordered" and hkv is not None and hkv < hq:
+        if impl_name == "flashattn-ordered" and hkv is not None and hkv < hq and causal and (sq > 1024 or dp > 128):
             bk = 64 if dp > 128 else 128
             acc = 2 * b * hkv * ((sq + bk - 1) // bk) * bk * dp * 4
         return d_ws + b * hq * sq * dp * 4 + acc
@@ -1119,7 +1119,7 @@ def main(argv=None):
                 row[f"{p}_reps"] = stats[p]["n"]
                 row[f"{p}_flops_per_s"] = H.flops(b, h, s, d, causal, p) / (ms[p] * 1e-3)
                 row[f"{p}_tflops"] = round(row[f"{p}_flops_per_s"] / 1e12, 2)
-            sb = scratch_bytes(impl.name, dname, b, h, s, d, hkv)
+            sb = scratch_bytes(impl.name, dname, b, h, s, d, hkv, causal)
             row["scratch_formula_mib"] = round(sb / 2**20, 3) if sb is not None else None
             pool_mib = pr["pool_mib"]
             row["lib_pool_high_mib"] = round(pool_mib, 3) if pool_mib is not None else None

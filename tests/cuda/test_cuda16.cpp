@@ -193,11 +193,13 @@ struct Design {
 // "ordered": deterministic on the sm_90a single pass, dQ added in key-block order (deterministic = 1
 // with no knob; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step);
 // under GQA a CTA per (key block, query head), the group's dK/dV summed in head order.
-// "ordered-kvhead": the same without that head split (a CTA per kv head walking the group).
+// "ordered-kvhead" / "ordered-heads": the same with that head split never / always (every dense
+// GQA case, also without a mask, where it meets the rotated dQ turns).
 constexpr Design kDesigns[] = {{"split", true, "split"},
                                {"atomic", false, "atomic"},
                                {"ordered", true, nullptr},
-                               {"ordered-kvhead", true, nullptr, "0"}};
+                               {"ordered-kvhead", true, nullptr, "0"},
+                               {"ordered-heads", true, nullptr, "1"}};
 
 Options options16(const ProblemConfig& c, const Design& d) {
   Options o = options_for(c);

@@ -741,25 +741,34 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       float* acc_k = A.dkv_acc + row0 * DP + cg * DW + 2 * (lane & 3);
       float* acc_v = acc_k + A.dkv_acc_rows * DP;
       if (threadIdx.x == 0) wait_turn(lock, static_cast<int>(g));
+      __syncwarp();  // (bar.sync is aligned: the warp reconverges first)
       named_barrier(1, TC);
+      // One fragment row-half at a time (NO float2 of dK or dV: registers S and dP no longer
+      // need), all its loads issued before any store: the stores could alias the loads as far as
+      // the compiler knows, and load-add-store per pair made every pair an L2 round trip.
+      auto join = [&](float(&acc)[1][NO][4], float* base, int r) {
+        const float* rowp = base + 8 * r * DP;
+        float2 prev[NO];
+        if (g > 0) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+          for (int j = 0; j < NO; ++j) prev[j] = __ldcg(reinterpret_cast<const float2*>(rowp + 8 * j));
 #pragma unroll
-        for (int j = 0; j < NO; ++j) {
-          const int64_t at = 8 * r * DP + 8 * j;
-          if (g > 0) {
-            const float2 pk = __ldcg(reinterpret_cast<const float2*>(acc_k + at));
-            const float2 pv = __ldcg(reinterpret_cast<const float2*>(acc_v + at));
-            dk[0][j][2 * r] = pk.x + dk[0][j][2 * r];
-            dk[0][j][2 * r + 1] = pk.y + dk[0][j][2 * r + 1];
-            dv[0][j][2 * r] = pv.x + dv[0][j][2 * r];
-            dv[0][j][2 * r + 1] = pv.y + dv[0][j][2 * r + 1];
-          }
-          if (g + 1 < G) {
-            __stcg(reinterpret_cast<float2*>(acc_k + at), make_float2(dk[0][j][2 * r], dk[0][j][2 * r + 1]));
-            __stcg(reinterpret_cast<float2*>(acc_v + at), make_float2(dv[0][j][2 * r], dv[0][j][2 * r + 1]));
+          for (int j = 0; j < NO; ++j) {
+            acc[0][j][2 * r] = prev[j].x + acc[0][j][2 * r];
+            acc[0][j][2 * r + 1] = prev[j].y + acc[0][j][2 * r + 1];
           }
         }
+        if (g + 1 < G) {
+#pragma unroll
+          for (int j = 0; j < NO; ++j)
+            __stcg(reinterpret_cast<float2*>(base + 8 * r * DP + 8 * j), make_float2(acc[0][j][2 * r], acc[0][j][2 * r + 1]));
+        }
+      };
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        join(dk, acc_k, r);
+        join(dv, acc_v, r);
+      }
       if (g + 1 < G) {
         named_barrier(1, TC);
         if (threadIdx.x == 0) {
