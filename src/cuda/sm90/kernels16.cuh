@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 
   init_stage_barriers(full_kv, full, 1 + 32, empty, TC);  // empty: every consumer thread (see below)
 
-  const int wg = threadIdx.x / 128;
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (wg == NWG) {
     // ---- producer ---------------------------------------------------------------------------
     regs_decrease<C.producer_regs>();
