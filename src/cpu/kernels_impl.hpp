@@ -908,11 +908,19 @@ struct Forward {
   // float32 across a whole row, O and l lose digits as they outgrow their terms (n equal terms:
   // ~n * 2^-24 relative, 1e-2 at 1M keys); here each tile's BK-term sums stay in C and the sums
   // over tiles in double, so the error is that of BK terms at any length (~1e-6 relative).
+  // Per query block: qt, m, l, od; shared by the task's blocks: krows, vp, st, o (used by one
+  // block at a time).
   struct Tiles {
     C *qt, *krows, *vp, *st, *o, *m;
     double *l, *od;
   };
-  static Tiles carve(Carve<C>& cv, int64_t D) {
+  // A task's query blocks: 1, or 2 (PAIR) where the call has enough blocks to keep every thread
+  // busy in pairs: the two blocks of a pair then share each key tile's K rows and V panels - a
+  // tile packed once for both (packing V's tile into panels is ~10% of a block's time at D 128,
+  // repeated by every query block of a head). Each block's arithmetic and tile boundaries are
+  // those of a task of its own, so the result bits do not depend on the pairing.
+  static constexpr int PAIR = 2;
+  static Tiles carve(Carve<C>& cv, int64_t D, Tiles* second = nullptr) {
     const int64_t Dp = round_up(D, W);
     Tiles t;
     t.qt = cv.take(D * BQ);
@@ -923,6 +931,13 @@ struct Forward {
     t.m = cv.take(BQ);
     t.l = cv.take_doubles(BQ);
     t.od = cv.take_doubles(BQ * Dp);
+    if (second != nullptr) {
+      *second = t;
+      second->qt = cv.take(D * BQ);
+      second->m = cv.take(BQ);
+      second->l = cv.take_doubles(BQ);
+      second->od = cv.take_doubles(BQ * Dp);
+    }
     return t;
   }
 
@@ -930,7 +945,16 @@ struct Forward {
     const ForwardParams* p;
     MaskRule rule;
     ScoreMods<C> mods;
-    SeqBlocks tasks;
+    SeqBlocks tasks;  // over blocks of pair * BQ query rows
+    int pair;         // query blocks per task (1 or PAIR)
+  };
+
+  // One query block's state through the key loop.
+  struct Block {
+    int64_t i0, nq, nqv, kbegin, kend;
+    Panels<C> QT;
+    C* mrow;
+    double *lrow, *O;
   };
 
   static void task(const void* vctx, int64_t task, void* scratch) {
@@ -942,7 +966,7 @@ struct Forward {
     // +5 points of the sgemm ratio). Within a head, causal blocks late in the sequence cost the
     // most: they go first.
     const SeqBlocks::Item it = ctx.tasks.at(task);
-    const int64_t qb = it.nblk - 1 - it.blk, b = it.b, h = it.h;
+    const int64_t b = it.b, h = it.h;
     const Seq seq = p.kv.on() ? seq_of_cache(sh, p.num, p.kv, b) : seq_of(sh, p.num, p.packing, ctx.rule, b);
     const MaskRule& rule = seq.rule;
     const ScoreMods<C> mods = ctx.mods.of_seq(seq.sp);
@@ -952,39 +976,72 @@ struct Forward {
     const Out4 outv = from_row<S>(p.out, seq.sp.q0);
     const int64_t D = sh.head_dim, Sq = seq.sp.seq_q, Skv = seq.sp.seq_kv, Dp = round_up(D, W);
     const int64_t hk = h / (sh.heads_q / sh.heads_kv);
-    const int64_t i0 = qb * BQ, nq = smin(BQ, Sq - i0);
-    // The query columns the products and the softmax cover: the block's rows up to whole vectors
-    // (one for a decode step's single row) and then up to the softmax's strip count (a power of
-    // two), instead of the whole tile: a short sequence or a last block pays for its rows. Each
-    // column's arithmetic is that of the full-width tile, so results do not change.
-    const int64_t nqv = strip_count(nq) * W;
+    // The task's query blocks, latest first: task blk of nblk covers blocks nb - 1 - pair * blk
+    // and below (nb = the sequence's blocks of BQ rows).
+    const int64_t nb = (Sq + BQ - 1) / BQ, top = nb - 1 - ctx.pair * it.blk;
+    const int nblocks = static_cast<int>(smin<int64_t>(ctx.pair, top + 1));
     Carve<C> cv{static_cast<C*>(scratch)};
-    const Tiles t = carve(cv, D);
-    C *ST = t.st, *T = t.o, *mrow = t.m;
-    double *O = t.od, *lrow = t.l;
-
-    const Panels<C> QT = pack_transposed<S, C>(q, b, h, i0, nq, D, mods.fold, t.qt, round_up(nqv, panel_width<C>()));
+    Tiles tiles[PAIR];
+    tiles[0] = carve(cv, D, ctx.pair > 1 ? &tiles[1] : nullptr);
+    C *ST = tiles[0].st, *T = tiles[0].o;
     const C slope2 = mods.slope2(b, h);
-    for (int64_t i = 0; i < nqv * Dp; ++i) O[i] = 0.0;
-    for (int64_t c = 0; c < BQ; ++c) {
-      mrow[c] = neg_inf<C>();
-      lrow[c] = 0.0;
+    Block blk[PAIR];
+    for (int x = 0; x < nblocks; ++x) {
+      Block& bl = blk[x];
+      const Tiles& t = tiles[x];
+      bl.i0 = (top - x) * BQ;
+      bl.nq = smin(BQ, Sq - bl.i0);
+      // The query columns the products and the softmax cover: the block's rows up to whole
+      // vectors (one for a decode step's single row) and then up to the softmax's strip count (a
+      // power of two), instead of the whole tile: a short sequence or a last block pays for its
+      // rows. Each column's arithmetic is that of the full-width tile, so results do not change.
+      bl.nqv = strip_count(bl.nq) * W;
+      bl.QT = pack_transposed<S, C>(q, b, h, bl.i0, bl.nq, D, mods.fold, t.qt, round_up(bl.nqv, panel_width<C>()));
+      bl.mrow = t.m;
+      bl.lrow = t.l;
+      bl.O = t.od;
+      for (int64_t i = 0; i < bl.nqv * Dp; ++i) bl.O[i] = 0.0;
+      for (int64_t c = 0; c < BQ; ++c) {
+        bl.mrow[c] = neg_inf<C>();
+        bl.lrow[c] = 0.0;
+      }
+      // An empty range (every row of the block sees no key) runs no step: the epilogue writes
+      // O = 0, LSE = -inf.
+      bl.kbegin = rule.key_begin(bl.i0);
+      bl.kend = rule.key_end(bl.i0 + bl.nq - 1, Skv);
     }
-
-    // An empty range (every row of the block sees no key) runs no step: the epilogue writes
-    // O = 0, LSE = -inf.
-    const int64_t kbegin = rule.key_begin(i0), kend = rule.key_end(i0 + nq - 1, Skv);
-    for (int64_t j0 = kbegin; j0 < kend; j0 += BK) {
-      const int64_t nk = smin(BK, kend - j0);
-      const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t.krows);
-      const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t.vp);
-      gemm<C, false>(nk, nqv / W, D, K.ptr, K.ld, 1, QT, ST, BQ);  // S^T = K Q^T
-      if (mods.on) score_step<C, true>(ST, BQ, nk, nqv, mods, slope2, i0, j0);
-      if (!rule.tile_inside(i0, i0 + nq, j0, j0 + nk))
-        mask_key_rows(ST, BQ, rule, i0, nqv, j0, nk);
-      online_softmax(ST, nk, mrow, lrow, O, Dp, nqv / W);
-      gemm<C, false>(nq, Dp / W, nk, ST, 1, BQ, Vp, T, Dp);  // T = P V, P^T read in place
-      for (int64_t i = 0; i < nq * Dp; ++i) O[i] += static_cast<double>(T[i]);  // O += T
+    // One key tile of block bl (keys [j0, j0 + nk)), K and V already in K / Vp.
+    auto step = [&](Block& bl, int64_t j0, int64_t nk, const Rows<C>& K, const Panels<C>& Vp) {
+      gemm<C, false>(nk, bl.nqv / W, D, K.ptr, K.ld, 1, bl.QT, ST, BQ);  // S^T = K Q^T
+      if (mods.on) score_step<C, true>(ST, BQ, nk, bl.nqv, mods, slope2, bl.i0, j0);
+      if (!rule.tile_inside(bl.i0, bl.i0 + bl.nq, j0, j0 + nk)) mask_key_rows(ST, BQ, rule, bl.i0, bl.nqv, j0, nk);
+      online_softmax(ST, nk, bl.mrow, bl.lrow, bl.O, Dp, bl.nqv / W);
+      gemm<C, false>(bl.nq, Dp / W, nk, ST, 1, BQ, Vp, T, Dp);  // T = P V, P^T read in place
+      for (int64_t i = 0; i < bl.nq * Dp; ++i) bl.O[i] += static_cast<double>(T[i]);  // O += T
+    };
+    const Tiles& t0 = tiles[0];
+    // Two blocks whose key tiles start in step (tile boundaries at the same keys: no mask,
+    // causal; not a window's, whose first key moves with the rows) share each tile's copies;
+    // otherwise each block runs its own tiles.
+    const bool shared = nblocks == 2 && blk[0].kbegin < blk[0].kend && blk[1].kbegin < blk[1].kend &&
+                        (blk[0].kbegin - blk[1].kbegin) % BK == 0;
+    if (shared) {
+      const int64_t j_first = smin(blk[0].kbegin, blk[1].kbegin), j_end = smax(blk[0].kend, blk[1].kend);
+      for (int64_t j0 = j_first; j0 < j_end; j0 += BK) {
+        const int64_t nk = smin(BK, j_end - j0);
+        const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t0.krows);
+        const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t0.vp);
+        for (int x = 0; x < 2; ++x)
+          if (j0 >= blk[x].kbegin && j0 < blk[x].kend) step(blk[x], j0, smin(BK, blk[x].kend - j0), K, Vp);
+      }
+    } else {
+      for (int x = 0; x < nblocks; ++x)
+        for (int64_t j0 = blk[x].kbegin; j0 < blk[x].kend; j0 += BK) {
+          const int64_t nk = smin(BK, blk[x].kend - j0);
+          const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t0.krows);
+          const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t0.vp);
+          step(blk[x], j0, nk, K, Vp);
+        }
     }
 
     // Epilogue: O / l and LSE = (m + log2 l) * ln 2, in IEEE arithmetic: a NaN score leaves l NaN
@@ -993,17 +1050,20 @@ struct Forward {
     // by the band are empty (decided once per row, never from l): O = 0, LSE = -inf, even where a
     // NaN in a value row shares the tile (their P is 0, and 0 * NaN is NaN).
     float* lse = p.lse.ptr + b * p.lse.sb + h * p.lse.sh + seq.sp.q0 * p.lse.ss;
-    for (int64_t c = 0; c < nq; ++c) {
-      S* out = row_ptr<S>(outv, b, h, i0 + c);
-      const double l = lrow[c];
-      if (rule.row_sees_keys(i0 + c, Skv)) {
-        const double inv = 1.0 / l;
-        for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, static_cast<C>(O[c * Dp + d] * inv));
-        const double v = (static_cast<double>(mrow[c]) + __builtin_log2(l)) * kLn2;
-        lse[(i0 + c) * p.lse.ss] = static_cast<float>(v);
-      } else {
-        for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, C(0));
-        lse[(i0 + c) * p.lse.ss] = -__builtin_inff();
+    for (int x = 0; x < nblocks; ++x) {
+      const Block& bl = blk[x];
+      for (int64_t c = 0; c < bl.nq; ++c) {
+        S* out = row_ptr<S>(outv, b, h, bl.i0 + c);
+        const double l = bl.lrow[c];
+        if (rule.row_sees_keys(bl.i0 + c, Skv)) {
+          const double inv = 1.0 / l;
+          for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, static_cast<C>(bl.O[c * Dp + d] * inv));
+          const double v2 = (static_cast<double>(bl.mrow[c]) + __builtin_log2(l)) * kLn2;
+          lse[(bl.i0 + c) * p.lse.ss] = static_cast<float>(v2);
+        } else {
+          for (int64_t d = 0; d < D; ++d) store_as<C>(out + d, C(0));
+          lse[(bl.i0 + c) * p.lse.ss] = -__builtin_inff();
+        }
       }
     }
   }
@@ -1077,9 +1137,15 @@ struct Forward {
 
   static void run(const ForwardParams& p, const MaskRule& rule, Parallel& par) {
     const Shape& sh = p.shape;
+    // Pairs where the call has at least 8 single blocks per thread (the pairs then still leave
+    // every thread 4 tasks to balance); the pairing changes no bit.
+    const SeqBlocks single = seq_blocks(sh, p.packing, sh.heads_q, BQ, false, par);
+    const int pair = single.count >= 8 * static_cast<int64_t>(par.threads()) ? PAIR : 1;
     Carve<C> cv{nullptr};
-    carve(cv, sh.head_dim);
-    const Ctx ctx{&p, rule, ScoreMods<C>::make(sh, p.num), seq_blocks(sh, p.packing, sh.heads_q, BQ, false, par)};
+    Tiles second;
+    carve(cv, sh.head_dim, pair > 1 ? &second : nullptr);
+    const Ctx ctx{&p, rule, ScoreMods<C>::make(sh, p.num),
+                  pair > 1 ? seq_blocks(sh, p.packing, sh.heads_q, pair * BQ, false, par) : single, pair};
     par.run(ctx.tasks.count, cv.bytes(), &task, &ctx);
   }
 };
