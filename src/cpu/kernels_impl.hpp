@@ -1019,29 +1019,31 @@ struct Forward {
       gemm<C, false>(bl.nq, Dp / W, nk, ST, 1, BQ, Vp, T, Dp);  // T = P V, P^T read in place
       for (int64_t i = 0; i < bl.nq * Dp; ++i) bl.O[i] += static_cast<double>(T[i]);  // O += T
     };
-    const Tiles& t0 = tiles[0];
-    // Two blocks whose key tiles start in step (tile boundaries at the same keys: no mask,
-    // causal; not a window's, whose first key moves with the rows) share each tile's copies;
-    // otherwise each block runs its own tiles.
-    const bool shared = nblocks == 2 && blk[0].kbegin < blk[0].kend && blk[1].kbegin < blk[1].kend &&
-                        (blk[0].kbegin - blk[1].kbegin) % BK == 0;
-    if (shared) {
-      const int64_t j_first = smin(blk[0].kbegin, blk[1].kbegin), j_end = smax(blk[0].kend, blk[1].kend);
+    // The key tiles of blocks [x0, x1) together, each tile's K rows and V panels copied once for
+    // all of them (each block steps through its own range, so its tiles are those of a walk of
+    // its own when the blocks' first keys are a whole number of tiles apart).
+    auto walk = [&](int x0, int x1) {
+      int64_t j_first = blk[x0].kbegin, j_end = blk[x0].kend;
+      for (int x = x0 + 1; x < x1; ++x) {
+        j_first = smin(j_first, blk[x].kbegin);
+        j_end = smax(j_end, blk[x].kend);
+      }
       for (int64_t j0 = j_first; j0 < j_end; j0 += BK) {
         const int64_t nk = smin(BK, j_end - j0);
-        const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t0.krows);
-        const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t0.vp);
-        for (int x = 0; x < 2; ++x)
+        const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, tiles[0].krows);
+        const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, tiles[0].vp);
+        for (int x = x0; x < x1; ++x)
           if (j0 >= blk[x].kbegin && j0 < blk[x].kend) step(blk[x], j0, smin(BK, blk[x].kend - j0), K, Vp);
       }
+    };
+    // Two blocks whose key tiles start in step (tile boundaries at the same keys: no mask,
+    // causal; not a window's, whose first key moves with the rows) share each tile's copies;
+    // otherwise each block walks its own tiles.
+    if (nblocks == 2 && blk[0].kbegin < blk[0].kend && blk[1].kbegin < blk[1].kend &&
+        (blk[0].kbegin - blk[1].kbegin) % BK == 0) {
+      walk(0, 2);
     } else {
-      for (int x = 0; x < nblocks; ++x)
-        for (int64_t j0 = blk[x].kbegin; j0 < blk[x].kend; j0 += BK) {
-          const int64_t nk = smin(BK, blk[x].kend - j0);
-          const Rows<C> K = rows_of<S, C>(k, b, hk, j0, nk, D, t0.krows);
-          const Panels<C> Vp = pack_panels<S, C>(v, b, hk, j0, nk, D, t0.vp);
-          step(blk[x], j0, nk, K, Vp);
-        }
+      for (int x = 0; x < nblocks; ++x) walk(x, x + 1);
     }
 
     // Epilogue: O / l and LSE = (m + log2 l) * ln 2, in IEEE arithmetic: a NaN score leaves l NaN

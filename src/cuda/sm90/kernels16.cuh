@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       // need), all its loads issued before any store: the stores could alias the loads as far as
       // the compiler knows, and load-add-store per pair made every pair an L2 round trip.
       auto join = [&](float(&acc)[1][NO][4], float* base, int r) {
-        const float* rowp = base + 8 * r * DP;
+        float* rowp = base + 8 * r * DP;
         float2 prev[NO];
         if (g > 0) {
 #pragma unroll
@@ -774,7 +774,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         if (g + 1 < G) {
 #pragma unroll
           for (int j = 0; j < NO; ++j)
-            __stcg(reinterpret_cast<float2*>(base + 8 * r * DP + 8 * j), make_float2(acc[0][j][2 * r], acc[0][j][2 * r + 1]));
+            __stcg(reinterpret_cast<float2*>(rowp + 8 * j), make_float2(acc[0][j][2 * r], acc[0][j][2 * r + 1]));
         }
       };
 #pragma unroll
