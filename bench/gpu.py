@@ -76,6 +76,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402  (imports torch only when it needs it)
@@ -83,16 +84,37 @@ from cabi import CtypesLib, EnvSettings  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
-DESIGNS = ("flashattn-atomic", "flashattn-split", "flashattn-ordered", "flashattn-ordered-kvhead")
-# Designs' other kernel-selection knobs (C ABI of a developer build). ordered-kvhead: the ordered
-# backward without its GQA head split (a CTA per kv head walking the group's query heads).
-DESIGN_KNOBS = {"flashattn-ordered-kvhead": {"FLASHATTN_CUDA_ORD_HEADS": "0"}}
-# Forward variants of the 16-bit sm_90a kernel (developer builds' overrides): their rows time the
-# forward only. blocks: one CTA per row block (no walk).
-FWD_VARIANTS = {"flashattn-blocks": {"FLASHATTN_CUDA_FWD_CTAS": "0"}}
+class Ours(NamedTuple):
+    """One of flashattn's benchmark rows: how it is labelled and how it is selected."""
+    short: str                       # column label
+    design: str = ""                 # the backward design the row reports ("" = forward only)
+    env_bwd: Optional[str] = None    # FLASHATTN_CUDA_BWD for its calls (None: the variable removed)
+    deterministic: bool = False      # the C ABI's deterministic option
+    knobs: Optional[dict] = None     # other kernel-selection overrides (developer builds' C ABI)
+    only: Optional[str] = None       # "bwd": same forward as the default row; "fwd": same backward
+    precision: str = "fp32"
+
+
 # --base-lib: the default calls on another build of the library (a change's base), same process.
 BASE = "base:flashattn"
-OURS = ("flashattn", "flashattn-tf32") + DESIGNS + tuple(FWD_VARIANTS) + (BASE,)
+# Every flashattn row, in report order. ordered-kvhead: the ordered backward without its GQA head
+# split (a CTA per kv head walking the group's query heads); blocks: the 16-bit sm_90a forward
+# with one CTA per row block (no walk).
+OURS_TABLE = {
+    "flashattn": Ours("flashattn", "default"),
+    "flashattn-tf32": Ours("tf32", "tf32", precision="tf32"),
+    "flashattn-atomic": Ours("atomic", "atomic", "atomic", only="bwd"),
+    "flashattn-split": Ours("split", "split", "split", True, only="bwd"),
+    "flashattn-ordered": Ours("ordered", "ordered", "ordered", True, only="bwd"),
+    "flashattn-ordered-kvhead": Ours("kvhead", "ordered-kvhead", "ordered", True,
+                                     {"FLASHATTN_CUDA_ORD_HEADS": "0"}, only="bwd"),
+    "flashattn-blocks": Ours("blocks", knobs={"FLASHATTN_CUDA_FWD_CTAS": "0"}, only="fwd"),
+    BASE: Ours("base", "default"),
+}
+# 16-bit backward designs (their rows time the backward) and forward variants (the forward).
+DESIGNS = tuple(n for n, o in OURS_TABLE.items() if o.only == "bwd")
+FWD_VARIANTS = tuple(n for n, o in OURS_TABLE.items() if o.only == "fwd")
+OURS = tuple(OURS_TABLE)
 SDPA_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 # Head dims the CUDA kernels are compiled for; others run padded to the next one.
 COMPILED_HEAD_DIMS = (64, 96, 128, 256)
@@ -116,16 +138,13 @@ class Impl:
         self.name = name
         self.ours = name in OURS
         self.passes = passes
-        self.precision = "tf32" if name == "flashattn-tf32" else "fp32"
-        self.deterministic = name in ("flashattn-split", "flashattn-ordered", "flashattn-ordered-kvhead")
+        o = OURS_TABLE.get(name, Ours(name))
+        self.precision = o.precision
+        self.deterministic = o.deterministic
         # The default row runs with the variable removed, so it shows the library's own choice.
-        self.env = {"flashattn-atomic": "atomic", "flashattn-ordered": "ordered", "flashattn-split": "split",
-                    "flashattn-ordered-kvhead": "ordered"}.get(name)
-        self.design = {"flashattn": "default", "flashattn-tf32": "tf32", "flashattn-atomic": "atomic",
-                       "flashattn-split": "split", "flashattn-ordered": "ordered",
-                       "flashattn-ordered-kvhead": "ordered-kvhead"}.get(name, "")
-        # other kernel-selection knobs (C ABI)
-        self.overrides = FWD_VARIANTS.get(name) or DESIGN_KNOBS.get(name) or {}
+        self.env = o.env_bwd
+        self.design = o.design
+        self.overrides = o.knobs or {}
 
 
 def backend_names(dname, args):
@@ -460,9 +479,7 @@ def supported(torch, fn, ctx, dtype, d, device, group=1):
 
 # ---- report --------------------------------------------------------------------------------------
 
-SHORT = {"flashattn": "flashattn", "flashattn-atomic": "atomic", "flashattn-split": "split",
-         "flashattn-ordered": "ordered", "flashattn-ordered-kvhead": "kvhead", "flashattn-blocks": "blocks",
-         BASE: "base",
+SHORT = {**{n: o.short for n, o in OURS_TABLE.items()},
          "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "sdpa-efficient": "efficient",
          "sdpa-math": "math"}
 RATIO_TO = (("sdpa-flash", "flash"), ("sdpa-cudnn", "cudnn"))
@@ -498,7 +515,7 @@ def lp_table(rows, p):
     """Markdown: one line per 16-bit case, pass p, TFLOP/s per backend, ours over flash/cuDNN."""
     rows = [r for r in rows if r["dtype"] in LOW]
     has = lambda b: any(r["backend"] == b and r.get(f"{p}_flops_per_s") for r in rows)  # noqa
-    ours = [b for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS) + (BASE,) if has(b)]
+    ours = [b for b in tuple(n for n in OURS if n != "flashattn-tf32") if has(b)]
     peers = [b for b in SDPA_NAMES if has(b)]
     if not ours and not peers:
         return ""
@@ -534,7 +551,7 @@ def lp_summary(rows):
     out = []
     all_cases = list(dict.fromkeys(case_key(r) for r in rows))
     for p in H.PASSES:
-        for b in ("flashattn",) + DESIGNS + tuple(FWD_VARIANTS) + (BASE,):
+        for b in tuple(n for n in OURS if n != "flashattn-tf32"):
             mine = [r for r in rows if r["backend"] == b and r.get(f"{p}_flops_per_s")]
             if not mine:
                 continue
