@@ -586,17 +586,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 
   const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
   float s[1][NS][4], dp[1][NS][4];
-  // One tile. With a next tile, its S^T and dP^T are issued right after the last dQ product, so
-  // they run on the tensor cores while this tile's dQ reductions go out; the last tile is a
-  // separate instantiation (no conditional wgmma: see the forward's main loop). Only at D = 64:
-  // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up, and
-  // at D = 64 below 240 registers per thread.
-  constexpr bool kOverlapNext = DP <= 64 && C.consumer_regs() >= 240;
-  // Otherwise S^T and dP^T are two wgmma groups: P^T's exponentials start as soon as S^T is done,
-  // while dP^T still runs (not with the score transform, whose factor folds into dP^T in the
-  // same pass; not with kOverlapNext, where ptxas then serialises the wgmmas).
-  constexpr bool kSplitSdp = !kOverlapNext && !XF;
-  // S^T and dP^T of tile it.
+  // S^T and dP^T of tile it, issued as one wgmma group.
   auto issue_sdp = [&](int it) {
     const int st = it & 1;
     mbar_wait(full + st, (it >> 1) & 1);
@@ -604,10 +594,15 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     fence_regs(dp[0]);
     wgmma_fence();
     wg_gemm_nt<H, DP, TK, TQ>(s[0], k_addr, 64 * kg, smem_addr(sQ + st * TQ::kBytes), qc0, false);
-    if constexpr (kSplitSdp) wgmma_commit();
     wg_gemm_nt<H, DP, TK, TQ>(dp[0], v_addr, 64 * kg, smem_addr(sdO + st * TQ::kBytes), qc0, false);
     wgmma_commit();
   };
+  // One tile. With a next tile, its S^T and dP^T are issued right after the last dQ product, so
+  // they run on the tensor cores while this tile's dQ reductions go out; the last tile is a
+  // separate instantiation (no conditional wgmma: see the forward's main loop). Only at D = 64:
+  // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up, and
+  // at D = 64 below 240 registers per thread.
+  constexpr bool kOverlapNext = DP <= 64 && C.consumer_regs() >= 240;
   auto tile = [&](int it, auto has_next) {
     constexpr bool kNext = decltype(has_next)::value;
     const int st = it & 1;
@@ -617,15 +612,15 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     // XF: the tile's query head's per-entry step (its ALiBi slope loaded while the products run).
     [[maybe_unused]] ScoreTransform::Head hd{};
     if constexpr (XF) hd = a.score.head(b, kb.head(tile_of(it)));
+    wgmma_wait<0>();
+    fence_regs(s[0]);
+    fence_regs(dp[0]);
+
     const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);  // first query row
     const bool masked = kb.tile_masked(n0, BQ, BK, Sq, Skv);
     int lo[2], hi[2];
     kq.tile_bounds(n0, BQ, masked, lo, hi);
-    // The groups in flight: S^T, dP^T (and, with kNext from the tile before, nothing else).
     if constexpr (XF) {
-      wgmma_wait<0>();  // the transform's factor folds into dP^T in the same pass over S^T
-      fence_regs(s[0]);
-      fence_regs(dp[0]);
       // S^T's rows are keys, its columns queries. The per-entry step (before masking) gives the
       // logits and the softcap's factor F, folded into dP^T - D at once (no array of F held):
       // dS^T = P^T ((dP^T - D) F), which both dK and dQ read.
@@ -642,53 +637,27 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
           dp[0][j][e] = pe * dp[0][j][e];
         });
       });
-      if constexpr (!kQSplit) {
-        uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
-        to_afrag<H, 1, NS / 2>(pp, s);
-        to_afrag<H, 1, NS / 2>(pds, dp);
-        fence_regs(dv[0]);
-        fence_regs(dk[0]);
-        wgmma_fence();
-        wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, cg * DW);
-        wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, cg * DW);
-        wgmma_commit();
-      }
     } else {
-      // P^T (while dP^T runs: kSplitSdp); then (one warpgroup per 64 keys) dV's product while
-      // dS^T is formed.
-      wgmma_wait<kSplitSdp ? 1 : 0>();
-      fence_regs(s[0]);
       masked_or_not(masked, [&](auto mask) {
         for_each_entry<NS>([&](int j, int e, int r, int cw) {
           const int c = qc0 + cw;  // query column in the tile
           float pe = exp2_ftz(a.score.exp2_arg(s[0][j][e], sLs[c]));
           if (mask && (c < lo[r >> 3] || c >= hi[r >> 3])) pe = 0.0f;
           s[0][j][e] = pe;
+          dp[0][j][e] = pe * (dp[0][j][e] - sDs[c]);  // dS^T
         });
       });
-      if constexpr (!kQSplit) {
-        uint32_t pp[1][NS / 2][4];
-        to_afrag<H, 1, NS / 2>(pp, s);
-        fence_regs(dv[0]);
-        wgmma_fence();
-        wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, cg * DW);
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T done (dV's product may still run)
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_regs(dp[0]);
-      for_each_entry<NS>([&](int j, int e, int, int cw) {
-        dp[0][j][e] = s[0][j][e] * (dp[0][j][e] - sDs[qc0 + cw]);  // dS^T (0 where P^T is)
-      });
-      if constexpr (!kQSplit) {
-        uint32_t pds[1][NS / 2][4];
-        to_afrag<H, 1, NS / 2>(pds, dp);
-        fence_regs(dk[0]);
-        wgmma_fence();
-        wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, cg * DW);
-        wgmma_commit();
-      }
+    }
+    if constexpr (!kQSplit) {
+      uint32_t pp[1][NS / 2][4], pds[1][NS / 2][4];
+      to_afrag<H, 1, NS / 2>(pp, s);
+      to_afrag<H, 1, NS / 2>(pds, dp);
+      fence_regs(dv[0]);
+      fence_regs(dk[0]);
+      wgmma_fence();
+      wg_gemm_rn<H, NS / 2, TQ>(dv[0], pp[0], doa, 0, cg * DW);
+      wg_gemm_rn<H, NS / 2, TQ>(dk[0], pds[0], qa, 0, cg * DW);
+      wgmma_commit();
     }
 
     // dS^T of both warpgroups into this iteration's buffer; the barrier also tells each
@@ -720,7 +689,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       wgmma_commit();
       if (kNext && last) {
         issue_sdp(it + 1);
-        wgmma_wait<1>();  // all but the next tile's S^T and dP^T (one group: !kSplitSdp)
+        wgmma_wait<1>();  // all but the next tile's S^T and dP^T
       } else {
         wgmma_wait<0>();
       }
