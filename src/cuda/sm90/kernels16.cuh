@@ -704,16 +704,21 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         // (the sL/sD reads above), which the producer's next writes to this stage must follow.
         mbar_arrive(empty + st);
       }
+      // 16-byte reductions: lanes t and t ^ 1 swap halves, so that the even lane holds 4
+      // neighbouring columns of row g and the odd lane 4 of row g + 8 (half the L2 requests of
+      // 8-byte ones; the same float adds).
+      const bool odd = t & 1;
+      const int qr = wq + g + (odd ? 8 : 0);
+      // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
+      // dQ must stay exactly 0.
+      const bool live = n0 + qr >= rule.live_rows_begin(Sq) && n0 + qr < rule.live_rows_end(Sq, Skv);
+      float* accr = acc + static_cast<int64_t>(qr) * DP + QC * c + 2 * t - (odd ? 2 : 0);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int qr = wq + g + 8 * r;
-        // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
-        // dQ must stay exactly 0.
-        if (n0 + qr < rule.live_rows_begin(Sq) || n0 + qr >= rule.live_rows_end(Sq, Skv)) continue;
-#pragma unroll
-        for (int j = 0; j < QC / 8; ++j)
-          red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],
-                   dq[0][j][2 * r + 1]);
+      for (int j = 0; j < QC / 8; ++j) {
+        const float* e = dq[0][j];
+        const float x = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
+        const float y = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
+        if (live) red_add4(accr + 8 * j, odd ? x : e[0], odd ? y : e[1], odd ? e[2] : x, odd ? e[3] : y);
       }
       if constexpr (ORD) {
         if (last) named_barrier(kAddedBar + wg, kTurnThreads);  // (the turn warp fences and counts)

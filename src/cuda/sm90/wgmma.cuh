@@ -374,6 +374,11 @@ __device__ __forceinline__ void fill_lse_delta(float* sL, float* sD, const BwdAr
 __device__ __forceinline__ void red_add2(float* p, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 }
+// (16-byte aligned p)
+__device__ __forceinline__ void red_add4(float* p, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(x), "f"(y), "f"(z), "f"(w)
+               : "memory");
+}
 
 // ---- mbarriers, the tensor copy engine (TMA), warpgroup registers ---------------------------------
 // The 16-bit split backward kernels' barriers: `once` for the block's stationary tiles (one
