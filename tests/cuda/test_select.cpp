@@ -1310,9 +1310,6 @@ TEST(KvcacheSelect, Refusals) {
   EXPECT_NE(r.why.find("head_dim"), std::string::npos) << r.why;
 }
 
-}  // namespace
-}  // namespace flashattn::cuda
-
 // FLASHATTN_CUDA_BWD_CLUSTER=1: the default 16-bit sm_90a backward in clusters of two key blocks
 // where that kernel form exists (D >= 128, the two-warpgroup CTA, reductions in any order, no
 // per-entry step, dense, an even count of 128-key blocks (64 at D = 256)); off without the knob.
@@ -1337,3 +1334,6 @@ TEST(CudaSelect, BackwardClustersOnlyWhereTheyRun) {
   cap.softcap = 30.0f;
   EXPECT_FALSE(plan(Shape{2, 8, 8, 2048, 2048, 128}, cap).cluster) << "per-entry step";
 }
+
+}  // namespace
+}  // namespace flashattn::cuda
