@@ -223,13 +223,23 @@ class EnvSettings:
         with_knobs = [lib for lib in _LOADED if hasattr(lib, "flashattn_dev_set_override")]
         return with_knobs or _LOADED
 
-    def __enter__(self):
+    def _set(self, name, value):
+        # A knob newer than one of the builds (a change's base in an A/B) is left to the builds
+        # that know it; one that no build knows is an error.
+        errors = []
         for lib in self._libs():
-            for k, v in self.settings.items():
-                set_override(lib, k, v)
+            try:
+                set_override(lib, name, value)
+            except ValueError as e:
+                errors.append(e)
+        if errors and len(errors) == len(self._libs()):
+            raise errors[0]
+
+    def __enter__(self):
+        for k, v in self.settings.items():
+            self._set(k, v)
         return self
 
     def __exit__(self, *exc):
-        for lib in self._libs():
-            for k in self.settings:
-                set_override(lib, k, None)
+        for k in self.settings:
+            self._set(k, None)
