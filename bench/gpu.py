@@ -108,7 +108,6 @@ OURS_TABLE = {
     "flashattn-ordered": Ours("ordered", "ordered", "ordered", True, only="bwd"),
     "flashattn-ordered-kvhead": Ours("kvhead", "ordered-kvhead", "ordered", True,
                                      {"FLASHATTN_CUDA_ORD_HEADS": "0"}, only="bwd"),
-    "flashattn-cluster": Ours("cluster", "cluster", "atomic", knobs={"FLASHATTN_CUDA_BWD_CLUSTER": "1"}, only="bwd"),
     "flashattn-blocks": Ours("blocks", knobs={"FLASHATTN_CUDA_FWD_CTAS": "0"}, only="fwd"),
     BASE: Ours("base", "default"),
 }

@@ -1310,30 +1310,5 @@ TEST(KvcacheSelect, Refusals) {
   EXPECT_NE(r.why.find("head_dim"), std::string::npos) << r.why;
 }
 
-// FLASHATTN_CUDA_BWD_CLUSTER=1: the default 16-bit sm_90a backward in clusters of two key blocks
-// where that kernel form exists (D >= 128, the two-warpgroup CTA, reductions in any order, no
-// per-entry step, dense, an even count of 128-key blocks (64 at D = 256)); off without the knob.
-TEST(CudaSelect, BackwardClustersOnlyWhereTheyRun) {
-  const Numerics n = num(DType::BFloat16, Mask::CausalBottomRight);
-  auto plan = [&](const Shape& s, const Numerics& nn) {
-    const Selected<BackwardPlan> r = select_backward(bparams(s, nn), dev(9, 0), ov(scoped_vars()));
-    EXPECT_TRUE(r.ok) << r.why;
-    return r.plan;
-  };
-  EXPECT_FALSE(plan(Shape{2, 8, 8, 2048, 2048, 128}, n).cluster) << "off by default";
-  OverrideScope e("FLASHATTN_CUDA_BWD_CLUSTER", "1");
-  EXPECT_TRUE(plan(Shape{2, 8, 8, 2048, 2048, 128}, n).cluster);
-  EXPECT_TRUE(plan(Shape{2, 8, 2, 2000, 2000, 128}, n).cluster) << "GQA, 16 key blocks";
-  EXPECT_FALSE(plan(Shape{2, 8, 8, 2100, 2100, 128}, n).cluster) << "17 key blocks";
-  EXPECT_TRUE(plan(Shape{2, 8, 8, 1000, 1000, 256}, n).cluster) << "D 256: 16 blocks of 64";
-  EXPECT_FALSE(plan(Shape{2, 8, 8, 2048, 2048, 64}, n).cluster) << "D 64";
-  Numerics det = n;
-  det.deterministic = true;
-  EXPECT_FALSE(plan(Shape{2, 8, 8, 2048, 2048, 128}, det).cluster) << "ordered";
-  Numerics cap = n;
-  cap.softcap = 30.0f;
-  EXPECT_FALSE(plan(Shape{2, 8, 8, 2048, 2048, 128}, cap).cluster) << "per-entry step";
-}
-
 }  // namespace
 }  // namespace flashattn::cuda

@@ -455,7 +455,6 @@ void backward(const BackwardParams& p) {
   a.seq_maps = plan.seq_maps >= 0 ? reinterpret_cast<char*>(ws.get()) + plan.seq_maps : nullptr;
   a.dq_locks = plan.dq_locks >= 0 ? reinterpret_cast<int*>(reinterpret_cast<char*>(ws.get()) + plan.dq_locks) : nullptr;
   a.dq_rotate = plan.dq_rotate;
-  a.cluster = plan.cluster;
   a.dkv_acc = plan.dkv_acc >= 0 ? reinterpret_cast<float*>(reinterpret_cast<char*>(ws.get()) + plan.dkv_acc) : nullptr;
   a.dkv_acc_rows = plan.dkv_acc_rows;
   a.dkv_locks = plan.dkv_locks >= 0 ? reinterpret_cast<int*>(reinterpret_cast<char*>(ws.get()) + plan.dkv_locks) : nullptr;

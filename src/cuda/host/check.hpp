@@ -87,28 +87,6 @@ void launch_checked_pdl(Kernel kernel, dim3 grid, int threads, int smem, cudaStr
   check_launch(name);
 }
 
-// launch_checked's launch in clusters of `cluster` CTAs (sm_90+; grid.x a multiple of it).
-template <class Kernel, class Args>
-void launch_checked_cluster(Kernel kernel, dim3 grid, unsigned cluster, int threads, int smem, cudaStream_t stream,
-                            const Args& args, const char* name) {
-  ensure_smem_limit(reinterpret_cast<const void*>(kernel), smem);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args);
-  if (e != cudaSuccess) throw_cuda(e, name);
-  check_launch(name);
-}
-
 // Blocks of `per` that cover n.
 inline unsigned grid_blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 

@@ -66,7 +66,6 @@ struct BwdArgs {
   float* dkv_acc;
   int64_t dkv_acc_rows;
   int* dkv_locks;
-  bool cluster;  // BackwardPlan::cluster
   FLASHATTN_HD int64_t ws_row(int64_t b, int64_t h) const { return b * ws_sb + h * ws_sh; }
 };
 

@@ -33,8 +33,6 @@
 // |                                 |                              | (default: kv_streams, from the memory bandwidth)    |
 // | FLASHATTN_CUDA_ORD_HEADS        | 0, 1                         | ordered 16-bit backward under GQA: a CTA per query  |
 // |                                 |                              | head (1, BackwardPlan::dkv_acc) or per kv head (0)  |
-// | FLASHATTN_CUDA_BWD_CLUSTER      | 0, 1                         | 16-bit sm_90a dK/dV in clusters of two key blocks   |
-// |                                 |                              | sharing Q/dO by multicast (1; BackwardPlan::cluster)|
 //
 // The environment is read at the first call that selects a kernel; set_override() (and the C
 // symbol flashattn_dev_set_override, for tests and benchmarks in other languages) changes one knob
@@ -67,7 +65,6 @@ struct Overrides {
   int decode_stages = -1;  // 0, 1, 2: 2, 3, 4 stages
   int kv_check = -1;       // 0 host, 1 device
   int decode_streams = -1; // 1..4: CTAs per SM for the whole-tile loader's split rule (kv_streams)
-  int bwd_cluster = -1;  // the 16-bit sm_90a dK/dV kernel in clusters of two key blocks: 0 never, 1 where it runs
   int ord_heads = -1;      // the ordered backward's head split under GQA: 0 never, 1 always (dense calls)
 };
 

@@ -355,11 +355,6 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
         b.workspace += static_cast<size_t>(2 * acc_rows * b.dp) * sizeof(float);
       }
     }
-    if (b.kernel == BwdKernel::Sm90Wgmma16Atomic && ov.bwd_cluster == 1 && b.dq_locks < 0 && !packed && !b.xf &&
-        b.sm90_variant == 0 && b.dp >= 128) {
-      const int64_t key_blocks = (s.seq_kv + tile_config90(Pass::Dkv, b.dp, 0).block_m - 1) / tile_config90(Pass::Dkv, b.dp, 0).block_m;
-      b.cluster = key_blocks % 2 == 0;
-    }
     if (packed && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       b.seq_maps = static_cast<int64_t>(seq_maps_at(b.workspace));
       b.workspace = b.seq_maps + seq_maps_bytes(s.batch, 4);  // Q, dO, K, V

@@ -121,11 +121,6 @@ struct BackwardPlan {
   int64_t dkv_acc = -1;
   int64_t dkv_acc_rows = 0;   // B Hkv nk block_m: dV's part starts this many rows after dK's
   int64_t dkv_locks = -1;     // bytes
-  // Sm90Wgmma16Atomic (reductions in any order, D >= 128, the two-warpgroup CTA, dense, an even
-  // number of key blocks, no per-entry step): launched in clusters of two neighbouring key blocks
-  // that walk the union of their query tiles and load each Q/dO tile once for both by TMA
-  // multicast (FLASHATTN_CUDA_BWD_CLUSTER=1; off by default until measured).
-  bool cluster = false;
   bool atomic_dq() const { return kernel == BwdKernel::Sm80Mma16Atomic || kernel == BwdKernel::Sm90Wgmma16Atomic; }
 };
 

@@ -447,11 +447,7 @@ __device__ __forceinline__ void masked_or_not(bool masked, F&& f) {
 }
 
 // ORD: the ordered dQ reduction above (deterministic); otherwise reductions in any order.
-// CL: launched in clusters of two neighbouring key blocks (kx even, kx + 1) that walk the union of
-// their query tiles in one order; each CTA's producer loads one of a tile's Q and dO into both
-// CTAs by multicast (half the L2 reads of Q/dO), the stage is free once both CTAs released it,
-// and a CTA skips the tiles outside its own band (it only waits for and releases them).
-template <int DP, Half16 H, int V, bool XF, bool ORD = false, bool CL = false>
+template <int DP, Half16 H, int V, bool XF, bool ORD = false>
 __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), tile_config90(Pass::Dkv, DP, V).min_ctas)
     dkv_sm90_kernel(const __grid_constant__ Sm90BwdArgs A) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -493,22 +489,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int64_t G = p.shape.heads_q / p.shape.heads_kv;
   KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, blockIdx.z, hsplit ? blockIdx.y / G : blockIdx.y, kx);
   if (hsplit) kb.one_head(blockIdx.y);
-  if (kb.rows <= 0) return;  // (CL: never; the host clusters dense calls with an even block count)
-  static_assert(!(CL && (ORD || XF)), "clusters: reductions in any order, no per-entry step");
-  // CL: this block's own query tiles, before kb takes the pair's union.
-  [[maybe_unused]] const int own_begin = kb.t_begin, own_end = kb.t_end;
-  [[maybe_unused]] uint32_t crank = 0;
-  if constexpr (CL) {
-    crank = cluster_ctarank();
-    const KeyBlock pk = key_block<BK, BQ>(p.shape, p.num, blockIdx.z, blockIdx.y, kx ^ 1);
-    int ub = kb.t_begin, ue = kb.t_end;
-    if (kb.per_head == 0) ub = pk.t_begin, ue = pk.t_end;
-    else if (pk.per_head > 0) ub = ub < pk.t_begin ? ub : pk.t_begin, ue = ue > pk.t_end ? ue : pk.t_end;
-    kb.t_begin = ub;
-    kb.t_end = ue;
-    kb.per_head = ue - ub;
-    kb.ntiles = static_cast<int>(kb.group) * kb.per_head;
-  }
+  if (kb.rows <= 0) return;
   const int64_t b = kb.b, hk = kb.hk, m0 = kb.m0;
   const int ntiles = kb.ntiles;
   const MaskRule& rule = kb.rule;
@@ -520,8 +501,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int nk = static_cast<int>((Skv + BK - 1) / BK);
   const bool ord_rot = ORD && A.f.dq_rotate && ntiles >= nk;
   const int step = ord_rot ? rotation_step(ntiles, nk) : 1;  // (read only when ord_rot)
-  const int rot = ord_rot ? static_cast<int>(kx) * step
-                          : (!ORD && ntiles > 0 ? static_cast<int>((CL ? blockIdx.x / 2 : blockIdx.x) % ntiles) : 0);
+  const int rot = ord_rot ? static_cast<int>(kx) * step : (!ORD && ntiles > 0 ? static_cast<int>(blockIdx.x % ntiles) : 0);
   auto tile_of = [&](int it) { return it + rot < ntiles ? it + rot : it + rot - ntiles; };
   // ORD: this block's place in the turns at entry x of the walk's list (work.hpp): after the
   // key blocks that reach it first - every one of them got there at least a step earlier.
@@ -535,9 +515,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   constexpr int kTurnBar = 6, kAddedBar = 8, kTurnThreads = 128 + 32;
   static_assert(!ORD || NWG <= 2, "a turn warp per consumer warpgroup: producer warps 2 and 3");
 
-  // empty: every consumer thread (see below); CL: a lane per consumer warp of both CTAs.
-  init_stage_barriers(full_kv, full, 1 + 32, empty, CL ? 2 * (TC / 32) : TC);
-  if constexpr (CL) cluster_sync();  // both CTAs' barriers exist before either multicasts
+  init_stage_barriers(full_kv, full, 1 + 32, empty, TC);  // empty: every consumer thread (see below)
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (wg == NWG) {
@@ -556,18 +534,12 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       for (int it = 0; it < ntiles; ++it) {
         const int st = it & 1;
         const int h = static_cast<int>(kb.head(tile_of(it))), n0 = static_cast<int>(kb.q0(tile_of(it), BQ));
-        if constexpr (CL) mbar_wait_cluster(empty + st, ((it >> 1) & 1) ^ 1);
-        else mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
-        mbar_expect_tx(full + st, 2 * TQ::kBytes);  // (CL: half of it from the other CTA's copies)
+        mbar_wait(empty + st, ((it >> 1) & 1) ^ 1);
+        mbar_expect_tx(full + st, 2 * TQ::kBytes);
 #pragma unroll
         for (int blk = 0; blk < DP / 64; ++blk) {
-          if constexpr (CL) {
-            unsigned char* dst = (crank == 0 ? sQ : sdO) + st * TQ::kBytes + blk * TQ::kBlockBytes;
-            tma_load_4d_multicast(dst, mp.m[crank == 0 ? 0 : 1], full + st, 64 * blk, n0, h, bb, 3);
-          } else {
-            tma_load_4d(sQ + st * TQ::kBytes + blk * TQ::kBlockBytes, mp.m[0], full + st, 64 * blk, n0, h, bb);
-            tma_load_4d(sdO + st * TQ::kBytes + blk * TQ::kBlockBytes, mp.m[1], full + st, 64 * blk, n0, h, bb);
-          }
+          tma_load_4d(sQ + st * TQ::kBytes + blk * TQ::kBlockBytes, mp.m[0], full + st, 64 * blk, n0, h, bb);
+          tma_load_4d(sdO + st * TQ::kBytes + blk * TQ::kBlockBytes, mp.m[1], full + st, 64 * blk, n0, h, bb);
         }
       }
     } else if (pw == 1) {
@@ -614,22 +586,6 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 
   const KeyRowQueries kq(rule, row_w + lane / 4, Sq, Skv);
   float s[1][NS][4], dp[1][NS][4];
-  // The consumers' release of stage st after tile it. Every thread arrives: an arrival releases
-  // only the arriving thread's own accesses (the sL/sD reads), which the producer's next writes to
-  // the stage must follow. CL: one lane per warp after the warp's reads (__syncwarp), on this
-  // CTA's barrier and - when a tile is still to come into the stage - on the other CTA's, whose
-  // producer's next multicast writes this CTA's stage too.
-  auto release_stage = [&](int st, int it) {
-    if constexpr (CL) {
-      __syncwarp();
-      if (lane == 0) {
-        mbar_arrive(empty + st);
-        if (it + 2 < ntiles) mbar_arrive_cluster(empty + st, crank ^ 1);
-      }
-    } else {
-      mbar_arrive(empty + st);
-    }
-  };
   // S^T and dP^T of tile it, issued as one wgmma group.
   auto issue_sdp = [&](int it) {
     const int st = it & 1;
@@ -744,7 +700,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       if (last) {
         fence_regs(dv[0]);
         fence_regs(dk[0]);
-        release_stage(st, it);
+        // Every thread arrives: an arrival releases only the arriving thread's own accesses
+        // (the sL/sD reads above), which the producer's next writes to this stage must follow.
+        mbar_arrive(empty + st);
       }
       // 16-byte reductions: lanes t and t ^ 1 swap halves, so that the even lane holds 4
       // neighbouring columns of row g and the odd lane 4 of row g + 8 (half the L2 requests of
@@ -770,20 +728,11 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 
   mbar_wait(full_kv, 0);
   if constexpr (kOverlapNext) {
-    static_assert(!CL, "clusters: the loop without the next tile's early products");
     if (ntiles > 0) issue_sdp(0);
     for (int it = 0; it + 1 < ntiles; ++it) tile(it, std::true_type{});
     if (ntiles > 0) tile(ntiles - 1, std::false_type{});
   } else {
     for (int it = 0; it < ntiles; ++it) {
-      if constexpr (CL) {
-        const int t = kb.t_begin + tile_of(it) % kb.per_head;
-        if (t < own_begin || t >= own_end) {  // the other block's tile: wait for it, release it
-          mbar_wait(full + (it & 1), (it >> 1) & 1);
-          release_stage(it & 1, it);
-          continue;
-        }
-      }
       issue_sdp(it);
       tile(it, std::false_type{});
     }

@@ -378,13 +378,6 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
     }
     throw Error(Status::Internal, "dkv_sm90: the ordered dQ reduction has no kernel with the per-entry score step");
   }
-  if constexpr (!XF && V == 0 && DP >= 128) {
-    if (a.cluster) {
-      launch_checked_cluster(dev::dkv_sm90_kernel<DP, H, V, false, false, true>, grid, 2, c.threads(),
-                             smem_bytes90(Pass::Dkv, DP, V), stream, args, "dkv_sm90 (clusters of two) kernel launch");
-      return;
-    }
-  }
   launch_checked(dev::dkv_sm90_kernel<DP, H, V, XF>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
 }

@@ -408,16 +408,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tmap, uint64_
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
 }
-// tma_load_4d into the same shared-memory offset of every CTA of the cluster in `ctas` (a bit
-// per rank), completing the bytes on the barrier at `bar`'s offset in each.
-__device__ __forceinline__ void tma_load_4d_multicast(void* dst, const void* tmap, uint64_t* bar, int c0, int c1,
-                                                      int c2, int c3, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
-      "[%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "h"(ctas)
-      : "memory");
-}
 // Tile t of a two-stage ring of shared-memory tiles T (its column blocks of 128 bytes, kCols
 // elements wide, one box each) from a 4-d tensor map: stage t & 1, once the consumers released
 // tile t - 2 from it (empty), completing on full; box coordinates (column c0 + kCols * block, row,
