@@ -603,6 +603,10 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up, and
   // at D = 64 below 240 registers per thread.
   constexpr bool kOverlapNext = DP <= 64 && C.consumer_regs() >= 240;
+  // dQ's reductions 16 bytes each (red.global.add.v4.f32 after a lane-pair swap) at D = 64, 8
+  // bytes above: measured against each other in one process (H100, bf16 GQA 4/8, S 1k-16k), the
+  // 16-byte form +0-14% at D = 64 and 3-9% slower at D = 128 (its ~90 more instructions per tile).
+  constexpr bool kRed4 = DP <= 64;
   auto tile = [&](int it, auto has_next) {
     constexpr bool kNext = decltype(has_next)::value;
     const int st = it & 1;
@@ -704,21 +708,32 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         // (the sL/sD reads above), which the producer's next writes to this stage must follow.
         mbar_arrive(empty + st);
       }
-      // 16-byte reductions: lanes t and t ^ 1 swap halves, so that the even lane holds 4
-      // neighbouring columns of row g and the odd lane 4 of row g + 8 (half the L2 requests of
-      // 8-byte ones; the same float adds).
-      const bool odd = t & 1;
-      const int qr = wq + g + (odd ? 8 : 0);
       // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
       // dQ must stay exactly 0.
-      const bool live = n0 + qr >= rule.live_rows_begin(Sq) && n0 + qr < rule.live_rows_end(Sq, Skv);
-      float* accr = acc + static_cast<int64_t>(qr) * DP + QC * c + 2 * t - (odd ? 2 : 0);
+      if constexpr (kRed4) {
+        // 16-byte reductions: lanes t and t ^ 1 swap halves, so that the even lane holds 4
+        // neighbouring columns of row g and the odd lane 4 of row g + 8 (the same float adds).
+        const bool odd = t & 1;
+        const int qr = wq + g + (odd ? 8 : 0);
+        const bool live = n0 + qr >= rule.live_rows_begin(Sq) && n0 + qr < rule.live_rows_end(Sq, Skv);
+        float* accr = acc + static_cast<int64_t>(qr) * DP + QC * c + 2 * t - (odd ? 2 : 0);
 #pragma unroll
-      for (int j = 0; j < QC / 8; ++j) {
-        const float* e = dq[0][j];
-        const float x = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
-        const float y = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
-        if (live) red_add4(accr + 8 * j, odd ? x : e[0], odd ? y : e[1], odd ? e[2] : x, odd ? e[3] : y);
+        for (int j = 0; j < QC / 8; ++j) {
+          const float* e = dq[0][j];
+          const float x = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
+          const float y = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
+          if (live) red_add4(accr + 8 * j, odd ? x : e[0], odd ? y : e[1], odd ? e[2] : x, odd ? e[3] : y);
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int qr = wq + g + 8 * r;
+          if (n0 + qr < rule.live_rows_begin(Sq) || n0 + qr >= rule.live_rows_end(Sq, Skv)) continue;
+#pragma unroll
+          for (int j = 0; j < QC / 8; ++j)
+            red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],
+                     dq[0][j][2 * r + 1]);
+        }
       }
       if constexpr (ORD) {
         if (last) named_barrier(kAddedBar + wg, kTurnThreads);  // (the turn warp fences and counts)
