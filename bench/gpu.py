@@ -111,6 +111,14 @@ OURS_TABLE = {
     "flashattn-blocks": Ours("blocks", knobs={"FLASHATTN_CUDA_FWD_CTAS": "0"}, only="fwd"),
     BASE: Ours("base", "default"),
 }
+
+
+def knobs(name):
+    """The kernel-selection overrides a row's calls run with ({} for the default and peers)."""
+    o = OURS_TABLE.get(name)
+    return dict(o.knobs or {}) if o else {}
+
+
 # 16-bit backward designs (their rows time the backward) and forward variants (the forward).
 DESIGNS = tuple(n for n, o in OURS_TABLE.items() if o.only == "bwd")
 FWD_VARIANTS = tuple(n for n, o in OURS_TABLE.items() if o.only == "fwd")
@@ -144,7 +152,7 @@ class Impl:
         # The default row runs with the variable removed, so it shows the library's own choice.
         self.env = o.env_bwd
         self.design = o.design
-        self.overrides = o.knobs or {}
+        self.overrides = knobs(name)
 
 
 def backend_names(dname, args):

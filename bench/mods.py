@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_harness as H  # noqa: E402
 from cabi import MASK_CAUSAL_BOTTOM_RIGHT, MASK_NONE, CtypesLib, EnvSettings  # noqa: E402
-from gpu import FWD_VARIANTS, OURS_TABLE, ctypes_attention  # noqa: E402
+from gpu import FWD_VARIANTS, ctypes_attention, knobs  # noqa: E402
 
 
 def visible_pairs(s_q, s_kv, causal, window):
@@ -116,7 +116,7 @@ def run_case(torch, args, impls, dtype, b, h, s, d, causal, mods, pairs, timers,
             row[f"{name}_error"] = str(e)[:120]
             continue
         q, k, v, _ = sets[0]
-        with EnvSettings((OURS_TABLE[name].knobs if name in FWD_VARIANTS else None) or {}):  # (a variant's knobs for its calls only)
+        with EnvSettings(knobs(name)):  # (a variant's knobs for its calls only)
             outs[name] = attn(q, k, v).detach().float()
             for view, timer in timers.items():
                 ms = H.measure(attn, sets, timer, args.warmup, args.reps, args.budget, passes=("fwd", "bwd"))
