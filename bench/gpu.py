@@ -108,6 +108,8 @@ OURS_TABLE = {
     "flashattn-ordered": Ours("ordered", "ordered", "ordered", True, only="bwd"),
     "flashattn-ordered-kvhead": Ours("kvhead", "ordered-kvhead", "ordered", True,
                                      {"FLASHATTN_CUDA_ORD_HEADS": "0"}, only="bwd"),
+    "flashattn-atomic-heads": Ours("aheads", "atomic-heads", "atomic", knobs={"FLASHATTN_CUDA_ATOMIC_HEADS": "1"},
+                                   only="bwd"),
     "flashattn-blocks": Ours("blocks", knobs={"FLASHATTN_CUDA_FWD_CTAS": "0"}, only="fwd"),
     BASE: Ours("base", "default"),
 }

@@ -188,18 +188,21 @@ struct Design {
   const char* name;
   bool deterministic;
   const char* env;                 // FLASHATTN_CUDA_BWD
-  const char* ord_heads = nullptr;  // FLASHATTN_CUDA_ORD_HEADS
+  const char* ord_heads = nullptr;     // FLASHATTN_CUDA_ORD_HEADS
+  const char* atomic_heads = nullptr;  // FLASHATTN_CUDA_ATOMIC_HEADS
 };
 // "ordered": deterministic on the sm_90a single pass, dQ added in key-block order (deterministic = 1
 // with no knob; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step);
 // under GQA a CTA per (key block, query head), the group's dK/dV summed in head order.
 // "ordered-kvhead" / "ordered-heads": the same with that head split never / always (every dense
-// GQA case, also without a mask, where it meets the rotated dQ turns).
+// GQA case, also without a mask, where it meets the rotated dQ turns). "atomic-heads": the atomic
+// design with the same head split on every dense GQA case (FLASHATTN_CUDA_ATOMIC_HEADS=1).
 constexpr Design kDesigns[] = {{"split", true, "split"},
                                {"atomic", false, "atomic"},
                                {"ordered", true, nullptr},
                                {"ordered-kvhead", true, nullptr, "0"},
-                               {"ordered-heads", true, nullptr, "1"}};
+                               {"ordered-heads", true, nullptr, "1"},
+                               {"atomic-heads", false, "atomic", nullptr, "1"}};
 
 Options options16(const ProblemConfig& c, const Design& d) {
   Options o = options_for(c);
@@ -287,6 +290,7 @@ void run_and_check(Problem& p, Dev& d, const Expected& e, const char* label = ""
   for (const Design& des : kDesigns) {
     EnvScope env("FLASHATTN_CUDA_BWD", des.env);
     EnvScope env_heads("FLASHATTN_CUDA_ORD_HEADS", des.ord_heads);
+    EnvScope env_aheads("FLASHATTN_CUDA_ATOMIC_HEADS", des.atomic_heads);
     d.poison_grads();
     if (!call(des.name, info, [&] { d.backward(options16(c, des)); })) continue;
     p.poison_outputs();
@@ -744,6 +748,7 @@ TEST(Cuda16Stream, CallsAreQueuedOnTheOptionsStream) {
       CUDA_OK(cudaDeviceSynchronize());
       EnvScope env("FLASHATTN_CUDA_BWD", des.env);
       EnvScope env_heads("FLASHATTN_CUDA_ORD_HEADS", des.ord_heads);
+      EnvScope env_aheads("FLASHATTN_CUDA_ATOMIC_HEADS", des.atomic_heads);
       Options o = options16(c, des);
       o.stream = s;
       CUDA_OK(cudaLaunchHostFunc(s, hold_stream, nullptr));

@@ -1310,5 +1310,35 @@ TEST(KvcacheSelect, Refusals) {
   EXPECT_NE(r.why.find("head_dim"), std::string::npos) << r.why;
 }
 
+// FLASHATTN_CUDA_ATOMIC_HEADS=1: the default design under GQA with the head split - its sums and
+// counters alone in the workspace (no dQ turns), after the dQ accumulator; never for MHA, packed
+// calls or the per-entry step; off without the knob.
+TEST(CudaSelect, DefaultBackwardHeadSplitByKnob) {
+  const Numerics n = num(DType::BFloat16, Mask::CausalBottomRight);
+  auto plan = [&](const Shape& s, const Numerics& nn) {
+    const Selected<BackwardPlan> r = select_backward(bparams(s, nn), dev(9, 0), ov(scoped_vars()));
+    EXPECT_TRUE(r.ok) << r.why;
+    return r.plan;
+  };
+  const Shape gqa{2, 8, 2, 2000, 2000, 128};
+  const BackwardPlan p0 = plan(gqa, n);
+  EXPECT_EQ(p0.dkv_acc, -1) << "off by default";
+  OverrideScope e("FLASHATTN_CUDA_ATOMIC_HEADS", "1");
+  const BackwardPlan p = plan(gqa, n);
+  ASSERT_EQ(p.kernel, BwdKernel::Sm90Wgmma16Atomic);
+  const TileConfig90 c = tile_config90(Pass::Dkv, p.dp, p.sm90_variant);
+  const int64_t nk = (2000 + c.block_m - 1) / c.block_m;
+  EXPECT_EQ(p.dq_locks, -1);
+  EXPECT_EQ(p.dkv_locks, static_cast<int64_t>(p0.workspace)) << "after D and the dQ accumulator";
+  EXPECT_EQ(p.dq_lock_count, 2 * 2 * nk);
+  EXPECT_EQ(p.dkv_acc % 16, 0);
+  EXPECT_EQ(p.dkv_acc_rows, 2 * 2 * nk * c.block_m);
+  EXPECT_EQ(p.workspace, static_cast<size_t>(p.dkv_acc) + 2 * p.dkv_acc_rows * p.dp * sizeof(float));
+  EXPECT_EQ(plan(Shape{2, 8, 8, 2000, 2000, 128}, n).dkv_acc, -1) << "MHA";
+  Numerics cap = n;
+  cap.softcap = 30.0f;
+  EXPECT_EQ(plan(gqa, cap).dkv_acc, -1) << "per-entry step";
+}
+
 }  // namespace
 }  // namespace flashattn::cuda

@@ -469,8 +469,10 @@ void backward(const BackwardParams& p) {
     // Keys past seqused_k are attended by no query: dK = dV = 0 there.
     if (p.packing.used_k != nullptr) launch_zero_unused_keys(a, stream);
   }
-  if (a.dq_locks != nullptr)
-    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.dq_locks, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
+  // The counters (BackwardPlan::dq_lock_count from the first: the dQ turns' and the head split's,
+  // or the head split's alone in the default design).
+  if (int* first = a.dq_locks != nullptr ? a.dq_locks : a.dkv_locks)
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(first, 0, static_cast<size_t>(plan.dq_lock_count) * sizeof(int), stream));
   [&] {  // (the launches; a case returns when its kernels are queued)
     switch (plan.kernel) {
       case BwdKernel::Sm80Mma32Split:

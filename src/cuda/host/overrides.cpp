@@ -59,6 +59,7 @@ bool apply(Overrides& o, const char* var, const char* v) {
   else if (is("FLASHATTN_CUDA_KV_CHECK")) o.kv_check = choice(var, v, {"host", "device"});
   else if (is("FLASHATTN_CUDA_DECODE_STREAMS")) o.decode_streams = 1 + choice(var, v, {"1", "2", "3", "4"});
   else if (is("FLASHATTN_CUDA_ORD_HEADS")) o.ord_heads = choice(var, v, {"0", "1"});
+  else if (is("FLASHATTN_CUDA_ATOMIC_HEADS")) o.atomic_heads = choice(var, v, {"0", "1"});
   else if (is("FLASHATTN_CUDA_KEY_CHUNK")) {
     o.key_chunk = count(var, v, long{1} << 30, false, "a count of keys (a multiple of 128; 0: no chunks)");
     if (o.key_chunk > 0 && o.key_chunk % 128 != 0)
@@ -73,7 +74,7 @@ constexpr const char* kVars[] = {
     "FLASHATTN_CUDA_FP32_FWD", "FLASHATTN_CUDA_TF32_BWD", "FLASHATTN_CUDA_FP32_BWD",
     "FLASHATTN_CUDA_PERSISTENT_CTAS", "FLASHATTN_CUDA_CONVERT_CTAS", "FLASHATTN_CUDA_FWD_CTAS", "FLASHATTN_CUDA_PACKED_GRID",
     "FLASHATTN_CUDA_KEY_CHUNK", "FLASHATTN_CUDA_DECODE_LOADER", "FLASHATTN_CUDA_DECODE_STAGES", "FLASHATTN_CUDA_KV_CHECK",
-    "FLASHATTN_CUDA_DECODE_STREAMS", "FLASHATTN_CUDA_ORD_HEADS"};
+    "FLASHATTN_CUDA_DECODE_STREAMS", "FLASHATTN_CUDA_ORD_HEADS", "FLASHATTN_CUDA_ATOMIC_HEADS"};
 
 #if defined(FLASHATTN_DEV_OVERRIDES)
 std::mutex& mutex() {

@@ -320,6 +320,21 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     }
     // The float32 dQ accumulator (DP floats per query row) of the atomic design, zeroed before the pass.
     b.workspace = (delta + (b.atomic_dq() ? rows * b.dp : 0)) * sizeof(float);
+    // The ordered design's head split under GQA (below; also the default design's, by a knob): the
+    // group's dK/dV sums in float32 ([B, Hkv, nk block_m, DP], dK's rows then dV's) after a
+    // counter per (batch, kv head, key block), zeroed with the dQ counters (counted in
+    // dq_lock_count) or, without those, alone.
+    auto add_head_split = [](BackwardPlan& pl, const Shape& sh, const TileConfig90& tc) {
+      const int64_t key_blocks = (sh.seq_kv + tc.block_m - 1) / tc.block_m;
+      const int64_t acc_rows = sh.batch * sh.heads_kv * key_blocks * tc.block_m;
+      pl.dkv_locks = static_cast<int64_t>(pl.workspace);
+      pl.dq_lock_count += sh.batch * sh.heads_kv * key_blocks;
+      pl.workspace += static_cast<size_t>(sh.batch * sh.heads_kv * key_blocks) * sizeof(int);
+      pl.workspace = (pl.workspace + 15) / 16 * 16;
+      pl.dkv_acc = static_cast<int64_t>(pl.workspace);
+      pl.dkv_acc_rows = acc_rows;
+      pl.workspace += static_cast<size_t>(2 * acc_rows * pl.dp) * sizeof(float);
+    };
     if (ordered && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       // One counter per (sequence, query head, query tile, warpgroup), after the accumulator.
       const TileConfig90 c = tile_config90(Pass::Dkv, b.dp, b.sm90_variant);
@@ -344,16 +359,12 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       // 0.89-0.98x). FLASHATTN_CUDA_ORD_HEADS=0/1 forces either.
       const bool banded = n.mask != Mask::None || n.has_window();
       const bool split_heads = ov.ord_heads >= 0 ? ov.ord_heads == 1 : banded && (s.seq_kv > 1024 || b.dp > 128);
-      if (s.group() > 1 && !packed && split_heads) {
-        const int64_t acc_rows = s.batch * s.heads_kv * key_blocks * c.block_m;
-        b.dkv_locks = static_cast<int64_t>(b.workspace);
-        b.dq_lock_count += s.batch * s.heads_kv * key_blocks;
-        b.workspace += static_cast<size_t>(s.batch * s.heads_kv * key_blocks) * sizeof(int);
-        b.workspace = (b.workspace + 15) / 16 * 16;
-        b.dkv_acc = static_cast<int64_t>(b.workspace);
-        b.dkv_acc_rows = acc_rows;
-        b.workspace += static_cast<size_t>(2 * acc_rows * b.dp) * sizeof(float);
-      }
+      if (s.group() > 1 && !packed && split_heads) add_head_split(b, s, c);
+    } else if (b.kernel == BwdKernel::Sm90Wgmma16Atomic && s.group() > 1 && !packed && !b.xf && ov.atomic_heads == 1) {
+      // The same head split for the default design (reductions in any order): a CTA per (key
+      // block, query head), so that a banded group's key blocks are MHA's lengths, not G times
+      // MHA's (FLASHATTN_CUDA_ATOMIC_HEADS=1; off until measured).
+      add_head_split(b, s, tile_config90(Pass::Dkv, b.dp, b.sm90_variant));
     }
     if (packed && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       b.seq_maps = static_cast<int64_t>(seq_maps_at(b.workspace));

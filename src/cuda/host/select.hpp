@@ -117,7 +117,9 @@ struct BackwardPlan {
   // ... under GQA (dense calls): one CTA per (key block, query head) instead of per kv head, the
   // group's dK/dV partials summed in query-head order in a float32 accumulator ([B, Hkv, nk
   // block_m rows, DP] for dK, then dV; offset in bytes, -1: none) with a counter per (batch, kv
-  // head, key block) after dq_locks' (inside dq_lock_count, zeroed with them).
+  // head, key block) after dq_locks' (inside dq_lock_count, zeroed with them). The default design
+  // too, with FLASHATTN_CUDA_ATOMIC_HEADS=1: then its counters alone (dq_locks = -1, dq_lock_count
+  // counts them).
   int64_t dkv_acc = -1;
   int64_t dkv_acc_rows = 0;   // B Hkv nk block_m: dV's part starts this many rows after dK's
   int64_t dkv_locks = -1;     // bytes

@@ -484,8 +484,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   const int64_t Sq = p.shape.seq_q, Skv = p.shape.seq_kv;
   // (ORD: the key blocks of a head in reverse launch order, see wait_turn.)
   const int64_t kx = ORD ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  // ORD head split: blockIdx.y is a query head, which walks its own query tiles only.
-  const bool hsplit = ORD && A.dkv_acc != nullptr;
+  // The head split (BackwardPlan::dkv_acc): blockIdx.y is a query head, which walks its own query
+  // tiles only; the group's dK/dV are summed in head order after the walk (epilogue).
+  const bool hsplit = A.dkv_acc != nullptr;
   const int64_t G = p.shape.heads_q / p.shape.heads_kv;
   KeyBlock kb = key_block<BK, BQ>(p.shape, p.num, blockIdx.z, hsplit ? blockIdx.y / G : blockIdx.y, kx);
   if (hsplit) kb.one_head(blockIdx.y);
@@ -760,56 +761,54 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   rows_in(row_w + lane / 4, rule.live_keys_begin(Skv), rule.live_keys_end(Sq, Skv), seen);
   zero_rows_unless(dk[0], seen);
   zero_rows_unless(dv[0], seen);
-  if constexpr (ORD) {
-    if (hsplit) {
-      // The head split: this head's partial dK/dV joins the group's sum in head order (g = its
-      // place): g = 0 stores, 0 < g < G - 1 adds and stores, the last adds and writes the result
-      // below. Each float sum is (earlier heads' sum) + this head's: one order, bitwise
-      // reproducible. The counter is waited for by one thread and passed on after a barrier
-      // that orders every consumer's stores before its fence (as the dQ turns); the partials go
-      // through L2 (.cg: another SM wrote them, this SM's L1 may hold stale lines).
-      const int64_t g = blockIdx.y - hk * G;
-      int* lock = A.dkv_locks + (b * p.shape.heads_kv + hk) * nk + kx;
-      const int64_t row0 = (b * p.shape.heads_kv + hk) * nk * BK + m0 + krow + lane / 4;
-      float* acc_k = A.dkv_acc + row0 * DP + cg * DW + 2 * (lane & 3);
-      float* acc_v = acc_k + A.dkv_acc_rows * DP;
-      if (threadIdx.x == 0) wait_turn(lock, static_cast<int>(g));
-      __syncwarp();  // (bar.sync is aligned: the warp reconverges first)
-      named_barrier(1, TC);
-      // One fragment row-half at a time (NO float2 of dK or dV: registers S and dP no longer
-      // need), all its loads issued before any store: the stores could alias the loads as far as
-      // the compiler knows, and load-add-store per pair made every pair an L2 round trip.
-      auto join = [&](float(&acc)[1][NO][4], float* base, int r) {
-        float* rowp = base + 8 * r * DP;
-        float2 prev[NO];
-        if (g > 0) {
+  if (hsplit) {
+    // The head split: this head's partial dK/dV joins the group's sum in head order (g = its
+    // place): g = 0 stores, 0 < g < G - 1 adds and stores, the last adds and writes the result
+    // below. Each float sum is (earlier heads' sum) + this head's: one order, bitwise
+    // reproducible. The counter is waited for by one thread and passed on after a barrier
+    // that orders every consumer's stores before its fence (as the dQ turns); the partials go
+    // through L2 (.cg: another SM wrote them, this SM's L1 may hold stale lines).
+    const int64_t g = blockIdx.y - hk * G;
+    int* lock = A.dkv_locks + (b * p.shape.heads_kv + hk) * nk + kx;
+    const int64_t row0 = (b * p.shape.heads_kv + hk) * nk * BK + m0 + krow + lane / 4;
+    float* acc_k = A.dkv_acc + row0 * DP + cg * DW + 2 * (lane & 3);
+    float* acc_v = acc_k + A.dkv_acc_rows * DP;
+    if (threadIdx.x == 0) wait_turn(lock, static_cast<int>(g));
+    __syncwarp();  // (bar.sync is aligned: the warp reconverges first)
+    named_barrier(1, TC);
+    // One fragment row-half at a time (NO float2 of dK or dV: registers S and dP no longer
+    // need), all its loads issued before any store: the stores could alias the loads as far as
+    // the compiler knows, and load-add-store per pair made every pair an L2 round trip.
+    auto join = [&](float(&acc)[1][NO][4], float* base, int r) {
+      float* rowp = base + 8 * r * DP;
+      float2 prev[NO];
+      if (g > 0) {
 #pragma unroll
-          for (int j = 0; j < NO; ++j) prev[j] = __ldcg(reinterpret_cast<const float2*>(rowp + 8 * j));
+        for (int j = 0; j < NO; ++j) prev[j] = __ldcg(reinterpret_cast<const float2*>(rowp + 8 * j));
 #pragma unroll
-          for (int j = 0; j < NO; ++j) {
-            acc[0][j][2 * r] = prev[j].x + acc[0][j][2 * r];
-            acc[0][j][2 * r + 1] = prev[j].y + acc[0][j][2 * r + 1];
-          }
+        for (int j = 0; j < NO; ++j) {
+          acc[0][j][2 * r] = prev[j].x + acc[0][j][2 * r];
+          acc[0][j][2 * r + 1] = prev[j].y + acc[0][j][2 * r + 1];
         }
-        if (g + 1 < G) {
-#pragma unroll
-          for (int j = 0; j < NO; ++j)
-            __stcg(reinterpret_cast<float2*>(rowp + 8 * j), make_float2(acc[0][j][2 * r], acc[0][j][2 * r + 1]));
-        }
-      };
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        join(dk, acc_k, r);
-        join(dv, acc_v, r);
       }
       if (g + 1 < G) {
-        named_barrier(1, TC);
-        if (threadIdx.x == 0) {
-          __threadfence();
-          pass_turn(lock);
-        }
-        return;
+#pragma unroll
+        for (int j = 0; j < NO; ++j)
+          __stcg(reinterpret_cast<float2*>(rowp + 8 * j), make_float2(acc[0][j][2 * r], acc[0][j][2 * r + 1]));
       }
+    };
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      join(dk, acc_k, r);
+      join(dv, acc_v, r);
+    }
+    if (g + 1 < G) {
+      named_barrier(1, TC);
+      if (threadIdx.x == 0) {
+        __threadfence();
+        pass_turn(lock);
+      }
+      return;
     }
   }
   named_barrier(1, TC);

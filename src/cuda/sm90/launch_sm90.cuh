@@ -378,6 +378,10 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
     }
     throw Error(Status::Internal, "dkv_sm90: the ordered dQ reduction has no kernel with the per-entry score step");
   }
+  // (The default design's head split, BackwardPlan::dkv_acc: its sums and counters.)
+  args.dkv_acc = a.dkv_acc;
+  args.dkv_acc_rows = a.dkv_acc_rows;
+  args.dkv_locks = a.dkv_locks;
   launch_checked(dev::dkv_sm90_kernel<DP, H, V, XF>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
 }
