@@ -234,7 +234,7 @@ constexpr bool tiles16_fit() {
 }
 static_assert(tiles16_fit(), "a tile_config16 row exceeds shared memory or leaves warps without rows");
 
-// ==== sm_90a (Hopper) float16 / bfloat16 kernels (sm90/kernels16.cuh) ============================
+// ==== sm_90a (Hopper) float16 / bfloat16 kernels (sm90/fwd16.cuh, sm90/dkv16.cuh) ============================
 
 // Warpgroup tiles: each warpgroup (4 warps) owns 64 rows of the stationary operand, the M of a
 // wgmma. The streamed operand comes in block_n rows per stage, two stages per operand (K and V

@@ -213,7 +213,7 @@ FLASHATTN_HD KeyBlock key_block(const Shape& s, const Numerics& n, int64_t b, in
   return key_block_at(s, mask_rule(s, n), b, hk, x, BM, BN);
 }
 
-// The ordered (deterministic) dQ reduction's turns (sm90/kernels16.cuh, ORD; docs/ALGORITHM.md):
+// The ordered (deterministic) dQ reduction's turns (sm90/dkv16.cuh, ORD; docs/ALGORITHM.md):
 // key block kx's place among the key blocks that add into one entry of its walk list (a query
 // head's query tile), 0 first. Highest first (any band): the blocks that see the tile are the
 // range kt of key_tiles() and go from its last down, each a step after the one above it reached

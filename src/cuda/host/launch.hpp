@@ -206,7 +206,7 @@ void launch_dkv16(const BwdArgs& a, cudaStream_t stream);
 // capability 9.0 run them, and only for operands selection found the copy engine can address
 // (select.cpp: tma_ok): a tensor map that still fails to encode is an Internal error, never a
 // fallback to another kernel.
-// The float16/bfloat16 forward (sm90/kernels16.cuh); XF as for the sm_80 kernels (instantiated in
+// The float16/bfloat16 forward (sm90/fwd16.cuh); XF as for the sm_80 kernels (instantiated in
 // inst/forward_sm90_xf_d*.cu).
 template <int DP, Half16 H, bool XF>
 void launch_forward_sm90(const FwdArgs& a, cudaStream_t stream);

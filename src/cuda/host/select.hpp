@@ -39,7 +39,7 @@ struct DeviceCaps {
 enum class FwdKernel : uint8_t {
   Sm80Mma32,   // float32 mma.sync (tf32 / 3xTF32) or CUDA-core FMA (sm80/kernels_fp32.cuh)
   Sm80Mma16,   // float16/bfloat16 mma.sync (sm80/kernels16.cuh)
-  Sm90Wgmma16, // float16/bfloat16 wgmma + TMA, warp-specialized (sm90/kernels16.cuh)
+  Sm90Wgmma16, // float16/bfloat16 wgmma + TMA, warp-specialized (sm90/fwd16.cuh, dkv16.cuh)
   Sm90Tf32,    // float32 in tf32 on wgmma (sm90/tf32_fwd.cuh)
   Sm90X3,      // float32 fp32-accurate (3xTF32) on wgmma, on the pre-pass's split copies (sm90/x3_fwd.cuh)
 };

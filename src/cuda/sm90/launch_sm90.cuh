@@ -8,7 +8,8 @@
 
 #include "cuda/host/check.hpp"
 #include "cuda/host/resources.hpp"
-#include "cuda/sm90/kernels16.cuh"
+#include "cuda/sm90/dkv16.cuh"
+#include "cuda/sm90/fwd16.cuh"
 #include "cuda/sm90/x3_fwd.cuh"
 #include "cuda/sm90/tf32_fwd.cuh"
 #include "cuda/sm90/tf32_bwd.cuh"

@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) float32 forward in tf32 mode: the float16/bfloat16 forward's design
-// (sm90/kernels16.cuh: TMA copies into 128-byte-swizzled shared memory, a producer warpgroup, two
+// (sm90/fwd16.cuh: TMA copies into 128-byte-swizzled shared memory, a producer warpgroup, two
 // consumer warpgroups on mbarriers, S_{j+1} overlapping P_j V_j) with tf32 wgmma (m64nNk8).
 // tf32 wgmma reads both shared-memory operands K-major only (no transposing descriptor as for
 // 16 bits), so:

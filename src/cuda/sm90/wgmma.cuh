@@ -2,7 +2,7 @@
 // tiles in the layout the warpgroup tensor-core instructions (wgmma) read through descriptors,
 // the descriptors themselves, the wgmma ordering primitives, and warpgroup products built on the
 // generated wrappers of wgmma_ops.cuh. Only the sm_90a cubin executes these instructions; the
-// kernels using them compile to empty bodies elsewhere (see kernels16.cuh).
+// kernels using them compile to empty bodies elsewhere (see fwd16.cuh, dkv16.cuh).
 //
 // Register layout: a warpgroup (4 consecutive warps, 128 threads) owns 64 rows of an M x N
 // product; warp w of the group owns rows 16w..16w+15 in the m16n8 accumulator layout of
