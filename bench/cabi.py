@@ -226,13 +226,13 @@ class EnvSettings:
     def _set(self, name, value):
         # A knob newer than one of the builds (a change's base in an A/B) is left to the builds
         # that know it; one that no build knows is an error.
-        errors = []
-        for lib in self._libs():
+        libs, errors = self._libs(), []
+        for lib in libs:
             try:
                 set_override(lib, name, value)
             except ValueError as e:
                 errors.append(e)
-        if errors and len(errors) == len(self._libs()):
+        if errors and len(errors) == len(libs):
             raise errors[0]
 
     def __enter__(self):

@@ -84,6 +84,8 @@ from cabi import CtypesLib, EnvSettings  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOW = ("bfloat16", "float16")
+
+
 class Ours(NamedTuple):
     """One of flashattn's benchmark rows: how it is labelled and how it is selected."""
     short: str                       # column label
@@ -125,6 +127,7 @@ def knobs(name):
 DESIGNS = tuple(n for n, o in OURS_TABLE.items() if o.only == "bwd")
 FWD_VARIANTS = tuple(n for n, o in OURS_TABLE.items() if o.only == "fwd")
 OURS = tuple(OURS_TABLE)
+OURS_16 = tuple(n for n in OURS if n != "flashattn-tf32")  # the rows 16-bit runs have (tf32: float32 only)
 SDPA_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 # Head dims the CUDA kernels are compiled for; others run padded to the next one.
 COMPILED_HEAD_DIMS = (64, 96, 128, 256)
@@ -525,7 +528,7 @@ def lp_table(rows, p):
     """Markdown: one line per 16-bit case, pass p, TFLOP/s per backend, ours over flash/cuDNN."""
     rows = [r for r in rows if r["dtype"] in LOW]
     has = lambda b: any(r["backend"] == b and r.get(f"{p}_flops_per_s") for r in rows)  # noqa
-    ours = [b for b in tuple(n for n in OURS if n != "flashattn-tf32") if has(b)]
+    ours = [b for b in OURS_16 if has(b)]
     peers = [b for b in SDPA_NAMES if has(b)]
     if not ours and not peers:
         return ""
@@ -561,7 +564,7 @@ def lp_summary(rows):
     out = []
     all_cases = list(dict.fromkeys(case_key(r) for r in rows))
     for p in H.PASSES:
-        for b in tuple(n for n in OURS if n != "flashattn-tf32"):
+        for b in OURS_16:
             mine = [r for r in rows if r["backend"] == b and r.get(f"{p}_flops_per_s")]
             if not mine:
                 continue

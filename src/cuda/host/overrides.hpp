@@ -67,8 +67,8 @@ struct Overrides {
   int decode_stages = -1;  // 0, 1, 2: 2, 3, 4 stages
   int kv_check = -1;       // 0 host, 1 device
   int decode_streams = -1; // 1..4: CTAs per SM for the whole-tile loader's split rule (kv_streams)
-  int ord_heads = -1;
-  int atomic_heads = -1;  // the default 16-bit sm_90a backward's head split under GQA: 1 always (dense calls)      // the ordered backward's head split under GQA: 0 never, 1 always (dense calls)
+  int ord_heads = -1;      // the ordered backward's head split under GQA: 0 never, 1 always (dense calls)
+  int atomic_heads = -1;   // the default 16-bit sm_90a backward's head split under GQA: 1 always (dense calls)
 };
 
 // Whether this build has the knobs (FLASHATTN_DEV_OVERRIDES).

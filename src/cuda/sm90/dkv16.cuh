@@ -347,12 +347,13 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       }
       // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
       // dQ must stay exactly 0.
+      auto adds = [&](int qr) { return n0 + qr >= rule.live_rows_begin(Sq) && n0 + qr < rule.live_rows_end(Sq, Skv); };
       if constexpr (kRed4) {
         // 16-byte reductions: lanes t and t ^ 1 swap halves, so that the even lane holds 4
         // neighbouring columns of row g and the odd lane 4 of row g + 8 (the same float adds).
         const bool odd = t & 1;
         const int qr = wq + g + (odd ? 8 : 0);
-        const bool live = n0 + qr >= rule.live_rows_begin(Sq) && n0 + qr < rule.live_rows_end(Sq, Skv);
+        const bool live = adds(qr);
         float* accr = acc + static_cast<int64_t>(qr) * DP + QC * c + 2 * t - (odd ? 2 : 0);
 #pragma unroll
         for (int j = 0; j < QC / 8; ++j) {
@@ -365,7 +366,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int qr = wq + g + 8 * r;
-          if (n0 + qr < rule.live_rows_begin(Sq) || n0 + qr >= rule.live_rows_end(Sq, Skv)) continue;
+          if (!adds(qr)) continue;
 #pragma unroll
           for (int j = 0; j < QC / 8; ++j)
             red_add2(acc + static_cast<int64_t>(qr) * DP + QC * c + 8 * j + 2 * t, dq[0][j][2 * r],

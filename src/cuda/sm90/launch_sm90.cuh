@@ -362,27 +362,24 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
                              {&a.p.k, s.heads_kv, true, c.block_m, &args.tk},
                              {&a.p.v, s.heads_kv, true, c.block_m, &args.tv}};
   args.seq_maps = make_maps16(ops, H, s, a.p.packing, a.seq_maps, stream, "cuda 16-bit sm_90a backward");
-  // (The head split of the ordered backward: a CTA per query head, grid.y = Hq.)
+  // The head split (BackwardPlan::dkv_acc, either design): a CTA per query head, grid.y = Hq, and
+  // the group's sums and counters.
   const dim3 grid(grid_blocks(s.seq_kv, c.block_m), static_cast<unsigned>(a.dkv_acc != nullptr ? s.heads_q : s.heads_kv),
                   static_cast<unsigned>(s.batch));
+  args.dkv_acc = a.dkv_acc;
+  args.dkv_acc_rows = a.dkv_acc_rows;
+  args.dkv_locks = a.dkv_locks;
   if (a.dq_locks != nullptr) {
     // The ordered (deterministic) reduction: kernels without the per-entry step only (selection).
     if constexpr (!XF) {
       args.locks = a.dq_locks;
       args.lock_tiles = grid_blocks(s.seq_q, c.block_n);
-      args.dkv_acc = a.dkv_acc;
-      args.dkv_acc_rows = a.dkv_acc_rows;
-      args.dkv_locks = a.dkv_locks;
       launch_checked(dev::dkv_sm90_kernel<DP, H, V, false, true>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V),
                      stream, args, "dkv_sm90 (ordered dQ) kernel launch");
       return;
     }
     throw Error(Status::Internal, "dkv_sm90: the ordered dQ reduction has no kernel with the per-entry score step");
   }
-  // (The default design's head split, BackwardPlan::dkv_acc: its sums and counters.)
-  args.dkv_acc = a.dkv_acc;
-  args.dkv_acc_rows = a.dkv_acc_rows;
-  args.dkv_locks = a.dkv_locks;
   launch_checked(dev::dkv_sm90_kernel<DP, H, V, XF>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V), stream, args,
                  "dkv_sm90 kernel launch");
 }
