@@ -195,8 +195,9 @@ struct Design {
 // with no knob; the split passes where that kernel does not run: sm_80, D = 96, the per-entry step);
 // under GQA a CTA per (key block, query head), the group's dK/dV summed in head order.
 // "ordered-kvhead" / "ordered-heads": the same with that head split never / always (every dense
-// GQA case, also without a mask, where it meets the rotated dQ turns). "atomic-heads": the atomic
-// design with the same head split on every dense GQA case (FLASHATTN_CUDA_ATOMIC_HEADS=1).
+// GQA case, also without a mask, where it meets the rotated dQ turns). "atomic": the default
+// design with its own head-split rule (split or not by mask, D and length: both forms run in the
+// grid). "atomic-heads": that head split on every dense GQA case (FLASHATTN_CUDA_ATOMIC_HEADS=1).
 constexpr Design kDesigns[] = {{"split", true, "split"},
                                {"atomic", false, "atomic"},
                                {"ordered", true, nullptr},

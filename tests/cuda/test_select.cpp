@@ -1310,21 +1310,43 @@ TEST(KvcacheSelect, Refusals) {
   EXPECT_NE(r.why.find("head_dim"), std::string::npos) << r.why;
 }
 
-// FLASHATTN_CUDA_ATOMIC_HEADS=1: the default design under GQA with the head split - its sums and
-// counters alone in the workspace (no dQ turns), after the dQ accumulator; never for MHA, packed
-// calls or the per-entry step; off without the knob.
-TEST(CudaSelect, DefaultBackwardHeadSplitByKnob) {
-  const Numerics n = num(DType::BFloat16, Mask::CausalBottomRight);
+// The default design under GQA with the head split - its sums and counters alone in the workspace
+// (no dQ turns), after the dQ accumulator. By rule (measured, select.cpp): banded from S 1k + 1 at
+// every D and at D > 64 below; unbanded from S 1k + 1 at D 64 only. Never for MHA, packed calls or
+// the per-entry step; FLASHATTN_CUDA_ATOMIC_HEADS=0/1 forces either.
+TEST(CudaSelect, DefaultBackwardHeadSplit) {
+  const Numerics causal = num(DType::BFloat16, Mask::CausalBottomRight);
+  const Numerics none = num(DType::BFloat16, Mask::None);
   auto plan = [&](const Shape& s, const Numerics& nn) {
     const Selected<BackwardPlan> r = select_backward(bparams(s, nn), dev(9, 0), ov(scoped_vars()));
     EXPECT_TRUE(r.ok) << r.why;
     return r.plan;
   };
+  auto split = [&](int64_t seq, int64_t d, const Numerics& nn) {
+    return plan(Shape{2, 8, 2, seq, seq, d}, nn).dkv_acc >= 0;
+  };
+  EXPECT_TRUE(split(2000, 128, causal));
+  EXPECT_TRUE(split(2000, 64, causal));
+  EXPECT_TRUE(split(1000, 128, causal));
+  EXPECT_TRUE(split(1000, 256, causal));
+  EXPECT_FALSE(split(1000, 64, causal)) << "short causal rows at D 64";
+  EXPECT_TRUE(split(2000, 64, none));
+  EXPECT_FALSE(split(1000, 64, none));
+  EXPECT_FALSE(split(2000, 128, none));
+  EXPECT_FALSE(split(20000, 256, none));
+  Numerics window = none;
+  window.window_left = 256;
+  EXPECT_TRUE(split(2000, 128, window)) << "a window is a band";
   const Shape gqa{2, 8, 2, 2000, 2000, 128};
-  const BackwardPlan p0 = plan(gqa, n);
-  EXPECT_EQ(p0.dkv_acc, -1) << "off by default";
-  OverrideScope e("FLASHATTN_CUDA_ATOMIC_HEADS", "1");
-  const BackwardPlan p = plan(gqa, n);
+  BackwardPlan p0;
+  {
+    OverrideScope off("FLASHATTN_CUDA_ATOMIC_HEADS", "0");
+    p0 = plan(gqa, causal);
+    EXPECT_EQ(p0.dkv_acc, -1) << "forced off";
+    OverrideScope on("FLASHATTN_CUDA_ATOMIC_HEADS", "1");
+    EXPECT_GE(plan(gqa, none).dkv_acc, 0) << "forced on";
+  }
+  const BackwardPlan p = plan(gqa, causal);
   ASSERT_EQ(p.kernel, BwdKernel::Sm90Wgmma16Atomic);
   const TileConfig90 c = tile_config90(Pass::Dkv, p.dp, p.sm90_variant);
   const int64_t nk = (2000 + c.block_m - 1) / c.block_m;
@@ -1334,8 +1356,8 @@ TEST(CudaSelect, DefaultBackwardHeadSplitByKnob) {
   EXPECT_EQ(p.dkv_acc % 16, 0);
   EXPECT_EQ(p.dkv_acc_rows, 2 * 2 * nk * c.block_m);
   EXPECT_EQ(p.workspace, static_cast<size_t>(p.dkv_acc) + 2 * p.dkv_acc_rows * p.dp * sizeof(float));
-  EXPECT_EQ(plan(Shape{2, 8, 8, 2000, 2000, 128}, n).dkv_acc, -1) << "MHA";
-  Numerics cap = n;
+  EXPECT_EQ(plan(Shape{2, 8, 8, 2000, 2000, 128}, causal).dkv_acc, -1) << "MHA";
+  Numerics cap = causal;
   cap.softcap = 30.0f;
   EXPECT_EQ(plan(gqa, cap).dkv_acc, -1) << "per-entry step";
 }

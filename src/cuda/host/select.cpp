@@ -360,11 +360,17 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       const bool banded = n.mask != Mask::None || n.has_window();
       const bool split_heads = ov.ord_heads >= 0 ? ov.ord_heads == 1 : banded && (s.seq_kv > 1024 || b.dp > 128);
       if (s.group() > 1 && !packed && split_heads) add_head_split(b, s, c);
-    } else if (b.kernel == BwdKernel::Sm90Wgmma16Atomic && s.group() > 1 && !packed && !b.xf && ov.atomic_heads == 1) {
+    } else if (b.kernel == BwdKernel::Sm90Wgmma16Atomic && s.group() > 1 && !packed && !b.xf) {
       // The same head split for the default design (reductions in any order): a CTA per (key
       // block, query head), so that a banded group's key blocks are MHA's lengths, not G times
-      // MHA's (FLASHATTN_CUDA_ATOMIC_HEADS=1; off until measured).
-      add_head_split(b, s, tile_config90(Pass::Dkv, b.dp, b.sm90_variant));
+      // MHA's. Against the unsplit kernel (H100, bf16, G 4/8, S 1k-16k): causal 1.00-1.40x at
+      // D >= 128 and at D 64 from S 4k, 0.87-0.91x at D 64 S 1k (the partials' float32 sum then
+      // outweighs the balance); without a mask 1.06-1.23x at D 64 from S 4k, 0.78-0.99x elsewhere
+      // but D 128 S 16k (1.02-1.06x, kept unsplit). FLASHATTN_CUDA_ATOMIC_HEADS=0/1 forces either.
+      const bool banded = n.mask != Mask::None || n.has_window();
+      const bool split_heads = ov.atomic_heads >= 0 ? ov.atomic_heads == 1
+                                                    : s.seq_kv > 1024 ? banded || b.dp <= 64 : banded && b.dp > 64;
+      if (split_heads) add_head_split(b, s, tile_config90(Pass::Dkv, b.dp, b.sm90_variant));
     }
     if (packed && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       b.seq_maps = static_cast<int64_t>(seq_maps_at(b.workspace));
