@@ -97,8 +97,10 @@ class Ours(NamedTuple):
     precision: str = "fp32"
 
 
-# --base-lib: the default calls on another build of the library (a change's base), same process.
+# --base-lib: the default calls on another build of the library (a change's base), same process;
+# base:flashattn-ordered the deterministic backward there.
 BASE = "base:flashattn"
+BASE_ROWS = (BASE, "base:flashattn-ordered")
 # Every flashattn row, in report order. ordered-kvhead: the ordered backward without its GQA head
 # split (a CTA per kv head walking the group's query heads); blocks: the 16-bit sm_90a forward
 # with one CTA per row block (no walk).
@@ -114,6 +116,7 @@ OURS_TABLE = {
                                    only="bwd"),
     "flashattn-blocks": Ours("blocks", knobs={"FLASHATTN_CUDA_FWD_CTAS": "0"}, only="fwd"),
     BASE: Ours("base", "default"),
+    "base:flashattn-ordered": Ours("base-ord", "ordered", "ordered", True, only="bwd"),
 }
 
 
@@ -174,7 +177,7 @@ def backend_names(dname, args):
     for n in names:
         if n == "flashattn-tf32" and dname != "float32":
             continue  # tf32 is a float32 mode
-        if n == BASE and not args.base_lib:
+        if n in BASE_ROWS and not args.base_lib:
             continue
         if (n in DESIGNS or n in FWD_VARIANTS) and dname not in LOW:
             continue  # float32's backward has one design (always deterministic); 16-bit variants
@@ -383,7 +386,7 @@ class Flashattn:
             return lambda q, k, v: fat.attention(q, k, v, mask=mask, precision=prec, **kw)
         opts = (1 if causal else 0, 1 if impl.precision == "tf32" else 0, impl.deterministic)
         fn = self.fn
-        if impl.name == BASE:
+        if impl.name in BASE_ROWS:
             if self.base_fn is None:
                 return "no --base-lib"
             fn = self.base_fn

@@ -90,7 +90,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   constexpr TileConfig90 C = tile_config90(Pass::Dkv, DP, V);
   constexpr int BK = C.block_m, BQ = C.block_n, NWG = C.warpgroups, TC = 128 * NWG, CS = C.col_split;
   constexpr int DW = DP / CS;                         // dK/dV columns per warpgroup
-  constexpr int DQN = DP / NWG, QC = DQN < 64 ? DQN : 64;  // dQ columns per warpgroup, per product
+  // Alternating dQ (kAlt, below): each tile's whole dQ by one warpgroup, the two taking turns.
+  constexpr bool kAlt = CS == 1 && NWG == 2 && DP <= 64;
+  constexpr int DQN = kAlt ? DP : DP / NWG, QC = DQN < 64 ? DQN : 64;  // dQ columns per warpgroup's turn, per product
   // With col_split warpgroups sharing their 64 keys, each computes S^T and dP^T for BQ / CS of
   // the tile's queries only and publishes P^T and dS^T through shared memory; dV and dK then read
   // both from there (kQSplit). Without, P^T and dS^T stay in registers for dV and dK.
@@ -188,12 +190,13 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         mbar_arrive(full + st);
       }
     } else if (ORD && pw >= 2 && pw - 2 < NWG) {
-      // ORD: warpgroup w = pw - 2's turns (turn_of).
+      // ORD: warpgroup w = pw - 2's turns (turn_of). With alternating dQ, those of the tiles it
+      // owns (it % 2 == w), each on the tile's first counter: one warpgroup adds all its columns.
       const int w = pw - 2;
-      for (int it = 0; it < ntiles; ++it) {
+      for (int it = kAlt ? w : 0; it < ntiles; it += kAlt ? 2 : 1) {
         const int x = tile_of(it);
         const int64_t h = kb.head(x), n0 = kb.q0(x, BQ);
-        int* lock = A.locks + ((b * p.shape.heads_q + h) * A.lock_tiles + n0 / BQ) * NWG + w;
+        int* lock = A.locks + ((b * p.shape.heads_q + h) * A.lock_tiles + n0 / BQ) * NWG + (kAlt ? 0 : w);
         if (lane == 0) wait_turn(lock, turn_of(x, n0));
         __syncwarp();
         named_barrier(kTurnBar + w, kTurnThreads);
@@ -240,6 +243,21 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   // with dK and dV at DP/2 registers each, the second S^T/dP^T set spills from D = 128 up, and
   // at D = 64 below 240 registers per thread.
   constexpr bool kOverlapNext = DP <= 64 && C.consumer_regs() >= 240;
+  // Alternating dQ (D = 64: two key groups, no column split). With the tile's dQ split
+  // by columns both warpgroups wait at every tile for the other's half of dS^T, so they run in
+  // step: both in their exponentials while the tensor cores idle, both in their products after.
+  // Instead warpgroup it % 2 computes and adds tile it's whole dQ (DP columns, all BK keys) and
+  // only it waits for the other's dS^T (barrier kSdsFull + stage, which the other merely
+  // arrives at); the other goes on to the next tile's products at once. Each still does half of
+  // the dQ work over two tiles, but the two now run half a tile apart: one's exponentials beside
+  // the other's dQ product. The dS^T buffer of a stage is free again for the non-owner once the
+  // owner's dQ product two tiles back has read it (kSdsFree + stage). The owner issues the next
+  // tile's S^T/dP^T right after its dQ product, before the reductions.
+  // Measured against the column split in one process (H100, bf16, S 1k-16k): D 64 default
+  // 1.00-1.13x, ordered 1.10-1.34x; D 128 0.84-0.89x / 0.88-0.98x, so not there: with dK and dV
+  // at 128 registers the owner cannot hold the next S^T/dP^T beside a dQ part (it spills), and its
+  // two dQ products and all the reductions then run with nothing issued behind them.
+  constexpr int kSdsFull = 2, kSdsFree = 4;
   // dQ's reductions 16 bytes each (red.global.add.v4.f32 after a lane-pair swap) at D = 64, 8
   // bytes above: measured against each other in one process (H100, bf16 GQA 4/8, S 1k-16k), the
   // 16-byte form +0-14% at D = 64 and 3-9% slower at D = 128 (its ~90 more instructions per tile).
@@ -306,10 +324,31 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     // buffer), so one barrier per iteration protects both.
     // With kQSplit P^T goes the same way, and dV and dK follow the barrier.
     unsigned char* sdSi = sdS + st * TS::kBytes;
+    [[maybe_unused]] const bool owner = (it & 1) == wg;
+    if constexpr (kAlt) {
+      if (!owner && it >= 2) named_barrier(kSdsFree + st, TC);
+    }
     stage_acc_as<H, TS, 1, NS>(sdSi, dp, krow, qc0, 1.0f);
     if constexpr (kQSplit) stage_acc_as<H, TS, 1, NS>(sP + st * TS::kBytes, s, krow, qc0, 1.0f);
     fence_proxy_async();
-    named_barrier(1, TC);
+    if constexpr (kAlt) {
+      if (!owner) {
+        named_barrier_arrive(kSdsFull + st, TC);
+        if constexpr (kNext) {
+          issue_sdp(it + 1);
+          wgmma_wait<1>();  // dV and dK, which read this stage's Q and dO
+        } else {
+          wgmma_wait<0>();
+        }
+        fence_regs(dv[0]);
+        fence_regs(dk[0]);
+        mbar_arrive(empty + st);
+        return;
+      }
+      named_barrier(kSdsFull + st, TC);
+    } else {
+      named_barrier(1, TC);
+    }
     if constexpr (kQSplit) {
       fence_regs(dv[0]);
       fence_regs(dk[0]);
@@ -318,7 +357,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       wg_gemm_sn<H, BQ / 16, TS, TQ>(dk[0], smem_addr(sdSi), 64 * kg, qa, 0, cg * DW);
       wgmma_commit();
     }
-    float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + DQN * wg;
+    float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + (kAlt ? 0 : DQN * wg);
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
 #pragma unroll
     for (int c = 0; c < DQN / QC; ++c) {
@@ -326,7 +365,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       float dq[1][QC / 8][4];
       fence_regs(dq[0]);
       wgmma_fence();
-      wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, DQN * wg + QC * c, false);
+      wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, (kAlt ? 0 : DQN * wg) + QC * c, false);
       wgmma_commit();
       if (kNext && last) {
         issue_sdp(it + 1);
@@ -344,6 +383,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         // Every thread arrives: an arrival releases only the arriving thread's own accesses
         // (the sL/sD reads above), which the producer's next writes to this stage must follow.
         mbar_arrive(empty + st);
+        if constexpr (kAlt) {
+          if (it + 2 < ntiles) named_barrier_arrive(kSdsFree + st, TC);  // (dS^T read: see kAlt)
+        }
       }
       // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
       // dQ must stay exactly 0.
@@ -380,7 +422,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   };
 
   mbar_wait(full_kv, 0);
-  if constexpr (kOverlapNext) {
+  if constexpr (kOverlapNext || kAlt) {
     if (ntiles > 0) issue_sdp(0);
     for (int it = 0; it + 1 < ntiles; ++it) tile(it, std::true_type{});
     if (ntiles > 0) tile(ntiles - 1, std::false_type{});
