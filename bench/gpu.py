@@ -101,9 +101,9 @@ class Ours(NamedTuple):
 # base:flashattn-ordered the deterministic backward there.
 BASE = "base:flashattn"
 BASE_ROWS = (BASE, "base:flashattn-ordered")
-# Every flashattn row, in report order. ordered-kvhead: the ordered backward without its GQA head
-# split (a CTA per kv head walking the group's query heads); blocks: the 16-bit sm_90a forward
-# with one CTA per row block (no walk).
+# Every flashattn row, in report order. ordered-kvhead / ordered-heads: the ordered backward without
+# / always with its GQA head split (a CTA per kv head walking the group's query heads / a CTA per
+# query head); blocks: the 16-bit sm_90a forward with one CTA per row block (no walk).
 OURS_TABLE = {
     "flashattn": Ours("flashattn", "default"),
     "flashattn-tf32": Ours("tf32", "tf32", precision="tf32"),
@@ -112,6 +112,8 @@ OURS_TABLE = {
     "flashattn-ordered": Ours("ordered", "ordered", "ordered", True, only="bwd"),
     "flashattn-ordered-kvhead": Ours("kvhead", "ordered-kvhead", "ordered", True,
                                      {"FLASHATTN_CUDA_ORD_HEADS": "0"}, only="bwd"),
+    "flashattn-ordered-heads": Ours("oheads", "ordered-heads", "ordered", True,
+                                    {"FLASHATTN_CUDA_ORD_HEADS": "1"}, only="bwd"),
     "flashattn-atomic-heads": Ours("aheads", "atomic-heads", "atomic", knobs={"FLASHATTN_CUDA_ATOMIC_HEADS": "1"},
                                    only="bwd"),
     "flashattn-blocks": Ours("blocks", knobs={"FLASHATTN_CUDA_FWD_CTAS": "0"}, only="fwd"),
