@@ -150,7 +150,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     return turn_highest_first(key_tiles(rule, n0, qrows, Skv, BK), kx);
   };
   // ORD: the named barriers between consumer warpgroup w and its turn warp (producer warp 2 + w):
-  // kTurnBar + w "the turn is yours", kAddedBar + w "the adds are issued"; 128 + 32 threads.
+  // kTurnBar + w "the turn is yours", kAddedBar + w "the adds are issued"; 128 + 32 threads,
+  // waiting at two places in the code: the unaligned form (named_barrier_unaligned).
   constexpr int kTurnBar = 6, kAddedBar = 8, kTurnThreads = 128 + 32;
   static_assert(!ORD || NWG <= 2, "a turn warp per consumer warpgroup: producer warps 2 and 3");
 
@@ -199,8 +200,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         int* lock = A.locks + ((b * p.shape.heads_q + h) * A.lock_tiles + n0 / BQ) * NWG + (kAlt ? 0 : w);
         if (lane == 0) wait_turn(lock, turn_of(x, n0));
         __syncwarp();
-        named_barrier(kTurnBar + w, kTurnThreads);
-        named_barrier(kAddedBar + w, kTurnThreads);  // (the warpgroup's reductions are issued)
+        named_barrier_unaligned(kTurnBar + w, kTurnThreads);
+        named_barrier_unaligned(kAddedBar + w, kTurnThreads);  // (the warpgroup's reductions are issued)
         // The barrier orders every consumer thread's reductions before this lane's fence, which
         // waits for them to be performed at the device; then the count.
         if (lane == 0) {
@@ -375,7 +376,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       }
       fence_regs(dq[0]);
       if constexpr (ORD) {
-        if (c == 0) named_barrier(kTurnBar + wg, kTurnThreads);  // this warpgroup's turn at the tile
+        if (c == 0) named_barrier_unaligned(kTurnBar + wg, kTurnThreads);  // this warpgroup's turn at the tile
       }
       if (last) {
         fence_regs(dv[0]);
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         }
       }
       if constexpr (ORD) {
-        if (last) named_barrier(kAddedBar + wg, kTurnThreads);  // (the turn warp fences and counts)
+        if (last) named_barrier_unaligned(kAddedBar + wg, kTurnThreads);  // (the turn warp fences and counts)
       }
     }
   };

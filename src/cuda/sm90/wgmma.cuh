@@ -477,6 +477,13 @@ __device__ __forceinline__ void regs_decrease() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same for a barrier whose waiting threads reach it from different places in the code (a
+// consumer warpgroup and a producer warp in their own branches): bar.sync is the aligned form,
+// which promises that all waiters of one generation execute the same barrier instruction
+// (compute-sanitizer's synccheck reports "divergent threads" otherwise); barrier.sync is not.
+__device__ __forceinline__ void named_barrier_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Counts this warp's arrival at named barrier `id` without waiting.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
