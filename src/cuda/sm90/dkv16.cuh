@@ -18,6 +18,8 @@ namespace flashattn::cuda::dev {
 //   dV_w += P^T dO, dK_w += dS^T Q                        (wgmma, P^T and dS^T from registers)
 //   dS^T -> shared memory (double buffer); barrier among the consumers
 //   dQ[:, cols_w] = dS K[:, cols_w]                       (wgmma, both operands read transposed)
+// At D = 64 instead tile t's whole dQ by warpgroup t % 2, which alone waits for the other's dS^T
+// (kAlt, below).
 // At D = 256 (col_split 2) a CTA has 64 keys; both warpgroups compute their S^T and dP^T and each
 // accumulates half of dK's and dV's columns.
 //   dq_accum += dQ (vector float32 reductions in L2); release the stage
@@ -320,9 +322,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       wgmma_commit();
     }
 
-    // dS^T of both warpgroups into this iteration's buffer; the barrier also tells each
-    // warpgroup that the other finished the previous iteration's dQ (which read the other
-    // buffer), so one barrier per iteration protects both.
+    // dS^T of both warpgroups into this iteration's buffer. In step (D >= 128) the barrier also
+    // tells each warpgroup that the other finished the previous iteration's dQ (which read the
+    // other buffer), so one barrier per iteration protects both; kAlt has a barrier for each.
     // With kQSplit P^T goes the same way, and dV and dK follow the barrier.
     unsigned char* sdSi = sdS + st * TS::kBytes;
     [[maybe_unused]] const bool owner = (it & 1) == wg;
