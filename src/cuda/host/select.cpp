@@ -335,6 +335,8 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       pl.dkv_acc_rows = acc_rows;
       pl.workspace += static_cast<size_t>(2 * acc_rows * pl.dp) * sizeof(float);
     };
+    // A band (a causal mask or a window): a head's key blocks see different numbers of query tiles.
+    const bool banded = n.mask != Mask::None || n.has_window();
     if (ordered && b.kernel == BwdKernel::Sm90Wgmma16Atomic) {
       // One counter per (sequence, query head, query tile, warpgroup), after the accumulator.
       const TileConfig90 c = tile_config90(Pass::Dkv, b.dp, b.sm90_variant);
@@ -348,7 +350,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       // which is safe only when all key blocks of a head fit on the GPU at once (one CTA per SM
       // of those the process can hold: none known under MPS).
       const int64_t key_blocks = (s.seq_kv + c.block_m - 1) / c.block_m;
-      b.dq_rotate = n.mask == Mask::None && !n.has_window() && key_blocks <= dev.resident_sms;
+      b.dq_rotate = !banded && key_blocks <= dev.resident_sms;
       // GQA under a band: a CTA per (key block, query head). With one per kv head walking every
       // head of the group, a banded group's key blocks differ in length G times more and,
       // launched shortest first (the order the turns need), the longest start last: causal GQA
@@ -357,7 +359,6 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       // (a float32 read and write of the block's dK and dV per head: 0.67-1.07x against
       // 0.85-1.07x unsplit); short causal rows at D <= 128 likewise (S 1k: 0.75-0.89x against
       // 0.89-0.98x). FLASHATTN_CUDA_ORD_HEADS=0/1 forces either.
-      const bool banded = n.mask != Mask::None || n.has_window();
       const bool split_heads = ov.ord_heads >= 0 ? ov.ord_heads == 1 : banded && (s.seq_kv > 1024 || b.dp > 128);
       if (s.group() > 1 && !packed && split_heads) add_head_split(b, s, c);
     } else if (b.kernel == BwdKernel::Sm90Wgmma16Atomic && s.group() > 1 && !packed && !b.xf) {
@@ -367,7 +368,6 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       // D >= 128 and at D 64 from S 4k, 0.87-0.91x at D 64 S 1k (the partials' float32 sum then
       // outweighs the balance); without a mask 1.06-1.23x at D 64 from S 4k, 0.78-0.99x elsewhere
       // but D 128 S 16k (1.02-1.06x, kept unsplit). FLASHATTN_CUDA_ATOMIC_HEADS=0/1 forces either.
-      const bool banded = n.mask != Mask::None || n.has_window();
       const bool split_heads = ov.atomic_heads >= 0 ? ov.atomic_heads == 1
                                                     : s.seq_kv > 1024 ? banded || b.dp <= 64 : banded && b.dp > 64;
       if (split_heads) add_head_split(b, s, tile_config90(Pass::Dkv, b.dp, b.sm90_variant));

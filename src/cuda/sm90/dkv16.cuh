@@ -360,7 +360,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       wg_gemm_sn<H, BQ / 16, TS, TQ>(dk[0], smem_addr(sdSi), 64 * kg, qa, 0, cg * DW);
       wgmma_commit();
     }
-    float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + (kAlt ? 0 : DQN * wg);
+    const int dq_col0 = kAlt ? 0 : DQN * wg;  // this warpgroup's first dQ column
+    float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP + dq_col0;
     const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
 #pragma unroll
     for (int c = 0; c < DQN / QC; ++c) {
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       float dq[1][QC / 8][4];
       fence_regs(dq[0]);
       wgmma_fence();
-      wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, (kAlt ? 0 : DQN * wg) + QC * c, false);
+      wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdSi), 0, k_addr, dq_col0 + QC * c, false);
       wgmma_commit();
       if (kNext && last) {
         issue_sdp(it + 1);
