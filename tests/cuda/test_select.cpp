@@ -729,6 +729,12 @@ TEST(CudaSelect, OrderedBackwardSplitsTheGroupsQueryHeads) {
   none.mask = Mask::None;
   const Shape gqa{2, 8, 2, 4096, 4096, 128};
   EXPECT_EQ(select_backward(bparams(gqa, none), dev(9, 0), ov(scoped_vars())).plan.dkv_acc, -1) << "no mask";
+  auto none_split = [&](int64_t seq, int64_t d) {
+    return select_backward(bparams(Shape{2, 8, 2, seq, seq, d}, none), dev(9, 0), ov(scoped_vars())).plan.dkv_acc >= 0;
+  };
+  EXPECT_TRUE(none_split(2000, 64)) << "no mask, D 64, past 1024 keys";
+  EXPECT_FALSE(none_split(1024, 64)) << "no mask, D 64, short rows";
+  EXPECT_FALSE(none_split(20000, 256)) << "no mask, D 256";
   Numerics window = none;
   window.window_left = 512;
   EXPECT_GE(select_backward(bparams(gqa, window), dev(9, 0), ov(scoped_vars())).plan.dkv_acc, 0) << "a window";

@@ -357,9 +357,13 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
       // ran at 0.31-0.98x the default backward, split 0.75-1.29x (H100, bf16, G 4/8, D 64-256,
       // S 1k-16k). Without a mask the blocks are equal and the split only adds the partials' sum
       // (a float32 read and write of the block's dK and dV per head: 0.67-1.07x against
-      // 0.85-1.07x unsplit); short causal rows at D <= 128 likewise (S 1k: 0.75-0.89x against
-      // 0.89-0.98x). FLASHATTN_CUDA_ORD_HEADS=0/1 forces either.
-      const bool split_heads = ov.ord_heads >= 0 ? ov.ord_heads == 1 : banded && (s.seq_kv > 1024 || b.dp > 128);
+      // 0.85-1.07x unsplit) - except at D 64 past 1024 keys, where the default design too splits
+      // (1.14-1.20x the unsplit ordered kernel, H100, G 4/8, S 4k-16k); short causal rows at
+      // D <= 128 likewise (S 1k: 0.75-0.89x against 0.89-0.98x). FLASHATTN_CUDA_ORD_HEADS=0/1
+      // forces either.
+      const bool split_heads = ov.ord_heads >= 0  ? ov.ord_heads == 1
+                               : banded           ? s.seq_kv > 1024 || b.dp > 128
+                                                  : s.seq_kv > 1024 && b.dp <= 64;
       if (s.group() > 1 && !packed && split_heads) add_head_split(b, s, c);
     } else if (b.kernel == BwdKernel::Sm90Wgmma16Atomic && s.group() > 1 && !packed && !b.xf) {
       // The same head split for the default design (reductions in any order): a CTA per (key

@@ -94,6 +94,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   constexpr int DW = DP / CS;                         // dK/dV columns per warpgroup
   // Alternating dQ (kAlt, below): each tile's whole dQ by one warpgroup, the two taking turns.
   constexpr bool kAlt = CS == 1 && NWG == 2 && DP <= 64;
+  // Delayed dQ (kDelay, below): at D = 128 in the ordered design, each warpgroup's dQ columns of
+  // the previous tile.
+  constexpr bool kDelay = ORD && CS == 1 && NWG == 2 && !kAlt;
   constexpr int DQN = kAlt ? DP : DP / NWG, QC = DQN < 64 ? DQN : 64;  // dQ columns per warpgroup's turn, per product
   // With col_split warpgroups sharing their 64 keys, each computes S^T and dP^T for BQ / CS of
   // the tile's queries only and publishes P^T and dS^T through shared memory; dV and dK then read
@@ -261,10 +264,62 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   // at 128 registers the owner cannot hold the next S^T/dP^T beside a dQ part (it spills), and its
   // two dQ products and all the reductions then run with nothing issued behind them.
   constexpr int kSdsFull = 2, kSdsFree = 4;
+  // Delayed dQ (the ordered design at D = 128; it takes its turns in dq_delayed, in the same tile
+  // order). Where the alternation cannot keep the owner's tensor cores fed (the next tile's
+  // S^T/dP^T beside a dQ part spills), the column split stays but each warpgroup computes its dQ
+  // columns of tile t - 1 during tile t: the barriers then wait only on events half a tile or
+  // more in the past - the other's dS^T of tile t - 1 (kDFull + 2 x its warpgroup + stage,
+  // arrived right after its staging) and, before a buffer is written again, the other's dQ
+  // product of tile t - 2 (kDFree + ...) - and no barrier joins the two warpgroups at the current
+  // tile, whose turn may wait for other CTAs. Against the column split in step (H100, bf16, S
+  // 1k-16k, MHA and GQA 4/8): ordered 0.99-1.04x; the default design 0.95-1.01x, so not there.
+  // The last tile's dQ follows the loop.
+  constexpr int kDFull = 2, kDFree = 10;
   // dQ's reductions 16 bytes each (red.global.add.v4.f32 after a lane-pair swap) at D = 64, 8
   // bytes above: measured against each other in one process (H100, bf16 GQA 4/8, S 1k-16k), the
   // 16-byte form +0-14% at D = 64 and 3-9% slower at D = 128 (its ~90 more instructions per tile).
   constexpr bool kRed4 = DP <= 64;
+  // After a wait that covered the dV and dK products reading Q/dO stage st: every thread
+  // arrives - an arrival releases only the arriving thread's own accesses (the products' reads,
+  // the sL/sD reads), which the producer's next writes to this stage must follow.
+  auto release_stage = [&](int st) {
+    fence_regs(dv[0]);
+    fence_regs(dk[0]);
+    mbar_arrive(empty + st);
+  };
+  // kDelay: warpgroup wg's dQ columns of tile j (during tile j + 1, or after the loop for the
+  // last), from the dS^T buffer of stage j & 1 once the other warpgroup's half is in; then,
+  // when a tile j + 2 will write that buffer, the other is told this one has read it.
+  // release >= 0: the Q/dO stage to release once the product's wait also covered the current
+  // tile's dV/dK - before the ordered design's turn, which may wait for other CTAs.
+  [[maybe_unused]] auto dq_delayed = [&](int j, int release) {
+    static_assert(!kDelay || DQN == QC, "one dQ product per warpgroup and tile");
+    const int sj = j & 1;
+    const int64_t hj = kb.head(tile_of(j)), nj = kb.q0(tile_of(j), BQ);
+    named_barrier(kDFull + 2 * (wg ^ 1) + sj, TC);
+    float dq[1][QC / 8][4];
+    fence_regs(dq[0]);
+    wgmma_fence();
+    wg_gemm_tt<H, BK / 16, TS, TK>(dq[0], smem_addr(sdS + sj * TS::kBytes), 0, k_addr, DQN * wg, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq[0]);
+    if (release >= 0) release_stage(release);
+    if (j + 2 < ntiles) named_barrier_arrive(kDFree + 2 * wg + sj, TC);
+    if constexpr (ORD) named_barrier_unaligned(kTurnBar + wg, kTurnThreads);  // this warpgroup's turn at tile j
+    float* acc = a.dq_accum + (a.ws_row(b, hj) + nj) * DP + DQN * wg;
+    const int g = lane >> 2, t = lane & 3, wq = 16 * (warp & 3);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int qr = wq + g + 8 * r;
+      // (as below: a row that sees no key adds nothing)
+      if (nj + qr < rule.live_rows_begin(Sq) || nj + qr >= rule.live_rows_end(Sq, Skv)) continue;
+#pragma unroll
+      for (int q = 0; q < QC / 8; ++q)
+        red_add2(acc + static_cast<int64_t>(qr) * DP + 8 * q + 2 * t, dq[0][q][2 * r], dq[0][q][2 * r + 1]);
+    }
+    if constexpr (ORD) named_barrier_unaligned(kAddedBar + wg, kTurnThreads);  // (the turn warp fences and counts)
+  };
   auto tile = [&](int it, auto has_next) {
     constexpr bool kNext = decltype(has_next)::value;
     const int st = it & 1;
@@ -331,6 +386,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     if constexpr (kAlt) {
       if (!owner && it >= 2) named_barrier(kSdsFree + st, TC);
     }
+    if constexpr (kDelay) {
+      if (it >= 2) named_barrier(kDFree + 2 * (wg ^ 1) + st, TC);  // the other read tile it - 2's dS^T
+    }
     stage_acc_as<H, TS, 1, NS>(sdSi, dp, krow, qc0, 1.0f);
     if constexpr (kQSplit) stage_acc_as<H, TS, 1, NS>(sP + st * TS::kBytes, s, krow, qc0, 1.0f);
     fence_proxy_async();
@@ -343,12 +401,19 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         } else {
           wgmma_wait<0>();
         }
-        fence_regs(dv[0]);
-        fence_regs(dk[0]);
-        mbar_arrive(empty + st);
+        release_stage(st);
         return;
       }
       named_barrier(kSdsFull + st, TC);
+    } else if constexpr (kDelay) {
+      named_barrier_arrive(kDFull + 2 * wg + st, TC);
+      if (it >= 1) {
+        dq_delayed(it - 1, st);  // (its wait covers this tile's dV and dK)
+      } else {
+        wgmma_wait<0>();
+        release_stage(st);
+      }
+      return;
     } else {
       named_barrier(1, TC);
     }
@@ -378,18 +443,14 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         wgmma_wait<0>();
       }
       fence_regs(dq[0]);
-      if constexpr (ORD) {
-        if (c == 0) named_barrier_unaligned(kTurnBar + wg, kTurnThreads);  // this warpgroup's turn at the tile
-      }
       if (last) {
-        fence_regs(dv[0]);
-        fence_regs(dk[0]);
-        // Every thread arrives: an arrival releases only the arriving thread's own accesses
-        // (the sL/sD reads above), which the producer's next writes to this stage must follow.
-        mbar_arrive(empty + st);
+        release_stage(st);  // (before the ordered turn, which may wait for other CTAs)
         if constexpr (kAlt) {
           if (it + 2 < ntiles) named_barrier_arrive(kSdsFree + st, TC);  // (dS^T read: see kAlt)
         }
+      }
+      if constexpr (ORD) {
+        if (c == 0) named_barrier_unaligned(kTurnBar + wg, kTurnThreads);  // this warpgroup's turn at the tile
       }
       // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
       // dQ must stay exactly 0.
@@ -434,6 +495,9 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
     for (int it = 0; it < ntiles; ++it) {
       issue_sdp(it);
       tile(it, std::false_type{});
+    }
+    if constexpr (kDelay) {
+      if (ntiles > 0) dq_delayed(ntiles - 1, -1);
     }
   }
 
