@@ -289,15 +289,28 @@ FLASHATTN_CUDA_HD constexpr bool has_sm90_variant(Pass pass, int dp, int variant
 // block's Q while this one's epilogue runs; at D = 256 (Q, two stages of K and V: 192 KiB) O goes
 // through Q's tile, which is then released only after the epilogue read it.
 FLASHATTN_CUDA_HD constexpr bool fwd90_own_o(int dp) { return dp <= 128; }
+// The dK/dV kernel's dQ by the copy engine (dkv16.cuh, kBulkDq): the two warpgroups stage the
+// tile's float32 dQ in shared memory (rows dkv90_dq_ld floats apart) and a producer warp adds it
+// to the accumulator with bulk reductions. At D = 128 (two key groups, the column split), in the
+// default design. Against the consumers' own reductions (H200, bf16, S 1k-16k, one process):
+// D 128 1.10-1.19x MHA, 1.02-1.19x GQA; D 64 (the alternating owner staging its whole tile)
+// 0.70-0.77x - a D 64 tile is too short for the producer warp's 64 row-by-row bulk adds, and the
+// next owner waits for the staged tile to be read.
+FLASHATTN_CUDA_HD constexpr bool dkv90_bulk_dq(int dp, int variant, bool ordered) {
+  return !ordered && dp > 64 && dp <= 128 && variant == 0;
+}
+// 8 floats of padding: rows 32 bytes apart in the banks, so a half-warp's 8-byte stores of an
+// accumulator fragment (4 rows x 4 lanes) fall on 16 different bank pairs.
+FLASHATTN_CUDA_HD constexpr int dkv90_dq_ld(int dp) { return dp + 8; }
 // Dynamic shared memory: the tiles, 1 KiB so that the kernel can align them to 1024 bytes, and
 // the pipeline's mbarriers. Forward: Q, two stages of K and V, O's own tile (fwd90_own_o).
-// dK/dV: K, V; two stages of Q, dO, LSE and D; two dS^T tiles.
-FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0) {
+// dK/dV: K, V; two stages of Q, dO, LSE and D; two dS^T tiles; the staged dQ (dkv90_bulk_dq).
+FLASHATTN_CUDA_HD constexpr int smem_bytes90(Pass pass, int dp, int variant = 0, bool ordered = false) {
   const TileConfig90 c = tile_config90(pass, dp, variant);
   return pass == Pass::Forward ? ((fwd90_own_o(dp) ? 2 : 1) * c.block_m + 4 * c.block_n) * dp * 2 + 1024 + 16 * 8
        : pass == Pass::Dkv
            ? (2 * c.block_m + 4 * c.block_n) * dp * 2 + (c.col_split > 1 ? 4 : 2) * c.block_m * c.block_n * 2 +
-                 4 * c.block_n * 4 + 1024 + 16 * 8
+                 4 * c.block_n * 4 + 1024 + 16 * 8 + (dkv90_bulk_dq(dp, variant, ordered) ? c.block_n * dkv90_dq_ld(dp) * 4 : 0)
            : 0;
 }
 // tf32 forward (sm90/tf32_fwd.cuh), padded D = 64 and 128: 128 queries (two consumer

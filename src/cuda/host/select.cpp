@@ -313,7 +313,7 @@ Selected<BackwardPlan> select_backward(const BackwardParams& p, const DeviceCaps
     } else if (maps && has_sm90(Pass::Dkv, b.dp)) {
       b.kernel = BwdKernel::Sm90Wgmma16Atomic;
       b.sm90_variant = sm90_bwd_variant(s, n.mask, b.dp, ordered, ov);
-      b.smem_dkv = smem_bytes90(Pass::Dkv, b.dp, b.sm90_variant);
+      b.smem_dkv = smem_bytes90(Pass::Dkv, b.dp, b.sm90_variant, ordered);
     } else {
       b.kernel = BwdKernel::Sm80Mma16Atomic;
       b.smem_dkv = smem_bytes16(Pass::Dkv, b.dp, b.big, true);

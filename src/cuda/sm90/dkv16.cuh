@@ -22,7 +22,8 @@ namespace flashattn::cuda::dev {
 // (kAlt, below).
 // At D = 256 (col_split 2) a CTA has 64 keys; both warpgroups compute their S^T and dP^T and each
 // accumulates half of dK's and dV's columns.
-//   dq_accum += dQ (vector float32 reductions in L2); release the stage
+//   dq_accum += dQ (vector float32 reductions in L2; at D = 128 in the default design staged in
+//   shared memory and added by a producer warp's bulk reductions, kBulkDq); release the stage
 // ================================================================================================
 struct Sm90BwdArgs {
   BwdArgs f;
@@ -120,6 +121,20 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   uint64_t* full_kv = bars;
   uint64_t* full = bars + 1;   // [2]: Q, dO (copy engine) and LSE, D (32 producer lanes)
   uint64_t* empty = bars + 3;  // [2]
+  // dQ by the copy engine (kBulkDq: D = 128, default design; dkv90_bulk_dq). With red.global.add
+  // from the consumer threads each warpgroup issued 16 vector reductions per thread and tile
+  // through its SM's load/store path, and the warps stalled on it (36% of their stall cycles on
+  // L1TEX scoreboards, ncu at D 128). Instead both warpgroups store their dQ column halves into
+  // one staged tile in shared memory (8-byte stores, conflict-free: kDqLd) and arrive at
+  // kDqStaged; producer warp 2 then adds each live row (DP floats) to the accumulator with a bulk
+  // reduction, waits until the copy engine has read the tile and arrives at kDqFree, which the
+  // consumers wait for before they stage the next tile. Rows that see no key are not added (see
+  // adds, below).
+  constexpr bool kBulkDq = dkv90_bulk_dq(DP, V, ORD);
+  constexpr int kDqLd = dkv90_dq_ld(DP);
+  float* sDq = reinterpret_cast<float*>(bars + 16);  // [BQ][kDqLd], after the 16 mbarriers' space
+  constexpr int kDqStaged = 2, kDqFree = 3, kDqThreads = TC + 32;
+  static_assert(!kBulkDq || (CS == 1 && NWG == 2 && !kAlt), "kBulkDq: the column split of two key groups");
 
   // As the forward's: sequence blockIdx.z of a packed batch; CTAs past its keys have no work.
   const BwdArgs a = at_sequence(A.f, blockIdx.z, DP);
@@ -195,6 +210,21 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
         fill_lse_delta<BQ>(sL + st * BQ, sD + st * BQ, a, b, h, n0);
         mbar_arrive(full + st);
       }
+    } else if (kBulkDq && pw == 2) {
+      // kBulkDq: tile it's staged dQ, row by row into the accumulator.
+      const int64_t lo = rule.live_rows_begin(Sq), hi = rule.live_rows_end(Sq, Skv);
+      for (int it = 0; it < ntiles; ++it) {
+        const int64_t h = kb.head(tile_of(it)), n0 = kb.q0(tile_of(it), BQ);
+        float* acc = a.dq_accum + (a.ws_row(b, h) + n0) * DP;
+        named_barrier(kDqStaged, kDqThreads);
+        for (int r = lane; r < BQ; r += 32)
+          if (n0 + r >= lo && n0 + r < hi) bulk_reduce_add_f32(acc + static_cast<int64_t>(r) * DP, sDq + r * kDqLd, DP * 4);
+        bulk_commit();
+        bulk_wait_read<0>();
+        __syncwarp();
+        if (it + 1 < ntiles) named_barrier_arrive(kDqFree, kDqThreads);
+      }
+      bulk_wait<0>();  // (the adds performed before the CTA ends)
     } else if (ORD && pw >= 2 && pw - 2 < NWG) {
       // ORD: warpgroup w = pw - 2's turns (turn_of). With alternating dQ, those of the tiles it
       // owns (it % 2 == w), each on the tile's first counter: one warpgroup adds all its columns.
@@ -275,8 +305,8 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
   // 1k-16k, MHA and GQA 4/8): ordered 0.99-1.04x; the default design 0.95-1.01x, so not there.
   // The last tile's dQ follows the loop.
   constexpr int kDFull = 2, kDFree = 10;
-  // dQ's reductions 16 bytes each (red.global.add.v4.f32 after a lane-pair swap) at D = 64, 8
-  // bytes above: measured against each other in one process (H100, bf16 GQA 4/8, S 1k-16k), the
+  // dQ's reductions (the threads' own: not kBulkDq) 16 bytes each (red.global.add.v4.f32 after a
+  // lane-pair swap) at D = 64, 8 bytes above: measured against each other in one process (H100, bf16 GQA 4/8, S 1k-16k), the
   // 16-byte form +0-14% at D = 64 and 3-9% slower at D = 128 (its ~90 more instructions per tile).
   constexpr bool kRed4 = DP <= 64;
   // After a wait that covered the dV and dK products reading Q/dO stage st: every thread
@@ -455,7 +485,22 @@ __global__ void __launch_bounds__(tile_config90(Pass::Dkv, DP, V).threads(), til
       // A row that sees no key adds nothing: its dS is 0, but 0 * a NaN in K is NaN, and its
       // dQ must stay exactly 0.
       auto adds = [&](int qr) { return n0 + qr >= rule.live_rows_begin(Sq) && n0 + qr < rule.live_rows_end(Sq, Skv); };
-      if constexpr (kRed4) {
+      if constexpr (kBulkDq) {
+        if (c == 0 && it >= 1) named_barrier(kDqFree, kDqThreads);  // the copy engine read tile it - 1
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int qr = wq + g + 8 * r;
+          if (!adds(qr)) continue;  // (nor does the producer add the row)
+#pragma unroll
+          for (int j = 0; j < QC / 8; ++j)
+            *reinterpret_cast<float2*>(sDq + qr * kDqLd + dq_col0 + QC * c + 8 * j + 2 * t) =
+                make_float2(dq[0][j][2 * r], dq[0][j][2 * r + 1]);
+        }
+        if (last) {
+          fence_proxy_async();  // (the stores, before the copy engine reads them)
+          named_barrier_arrive(kDqStaged, kDqThreads);
+        }
+      } else if constexpr (kRed4) {
         // 16-byte reductions: lanes t and t ^ 1 swap halves, so that the even lane holds 4
         // neighbouring columns of row g and the odd lane 4 of row g + 8 (the same float adds).
         const bool odd = t & 1;

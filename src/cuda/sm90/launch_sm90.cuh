@@ -374,7 +374,7 @@ void launch_dkv_sm90_variant(const BwdArgs& a, cudaStream_t stream) {
     if constexpr (!XF) {
       args.locks = a.dq_locks;
       args.lock_tiles = grid_blocks(s.seq_q, c.block_n);
-      launch_checked(dev::dkv_sm90_kernel<DP, H, V, false, true>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V),
+      launch_checked(dev::dkv_sm90_kernel<DP, H, V, false, true>, grid, c.threads(), smem_bytes90(Pass::Dkv, DP, V, true),
                      stream, args, "dkv_sm90 (ordered dQ) kernel launch");
       return;
     }
