@@ -333,6 +333,16 @@ TEST(CudaSelect, OrderedBackwardIsTheDeterministicSm90SinglePass) {
     ASSERT_TRUE(b80.ok);
     EXPECT_EQ(b80.plan.kernel, BwdKernel::Sm80Mma16Split);
     EXPECT_EQ(b80.plan.dq_locks, -1);
+    // The kernel's dynamic shared memory: the default design's bulk dQ (D = 128) stages the
+    // tile's float32 dQ (64 rows of DP + 8 floats); the ordered kernel reserves no such tile.
+    Numerics nd = n;
+    nd.deterministic = false;
+    OverrideScope atomic("FLASHATTN_CUDA_BWD", "atomic");
+    const Selected<BackwardPlan> bd = select_backward(bparams(s, nd), dev(9, 0), ov(scoped_vars()));
+    ASSERT_TRUE(bd.ok) << bd.why;
+    ASSERT_EQ(bd.plan.sm90_variant, bp.plan.sm90_variant);
+    EXPECT_EQ(bd.plan.smem_dkv - bp.plan.smem_dkv, d == 128 ? c.block_n * (d + 8) * 4 : 0);
+    EXPECT_LE(bd.plan.smem_dkv, 227 * 1024);
   }
   // Without a mask and with every key block of a head on the GPU at once (132 SMs here, 128 keys
   // a block at D = 128), the blocks start at spread tiles (dq_rotate); a mask, a window or more
