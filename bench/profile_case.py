@@ -9,6 +9,8 @@ on torch tensors' device pointers, as bench/gpu.py's ctypes path does.
 usage: profile_case.py --lib build-gpu/src/libflashattn.so [--dtype bfloat16|float16|float32]
                        [--head-dim 128] [--seq 4096] [--causal] [--pass fwd|bwd]
                        [--precision fp32|tf32] [--deterministic]
+                       [--window LEFT,RIGHT] [--softcap C] [--alibi]
+(--alibi: bench/mods.py's slopes, 2^(-8 (h + 1) / H) per head.)
 """
 import argparse
 import sys
@@ -16,6 +18,7 @@ import sys
 import torch
 
 from cabi import MASK_CAUSAL_TOP_LEFT, MASK_NONE, CtypesLib, issue_problem
+from mods import alibi_slopes
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,6 +34,9 @@ def main():
     ap.add_argument("--pass", dest="which", default="fwd", choices=("fwd", "bwd"))
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32"))
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--window", default=None, help="LEFT,RIGHT (FlashAttention's window_size)")
+    ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--alibi", action="store_true")
     a = ap.parse_args()
     lib = CtypesLib(a.lib, torch)
     dt = DTYPES[a.dtype]
@@ -38,7 +44,13 @@ def main():
     prob = issue_problem(torch, s, d, dt)
     b, h = prob["b"], prob["h"]
     q, k, v, do, out, lse, dq, dk, dv = (prob[n] for n in ("q", "k", "v", "do", "out", "lse", "dq", "dk", "dv"))
-    o = (MASK_CAUSAL_TOP_LEFT if a.causal else MASK_NONE, 1 if a.precision == "tf32" else 0, a.deterministic)
+    mods = {"softcap": a.softcap}
+    if a.window is not None:
+        mods["window"] = tuple(int(x) for x in a.window.split(","))
+    if a.alibi:
+        mods["alibi"] = alibi_slopes(torch, h)
+    o = (MASK_CAUSAL_TOP_LEFT if a.causal else MASK_NONE, 1 if a.precision == "tf32" else 0, a.deterministic,
+         mods)
 
     def fwd():
         lib.forward(q, k, v, out, lse, o)
@@ -54,7 +66,8 @@ def main():
     run()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"profiled: {a.which} {a.dtype} B={b} H={h} S={s} D={d} causal={a.causal} precision={a.precision}")
+    print(f"profiled: {a.which} {a.dtype} B={b} H={h} S={s} D={d} causal={a.causal} precision={a.precision} "
+          f"window={a.window} softcap={a.softcap} alibi={a.alibi}")
     return 0
 
 
