@@ -10,6 +10,9 @@ usage: profile_case.py --lib build-gpu/src/libflashattn.so [--dtype bfloat16|flo
                        [--head-dim 128] [--seq 4096] [--causal] [--pass fwd|bwd]
                        [--precision fp32|tf32] [--deterministic]
                        [--window LEFT,RIGHT] [--softcap C] [--alibi]
+                       [--peer sdpa-cudnn|sdpa-flash]
+--peer profiles PyTorch SDPA's kernels with that backend on the same tensors instead (plain and
+causal only; the backward: the graph built before the profiled region, only its backward inside).
 (--alibi: bench/mods.py's slopes, 2^(-8 (h + 1) / H) per head.)
 """
 import argparse
@@ -37,7 +40,10 @@ def main():
     ap.add_argument("--window", default=None, help="LEFT,RIGHT (FlashAttention's window_size)")
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--alibi", action="store_true")
+    ap.add_argument("--peer", default=None, choices=("sdpa-cudnn", "sdpa-flash"))
     a = ap.parse_args()
+    if a.peer and (a.window or a.softcap or a.alibi or a.dtype == "float32"):
+        ap.error("--peer: 16-bit plain or causal cases only")
     lib = CtypesLib(a.lib, torch)
     dt = DTYPES[a.dtype]
     s, d = a.seq, a.head_dim
@@ -58,8 +64,25 @@ def main():
     def bwd():
         lib.backward(q, k, v, out, do, lse, dq, dk, dv, o)
 
+    if a.peer:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[a.peer]
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]  # ([B, H, S, D], as SDPA takes them)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def fwd():  # noqa: F811 (the peer's)
+            with sdpa_kernel(backend), torch.no_grad():
+                sdpa(q, k, v, is_causal=a.causal)
+
+        def bwd():  # noqa: F811
+            with sdpa_kernel(backend):
+                o_ = sdpa(*leaves, is_causal=a.causal)
+            run_bwd = lambda: torch.autograd.grad(o_, leaves, do, retain_graph=True)  # noqa: E731
+            run_bwd()
+            return run_bwd
+
     fwd()
-    run = fwd if a.which == "fwd" else bwd
+    run = fwd if a.which == "fwd" else (bwd() if a.peer else bwd)
     run()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
@@ -67,7 +90,7 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print(f"profiled: {a.which} {a.dtype} B={b} H={h} S={s} D={d} causal={a.causal} precision={a.precision} "
-          f"window={a.window} softcap={a.softcap} alibi={a.alibi}")
+          f"window={a.window} softcap={a.softcap} alibi={a.alibi} peer={a.peer}")
     return 0
 
 
