@@ -58,7 +58,8 @@ def main():
     ap.add_argument("--ops", action="store_true",
                     help="also the ops alone, without autograd (fwd: the forward op; fwd+bwd: the forward op then "
                          "the backward op on its outputs) for flashattn's C++ op and SDPA flash's ATen ops, and the "
-                         "autograd floor (q * 1 and its backward): where a fwd+bwd row's time goes")
+                         "autograd floors (q * 1, and addcmul(q, k, v) of three inputs, with their backward): where a "
+                         "fwd+bwd row's time goes")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -291,6 +292,19 @@ def ops_entries(args, dev, fat, q, k, v, do, qt, kt, vt, dot):
         (floor_in * 1.0).backward(do)
 
     rows.append(("autograd floor (q * 1)", floor_fwd, floor_train, contextlib.nullcontext))
+    # The same for one ATen op of three inputs that need gradients (out = q + k * v, its backward
+    # three products): what any attention with q, k and v as leaves pays the engine per step -
+    # three gradient edges, three AccumulateGrad nodes - before any attention work.
+    floor3_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def floor3_fwd():
+        with torch.no_grad():
+            torch.addcmul(q, k, v)
+
+    def floor3_train():
+        torch.addcmul(*floor3_in).backward(do)
+
+    rows.append(("autograd floor, three inputs (addcmul)", floor3_fwd, floor3_train, contextlib.nullcontext))
     if fat.eager_ops_available():
         codes = fai._codes(None, True, False, (-1, -1), 0.0, k.shape[1])
 
