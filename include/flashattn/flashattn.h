@@ -251,12 +251,14 @@ FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const fla
  * Layouts here are FlashAttention's [batch, seq, heads, head_dim] order (any strides, unit
  * head_dim stride, as everywhere):
  *   q, out            : [B, Sq, Hq, D]
- *   k_cache, v_cache  : [B_cache, S_cache, Hkv, D] (B_cache >= B), or paged (block_table given):
+ *   k_cache, v_cache  : [B_cache, S_cache, Hkv, D] (B_cache >= B unless cache_batch_idx maps the
+ *                       sequences to rows), or paged (block_table given):
  *                       [num_blocks, block_size, Hkv, D], block_size a multiple of 16
  *   k_new, v_new      : [B, S_new, Hkv, D] (optional, both or neither)
  *   lse               : [B, Hq, Sq] float32, natural log (as flashattn_forward)
  *   cache_seqlens     : int32 [B]            block_table : int32 [B, max_blocks] (unit last stride)
  *   cache_batch_idx   : int32 [B]            cache_leftpad : int32 [B]
+ *                       (the [B] vectors contiguous: stride 1 when B > 1)
  *   rotary_cos, _sin  : [S_ro, rotary_dim / 2], dtype of q (unit last stride); rotary_dim <= D
  * All on q's device, q's dtype unless stated. Cache rows are absolute positions 0..capacity-1 of
  * a sequence's cache: capacity = S_cache (contiguous) or max_blocks * block_size (paged, row r
@@ -276,7 +278,7 @@ FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const fla
  * becomes (a cos - b sin, a sin + b cos), computed in float32 (float64 for float64 data) and
  * rounded to the dtype; dims >= rotary_dim pass unchanged. New key j sits at position
  * cache_seqlens[b] + j; query row i at cache_seqlens[b] + i when the mask is causal or a sliding
- * window is set, else every query row at cache_seqlens[b] (FlashAttention's rule). S_ro must
+ * window with a bounded side is set (window_left or window_right >= 0), else every query row at cache_seqlens[b] (FlashAttention's rule). S_ro must
  * exceed every position used. The tables need k_new / v_new (as in FlashAttention: the cache
  * holds rotated keys, so q alone is never rotated).
  * Checked before anything is written: shapes, dtypes, devices, strides; the index tensors'
@@ -286,7 +288,7 @@ FLASHATTN_API int flashattn_backward_varlen(const flashattn_tensor* q, const fla
  * flashattn_cuda_take_check_failures, as for packed calls): 0 <= leftpad[b] <= cache_seqlens[b] and cache_seqlens[b] + S_new <= capacity;
  * cache_batch_idx in [0, B_cache) and, when appending, without repeats (FlashAttention lets one of
  * the duplicates win; here it is an error); the block_table entries of
- * the rows a sequence uses in [0, num_blocks) (entries past them are not read); block_table is
+ * the rows a sequence uses in [0, num_blocks) (entries past them are neither checked nor used); block_table is
  * not combined with cache_batch_idx or cache_leftpad. Two sequences whose block tables share a
  * page are not detected (as in FlashAttention): appending through both writes that page twice.
  * out and lse must not overlap any input, the caches included; when appending, the caches are
