@@ -54,6 +54,8 @@
 // Built two ways: with libFuzzer (tests/fuzz/CMakeLists.txt, FLASHATTN_BUILD_FUZZ=ON, clang), and
 // without it as a replay tool (FLASHATTN_FUZZ_REPLAY: main() runs the files and directories
 // given) that CTest runs over tests/fuzz/corpus_kvcache in every build, sanitizer build included.
+// What it shares with fuzz_c_abi.cpp (the reader, views, buffers, values, replay) is in
+// fuzz_util.hpp.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -67,73 +69,27 @@
 #include <vector>
 
 #include "flashattn/flashattn.h"
+#include "fuzz_util.hpp"
 
 namespace {
 
+using namespace fuzz;
+
 // ---- input decoding ----------------------------------------------------------------------------
 
-// Past the input's end the bytes go on as a pseudo-random stream seeded by the input: a short
-// input still decodes into a whole call of varied sizes and options. (Coverage here is that of the
-// validation code; the kernels, which run the valid calls, are not instrumented and would not
-// reward inputs that spell out larger problems.)
-class Reader {
- public:
-  Reader(const uint8_t* d, size_t n) : d_(d), n_(n) {
-    for (size_t i = 0; i < n; ++i) x_ = (x_ ^ d[i]) * 0x100000001b3ull;
-    if (x_ == 0) x_ = 1;  // (xorshift's one fixed point)
-  }
-  uint8_t u8() {
-    if (i_ < n_) return d_[i_++];
-    x_ ^= x_ << 13;
-    x_ ^= x_ >> 7;
-    x_ ^= x_ << 17;
-    return static_cast<uint8_t>(x_ >> 32);
-  }
-  uint32_t u32() {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(u8()) << (8 * i);
-    return v;
-  }
-  uint64_t u64() { return u32() | (static_cast<uint64_t>(u32()) << 32); }
-  template <class T, size_t N>
-  T pick(const T (&a)[N]) { return a[u8() % N]; }
-
- private:
-  const uint8_t* d_;
-  size_t n_, i_ = 0;
-  uint64_t x_ = 0xcbf29ce484222325ull;
-};
-
+// Past the input's end the bytes go on as a pseudo-random stream seeded by the input (the Reader's
+// random tail): a short input still decodes into a whole call of varied sizes and options.
+// (Coverage here is that of the validation code; the kernels, which run the valid calls, are not
+// instrumented and would not reward inputs that spell out larger problems.)
 constexpr int kQ = 0, kKc = 1, kVc = 2, kOut = 3, kLse = 4, kKn = 5, kVn = 6, kSeqlens = 7, kBidx = 8,
               kLeftpad = 9, kTable = 10, kCos = 11, kSin = 12, kAlibi = 13;
 constexpr int kTensors = 14;  // one buffer each
 const char* const kName[kTensors] = {"q",     "k_cache",         "v_cache",       "out",         "lse",
                                      "k_new", "v_new",           "cache_seqlens", "cache_batch_idx",
                                      "cache_leftpad", "block_table", "rotary_cos", "rotary_sin", "alibi_slopes"};
-constexpr int64_t kMaxBuffer = int64_t{1} << 22;  // bytes
 
-struct View {
-  bool used = false;      // the call passes it (optional tensors: a non-NULL field)
-  bool null_ptr = false;  // ... but as a NULL pointer
-  bool null_data = false;
-  int buf = 0;
-  int64_t byte_off = 0;
-  int32_t dtype = 0, device = FLASHATTN_CPU, ndim = 4;
-  int64_t shape[4] = {0, 0, 0, 0}, stride[4] = {0, 0, 0, 0};
-  bool safe = false;  // every element lies inside its buffer (computed after mutation)
-  bool passed() const { return used && !null_ptr; }
-};
-
-int64_t dtype_bytes(int32_t dt) {
-  switch (dt) {
-    case FLASHATTN_FLOAT32: return 4;
-    case FLASHATTN_FLOAT16: return 2;
-    case FLASHATTN_BFLOAT16: return 2;
-    case FLASHATTN_FLOAT64: return 8;
-    case FLASHATTN_INT32: return 4;
-    default: return 0;
-  }
-}
+// The float dtypes, and int32 (the index tensors).
+int64_t dtype_bytes(int32_t dt) { return dt == FLASHATTN_INT32 ? 4 : float_dtype_bytes(dt); }
 bool float_dtype(int32_t dt) { return dt >= FLASHATTN_FLOAT32 && dt <= FLASHATTN_FLOAT64; }
 
 // order: dims from innermost to outermost (ndim of them); pad: extra elements after each extent.
@@ -354,30 +310,19 @@ void decode_problem(Reader& r, Case& c) {
   }
 }
 
-int64_t pick_i64(Reader& r, int64_t cur) {
-  static const int64_t special[] = {0,
-                                    -1,
-                                    1,
-                                    2,
-                                    3,
-                                    16,
-                                    int64_t{1} << 31,
-                                    int64_t{1} << 40,
-                                    (int64_t{1} << 40) + 1,
-                                    int64_t{1} << 62,
-                                    std::numeric_limits<int64_t>::max(),
-                                    std::numeric_limits<int64_t>::min(),
-                                    -(int64_t{1} << 62)};
-  const uint64_t u = static_cast<uint64_t>(cur);  // wrapping arithmetic: no UB in the fuzzer
-  switch (r.u8() % 6) {
-    case 0: return static_cast<int64_t>(u + 1);
-    case 1: return static_cast<int64_t>(u - 1);
-    case 2: return static_cast<int64_t>(0 - u);
-    case 3: return static_cast<int64_t>(u * 2);
-    case 4: return static_cast<int64_t>(r.u64());
-    default: return r.pick(special);
-  }
-}
+const int64_t kSpecial[] = {0,
+                            -1,
+                            1,
+                            2,
+                            3,
+                            16,
+                            int64_t{1} << 31,
+                            int64_t{1} << 40,
+                            (int64_t{1} << 40) + 1,
+                            int64_t{1} << 62,
+                            std::numeric_limits<int64_t>::max(),
+                            std::numeric_limits<int64_t>::min(),
+                            -(int64_t{1} << 62)};
 
 // Mutations of the views, then of the index arrays' entries.
 void decode_mutations(Reader& r, Case& c) {
@@ -386,23 +331,7 @@ void decode_mutations(Reader& r, Case& c) {
     View& v = c.t[r.u8() % kTensors];
     const uint8_t kind = r.u8() % 11;
     if (!v.used) continue;
-    switch (kind) {
-      case 0: v.ndim = static_cast<int8_t>(r.u8()) % 7; break;
-      case 1: { const int d = r.u8() % 4; v.shape[d] = pick_i64(r, v.shape[d]); break; }
-      case 2:
-      case 3: { const int d = r.u8() % 4; v.stride[d] = pick_i64(r, v.stride[d]); break; }
-      case 4: v.dtype = static_cast<int8_t>(r.u8()) % 6; break;
-      case 5: {
-        static const int32_t devs[] = {0, 1, -2, std::numeric_limits<int32_t>::min(), 7};
-        v.device = r.pick(devs);
-        break;
-      }
-      case 6: v.null_data = true; break;
-      case 7: v.null_ptr = true; break;
-      case 8: v.byte_off += 1 + r.u8() % 7; break;  // misaligned (for most dtypes)
-      case 9: v.buf = r.u8() % kTensors; break;      // into another tensor's buffer
-      default: v.byte_off += static_cast<int64_t>(r.u8()) * std::max<int64_t>(1, dtype_bytes(v.dtype));
-    }
+    mutate_view(r, v, kind, kTensors, kSpecial, dtype_bytes);
   }
   const int nv = r.u8() % 6;  // 0-2 entries changed half the time
   for (int m = 0; m < (nv > 2 ? 0 : nv); ++m) {
@@ -460,15 +389,7 @@ void decode_options(Reader& r, Case& c) {
                                  std::numeric_limits<float>::infinity(),
                                  std::numeric_limits<float>::quiet_NaN(),
                                  std::numeric_limits<float>::denorm_min()};
-  const uint8_t s = r.u8();
-  if (s < 200) {
-    c.opts.softmax_scale = scales[s % (sizeof scales / sizeof scales[0])];
-  } else {
-    const uint32_t bits = r.u32();
-    std::memcpy(&c.opts.softmax_scale, &bits, sizeof bits);
-  }
-  const uint8_t m = r.u8();
-  c.opts.mask = m < 240 ? m % 3 : static_cast<int32_t>(r.u32());
+  decode_scale_and_mask(r, c.opts, scales);
   // Mostly 0 (all hardware threads): each new count rebuilds the pool, which costs more than a
   // tiny call.
   static const int32_t threads[] = {1, 2, 3, -1, FLASHATTN_MAX_THREADS + 1};
@@ -481,36 +402,14 @@ void decode_options(Reader& r, Case& c) {
 
   static const int64_t sides[] = {-1, -1, 0, 1, 2, 3, 7, 64, -2, std::numeric_limits<int64_t>::min(),
                                   std::numeric_limits<int64_t>::max()};
-  const uint8_t w = r.u8();
-  if (w & 3) {
-    c.opts.window_left = r.pick(sides);
-    c.opts.window_right = r.pick(sides);
-    // flag 0 with sizes set: they must not be read
-    c.opts.sliding_window = (w & 3) == 3 ? 0 : static_cast<int32_t>(w >> 2);
-    if ((w & 3) == 1 && c.opts.sliding_window == 0) c.opts.sliding_window = 1;
-  }
+  decode_window(r, c.opts, sides);
   static const float caps[] = {0.0f, 0.0f, 0.0f, 0.5f, 1.0f, 5.0f, 30.0f, 1e-30f, 1e30f, -0.0f, -1.0f,
                                std::numeric_limits<float>::infinity(),
                                std::numeric_limits<float>::quiet_NaN()};
   c.opts.softcap = r.pick(caps);
 
   const uint8_t a = r.u8();
-  if (a % 3 != 0) {
-    View& v = c.t[kAlibi];
-    v.used = true;
-    v.dtype = FLASHATTN_FLOAT32;
-    v.buf = kAlibi;
-    v.ndim = a % 3 == 1 ? 1 : 2;
-    if (v.ndim == 1) {
-      v.shape[0] = c.Hq;
-      v.stride[0] = 1 + (a >> 6) % 3;  // sometimes strided
-    } else {
-      v.shape[0] = c.B;
-      v.shape[1] = c.Hq;
-      v.stride[1] = 1 + (a >> 6) % 2;
-      v.stride[0] = (a & 0x20) ? 0 : c.Hq * v.stride[1] + ((a >> 3) & 1);  // broadcast or padded
-    }
-  }
+  if (a % 3 != 0) alibi_view(c.t[kAlibi], a, kAlibi, c.B, c.Hq);
 
   static const double flops[] = {0.0, 0.0, 0.0, 0.0, 0.0, 1e30, 1.0, -1.0,
                                  std::numeric_limits<double>::quiet_NaN(),
@@ -528,38 +427,9 @@ void decode_options(Reader& r, Case& c) {
 
 // ---- layout facts ------------------------------------------------------------------------------
 
-// Byte range [lo, hi) that the elements of v reach relative to its buffer start, or false when
-// the view has no elements, an unknown dtype, more elements than a buffer has bytes, or
-// arithmetic beyond int64.
-bool extent(const View& v, __int128& lo, __int128& hi) {
-  const int64_t es = dtype_bytes(v.dtype);
-  if (es == 0 || v.ndim < 0 || v.ndim > 4) return false;
-  __int128 mn = 0, mx = 0, elems = 1;
-  for (int d = 0; d < v.ndim; ++d) {
-    if (v.shape[d] <= 0) return false;
-    elems *= v.shape[d];
-    if (elems > kMaxBuffer) return false;  // (stride-0 views of huge shapes fit any buffer)
-    const __int128 span = static_cast<__int128>(v.shape[d] - 1) * v.stride[d];
-    (span < 0 ? mn : mx) += span;
-  }
-  lo = v.byte_off + mn * es;
-  hi = v.byte_off + (mx + 1) * es;
-  return true;
-}
-
 template <class F>
 void for_each_element(const View& v, F&& f) {  // f(byte offset in the buffer); safe views only
-  const int64_t es = dtype_bytes(v.dtype);
-  int64_t n[4] = {1, 1, 1, 1}, s[4] = {0, 0, 0, 0};
-  for (int d = 0; d < v.ndim; ++d) {
-    n[d] = v.shape[d];
-    s[d] = v.stride[d];
-  }
-  for (int64_t a = 0; a < n[0]; ++a)
-    for (int64_t b = 0; b < n[1]; ++b)
-      for (int64_t c = 0; c < n[2]; ++c)
-        for (int64_t d = 0; d < n[3]; ++d)
-          f(v.byte_off + (a * s[0] + b * s[1] + c * s[2] + d * s[3]) * es);
+  fuzz::for_each_element(v, dtype_bytes(v.dtype), f);
 }
 
 // Byte offset of element (i0, i1, i2, i3) of a view (the trailing indices of a smaller ndim 0).
@@ -584,60 +454,7 @@ bool query_read(const Case& c) {
 // ---- values --------------------------------------------------------------------------------------
 
 [[noreturn]] void violation(const char* what, const std::string& detail) {
-  std::fprintf(stderr, "\nfuzz_kvcache: INVARIANT VIOLATED: %s\n  %s\n", what, detail.c_str());
-  std::fflush(stderr);
-  std::abort();
-}
-
-// Small values k/4 (|k| <= 8), exact in every dtype.
-void store_value(unsigned char* p, int32_t dt, double x) {
-  switch (dt) {
-    case FLASHATTN_FLOAT32: { const float f = static_cast<float>(x); std::memcpy(p, &f, 4); break; }
-    case FLASHATTN_FLOAT64: std::memcpy(p, &x, 8); break;
-    case FLASHATTN_FLOAT16:
-    case FLASHATTN_BFLOAT16: {
-      uint16_t h = 0;
-      if (x != 0) {
-        const float f = static_cast<float>(x);
-        uint32_t b;
-        std::memcpy(&b, &f, 4);
-        if (dt == FLASHATTN_BFLOAT16) {
-          h = static_cast<uint16_t>(b >> 16);
-        } else {
-          const uint32_t sign = (b >> 16) & 0x8000, exp = (b >> 23) & 0xff, man = b & 0x7fffff;
-          h = static_cast<uint16_t>(sign | ((exp - 127 + 15) << 10) | (man >> 13));
-        }
-      }
-      std::memcpy(p, &h, 2);
-      break;
-    }
-    default: break;
-  }
-}
-
-double load_value(const unsigned char* p, int32_t dt) {
-  switch (dt) {
-    case FLASHATTN_FLOAT32: { float f; std::memcpy(&f, p, 4); return f; }
-    case FLASHATTN_FLOAT64: { double d; std::memcpy(&d, p, 8); return d; }
-    case FLASHATTN_BFLOAT16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      const uint32_t b = static_cast<uint32_t>(h) << 16;
-      float f;
-      std::memcpy(&f, &b, 4);
-      return f;
-    }
-    case FLASHATTN_FLOAT16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      const int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-      const double sign = (h & 0x8000) ? -1 : 1;
-      if (exp == 0x1f) return man ? std::numeric_limits<double>::quiet_NaN() : sign * INFINITY;
-      if (exp == 0) return sign * std::ldexp(man, -24);
-      return sign * std::ldexp(1024 + man, exp - 25);
-    }
-    default: return 0;
-  }
+  invariant_violated("fuzz_kvcache", what, detail);
 }
 
 int32_t load_i32(const unsigned char* p) {
@@ -944,7 +761,7 @@ int cancel_never(void*) {
 // ---- one input -----------------------------------------------------------------------------------
 
 void run_case(const uint8_t* data, size_t size) {
-  Reader r(data, size);
+  Reader r(data, size, /*random_tail=*/true);
   Case c;
   decode_problem(r, c);
   decode_mutations(r, c);
@@ -955,25 +772,11 @@ void run_case(const uint8_t* data, size_t size) {
 
   // Buffers sized to the views they hold (exactly, plus optional slack), so ASan sees a read one
   // element past a view that ends its buffer.
-  for (int i = 0; i < kTensors; ++i) {
-    View& v = c.t[i];
-    if (!v.used) continue;
-    __int128 lo, hi;
-    if (v.byte_off < 0 || v.byte_off > kMaxBuffer) v.byte_off = 0;
-    if (extent(v, lo, hi) && lo >= 0 && hi <= kMaxBuffer) {
-      v.safe = true;
-      c.buf_size[v.buf] = std::max<int64_t>(c.buf_size[v.buf], static_cast<int64_t>(hi));
-    }
-    c.buf_size[v.buf] = std::max<int64_t>(c.buf_size[v.buf], v.byte_off);
-  }
-  std::vector<std::vector<unsigned char>> storage(kTensors);
-  std::vector<unsigned char*> base(kTensors);
-  for (int b = 0; b < kTensors; ++b) {
-    storage[static_cast<size_t>(b)].assign(static_cast<size_t>(c.buf_size[b] + slack), 0xA5);
-    // (a zero-size vector may have no storage: give every buffer a distinct real address)
-    if (storage[static_cast<size_t>(b)].empty()) storage[static_cast<size_t>(b)].assign(1, 0xA5);
-    base[static_cast<size_t>(b)] = storage[static_cast<size_t>(b)].data();
-  }
+  for (int i = 0; i < kTensors; ++i)
+    if (c.t[i].used) size_for(c.t[i], dtype_bytes(c.t[i].dtype), c.buf_size);
+  std::vector<std::vector<unsigned char>> storage;
+  std::vector<unsigned char*> base;
+  make_buffers(c.buf_size, kTensors, slack, storage, base);
   auto ptr = [&](const View& v, int64_t off) { return base[static_cast<size_t>(v.buf)] + off; };
 
   // Contents: out and lse NaN-poisoned (0xFF bytes); q, caches, new keys and values and the rotary
@@ -985,23 +788,14 @@ void run_case(const uint8_t* data, size_t size) {
     const int64_t es = dtype_bytes(v.dtype);
     for_each_element(v, [&](int64_t off) { std::memset(ptr(v, off), 0xFF, static_cast<size_t>(es)); });
   }
-  uint32_t h = 2166136261u;
-  for (size_t i = 0; i < size; ++i) h = (h ^ data[i]) * 16777619u;
+  uint32_t h = input_hash(data, size);
   for (int i : {kQ, kKc, kVc, kKn, kVn, kCos, kSin}) {
     const View& v = c.t[i];
     if (!v.used || !v.safe || !float_dtype(v.dtype)) continue;
-    for_each_element(v, [&](int64_t off) {
-      h = h * 1103515245u + 12345u;
-      store_value(ptr(v, off), v.dtype, static_cast<double>(static_cast<int>((h >> 16) % 17) - 8) / 4);
-    });
+    for_each_element(v, [&](int64_t off) { store_value(ptr(v, off), v.dtype, small_value(h)); });
   }
-  if (c.t[kAlibi].used && c.t[kAlibi].safe && c.t[kAlibi].dtype == FLASHATTN_FLOAT32) {
-    static const double slopes[] = {0.0, 0.25, -0.125, 0.5, 1.0, 0.00390625, -0.5};
-    for_each_element(c.t[kAlibi], [&](int64_t off) {
-      h = h * 1103515245u + 12345u;
-      store_value(ptr(c.t[kAlibi], off), FLASHATTN_FLOAT32, slopes[(h >> 16) % 7]);
-    });
-  }
+  if (c.t[kAlibi].used && c.t[kAlibi].safe && c.t[kAlibi].dtype == FLASHATTN_FLOAT32)
+    for_each_element(c.t[kAlibi], [&](int64_t off) { store_value(ptr(c.t[kAlibi], off), FLASHATTN_FLOAT32, small_slope(h)); });
   for (int i : {kSeqlens, kBidx, kLeftpad, kTable}) {
     const View& v = c.t[i];
     if (!v.used || !v.safe || v.dtype != FLASHATTN_INT32) continue;
@@ -1029,22 +823,10 @@ void run_case(const uint8_t* data, size_t size) {
     if (!is_read(i) || !v.safe) continue;
     const int64_t es = dtype_bytes(v.dtype);
     const bool o = is_output(i);
-    uint8_t* const m0 = (o ? out_mark : in_mark)[static_cast<size_t>(v.buf)].data();
-    bool twice = false;
-    for_each_element(v, [&](int64_t off) {
-      for (int64_t j = 0; j < es; ++j) {
-        twice |= m0[off + j] != 0;
-        m0[off + j] = 1;
-      }
-    });
+    const bool twice = mark_bytes(v, es, (o ? out_mark : in_mark)[static_cast<size_t>(v.buf)].data());
     if (o && twice && alias.empty()) alias = std::string(kName[i]) + " reaches a byte twice or shares it with another output";
   }
-  for (int b = 0; b < kTensors && alias.empty(); ++b)
-    for (size_t j = 0; j < in_mark[static_cast<size_t>(b)].size(); ++j)
-      if (in_mark[static_cast<size_t>(b)][j] && out_mark[static_cast<size_t>(b)][j]) {
-        alias = "an output shares a byte with an input";
-        break;
-      }
+  if (alias.empty() && marks_meet(in_mark, out_mark)) alias = "an output shares a byte with an input";
 
   Plan plan;
   std::string why;
@@ -1053,12 +835,7 @@ void run_case(const uint8_t* data, size_t size) {
   bool any_unsafe = false;
   for (int i = 0; i < kTensors; ++i) any_unsafe |= is_read(i) && !c.t[i].safe;
   if (any_unsafe) {
-    if (c.opts_null) {
-      c.opts_null = false;
-      flashattn_options_init(&c.opts);
-    }
-    if (c.opts.struct_size < FLASHATTN_OPTIONS_V1_SIZE) c.opts.struct_size = FLASHATTN_OPTIONS_V1_SIZE;
-    c.opts.mask = 77;
+    force_invalid_mask(c.opts_null, c.opts);
     verdict = kInvalid;
     why = "a view outside its buffer (mask 77)";
   }
@@ -1069,15 +846,7 @@ void run_case(const uint8_t* data, size_t size) {
   const flashattn_tensor* cp[kTensors];
   for (int i = 0; i < kTensors; ++i) {
     const View& v = c.t[i];
-    std::memset(&ct[i], 0, sizeof ct[i]);
-    ct[i].data = v.null_data ? nullptr : ptr(v, v.byte_off);
-    ct[i].dtype = v.dtype;
-    ct[i].device = v.device;
-    ct[i].ndim = v.ndim;
-    for (int d = 0; d < 4; ++d) {
-      ct[i].shape[d] = v.shape[d];
-      ct[i].stride[d] = v.stride[d];
-    }
+    fill_tensor(ct[i], v, ptr(v, 0));
     cp[i] = v.passed() ? &ct[i] : nullptr;
   }
   flashattn_kvcache kv;
@@ -1093,8 +862,7 @@ void run_case(const uint8_t* data, size_t size) {
   kv.rotary_sin = cp[kSin];
   kv.rotary_interleaved = c.interleaved;
   kv.num_splits = c.num_splits;
-  std::vector<unsigned char> kv_mem(std::max<size_t>(4, c.kv_size), 0xCD);
-  std::memcpy(kv_mem.data(), &kv, std::min(kv_mem.size(), sizeof kv));
+  const std::vector<unsigned char> kv_mem = claimed_bytes(kv, c.kv_size);
   const flashattn_kvcache* kvp = c.kv_null ? nullptr : reinterpret_cast<const flashattn_kvcache*>(kv_mem.data());
   uint64_t query_result = 0x5EEDu;
   if (!c.opts_null) {
@@ -1105,9 +873,7 @@ void run_case(const uint8_t* data, size_t size) {
   const flashattn_options* op = nullptr;
   std::vector<unsigned char> opts_mem;
   if (!c.opts_null) {
-    opts_mem.assign(std::max<size_t>(4, c.opts.struct_size), 0xCD);
-    std::memcpy(opts_mem.data(), &c.opts, std::min(opts_mem.size(), sizeof c.opts));
-    // (vector storage comes from operator new: aligned for the struct)
+    opts_mem = claimed_bytes(c.opts, c.opts.struct_size);
     op = reinterpret_cast<const flashattn_options*>(opts_mem.data());
   }
 
@@ -1427,42 +1193,5 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #if defined(FLASHATTN_FUZZ_REPLAY)
-// Replays files, and every file of directories, through the target (no libFuzzer needed).
-#include <dirent.h>
-#include <sys/stat.h>
-
-#include <fstream>
-#include <iterator>
-
-static int replay(const std::string& path, int& count) {
-  struct stat st {};
-  if (stat(path.c_str(), &st) != 0) {
-    std::fprintf(stderr, "cannot read %s\n", path.c_str());
-    return 1;
-  }
-  if (S_ISDIR(st.st_mode)) {
-    std::vector<std::string> names;
-    if (DIR* d = opendir(path.c_str())) {
-      while (dirent* e = readdir(d))
-        if (e->d_name[0] != '.') names.push_back(e->d_name);
-      closedir(d);
-    }
-    std::sort(names.begin(), names.end());
-    int rc = 0;
-    for (const std::string& nm : names) rc |= replay(path + "/" + nm, count);
-    return rc;
-  }
-  std::ifstream f(path, std::ios::binary);
-  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  LLVMFuzzerTestOneInput(bytes.data(), bytes.size());
-  ++count;
-  return 0;
-}
-
-int main(int argc, char** argv) {
-  int count = 0, rc = 0;
-  for (int i = 1; i < argc; ++i) rc |= replay(argv[i], count);
-  std::printf("fuzz_kvcache replay: %d inputs, invariants held\n", count);
-  return rc != 0 || count == 0;
-}
+int main(int argc, char** argv) { return fuzz::replay_main(argc, argv, "fuzz_kvcache"); }
 #endif
